@@ -1,0 +1,2 @@
+//! Executors that run a memory-planned training step inside one arena.
+//! (Being built: see issue 6.)

@@ -1,0 +1,116 @@
+//! What a user gets without memplan, measured on the same graph:
+//! - `pytorch-reserved`: program order through a simulation of PyTorch's
+//!   CUDA caching allocator ([`caching`]): the reserved memory a PyTorch eager
+//!   user sees (`max_memory_reserved`);
+//! - `program-order`: the max live bytes of program order, no reuse
+//!   (PyTorch's `max_memory_allocated` without the 512-byte rounding);
+//! - `program-order+greedy`: program order laid out by greedy-by-size
+//!   offsets, no reuse: a static arena for the eager order.
+
+pub mod caching;
+
+use memplan_allocator as alloc;
+use memplan_solver as solver;
+use serde::Serialize;
+
+use crate::graph::{Graph, Lifetime};
+use crate::lower::{self, Lowered};
+use crate::plan::{Plan, PlanStats};
+
+/// One baseline's figure.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Baseline {
+    pub name: String,
+    pub peak_bytes: u64,
+    pub description: String,
+}
+
+/// Program order without reuse, laid out greedily by size.
+pub fn program_order_greedy(g: &Graph) -> Plan {
+    let low = lower::lower(g, false);
+    let order = Lowered::from_op_ids(g.program_order());
+    let ev = solver::evaluate(&low.problem, &order);
+    let lp = lower::layout_problem(g, &low, &ev);
+    let sol = alloc::greedy_by_size(&lp.problem);
+    lower::assemble(
+        g,
+        &low,
+        &order,
+        &ev,
+        &lp,
+        &sol,
+        PlanStats {
+            order_source: "program-order".into(),
+            layout_source: "greedy-by-size".into(),
+            ..Default::default()
+        },
+    )
+}
+
+/// Max live bytes of program order, without reuse.
+pub fn program_order_max_live(g: &Graph) -> u64 {
+    let low = lower::lower(g, false);
+    solver::evaluate(&low.problem, &Lowered::from_op_ids(g.program_order())).peak
+}
+
+/// Runs program order through the caching-allocator simulation.
+pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
+    let low = lower::lower(g, false);
+    let p = &low.problem;
+    let order = Lowered::from_op_ids(g.program_order());
+    let ev = solver::evaluate(p, &order);
+    let mut a = caching::CachingAllocator::new();
+    let mut handle = vec![None; p.num_bufs()];
+    // Step inputs exist before the step: allocate them first, in order.
+    for b in p.buf_ids() {
+        if p.buf(b).producer.is_none() {
+            handle[b.index()] = Some(a.malloc(p.size(b)));
+        }
+    }
+    // Frees per step.
+    let mut dies_at: Vec<Vec<solver::BufIdx>> = vec![Vec::new(); order.len()];
+    for b in p.buf_ids() {
+        let t = g.tensor(low.tensor_of_buf[b.index()]);
+        if t.lifetime != Lifetime::Persistent {
+            dies_at[ev.death[b.index()] as usize].push(b);
+        }
+    }
+    for (i, &op) in order.iter().enumerate() {
+        for b in p.outputs(op) {
+            handle[b.index()] = Some(a.malloc(p.size(b)));
+        }
+        for &b in &dies_at[i] {
+            if let Some(h) = handle[b.index()].take() {
+                a.free(h);
+            }
+        }
+    }
+    a.stats
+}
+
+/// Every baseline for `g`, with its figure.
+pub fn all(g: &Graph) -> Vec<Baseline> {
+    let cs = pytorch_caching(g);
+    vec![
+        Baseline {
+            name: "pytorch-reserved".into(),
+            peak_bytes: cs.max_reserved,
+            description: "program order + simulated PyTorch caching allocator (reserved)".into(),
+        },
+        Baseline {
+            name: "pytorch-allocated".into(),
+            peak_bytes: cs.max_allocated,
+            description: "program order + simulated PyTorch caching allocator (allocated)".into(),
+        },
+        Baseline {
+            name: "program-order".into(),
+            peak_bytes: program_order_max_live(g),
+            description: "program order, max live bytes (no layout loss)".into(),
+        },
+        Baseline {
+            name: "program-order+greedy".into(),
+            peak_bytes: program_order_greedy(g).arena_bytes,
+            description: "program order + greedy-by-size offsets".into(),
+        },
+    ]
+}

@@ -1,0 +1,360 @@
+//! The plan checker: an independent judge of any plan against its graph.
+//!
+//! It shares no code with the planners (solver, allocator, pipeline): it
+//! recomputes every lifetime from the graph and the plan's order with its own
+//! simple rules, then verifies
+//! 1. the order holds every op exactly once and respects every dependency
+//!    ([`Graph::deps`]: data, views, `after`, in-place ordering);
+//! 2. every tensor that occupies memory has an offset at its alignment, inside
+//!    the arena, and no other tensor has one;
+//! 3. every claimed reuse is legal: the op that produces the output declared
+//!    the hint, it is the input's last use, the input is not persistent, the
+//!    output lies within the input's bytes, and each tensor takes part in at
+//!    most one reuse on each side;
+//! 4. no two tensors live at the same step share a byte, unless they are a
+//!    claimed reuse pair meeting at the reusing op's step. Persistent tensors
+//!    are live to the end of the step, so nothing may take their bytes.
+//!
+//! Lifetimes, in steps (closed intervals): birth = producer's step or 0;
+//! death = last step of any op that reads, updates, or reads/makes a view of
+//! the tensor's bytes; the final step if persistent; the birth if unused.
+//! The sweep works in half-steps so a reuse pair can meet inside one step: a
+//! reused input ends in the first half of the reusing op's step and the output
+//! starts in the second half.
+
+use std::collections::{BTreeMap, BinaryHeap, HashSet};
+use std::fmt;
+
+use crate::graph::{Graph, Lifetime, OpId, TensorId};
+use crate::plan::Plan;
+
+/// What is wrong with a plan.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckError {
+    #[error("the order has {got} ops, the graph {want}")]
+    OrderLength { got: usize, want: usize },
+    #[error("the order names op index {0} which the graph does not have")]
+    UnknownOp(u32),
+    #[error("op {0:?} appears twice in the order")]
+    DuplicateOp(String),
+    #[error(
+        "op {op:?} runs at step {op_step} but depends on {dep:?}, which runs at step {dep_step}"
+    )]
+    Dependency {
+        op: String,
+        dep: String,
+        op_step: usize,
+        dep_step: usize,
+    },
+    #[error("the plan has {got} offsets, the graph {want} tensors")]
+    OffsetsLength { got: usize, want: usize },
+    #[error("tensor {0:?} occupies memory but has no offset")]
+    MissingOffset(String),
+    #[error("tensor {0:?} owns no bytes (a view or zero-sized) but has an offset")]
+    NeedlessOffset(String),
+    #[error("tensor {tensor:?}: offset {offset} is not a multiple of its alignment {align}")]
+    Misaligned {
+        tensor: String,
+        offset: u64,
+        align: u64,
+    },
+    #[error("tensor {tensor:?}: bytes [{offset}, {end}) pass the end of the arena ({arena} bytes)")]
+    OutsideArena {
+        tensor: String,
+        offset: u64,
+        end: u128,
+        arena: u64,
+    },
+    #[error("reuse {output:?} <- {input:?}: {why}")]
+    BadReuse {
+        output: String,
+        input: String,
+        why: String,
+    },
+    #[error(
+        "tensors {a:?} [{a_off}, {a_end}) and {b:?} [{b_off}, {b_end}) share bytes while both live at step {step}"
+    )]
+    Overlap {
+        a: String,
+        a_off: u64,
+        a_end: u64,
+        b: String,
+        b_off: u64,
+        b_end: u64,
+        step: usize,
+    },
+}
+
+/// A summary of a plan that passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckReport {
+    /// The most bytes live at one step, recomputed by the checker.
+    pub max_live_bytes: u64,
+    /// The highest byte any tensor reaches (≤ the arena).
+    pub used_bytes: u64,
+    pub ops: usize,
+    pub tensors_placed: usize,
+}
+
+impl fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "plan is valid: {} ops, {} tensors placed, max live {} bytes, highest byte used {}",
+            self.ops, self.tensors_placed, self.max_live_bytes, self.used_bytes
+        )
+    }
+}
+
+/// Checks `plan` against `graph`; see the module docs for every rule.
+pub fn check(graph: &Graph, plan: &Plan) -> Result<CheckReport, CheckError> {
+    let n = graph.num_ops();
+    let name = |t: TensorId| graph.tensor(t).name.clone();
+    let oname = |o: OpId| graph.op(o).name.clone();
+
+    // 1. Order.
+    if plan.order.len() != n {
+        return Err(CheckError::OrderLength {
+            got: plan.order.len(),
+            want: n,
+        });
+    }
+    let mut step = vec![usize::MAX; n];
+    for (i, &o) in plan.order.iter().enumerate() {
+        if o.index() >= n {
+            return Err(CheckError::UnknownOp(o.0));
+        }
+        if step[o.index()] != usize::MAX {
+            return Err(CheckError::DuplicateOp(oname(o)));
+        }
+        step[o.index()] = i;
+    }
+    for o in graph.op_ids() {
+        for &d in graph.deps(o) {
+            if step[d.index()] >= step[o.index()] {
+                return Err(CheckError::Dependency {
+                    op: oname(o),
+                    dep: oname(d),
+                    op_step: step[o.index()],
+                    dep_step: step[d.index()],
+                });
+            }
+        }
+    }
+
+    // Roots by walking view chains ourselves.
+    let nt = graph.num_tensors();
+    let root_of = |mut t: TensorId| {
+        while let Some(b) = graph.tensor(t).view_of {
+            t = b;
+        }
+        t
+    };
+    let owns = |t: TensorId| {
+        let x = graph.tensor(t);
+        x.view_of.is_none() && x.size > 0
+    };
+
+    // 2. Offsets.
+    if plan.offsets.len() != nt {
+        return Err(CheckError::OffsetsLength {
+            got: plan.offsets.len(),
+            want: nt,
+        });
+    }
+    let mut used = 0u64;
+    let mut placed = 0;
+    for t in graph.tensor_ids() {
+        let x = graph.tensor(t);
+        match (owns(t), plan.offsets[t.index()]) {
+            (true, None) => return Err(CheckError::MissingOffset(name(t))),
+            (false, Some(_)) => return Err(CheckError::NeedlessOffset(name(t))),
+            (false, None) => {}
+            (true, Some(off)) => {
+                if off % x.align.max(1) != 0 {
+                    return Err(CheckError::Misaligned {
+                        tensor: name(t),
+                        offset: off,
+                        align: x.align,
+                    });
+                }
+                let end = off as u128 + x.size as u128;
+                if end > plan.arena_bytes as u128 {
+                    return Err(CheckError::OutsideArena {
+                        tensor: name(t),
+                        offset: off,
+                        end,
+                        arena: plan.arena_bytes,
+                    });
+                }
+                used = used.max(end as u64);
+                placed += 1;
+            }
+        }
+    }
+
+    // Lifetimes, from the graph's ops directly.
+    let last = n.saturating_sub(1);
+    let mut birth = vec![0usize; nt];
+    let mut death = vec![0usize; nt];
+    let mut seen_use = vec![false; nt];
+    for o in graph.op_ids() {
+        let s = step[o.index()];
+        let op = graph.op(o);
+        for &t in &op.outputs {
+            if graph.tensor(t).view_of.is_none() {
+                birth[t.index()] = s;
+            } else {
+                let r = root_of(t).index();
+                death[r] = death[r].max(s);
+                seen_use[r] = true;
+            }
+        }
+        for &t in op.inputs.iter().chain(&op.updates) {
+            let r = root_of(t).index();
+            death[r] = death[r].max(s);
+            seen_use[r] = true;
+        }
+    }
+    for t in graph.tensor_ids() {
+        let i = t.index();
+        let x = graph.tensor(t);
+        if x.lifetime == Lifetime::Persistent {
+            death[i] = last;
+        } else if !seen_use[i] || death[i] < birth[i] {
+            death[i] = birth[i];
+        }
+    }
+
+    // 3. Reuses.
+    let mut reused_in = HashSet::new();
+    let mut reusing_out = HashSet::new();
+    let mut pair = HashSet::new();
+    for &(out, inp) in &plan.reuses {
+        let bad = |why: &str| CheckError::BadReuse {
+            output: if out.index() < nt {
+                name(out)
+            } else {
+                out.to_string()
+            },
+            input: if inp.index() < nt {
+                name(inp)
+            } else {
+                inp.to_string()
+            },
+            why: why.to_string(),
+        };
+        if out.index() >= nt || inp.index() >= nt {
+            return Err(bad("unknown tensor"));
+        }
+        if !owns(out) || !owns(inp) {
+            return Err(bad("both tensors must own bytes"));
+        }
+        let Some(op) = graph.tensor(out).producer else {
+            return Err(bad("the output has no producer"));
+        };
+        let declared = graph
+            .op(op)
+            .reuse
+            .iter()
+            .any(|&(o, i)| o == out && root_of(i) == inp);
+        if !declared {
+            return Err(bad("its producer declares no such reuse hint"));
+        }
+        if graph.tensor(inp).lifetime == Lifetime::Persistent {
+            return Err(bad("the input is persistent"));
+        }
+        if death[inp.index()] != step[op.index()] {
+            return Err(bad(&format!(
+                "the input's last use is at step {}, not at the reusing op's step {}",
+                death[inp.index()],
+                step[op.index()]
+            )));
+        }
+        let (oo, io) = (plan.offsets[out.index()], plan.offsets[inp.index()]);
+        let (oo, io) = (oo.unwrap_or(0), io.unwrap_or(0));
+        if oo < io || oo + graph.tensor(out).size > io + graph.tensor(inp).size {
+            return Err(bad("the output does not lie within the input's bytes"));
+        }
+        if !reused_in.insert(inp) || !reusing_out.insert(out) {
+            return Err(bad("a tensor takes part in two reuses"));
+        }
+        pair.insert((out, inp));
+    }
+
+    // 4. Sweep in half-steps: interval [2*birth, 2*death + 2), adjusted for
+    // reuse pairs.
+    let mut iv: Vec<(u64, u64, TensorId)> = Vec::new();
+    for t in graph.tensor_ids() {
+        if !owns(t) {
+            continue;
+        }
+        let i = t.index();
+        let mut lo = 2 * birth[i] as u64;
+        let mut hi = 2 * death[i] as u64 + 2;
+        if reused_in.contains(&t) {
+            hi -= 1;
+        }
+        if reusing_out.contains(&t) {
+            lo += 1;
+        }
+        iv.push((lo, hi, t));
+    }
+    iv.sort_unstable();
+    let mut by_addr: BTreeMap<(u64, u32), TensorId> = BTreeMap::new();
+    let mut ends: BinaryHeap<std::cmp::Reverse<(u64, u64, u32)>> = BinaryHeap::new();
+    let mut delta = vec![0i128; 2 * n.max(1) + 3];
+    for &(lo, hi, t) in &iv {
+        while let Some(&std::cmp::Reverse((h, off, id))) = ends.peek() {
+            if h <= lo {
+                ends.pop();
+                by_addr.remove(&(off, id));
+            } else {
+                break;
+            }
+        }
+        let off = plan.offsets[t.index()].unwrap_or(0);
+        let size = graph.tensor(t).size;
+        let end = off + size;
+        let clash = |other: TensorId| {
+            let oo = plan.offsets[other.index()].unwrap_or(0);
+            CheckError::Overlap {
+                a: name(other),
+                a_off: oo,
+                a_end: oo + graph.tensor(other).size,
+                b: name(t),
+                b_off: off,
+                b_end: end,
+                step: (lo / 2) as usize,
+            }
+        };
+        if let Some((&(o, _), &other)) = by_addr.range(..=(off, u32::MAX)).next_back()
+            && o + graph.tensor(other).size > off
+        {
+            return Err(clash(other));
+        }
+        if let Some((&(o, _), &other)) = by_addr.range((off, 0)..).next()
+            && o < end
+        {
+            return Err(clash(other));
+        }
+        by_addr.insert((off, t.0), t);
+        ends.push(std::cmp::Reverse((hi, off, t.0)));
+        delta[lo as usize] += size as i128;
+        delta[hi as usize] -= size as i128;
+    }
+    // Max live over half-steps: a reuse pair counts once in each half.
+    let mut cur = 0i128;
+    let mut max_live = 0i128;
+    for d in delta {
+        cur += d;
+        max_live = max_live.max(cur);
+    }
+    let max_live = max_live as u64;
+    Ok(CheckReport {
+        max_live_bytes: max_live,
+        used_bytes: used,
+        ops: n,
+        tensors_placed: placed,
+    })
+}

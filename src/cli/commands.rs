@@ -1,0 +1,332 @@
+//! The commands behind the CLI.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::json;
+
+use memplan::graph::Graph;
+use memplan::models::{DType, ExampleOptions};
+use memplan::{Options, Plan, baselines, checker};
+
+use super::format::{grouped, human_bytes, table};
+use super::{Command, GraphArgs};
+
+pub fn run(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Plan {
+            graph,
+            source,
+            output,
+            json,
+            time_limit,
+        } => plan(graph, &source, output, json, time_limit),
+        Command::Check {
+            files,
+            source,
+            json,
+        } => check(files, &source, json),
+        Command::Stats {
+            graph,
+            source,
+            json,
+        } => stats(graph, &source, json),
+        Command::Compare {
+            graph,
+            source,
+            json,
+            time_limit,
+        } => compare(graph, &source, json, time_limit),
+        Command::Export { source, output } => export(&source, &output),
+    }
+}
+
+/// Loads the graph a command names: a file or `--example`.
+pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
+    match (&src.example, graph) {
+        (Some(_), Some(p)) => bail!(
+            "give either a graph file ({}) or --example, not both",
+            p.display()
+        ),
+        (Some(name), None) => {
+            let dtype = match &src.dtype {
+                None => None,
+                Some(d) => Some(
+                    DType::parse(d)
+                        .ok_or_else(|| anyhow!("unknown --dtype {d:?} (f32, bf16, f16)"))?,
+                ),
+            };
+            let opts = ExampleOptions {
+                batch: src.batch,
+                seq: src.seq,
+                layers: src.layers,
+                dtype,
+                checkpoint: src.checkpoint,
+                clip_grad_norm: src.clip_grad_norm,
+            };
+            Ok(memplan::models::example(name, &opts)?)
+        }
+        (None, Some(p)) => Ok(memplan::io::load_graph(p)?),
+        (None, None) => bail!("give a graph file or --example NAME"),
+    }
+}
+
+fn options(time_limit: f64) -> Result<Options> {
+    if !(time_limit.is_finite() && time_limit >= 0.0) {
+        bail!("--time-limit must be a non-negative number of seconds, got {time_limit}");
+    }
+    Ok(Options {
+        time_limit: Duration::from_secs_f64(time_limit),
+        ..Options::default()
+    })
+}
+
+fn solve(g: &Graph, time_limit: f64) -> Result<Plan> {
+    let plan = memplan::plan(g, &options(time_limit)?)?;
+    // Every plan leaves through the independent checker.
+    checker::check(g, &plan).context("internal error: memplan produced an invalid plan")?;
+    Ok(plan)
+}
+
+fn plan(
+    graph: Option<PathBuf>,
+    src: &GraphArgs,
+    output: Option<PathBuf>,
+    as_json: bool,
+    time_limit: f64,
+) -> Result<()> {
+    let g = load(graph.as_deref(), src)?;
+    let plan = solve(&g, time_limit)?;
+    if let Some(out) = &output {
+        std::fs::write(out, plan.to_json(&g))
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
+    let s = &plan.stats;
+    if as_json {
+        let v = json!({
+            "graph": g.name,
+            "ops": g.num_ops(),
+            "tensors": g.num_tensors(),
+            "peak_bytes": s.peak_bytes,
+            "max_live_bytes": s.max_live_bytes,
+            "lower_bound_bytes": s.lower_bound_bytes,
+            "lower_bound_kind": s.lower_bound_kind,
+            "gap": s.gap(),
+            "solve_seconds": s.solve_seconds,
+            "order_source": s.order_source,
+            "layout_source": s.layout_source,
+            "plan_file": output.as_ref().map(|p| p.display().to_string()),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "{}: arena {} ({} bytes), max live {}, lower bound {} ({}), gap {:.2}%, solved in {:.2} s",
+            g.name,
+            human_bytes(s.peak_bytes),
+            grouped(s.peak_bytes),
+            human_bytes(s.max_live_bytes),
+            human_bytes(s.lower_bound_bytes),
+            s.lower_bound_kind,
+            100.0 * s.gap(),
+            s.solve_seconds
+        );
+        if let Some(out) = &output {
+            println!("plan written to {}", out.display());
+        }
+    }
+    Ok(())
+}
+
+fn check(files: Vec<PathBuf>, src: &GraphArgs, as_json: bool) -> Result<()> {
+    let (g, plan_path) = match (&src.example, files.as_slice()) {
+        (Some(_), [p]) => (load(None, src)?, p.clone()),
+        (None, [g, p]) => (load(Some(g), src)?, p.clone()),
+        (Some(_), _) => bail!("with --example, give only the plan file"),
+        (None, _) => bail!("give GRAPH PLAN"),
+    };
+    let text = memplan::io::read_text(&plan_path)?;
+    let plan = Plan::from_json(&text, &g, &plan_path)?;
+    let report = checker::check(&g, &plan)
+        .map_err(|e| anyhow!("{}: the plan is invalid: {e}", plan_path.display()))?;
+    if as_json {
+        let v = json!({
+            "valid": true,
+            "ops": report.ops,
+            "tensors_placed": report.tensors_placed,
+            "max_live_bytes": report.max_live_bytes,
+            "used_bytes": report.used_bytes,
+            "arena_bytes": plan.arena_bytes,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "{}: {report}, arena {} bytes",
+            plan_path.display(),
+            plan.arena_bytes
+        );
+    }
+    Ok(())
+}
+
+fn stats(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool) -> Result<()> {
+    let g = load(graph.as_deref(), src)?;
+    let by_role = g.bytes_by_role();
+    let views = g.tensors().iter().filter(|t| t.is_view()).count();
+    let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
+    for o in g.ops() {
+        *kinds.entry(o.kind.as_str()).or_default() += 1;
+    }
+    let hints: usize = g.ops().iter().map(|o| o.reuse.len()).sum();
+    let updates: usize = g.ops().iter().map(|o| o.updates.len()).sum();
+    if as_json {
+        let roles: serde_json::Map<String, serde_json::Value> = by_role
+            .iter()
+            .map(|(r, b)| (r.as_str().to_string(), json!(b)))
+            .collect();
+        let v = json!({
+            "graph": g.name,
+            "ops": g.num_ops(),
+            "tensors": g.num_tensors(),
+            "views": views,
+            "ops_by_kind": kinds,
+            "reuse_hints": hints,
+            "in_place_updates": updates,
+            "total_bytes": g.total_bytes(),
+            "resident_bytes": g.resident_bytes(),
+            "bytes_by_role": roles,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} ops, {} tensors ({} views), {} reuse hints, {} in-place updates",
+        g.name,
+        grouped(g.num_ops() as u64),
+        grouped(g.num_tensors() as u64),
+        views,
+        hints,
+        updates
+    );
+    let k: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    println!("ops by kind: {}", k.join(", "));
+    let rows: Vec<Vec<String>> = by_role
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(r, b)| vec![r.to_string(), human_bytes(*b), grouped(*b)])
+        .collect();
+    print!("{}", table(&["role", "size", "bytes"], &rows));
+    println!(
+        "total {} ({} resident for the whole step)",
+        human_bytes(g.total_bytes()),
+        human_bytes(g.resident_bytes())
+    );
+    Ok(())
+}
+
+fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f64) -> Result<()> {
+    let g = load(graph.as_deref(), src)?;
+    let base = baselines::all(&g);
+    let plan = solve(&g, time_limit)?;
+    let s = &plan.stats;
+    let lb = s.lower_bound_bytes.max(1);
+    if as_json {
+        let b: serde_json::Map<String, serde_json::Value> = base
+            .iter()
+            .map(|b| {
+                (
+                    b.name.clone(),
+                    json!({"peak_bytes": b.peak_bytes, "description": b.description,
+                           "ratio_to_lower_bound": b.peak_bytes as f64 / lb as f64}),
+                )
+            })
+            .collect();
+        let best = base.iter().map(|b| b.peak_bytes).min().unwrap_or(0);
+        let v = json!({
+            "graph": g.name,
+            "ops": g.num_ops(),
+            "tensors": g.num_tensors(),
+            "peak_bytes": s.peak_bytes,
+            "max_live_bytes": s.max_live_bytes,
+            "lower_bound_bytes": s.lower_bound_bytes,
+            "lower_bound_kind": s.lower_bound_kind,
+            "ratio_to_lower_bound": s.peak_bytes as f64 / lb as f64,
+            "ratio_to_best_baseline": s.peak_bytes as f64 / best.max(1) as f64,
+            "solve_seconds": s.solve_seconds,
+            "order_source": s.order_source,
+            "layout_source": s.layout_source,
+            "baselines": b,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} ops, {} tensors",
+        g.name,
+        grouped(g.num_ops() as u64),
+        grouped(g.num_tensors() as u64)
+    );
+    let mut rows = vec![vec![
+        format!("lower bound ({})", s.lower_bound_kind),
+        human_bytes(s.lower_bound_bytes),
+        grouped(s.lower_bound_bytes),
+        "1.000".into(),
+        String::new(),
+    ]];
+    for b in &base {
+        rows.push(vec![
+            b.name.clone(),
+            human_bytes(b.peak_bytes),
+            grouped(b.peak_bytes),
+            format!("{:.3}", b.peak_bytes as f64 / lb as f64),
+            String::new(),
+        ]);
+    }
+    rows.push(vec![
+        format!("memplan ({} + {})", s.order_source, s.layout_source),
+        human_bytes(s.peak_bytes),
+        grouped(s.peak_bytes),
+        format!("{:.3}", s.peak_bytes as f64 / lb as f64),
+        format!("{:.2} s", s.solve_seconds),
+    ]);
+    print!(
+        "{}",
+        table(&["plan", "peak", "bytes", "vs bound", "solve time"], &rows)
+    );
+    if let Some(pt) = base.iter().find(|b| b.name == "pytorch-reserved") {
+        println!(
+            "memplan needs {:.1}% less than PyTorch eager's simulated reserved memory",
+            100.0 * (1.0 - s.peak_bytes as f64 / pt.peak_bytes.max(1) as f64)
+        );
+    }
+    Ok(())
+}
+
+fn export(src: &GraphArgs, output: &Path) -> Result<()> {
+    if src.example.is_none() {
+        bail!("export needs --example NAME");
+    }
+    let g = load(None, src)?;
+    let text = memplan::io::json::write_graph(&g);
+    let is_gz = output.extension().is_some_and(|e| e == "gz");
+    let file =
+        std::fs::File::create(output).with_context(|| format!("creating {}", output.display()))?;
+    if is_gz {
+        let mut enc = flate2::write::GzEncoder::new(file, flate2::Compression::default());
+        enc.write_all(text.as_bytes())?;
+        enc.finish()?;
+    } else {
+        let mut f = std::io::BufWriter::new(file);
+        f.write_all(text.as_bytes())?;
+        f.flush()?;
+    }
+    eprintln!(
+        "wrote {} ({} ops, {} tensors) to {}",
+        g.name,
+        g.num_ops(),
+        g.num_tensors(),
+        output.display()
+    );
+    Ok(())
+}

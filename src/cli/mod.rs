@@ -1,0 +1,126 @@
+//! Command-line front end: argument parsing and the commands.
+
+mod commands;
+pub mod format;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "memplan",
+    version,
+    about = "Plan operator order and tensor offsets so a training step fits in less memory",
+    long_about = None
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Where the graph comes from: a file, or a built-in example.
+#[derive(Args, Debug, Clone, Default)]
+pub struct GraphArgs {
+    /// Built-in example instead of a file: gpt2-tiny, gpt2-small, gpt2-medium,
+    /// gpt2-large, gpt2-xl, mlp.
+    #[arg(long, value_name = "NAME")]
+    pub example: Option<String>,
+    /// Batch size of the example.
+    #[arg(long, value_name = "N", requires = "example")]
+    pub batch: Option<u64>,
+    /// Sequence length of a GPT-2 example.
+    #[arg(long, value_name = "N", requires = "example")]
+    pub seq: Option<u64>,
+    /// Number of layers of the example.
+    #[arg(long, value_name = "N", requires = "example")]
+    pub layers: Option<u64>,
+    /// Element type of the example: f32, bf16, f16.
+    #[arg(long, value_name = "TYPE", requires = "example")]
+    pub dtype: Option<String>,
+    /// Activation checkpointing in every GPT-2 block.
+    #[arg(long, requires = "example")]
+    pub checkpoint: bool,
+    /// Clip the gradients' global norm before the updates (GPT-2 examples).
+    #[arg(long, value_name = "MAX", requires = "example")]
+    pub clip_grad_norm: Option<f64>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Plan a graph: choose the order and every tensor's offset.
+    Plan {
+        /// Graph file (memplan JSON, optionally .gz).
+        #[arg(required_unless_present = "example")]
+        graph: Option<PathBuf>,
+        #[command(flatten)]
+        source: GraphArgs,
+        /// Write the plan (JSON) here.
+        #[arg(short, long, value_name = "PLAN")]
+        output: Option<PathBuf>,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Time budget for the whole solve, in seconds.
+        #[arg(long, value_name = "S", default_value_t = 10.0)]
+        time_limit: f64,
+    },
+    /// Check a plan against its graph with the independent checker.
+    Check {
+        /// GRAPH PLAN, or just PLAN with --example.
+        #[arg(num_args = 1..=2, value_name = "FILES", required = true)]
+        files: Vec<PathBuf>,
+        #[command(flatten)]
+        source: GraphArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print what a graph holds: ops, tensors, bytes by role.
+    Stats {
+        #[arg(required_unless_present = "example")]
+        graph: Option<PathBuf>,
+        #[command(flatten)]
+        source: GraphArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare memplan with the baselines and the lower bound on one graph.
+    Compare {
+        #[arg(required_unless_present = "example")]
+        graph: Option<PathBuf>,
+        #[command(flatten)]
+        source: GraphArgs,
+        #[arg(long)]
+        json: bool,
+        /// Time budget for memplan's solve, in seconds.
+        #[arg(long, value_name = "S", default_value_t = 10.0)]
+        time_limit: f64,
+    },
+    /// Write a built-in example graph as memplan JSON.
+    Export {
+        #[command(flatten)]
+        source: GraphArgs,
+        /// Output file (.json, or .json.gz to compress).
+        #[arg(short, long, value_name = "FILE")]
+        output: PathBuf,
+    },
+}
+
+/// Parses the arguments and runs; returns the process exit code.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    match commands::run(cli.command) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("memplan: {e:#}");
+            1
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! Errors: what is wrong, in which file, at which element.
+
+use std::path::PathBuf;
+
+/// A problem with one element of a graph. Every variant names the element.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GraphError {
+    #[error("unsupported format version {found} (this memplan reads version {supported})")]
+    UnsupportedVersion { found: u64, supported: u64 },
+    #[error("unknown format {found:?} (expected {expected:?})")]
+    WrongFormat { found: String, expected: String },
+    #[error("tensor id {0:?} is defined twice")]
+    DuplicateTensor(String),
+    #[error("op id {0:?} is defined twice")]
+    DuplicateOp(String),
+    #[error("op {op:?}: {field} names unknown tensor {tensor:?}")]
+    UnknownTensor {
+        op: String,
+        field: &'static str,
+        tensor: String,
+    },
+    #[error("op {op:?}: `after` names unknown op {target:?}")]
+    UnknownOp { op: String, target: String },
+    #[error("tensor {tensor:?}: view_of names unknown tensor {base:?}")]
+    UnknownViewBase { tensor: String, base: String },
+    #[error("tensor {0:?}: its chain of view_of bases loops back to itself")]
+    ViewCycle(String),
+    #[error("tensor {tensor:?} is produced by two ops, {first:?} and {second:?}")]
+    TwoProducers {
+        tensor: String,
+        first: String,
+        second: String,
+    },
+    #[error(
+        "tensor {tensor:?} ({role}) is read by op {consumer:?} but no op produces it and it is not a step input (give it a producer, or role input/parameter/optimizer_state, or lifetime persistent)"
+    )]
+    NoProducer {
+        tensor: String,
+        role: &'static str,
+        consumer: String,
+    },
+    #[error("op {op:?} both produces and reads tensor {tensor:?}")]
+    ReadsOwnOutput { op: String, tensor: String },
+    #[error("op {op:?} updates tensor {tensor:?} in place, which it also produces")]
+    UpdatesOwnOutput { op: String, tensor: String },
+    #[error("the ops form a cycle: {}", .0.join(" -> "))]
+    Cycle(Vec<String>),
+    #[error("tensor {0:?}: size plus alignment overflows u64 when added to the sizes before it")]
+    SizeOverflow(String),
+    #[error("tensor {tensor:?}: alignment must be at least 1, got {align}")]
+    BadAlignment { tensor: String, align: u64 },
+    #[error("op {op:?}: reuse hint {output:?} <- {input:?}: {why}")]
+    BadReuse {
+        op: String,
+        output: String,
+        input: String,
+        why: &'static str,
+    },
+    #[error("op {op:?}: stream must be below 1024, got {stream}")]
+    BadStream { op: String, stream: u64 },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A problem with a plan relative to its graph (reading it, not checking it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanFormatError {
+    #[error("unsupported plan version {found} (this memplan reads version {supported})")]
+    UnsupportedVersion { found: u64, supported: u64 },
+    #[error("unknown format {found:?} (expected {expected:?})")]
+    WrongFormat { found: String, expected: String },
+    #[error("order: unknown op {0:?}")]
+    UnknownOp(String),
+    #[error("offsets: unknown tensor {0:?}")]
+    UnknownTensor(String),
+    #[error("offsets: tensor {0:?} appears twice")]
+    DuplicateTensor(String),
+    #[error("reuse: unknown tensor {0:?}")]
+    UnknownReuseTensor(String),
+}
+
+/// Every error memplan's library returns.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}:{column}: {msg}")]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        msg: String,
+    },
+    #[error("{}: {source}", display_path(.path))]
+    Graph {
+        path: Option<PathBuf>,
+        #[source]
+        source: GraphError,
+    },
+    #[error("{}: {source}", display_path(.path))]
+    PlanFormat {
+        path: Option<PathBuf>,
+        #[source]
+        source: PlanFormatError,
+    },
+    #[error("the plan is invalid: {0}")]
+    Check(#[from] crate::checker::CheckError),
+    #[error("unknown example {name:?}; known examples: {known}")]
+    UnknownExample { name: String, known: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("solver: {0}")]
+    Solver(String),
+}
+
+fn display_path(p: &Option<PathBuf>) -> String {
+    match p {
+        Some(p) => p.display().to_string(),
+        None => "graph".to_string(),
+    }
+}
+
+impl From<GraphError> for Error {
+    fn from(source: GraphError) -> Self {
+        Error::Graph { path: None, source }
+    }
+}
+
+impl Error {
+    /// Attaches a file path to an error that names no file yet.
+    pub fn in_file(self, file: impl Into<PathBuf>) -> Self {
+        match self {
+            Error::Graph { path: None, source } => Error::Graph {
+                path: Some(file.into()),
+                source,
+            },
+            Error::PlanFormat { path: None, source } => Error::PlanFormat {
+                path: Some(file.into()),
+                source,
+            },
+            other => other,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

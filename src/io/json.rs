@@ -1,0 +1,306 @@
+//! memplan's JSON graph format, version 1 (documented in
+//! `docs/graph-format.md`, schema in `docs/graph-format.schema.json`).
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, GraphError};
+use crate::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
+
+pub const GRAPH_FORMAT: &str = "memplan-graph";
+pub const GRAPH_VERSION: u64 = 1;
+
+/// The file as written: tensors and ops referring to each other by id.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GraphFile {
+    pub format: String,
+    pub version: u64,
+    #[serde(default)]
+    pub name: String,
+    pub tensors: Vec<TensorRecord>,
+    pub ops: Vec<OpRecord>,
+    /// Free-form information about where the graph came from.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+fn one() -> u64 {
+    1
+}
+fn is_one(x: &u64) -> bool {
+    *x == 1
+}
+fn is_zero(x: &u32) -> bool {
+    *x == 0
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TensorRecord {
+    pub id: String,
+    pub size: u64,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub align: u64,
+    #[serde(default)]
+    pub role: Role,
+    #[serde(default)]
+    pub lifetime: Lifetime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub view_of: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReuseRecord {
+    pub output: String,
+    pub input: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OpRecord {
+    pub id: String,
+    #[serde(default)]
+    pub kind: OpKind,
+    #[serde(rename = "type", default, skip_serializing_if = "String::is_empty")]
+    pub op_type: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub updates: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reuse: Vec<ReuseRecord>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stream: u32,
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub attrs: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct Header {
+    format: Option<String>,
+    version: Option<u64>,
+}
+
+/// Parses a graph from JSON text. `path` is only used in messages.
+pub fn parse_graph(text: &str, path: &std::path::Path) -> Result<Graph, Error> {
+    let parse_err = |e: serde_json::Error| Error::Parse {
+        path: path.to_path_buf(),
+        line: e.line(),
+        column: e.column(),
+        msg: e.to_string(),
+    };
+    // The header first, so a newer version is reported as such rather than
+    // as an unknown field.
+    let header: Header = serde_json::from_str(text).map_err(parse_err)?;
+    let fmt = header.format.unwrap_or_default();
+    if fmt != GRAPH_FORMAT {
+        return Err(Error::from(GraphError::WrongFormat {
+            found: fmt,
+            expected: GRAPH_FORMAT.into(),
+        })
+        .in_file(path));
+    }
+    let version = header.version.unwrap_or(0);
+    if version != GRAPH_VERSION {
+        return Err(Error::from(GraphError::UnsupportedVersion {
+            found: version,
+            supported: GRAPH_VERSION,
+        })
+        .in_file(path));
+    }
+    let file: GraphFile = serde_json::from_str(text).map_err(parse_err)?;
+    from_file(file).map_err(|e| Error::from(e).in_file(path))
+}
+
+/// Builds a graph from its file form, resolving ids.
+pub fn from_file(file: GraphFile) -> Result<Graph, GraphError> {
+    let mut b = GraphBuilder::new(file.name);
+    let mut tid: HashMap<&str, u32> = HashMap::with_capacity(file.tensors.len());
+    for (i, t) in file.tensors.iter().enumerate() {
+        if tid.insert(t.id.as_str(), i as u32).is_some() {
+            return Err(GraphError::DuplicateTensor(t.id.clone()));
+        }
+    }
+    let mut oid: HashMap<&str, u32> = HashMap::with_capacity(file.ops.len());
+    for (i, o) in file.ops.iter().enumerate() {
+        if oid.insert(o.id.as_str(), i as u32).is_some() {
+            return Err(GraphError::DuplicateOp(o.id.clone()));
+        }
+    }
+    for t in &file.tensors {
+        let view_of = match &t.view_of {
+            None => None,
+            Some(base) => Some(crate::graph::TensorId(*tid.get(base.as_str()).ok_or_else(
+                || GraphError::UnknownViewBase {
+                    tensor: t.id.clone(),
+                    base: base.clone(),
+                },
+            )?)),
+        };
+        b.add_tensor(TensorSpec {
+            name: t.id.clone(),
+            size: t.size,
+            align: t.align,
+            role: t.role,
+            lifetime: t.lifetime,
+            view_of,
+            dtype: t.dtype.clone(),
+            shape: t.shape.clone(),
+        });
+    }
+    for o in &file.ops {
+        let resolve = |field: &'static str, names: &[String]| {
+            names
+                .iter()
+                .map(|n| {
+                    tid.get(n.as_str())
+                        .map(|&i| crate::graph::TensorId(i))
+                        .ok_or_else(|| GraphError::UnknownTensor {
+                            op: o.id.clone(),
+                            field,
+                            tensor: n.clone(),
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let mut spec = OpSpec::new(o.id.clone(), o.kind, o.op_type.clone());
+        spec.inputs = resolve("inputs", &o.inputs)?;
+        spec.outputs = resolve("outputs", &o.outputs)?;
+        spec.updates = resolve("updates", &o.updates)?;
+        for r in &o.reuse {
+            let out = resolve("reuse.output", std::slice::from_ref(&r.output))?[0];
+            let inp = resolve("reuse.input", std::slice::from_ref(&r.input))?[0];
+            spec.reuse.push((out, inp));
+        }
+        spec.after = o
+            .after
+            .iter()
+            .map(|n| {
+                oid.get(n.as_str())
+                    .map(|&i| OpId(i))
+                    .ok_or_else(|| GraphError::UnknownOp {
+                        op: o.id.clone(),
+                        target: n.clone(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        spec.cost = o.cost;
+        spec.stream = o.stream;
+        spec.attrs = o.attrs.clone();
+        b.add_op(spec);
+    }
+    b.build()
+}
+
+/// The file form of a graph (ops in program order as given).
+pub fn to_file(g: &Graph) -> GraphFile {
+    let tname = |t: crate::graph::TensorId| g.tensor(t).name.clone();
+    let names = |ts: &[crate::graph::TensorId]| ts.iter().map(|&t| tname(t)).collect::<Vec<_>>();
+    GraphFile {
+        format: GRAPH_FORMAT.into(),
+        version: GRAPH_VERSION,
+        name: g.name.clone(),
+        tensors: g
+            .tensors()
+            .iter()
+            .map(|t| TensorRecord {
+                id: t.name.clone(),
+                size: t.size,
+                align: t.align,
+                role: t.role,
+                lifetime: t.lifetime,
+                view_of: t.view_of.map(tname),
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+            })
+            .collect(),
+        ops: g
+            .ops()
+            .iter()
+            .map(|o| OpRecord {
+                id: o.name.clone(),
+                kind: o.kind,
+                op_type: o.op_type.clone(),
+                inputs: names(&o.inputs),
+                outputs: names(&o.outputs),
+                updates: names(&o.updates),
+                reuse: o
+                    .reuse
+                    .iter()
+                    .map(|&(out, inp)| ReuseRecord {
+                        output: tname(out),
+                        input: tname(inp),
+                    })
+                    .collect(),
+                after: o.after.iter().map(|&a| g.op(a).name.clone()).collect(),
+                cost: o.cost,
+                stream: o.stream,
+                attrs: o.attrs.clone(),
+            })
+            .collect(),
+        metadata: Default::default(),
+    }
+}
+
+/// Writes a graph as JSON text.
+pub fn write_graph(g: &Graph) -> String {
+    serde_json::to_string_pretty(&to_file(g)).expect("graph serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn err(text: &str) -> String {
+        parse_graph(text, Path::new("g.json"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn round_trips() {
+        let g = crate::models::mlp::build(&crate::models::mlp::MlpConfig::default()).unwrap();
+        let text = write_graph(&g);
+        let h = parse_graph(&text, Path::new("x.json")).unwrap();
+        assert_eq!(to_file(&g), to_file(&h));
+    }
+
+    #[test]
+    fn clear_errors() {
+        assert!(err("{").starts_with("g.json:1:1:"), "{}", err("{"));
+        assert!(
+            err(r#"{"format":"memplan-graph","version":7,"tensors":[],"ops":[]}"#)
+                .contains("unsupported format version 7")
+        );
+        let e = err(
+            r#"{"format":"memplan-graph","version":1,"tensors":[{"id":"a","size":1}],
+            "ops":[{"id":"o","inputs":["zz"]}]}"#,
+        );
+        assert!(
+            e.contains("g.json") && e.contains("\"o\"") && e.contains("\"zz\""),
+            "{e}"
+        );
+        let e = err(
+            r#"{"format":"memplan-graph","version":1,"tensors":[{"id":"a","size":1},{"id":"a","size":2}],"ops":[]}"#,
+        );
+        assert!(e.contains("defined twice"), "{e}");
+        let e = err(
+            r#"{"format":"memplan-graph","version":1,"tensors":[{"id":"a","size":-1}],"ops":[]}"#,
+        );
+        assert!(e.starts_with("g.json:1:"), "{e}");
+    }
+}

@@ -1,0 +1,56 @@
+//! Reading and writing graphs and plans.
+//!
+//! [`load_graph`] reads a graph file of any supported kind, plain or
+//! gzip-compressed (`.gz`): memplan's JSON graph format ([`json`]).
+
+pub mod json;
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::error::{Error, GraphError};
+use crate::graph::Graph;
+
+/// Reads a file as text, gunzipping it when it starts with the gzip magic.
+pub fn read_text(path: &Path) -> Result<String, Error> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let bytes = if bytes.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::MultiGzDecoder::new(&bytes[..])
+            .read_to_end(&mut out)
+            .map_err(|source| Error::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        out
+    } else {
+        bytes
+    };
+    String::from_utf8(bytes).map_err(|e| Error::Parse {
+        path: path.to_path_buf(),
+        line: 0,
+        column: 0,
+        msg: format!(
+            "the file is not UTF-8 text (bad byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ),
+    })
+}
+
+/// Loads a graph file, choosing the reader by its content.
+pub fn load_graph(path: &Path) -> Result<Graph, Error> {
+    let text = read_text(path)?;
+    let start = text.trim_start();
+    if start.starts_with('{') {
+        return json::parse_graph(&text, path);
+    }
+    Err(Error::Graph {
+        path: Some(path.to_path_buf()),
+        source: GraphError::Other(
+            "unrecognised graph file: expected memplan JSON (starting with '{')".into(),
+        ),
+    })
+}

@@ -1,0 +1,57 @@
+//! memplan plans the memory of one training step: given the step's graph
+//! (forward, loss, backward, optimizer update, collectives), it chooses the
+//! order ops run in and a byte offset for every tensor inside one arena, so
+//! the step runs at the smallest peak, with the same math.
+//!
+//! # Crate map
+//! - [`graph`]: the graph model (ops, tensors, views, in-place updates, reuse
+//!   hints) and [`graph::GraphBuilder`] to make one in code.
+//! - [`io`]: graph files (memplan JSON, gzip); [`plan`]: the plan and its
+//!   JSON form.
+//! - [`checker`]: the independent plan checker.
+//! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
+//!   the allocator (`memplan-allocator`, offsets).
+//! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
+//!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
+//!
+//! # Example
+//! ```
+//! use memplan::graph::{GraphBuilder, OpKind, OpSpec, Role, TensorSpec};
+//!
+//! // Two independent branches that each make a big temporary and reduce
+//! // it. Program order starts both branches before reducing either.
+//! let mut b = GraphBuilder::new("branches");
+//! let x = b.add_tensor(TensorSpec::new("x", 64).role(Role::Input).persistent());
+//! let big: Vec<_> = (0..2).map(|i| b.add_tensor(TensorSpec::new(format!("big{i}"), 1000))).collect();
+//! let small: Vec<_> = (0..2).map(|i| b.add_tensor(TensorSpec::new(format!("small{i}"), 10))).collect();
+//! for i in 0..2 {
+//!     b.add_op(OpSpec::new(format!("expand{i}"), OpKind::Forward, "f").inputs([x]).outputs([big[i]]));
+//! }
+//! for i in 0..2 {
+//!     b.add_op(OpSpec::new(format!("reduce{i}"), OpKind::Forward, "f").inputs([big[i]]).outputs([small[i]]));
+//! }
+//! let out = b.add_tensor(TensorSpec::new("out", 10).role(Role::Output).persistent());
+//! b.add_op(OpSpec::new("sum", OpKind::Forward, "add").inputs(small).outputs([out]));
+//! let graph = b.build().unwrap();
+//!
+//! let plan = memplan::plan(&graph, &memplan::Options::default()).unwrap();
+//! memplan::checker::check(&graph, &plan).unwrap();
+//! // Program order needs both big temporaries at once; memplan does not.
+//! assert_eq!(memplan::baselines::program_order_max_live(&graph), 64 + 2000 + 10);
+//! assert_eq!(plan.stats.max_live_bytes, 64 + 1000 + 10 + 10);
+//! ```
+
+pub mod baselines;
+pub mod checker;
+pub mod error;
+pub mod graph;
+pub mod io;
+pub mod lower;
+pub mod models;
+pub mod pipeline;
+pub mod plan;
+
+pub use error::{Error, GraphError, Result};
+pub use graph::{Graph, GraphBuilder, OpId, TensorId};
+pub use pipeline::{Options, plan};
+pub use plan::{Plan, PlanStats};

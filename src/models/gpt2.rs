@@ -1,0 +1,878 @@
+//! A GPT-2 style decoder training step: token and position embedding,
+//! pre-LayerNorm blocks (causal self-attention, GELU MLP, residuals), a final
+//! LayerNorm, the LM head (tied to the token embedding by default),
+//! cross-entropy, the full backward pass and one Adam/AdamW update per
+//! parameter with persistent moment buffers.
+//!
+//! Program order is what PyTorch eager runs: the forward pass, the backward
+//! pass in reverse layer order (with activation checkpointing, each block's
+//! forward is recomputed just before its backward), optional gradient-norm
+//! clipping, then `optimizer.step()` over the parameters in order.
+//!
+//! Shapes: `B` batch, `T` sequence, `C` width, `H` heads, `V` vocabulary.
+//! Linear weights are stored `[in, out]` (GPT-2's Conv1D layout):
+//! `y = x @ W + b`. The op types and their attributes are listed in
+//! `docs/ops.md`.
+
+use serde_json::{Value, json};
+
+use super::DType;
+use crate::error::Error;
+use crate::graph::{Graph, GraphBuilder, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec};
+
+/// Which optimizer updates the parameters.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Optimizer {
+    Adam,
+    AdamW,
+}
+
+/// Configuration of the GPT-2 training step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gpt2Config {
+    pub name: String,
+    pub layers: u64,
+    pub width: u64,
+    pub heads: u64,
+    pub seq: u64,
+    pub batch: u64,
+    pub vocab: u64,
+    pub dtype: DType,
+    /// Recompute each block's forward during its backward (activation
+    /// checkpointing): only block inputs are kept from the forward pass.
+    pub checkpoint: bool,
+    /// Tie the LM head to the token embedding (GPT-2 does).
+    pub tied: bool,
+    pub optimizer: Optimizer,
+    /// Clip the gradients' global norm to this value before the updates.
+    pub clip_grad_norm: Option<f64>,
+    /// Model the temporary each single-tensor Adam step allocates (the
+    /// denominator, one parameter's size), as PyTorch's default Adam does.
+    pub adam_workspace: bool,
+    /// Alignment of every tensor in bytes.
+    pub align: u64,
+    pub lr: f64,
+    pub weight_decay: f64,
+}
+
+impl Gpt2Config {
+    /// GPT-2's published sizes (sequence 1024, vocabulary 50257, batch 1),
+    /// and `gpt2-tiny` (2 layers, width 128, 4 heads, sequence 128, batch 2:
+    /// the shape of the `gpt2_tiny` HLO fixture).
+    pub fn preset(name: &str) -> Option<Gpt2Config> {
+        let (layers, width, heads, seq, batch) = match name {
+            "gpt2-tiny" => (2, 128, 4, 128, 2),
+            "gpt2-small" => (12, 768, 12, 1024, 1),
+            "gpt2-medium" => (24, 1024, 16, 1024, 1),
+            "gpt2-large" => (36, 1280, 20, 1024, 1),
+            "gpt2-xl" => (48, 1600, 25, 1024, 1),
+            _ => return None,
+        };
+        Some(Gpt2Config {
+            name: name.to_string(),
+            layers,
+            width,
+            heads,
+            seq,
+            batch,
+            vocab: 50257,
+            dtype: DType::F32,
+            checkpoint: false,
+            tied: true,
+            optimizer: Optimizer::AdamW,
+            clip_grad_norm: None,
+            adam_workspace: true,
+            align: 256,
+            lr: 1e-3,
+            weight_decay: 0.01,
+        })
+    }
+
+    /// A small configuration for tests and CPU runs.
+    pub fn small_config(
+        layers: u64,
+        width: u64,
+        heads: u64,
+        seq: u64,
+        batch: u64,
+        vocab: u64,
+    ) -> Self {
+        Gpt2Config {
+            name: format!("gpt2-l{layers}-d{width}-h{heads}-t{seq}-b{batch}-v{vocab}"),
+            layers,
+            width,
+            heads,
+            seq,
+            batch,
+            vocab,
+            ..Gpt2Config::preset("gpt2-tiny").expect("preset exists")
+        }
+    }
+
+    /// Number of trainable parameters.
+    pub fn parameters(&self) -> u64 {
+        let c = self.width;
+        let block = 2 * c
+            + (c * 3 * c + 3 * c)
+            + (c * c + c)
+            + 2 * c
+            + (c * 4 * c + 4 * c)
+            + (4 * c * c + c);
+        let head = if self.tied { 0 } else { self.vocab * c };
+        self.vocab * c + self.seq * c + self.layers * block + 2 * c + head
+    }
+}
+
+/// A trainable parameter with its gradient and optimizer state.
+struct Param {
+    w: TensorId,
+    grad: Option<TensorId>,
+    m: TensorId,
+    v: TensorId,
+    init: &'static str,
+}
+
+/// What one block's backward needs from its forward.
+struct BlockActs {
+    x: TensorId,
+    y1: TensorId,
+    mean1: TensorId,
+    rstd1: TensorId,
+    qkv: TensorId,
+    probs: TensorId,
+    att: TensorId,
+    x2: TensorId,
+    y2: TensorId,
+    mean2: TensorId,
+    rstd2: TensorId,
+    h: TensorId,
+    g: TensorId,
+}
+
+/// Parameter indices of one block.
+struct BlockParams {
+    ln1_g: usize,
+    ln1_b: usize,
+    qkv_w: usize,
+    qkv_b: usize,
+    proj_w: usize,
+    proj_b: usize,
+    ln2_g: usize,
+    ln2_b: usize,
+    fc_w: usize,
+    fc_b: usize,
+    fc2_w: usize,
+    fc2_b: usize,
+}
+
+struct Net {
+    b: GraphBuilder,
+    cfg: Gpt2Config,
+    params: Vec<Param>,
+}
+
+impl Net {
+    fn tensor(&mut self, name: &str, shape: &[u64], role: Role) -> TensorId {
+        let dt = self.cfg.dtype;
+        self.typed(name, shape, role, dt.as_str(), dt.bytes())
+    }
+    fn typed(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        role: Role,
+        dtype: &str,
+        bytes: u64,
+    ) -> TensorId {
+        let elems: u64 = shape.iter().product();
+        self.b.add_tensor(
+            TensorSpec::new(name, elems * bytes)
+                .role(role)
+                .align(self.cfg.align)
+                .dtype(dtype)
+                .shape(shape.to_vec()),
+        )
+    }
+    /// Per-row statistics (LayerNorm mean and 1/std) stay in f32.
+    fn stats(&mut self, name: &str, rows: u64) -> TensorId {
+        self.typed(name, &[rows], Role::Activation, "f32", 4)
+    }
+    fn param(&mut self, name: &str, shape: &[u64], init: &'static str) -> usize {
+        let w = self.tensor(name, shape, Role::Parameter);
+        let m = self.tensor(&format!("{name}.adam_m"), shape, Role::OptimizerState);
+        let v = self.tensor(&format!("{name}.adam_v"), shape, Role::OptimizerState);
+        for t in [w, m, v] {
+            self.b.tensor_spec_mut(t).lifetime = crate::graph::Lifetime::Persistent;
+        }
+        self.params.push(Param {
+            w,
+            grad: None,
+            m,
+            v,
+            init,
+        });
+        self.params.len() - 1
+    }
+    fn w(&self, p: usize) -> TensorId {
+        self.params[p].w
+    }
+    fn grad(&mut self, p: usize) -> TensorId {
+        let name = format!("{}.grad", self.b.tensor_spec(self.params[p].w).name);
+        let shape = self.shape(self.params[p].w);
+        let g = self.tensor(&name, &shape, Role::Gradient);
+        self.params[p].grad = Some(g);
+        g
+    }
+    fn shape(&self, t: TensorId) -> Vec<u64> {
+        self.b.tensor_spec(t).shape.clone().unwrap_or_default()
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn op(
+        &mut self,
+        name: &str,
+        kind: OpKind,
+        ty: &str,
+        inputs: &[TensorId],
+        outputs: &[TensorId],
+        attrs: Value,
+    ) -> OpId {
+        let mut spec = OpSpec::new(name, kind, ty)
+            .inputs(inputs.iter().copied())
+            .outputs(outputs.iter().copied());
+        if let Value::Object(m) = attrs {
+            spec.attrs = m;
+        }
+        self.b.add_op(spec)
+    }
+    fn reuse(&mut self, op: OpId, out: TensorId, inp: TensorId) {
+        self.b.op_spec_mut(op).reuse.push((out, inp));
+    }
+}
+
+/// Builds the GPT-2 training-step graph for `cfg`.
+pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
+    if cfg.heads == 0 || cfg.width % cfg.heads != 0 {
+        return Err(Error::Invalid(format!(
+            "gpt2: width {} is not a multiple of heads {}",
+            cfg.width, cfg.heads
+        )));
+    }
+    if [cfg.layers, cfg.width, cfg.seq, cfg.batch, cfg.vocab].contains(&0) {
+        return Err(Error::Invalid(
+            "gpt2: layers, width, seq, batch and vocab must be positive".into(),
+        ));
+    }
+    let mut name = cfg.name.clone();
+    if cfg.batch != 1 {
+        name.push_str(&format!("-b{}", cfg.batch));
+    }
+    if cfg.checkpoint {
+        name.push_str("-ckpt");
+    }
+    let mut net = Net {
+        b: GraphBuilder::new(name),
+        cfg: cfg.clone(),
+        params: Vec::new(),
+    };
+    let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
+    let rows = bsz * t;
+
+    // Parameters, in the order `model.parameters()` lists them.
+    let wte = net.param("wte", &[v, c], "normal:0.02");
+    let wpe = net.param("wpe", &[t, c], "normal:0.01");
+    let mut blocks = Vec::new();
+    for l in 0..cfg.layers {
+        let p = |s: &str| format!("h{l}.{s}");
+        let resid_std = "normal_resid:0.02";
+        blocks.push(BlockParams {
+            ln1_g: net.param(&p("ln_1.weight"), &[c], "ones"),
+            ln1_b: net.param(&p("ln_1.bias"), &[c], "zeros"),
+            qkv_w: net.param(&p("attn.c_attn.weight"), &[c, 3 * c], "normal:0.02"),
+            qkv_b: net.param(&p("attn.c_attn.bias"), &[3 * c], "zeros"),
+            proj_w: net.param(&p("attn.c_proj.weight"), &[c, c], resid_std),
+            proj_b: net.param(&p("attn.c_proj.bias"), &[c], "zeros"),
+            ln2_g: net.param(&p("ln_2.weight"), &[c], "ones"),
+            ln2_b: net.param(&p("ln_2.bias"), &[c], "zeros"),
+            fc_w: net.param(&p("mlp.c_fc.weight"), &[c, 4 * c], "normal:0.02"),
+            fc_b: net.param(&p("mlp.c_fc.bias"), &[4 * c], "zeros"),
+            fc2_w: net.param(&p("mlp.c_proj.weight"), &[4 * c, c], resid_std),
+            fc2_b: net.param(&p("mlp.c_proj.bias"), &[c], "zeros"),
+        });
+    }
+    let lnf_g = net.param("ln_f.weight", &[c], "ones");
+    let lnf_b = net.param("ln_f.bias", &[c], "zeros");
+    let head = if cfg.tied {
+        wte
+    } else {
+        net.param("lm_head.weight", &[v, c], "normal:0.02")
+    };
+
+    let tokens = net.typed("tokens", &[bsz, t], Role::Input, "i32", 4);
+    let targets = net.typed("targets", &[bsz, t], Role::Input, "i32", 4);
+    for x in [tokens, targets] {
+        net.b.tensor_spec_mut(x).lifetime = crate::graph::Lifetime::Persistent;
+    }
+
+    // Forward.
+    let x0 = net.tensor("embed.out", &[bsz, t, c], Role::Activation);
+    let (w_te, w_pe) = (net.w(wte), net.w(wpe));
+    net.op(
+        "embed",
+        OpKind::Forward,
+        "embedding",
+        &[tokens, w_te, w_pe],
+        &[x0],
+        json!({"batch": bsz, "seq": t, "width": c, "vocab": v}),
+    );
+    let mut x = x0;
+    let mut saved = Vec::new();
+    for (l, bp) in blocks.iter().enumerate() {
+        let (acts, out) = block_forward(&mut net, l, bp, x, false);
+        saved.push(acts);
+        x = out.expect("a full forward has an output");
+    }
+    let x_last = x;
+    let yf = net.tensor("ln_f.out", &[bsz, t, c], Role::Activation);
+    let meanf = net.stats("ln_f.mean", rows);
+    let rstdf = net.stats("ln_f.rstd", rows);
+    let (g_f, b_f) = (net.w(lnf_g), net.w(lnf_b));
+    net.op(
+        "ln_f",
+        OpKind::Forward,
+        "layernorm",
+        &[x_last, g_f, b_f],
+        &[yf, meanf, rstdf],
+        json!({"rows": rows, "cols": c, "eps": 1e-5}),
+    );
+    let logits = net.tensor("logits", &[bsz, t, v], Role::Activation);
+    let w_head = net.w(head);
+    net.op(
+        "lm_head",
+        OpKind::Forward,
+        "matmul_nt",
+        &[yf, w_head],
+        &[logits],
+        json!({"m": rows, "k": c, "n": v}),
+    );
+    let loss = net.typed("loss", &[1], Role::Output, "f32", 4);
+    net.b.tensor_spec_mut(loss).lifetime = crate::graph::Lifetime::Persistent;
+    net.op(
+        "loss",
+        OpKind::Forward,
+        "cross_entropy",
+        &[logits, targets],
+        &[loss],
+        json!({"rows": rows, "classes": v}),
+    );
+
+    // Backward.
+    let dlogits = net.tensor("logits.grad", &[bsz, t, v], Role::Activation);
+    let op = net.op(
+        "loss.backward",
+        OpKind::Backward,
+        "cross_entropy_backward",
+        &[logits, targets],
+        &[dlogits],
+        json!({"rows": rows, "classes": v, "scale": 1.0 / rows as f64}),
+    );
+    net.reuse(op, dlogits, logits);
+    let dyf = net.tensor("ln_f.out.grad", &[bsz, t, c], Role::Activation);
+    net.op(
+        "lm_head.backward_data",
+        OpKind::Backward,
+        "matmul_nn",
+        &[dlogits, w_head],
+        &[dyf],
+        json!({"m": rows, "k": v, "n": c}),
+    );
+    let dhead = if cfg.tied {
+        net.tensor("lm_head.weight.grad", &[v, c], Role::Gradient)
+    } else {
+        net.grad(head)
+    };
+    net.op(
+        "lm_head.backward_weight",
+        OpKind::Backward,
+        "matmul_tn",
+        &[dlogits, yf],
+        &[dhead],
+        json!({"m": v, "k": rows, "n": c}),
+    );
+    let mut dx = layernorm_backward(&mut net, "ln_f", dyf, x_last, meanf, rstdf, lnf_g, lnf_b);
+    for l in (0..cfg.layers as usize).rev() {
+        let bp = &blocks[l];
+        let acts = if cfg.checkpoint {
+            block_forward(&mut net, l, bp, saved[l].x, true).0
+        } else {
+            std::mem::replace(&mut saved[l], dummy_acts())
+        };
+        dx = block_backward(&mut net, l, bp, &acts, dx);
+    }
+    let dwpe = net.grad(wpe);
+    let dwte = net.grad(wte);
+    let mut ins = vec![dx, tokens];
+    if cfg.tied {
+        ins.push(dhead);
+    }
+    let op = net.op(
+        "embed.backward",
+        OpKind::Backward,
+        "embedding_backward",
+        &ins,
+        &[dwte, dwpe],
+        json!({"batch": bsz, "seq": t, "width": c, "vocab": v, "accumulate": cfg.tied}),
+    );
+    if cfg.tied {
+        net.reuse(op, dwte, dhead);
+    }
+
+    // Optimizer step.
+    let grads: Vec<TensorId> = net
+        .params
+        .iter()
+        .map(|p| p.grad.expect("every parameter has a gradient"))
+        .collect();
+    let norm = cfg.clip_grad_norm.map(|max_norm| {
+        let norm = net.typed("grad_norm", &[1], Role::Temporary, "f32", 4);
+        net.op(
+            "clip_grad_norm",
+            OpKind::Optimizer,
+            "grad_norm",
+            &grads,
+            &[norm],
+            json!({"max_norm": max_norm}),
+        );
+        norm
+    });
+    let opt = match cfg.optimizer {
+        Optimizer::Adam => "adam",
+        Optimizer::AdamW => "adamw",
+    };
+    for (i, &g) in grads.iter().enumerate() {
+        let p = &net.params[i];
+        let (w, m, vv, init) = (p.w, p.m, p.v, p.init);
+        let pname = net.b.tensor_spec(w).name.clone();
+        let shape = net.shape(w);
+        let elems: u64 = shape.iter().product();
+        let mut inputs = vec![g];
+        inputs.extend(norm);
+        let mut outputs = Vec::new();
+        if cfg.adam_workspace {
+            outputs.push(net.tensor(&format!("{pname}.adam_denom"), &shape, Role::Temporary));
+        }
+        let wd = if cfg.optimizer == Optimizer::AdamW {
+            cfg.weight_decay
+        } else {
+            0.0
+        };
+        let mut spec = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, opt)
+            .inputs(inputs)
+            .outputs(outputs)
+            .updates([w, m, vv]);
+        if let Value::Object(a) = json!({
+            "elements": elems, "lr": cfg.lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+            "weight_decay": wd, "step": 1, "init": init, "clip": cfg.clip_grad_norm,
+        }) {
+            spec.attrs = a;
+        }
+        net.b.add_op(spec);
+    }
+    Ok(net.b.build()?)
+}
+
+fn dummy_acts() -> BlockActs {
+    let z = TensorId(u32::MAX);
+    BlockActs {
+        x: z,
+        y1: z,
+        mean1: z,
+        rstd1: z,
+        qkv: z,
+        probs: z,
+        att: z,
+        x2: z,
+        y2: z,
+        mean2: z,
+        rstd2: z,
+        h: z,
+        g: z,
+    }
+}
+
+/// One block's forward. With `recompute`, ops and tensors are prefixed
+/// `recompute.`, and the ops that only feed the block's output (MLP
+/// projection and the second residual) are skipped: the backward does not
+/// need them.
+fn block_forward(
+    net: &mut Net,
+    l: usize,
+    bp: &BlockParams,
+    x: TensorId,
+    recompute: bool,
+) -> (BlockActs, Option<TensorId>) {
+    let cfg = net.cfg.clone();
+    let (bsz, t, c, h) = (cfg.batch, cfg.seq, cfg.width, cfg.heads);
+    let rows = bsz * t;
+    let pre = if recompute {
+        format!("recompute.h{l}")
+    } else {
+        format!("h{l}")
+    };
+    let n = |s: &str| format!("{pre}.{s}");
+    let rc = |mut v: Value| {
+        if recompute {
+            v["recompute"] = Value::Bool(true);
+        }
+        v
+    };
+    let kind = OpKind::Forward;
+
+    let y1 = net.tensor(&n("ln_1.out"), &[bsz, t, c], Role::Activation);
+    let mean1 = net.stats(&n("ln_1.mean"), rows);
+    let rstd1 = net.stats(&n("ln_1.rstd"), rows);
+    let (g1, b1) = (net.w(bp.ln1_g), net.w(bp.ln1_b));
+    net.op(
+        &n("ln_1"),
+        kind,
+        "layernorm",
+        &[x, g1, b1],
+        &[y1, mean1, rstd1],
+        rc(json!({"rows": rows, "cols": c, "eps": 1e-5})),
+    );
+    let qkv = net.tensor(&n("attn.qkv"), &[bsz, t, 3 * c], Role::Activation);
+    let (wq, bq) = (net.w(bp.qkv_w), net.w(bp.qkv_b));
+    net.op(
+        &n("attn.c_attn"),
+        kind,
+        "linear",
+        &[y1, wq, bq],
+        &[qkv],
+        rc(json!({"m": rows, "k": c, "n": 3 * c})),
+    );
+    let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
+                      "scale": 1.0 / ((c / h) as f64).sqrt()});
+    let scores = net.tensor(&n("attn.scores"), &[bsz, h, t, t], Role::Temporary);
+    net.op(
+        &n("attn.scores"),
+        kind,
+        "attention_scores",
+        &[qkv],
+        &[scores],
+        rc(attn.clone()),
+    );
+    let probs = net.tensor(&n("attn.probs"), &[bsz, h, t, t], Role::Activation);
+    let op = net.op(
+        &n("attn.softmax"),
+        kind,
+        "causal_softmax",
+        &[scores],
+        &[probs],
+        rc(attn.clone()),
+    );
+    net.reuse(op, probs, scores);
+    let att = net.tensor(&n("attn.out"), &[bsz, t, c], Role::Activation);
+    net.op(
+        &n("attn.values"),
+        kind,
+        "attention_values",
+        &[probs, qkv],
+        &[att],
+        rc(attn),
+    );
+    let a = net.tensor(&n("attn.proj"), &[bsz, t, c], Role::Activation);
+    let (wo, bo) = (net.w(bp.proj_w), net.w(bp.proj_b));
+    net.op(
+        &n("attn.c_proj"),
+        kind,
+        "linear",
+        &[att, wo, bo],
+        &[a],
+        rc(json!({"m": rows, "k": c, "n": c})),
+    );
+    let x2 = net.tensor(&n("resid_1"), &[bsz, t, c], Role::Activation);
+    let op = net.op(
+        &n("resid_1"),
+        kind,
+        "add",
+        &[x, a],
+        &[x2],
+        rc(json!({"elements": rows * c})),
+    );
+    net.reuse(op, x2, a);
+    let y2 = net.tensor(&n("ln_2.out"), &[bsz, t, c], Role::Activation);
+    let mean2 = net.stats(&n("ln_2.mean"), rows);
+    let rstd2 = net.stats(&n("ln_2.rstd"), rows);
+    let (g2, b2) = (net.w(bp.ln2_g), net.w(bp.ln2_b));
+    net.op(
+        &n("ln_2"),
+        kind,
+        "layernorm",
+        &[x2, g2, b2],
+        &[y2, mean2, rstd2],
+        rc(json!({"rows": rows, "cols": c, "eps": 1e-5})),
+    );
+    let hh = net.tensor(&n("mlp.fc"), &[bsz, t, 4 * c], Role::Activation);
+    let (wf, bf) = (net.w(bp.fc_w), net.w(bp.fc_b));
+    net.op(
+        &n("mlp.c_fc"),
+        kind,
+        "linear",
+        &[y2, wf, bf],
+        &[hh],
+        rc(json!({"m": rows, "k": c, "n": 4 * c})),
+    );
+    let g = net.tensor(&n("mlp.gelu"), &[bsz, t, 4 * c], Role::Activation);
+    let op = net.op(
+        &n("mlp.gelu"),
+        kind,
+        "gelu",
+        &[hh],
+        &[g],
+        rc(json!({"elements": rows * 4 * c})),
+    );
+    net.reuse(op, g, hh);
+    let acts = BlockActs {
+        x,
+        y1,
+        mean1,
+        rstd1,
+        qkv,
+        probs,
+        att,
+        x2,
+        y2,
+        mean2,
+        rstd2,
+        h: hh,
+        g,
+    };
+    if recompute {
+        return (acts, None);
+    }
+    let m = net.tensor(&n("mlp.proj"), &[bsz, t, c], Role::Activation);
+    let (w2, b2w) = (net.w(bp.fc2_w), net.w(bp.fc2_b));
+    net.op(
+        &n("mlp.c_proj"),
+        kind,
+        "linear",
+        &[g, w2, b2w],
+        &[m],
+        json!({"m": rows, "k": 4 * c, "n": c}),
+    );
+    let x3 = net.tensor(&n("resid_2"), &[bsz, t, c], Role::Activation);
+    let op = net.op(
+        &n("resid_2"),
+        kind,
+        "add",
+        &[x2, m],
+        &[x3],
+        json!({"elements": rows * c}),
+    );
+    net.reuse(op, x3, m);
+    (acts, Some(x3))
+}
+
+/// LayerNorm backward: returns the input gradient; parameter gradients go to
+/// the parameters' `.grad` tensors.
+#[allow(clippy::too_many_arguments)]
+fn layernorm_backward(
+    net: &mut Net,
+    name: &str,
+    dy: TensorId,
+    x: TensorId,
+    mean: TensorId,
+    rstd: TensorId,
+    gp: usize,
+    bp: usize,
+) -> TensorId {
+    let shape = net.shape(x);
+    let rows: u64 = shape[..shape.len() - 1].iter().product();
+    let cols = shape[shape.len() - 1];
+    let dx = net.tensor(&format!("{name}.in.grad"), &shape, Role::Activation);
+    let dg = net.grad(gp);
+    let db = net.grad(bp);
+    let gamma = net.w(gp);
+    let op = net.op(
+        &format!("{name}.backward"),
+        OpKind::Backward,
+        "layernorm_backward",
+        &[dy, x, mean, rstd, gamma],
+        &[dx, dg, db],
+        json!({"rows": rows, "cols": cols}),
+    );
+    net.reuse(op, dx, dy);
+    dx
+}
+
+/// `y = x @ W + b` backward: input gradient, then weight and bias gradients.
+fn linear_backward(
+    net: &mut Net,
+    name: &str,
+    dy: TensorId,
+    x: TensorId,
+    wp: usize,
+    bp: usize,
+) -> TensorId {
+    let xs = net.shape(x);
+    let ws = net.shape(net.w(wp));
+    let rows: u64 = xs[..xs.len() - 1].iter().product();
+    let (k, n) = (ws[0], ws[1]);
+    let dx = net.tensor(&format!("{name}.in.grad"), &xs, Role::Activation);
+    let w = net.w(wp);
+    net.op(
+        &format!("{name}.backward_data"),
+        OpKind::Backward,
+        "linear_backward_data",
+        &[dy, w],
+        &[dx],
+        json!({"m": rows, "k": k, "n": n}),
+    );
+    let dw = net.grad(wp);
+    let db = net.grad(bp);
+    net.op(
+        &format!("{name}.backward_weight"),
+        OpKind::Backward,
+        "linear_backward_weight",
+        &[dy, x],
+        &[dw, db],
+        json!({"m": rows, "k": k, "n": n}),
+    );
+    dx
+}
+
+/// One block's backward from the gradient of its output; returns the
+/// gradient of its input.
+fn block_backward(
+    net: &mut Net,
+    l: usize,
+    bp: &BlockParams,
+    a: &BlockActs,
+    dy: TensorId,
+) -> TensorId {
+    let cfg = net.cfg.clone();
+    let (bsz, t, c, h) = (cfg.batch, cfg.seq, cfg.width, cfg.heads);
+    let rows = bsz * t;
+    let n = |s: &str| format!("h{l}.{s}");
+    let kind = OpKind::Backward;
+
+    // x3 = x2 + m; m = gelu(h) @ W2 + b2
+    let dg = linear_backward(net, &n("mlp.c_proj"), dy, a.g, bp.fc2_w, bp.fc2_b);
+    let dh = net.tensor(&n("mlp.fc.grad"), &[bsz, t, 4 * c], Role::Activation);
+    let op = net.op(
+        &n("mlp.gelu.backward"),
+        kind,
+        "gelu_backward",
+        &[dg, a.h],
+        &[dh],
+        json!({"elements": rows * 4 * c}),
+    );
+    net.reuse(op, dh, dg);
+    let dy2 = linear_backward(net, &n("mlp.c_fc"), dh, a.y2, bp.fc_w, bp.fc_b);
+    let dx2_ln = layernorm_backward(
+        net,
+        &n("ln_2"),
+        dy2,
+        a.x2,
+        a.mean2,
+        a.rstd2,
+        bp.ln2_g,
+        bp.ln2_b,
+    );
+    let dx2 = net.tensor(&n("resid_1.grad"), &[bsz, t, c], Role::Activation);
+    let op = net.op(
+        &n("resid_2.backward"),
+        kind,
+        "add",
+        &[dy, dx2_ln],
+        &[dx2],
+        json!({"elements": rows * c}),
+    );
+    net.reuse(op, dx2, dx2_ln);
+    net.reuse(op, dx2, dy);
+
+    // x2 = x + att @ Wo + bo
+    let datt = linear_backward(net, &n("attn.c_proj"), dx2, a.att, bp.proj_w, bp.proj_b);
+    let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
+                      "scale": 1.0 / ((c / h) as f64).sqrt()});
+    let dprobs = net.tensor(&n("attn.probs.grad"), &[bsz, h, t, t], Role::Temporary);
+    let dqkv = net.tensor(&n("attn.qkv.grad"), &[bsz, t, 3 * c], Role::Activation);
+    net.op(
+        &n("attn.values.backward"),
+        kind,
+        "attention_values_backward",
+        &[datt, a.probs, a.qkv],
+        &[dprobs, dqkv],
+        attn.clone(),
+    );
+    let dscores = net.tensor(&n("attn.scores.grad"), &[bsz, h, t, t], Role::Temporary);
+    let op = net.op(
+        &n("attn.softmax.backward"),
+        kind,
+        "causal_softmax_backward",
+        &[dprobs, a.probs],
+        &[dscores],
+        attn.clone(),
+    );
+    net.reuse(op, dscores, dprobs);
+    let spec = OpSpec::new(n("attn.scores.backward"), kind, "attention_scores_backward")
+        .inputs([dscores, a.qkv])
+        .updates([dqkv]);
+    let op = net.b.add_op(spec);
+    if let Value::Object(m) = attn {
+        net.b.op_spec_mut(op).attrs = m;
+    }
+    let dy1 = linear_backward(net, &n("attn.c_attn"), dqkv, a.y1, bp.qkv_w, bp.qkv_b);
+    let dx_ln = layernorm_backward(
+        net,
+        &n("ln_1"),
+        dy1,
+        a.x,
+        a.mean1,
+        a.rstd1,
+        bp.ln1_g,
+        bp.ln1_b,
+    );
+    let dx = net.tensor(&n("in.grad"), &[bsz, t, c], Role::Activation);
+    let op = net.op(
+        &n("resid_1.backward"),
+        kind,
+        "add",
+        &[dx2, dx_ln],
+        &[dx],
+        json!({"elements": rows * c}),
+    );
+    net.reuse(op, dx, dx_ln);
+    net.reuse(op, dx, dx2);
+    dx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_count_matches_gpt2_small() {
+        let c = Gpt2Config::preset("gpt2-small").unwrap();
+        assert_eq!(c.parameters(), 124_439_808);
+        let g = build(&c).unwrap();
+        let params: u64 = g
+            .tensors()
+            .iter()
+            .filter(|t| t.role == Role::Parameter)
+            .map(|t| t.size / 4)
+            .sum();
+        assert_eq!(params, 124_439_808);
+    }
+
+    #[test]
+    fn builds_every_preset_and_checkpointing() {
+        for name in ["gpt2-tiny", "gpt2-small", "gpt2-medium", "gpt2-xl"] {
+            let mut c = Gpt2Config::preset(name).unwrap();
+            build(&c).unwrap();
+            c.checkpoint = true;
+            c.clip_grad_norm = Some(1.0);
+            let g = build(&c).unwrap();
+            assert!(g.ops().iter().any(|o| o.name.starts_with("recompute.")));
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Built-in example graphs, generated in code: a GPT-2 style decoder training
+//! step and an MLP. Ops carry their type, shapes and hyper-parameters so an
+//! executor can run them (op types are listed in `docs/ops.md`).
+
+pub mod gpt2;
+pub mod mlp;
+
+use crate::error::Error;
+use crate::graph::Graph;
+
+/// Element type of the built-in models.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum DType {
+    #[default]
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    pub fn bytes(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+    pub fn parse(s: &str) -> Option<DType> {
+        match s {
+            "f32" | "float32" => Some(DType::F32),
+            "bf16" | "bfloat16" => Some(DType::BF16),
+            "f16" | "float16" => Some(DType::F16),
+            _ => None,
+        }
+    }
+}
+
+/// Names of the built-in examples.
+pub const EXAMPLES: &[&str] = &[
+    "gpt2-tiny",
+    "gpt2-small",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "mlp",
+];
+
+/// Options a user may set on a built-in example.
+#[derive(Clone, Debug, Default)]
+pub struct ExampleOptions {
+    pub batch: Option<u64>,
+    pub seq: Option<u64>,
+    pub layers: Option<u64>,
+    pub dtype: Option<DType>,
+    pub checkpoint: bool,
+    pub clip_grad_norm: Option<f64>,
+}
+
+/// Builds a built-in example by name.
+pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
+    if name == "mlp" {
+        let mut c = mlp::MlpConfig::default();
+        if let Some(b) = opts.batch {
+            c.batch = b;
+        }
+        if let Some(l) = opts.layers {
+            c.layers = l;
+        }
+        if let Some(d) = opts.dtype {
+            c.dtype = d;
+        }
+        return mlp::build(&c);
+    }
+    let Some(mut c) = gpt2::Gpt2Config::preset(name) else {
+        return Err(Error::UnknownExample {
+            name: name.to_string(),
+            known: EXAMPLES.join(", "),
+        });
+    };
+    if let Some(b) = opts.batch {
+        c.batch = b;
+    }
+    if let Some(s) = opts.seq {
+        c.seq = s;
+    }
+    if let Some(l) = opts.layers {
+        c.layers = l;
+    }
+    if let Some(d) = opts.dtype {
+        c.dtype = d;
+    }
+    c.checkpoint = opts.checkpoint;
+    c.clip_grad_norm = opts.clip_grad_norm;
+    gpt2::build(&c)
+}
