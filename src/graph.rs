@@ -222,9 +222,53 @@ pub struct Graph {
     root_users: Vec<Vec<OpId>>,
     deps: Vec<Vec<OpId>>,
     program_order: Vec<OpId>,
+    /// Other orders known for this graph (e.g. `xla-order`, the schedule of
+    /// a scheduled HLO module), each a valid order of every op.
+    pub extra_orders: Vec<(String, Vec<OpId>)>,
+    /// Peaks other tools reported for this step (e.g. `xla`: XLA's total
+    /// bytes; `torch-reserved`: PyTorch's measured `max_memory_reserved`).
+    pub reference_peaks: Vec<(String, u64)>,
+    /// Free-form information about where the graph came from.
+    pub metadata: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Graph {
+    /// Adds a named order after checking it holds every op once and respects
+    /// every dependency.
+    pub fn add_order(
+        &mut self,
+        name: impl Into<String>,
+        order: Vec<OpId>,
+    ) -> Result<(), GraphError> {
+        let name = name.into();
+        let n = self.ops.len();
+        let bad = |why: String| GraphError::Other(format!("order {name:?}: {why}"));
+        if order.len() != n {
+            return Err(bad(format!("has {} ops, the graph {n}", order.len())));
+        }
+        let mut pos = vec![usize::MAX; n];
+        for (i, &o) in order.iter().enumerate() {
+            if o.index() >= n || pos[o.index()] != usize::MAX {
+                return Err(bad(format!("names op index {} twice or out of range", o.0)));
+            }
+            pos[o.index()] = i;
+        }
+        for o in self.op_ids() {
+            for &d in self.deps(o) {
+                if pos[d.index()] > pos[o.index()] {
+                    return Err(bad(format!(
+                        "runs {:?} before its dependency {:?}",
+                        self.op(o).name,
+                        self.op(d).name
+                    )));
+                }
+            }
+        }
+        self.extra_orders.retain(|(n, _)| *n != name);
+        self.extra_orders.push((name, order));
+        Ok(())
+    }
+
     pub fn tensors(&self) -> &[Tensor] {
         &self.tensors
     }
@@ -850,6 +894,9 @@ impl GraphBuilder {
             root_users,
             deps,
             program_order,
+            extra_orders: Vec::new(),
+            reference_peaks: Vec::new(),
+            metadata: Default::default(),
         })
     }
 }

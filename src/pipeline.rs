@@ -52,6 +52,9 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
     let mut orders: Vec<(&'static str, Vec<solver::OpIdx>)> =
         vec![("program-order", Lowered::from_op_ids(g.program_order()))];
     orders.push(("list-schedule", solver::list_schedule(p)));
+    for (_, order) in &g.extra_orders {
+        orders.push(("given-order", Lowered::from_op_ids(order)));
+    }
 
     let mut cands: Vec<Candidate> = orders
         .into_iter()

@@ -5,7 +5,10 @@
 //! - `program-order`: the max live bytes of program order, no reuse
 //!   (PyTorch's `max_memory_allocated` without the 512-byte rounding);
 //! - `program-order+greedy`: program order laid out by greedy-by-size
-//!   offsets, no reuse: a static arena for the eager order.
+//!   offsets, no reuse: a static arena for the eager order;
+//! - for every extra order the graph carries (e.g. `xla-order`): that order
+//!   with reuses and memplan's layout, named `<order>+memplan-layout`;
+//! - every peak another tool reported for the step (e.g. `xla`), as is.
 
 pub mod caching;
 
@@ -91,7 +94,7 @@ pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
 /// Every baseline for `g`, with its figure.
 pub fn all(g: &Graph) -> Vec<Baseline> {
     let cs = pytorch_caching(g);
-    vec![
+    let mut out = vec![
         Baseline {
             name: "pytorch-reserved".into(),
             peak_bytes: cs.max_reserved,
@@ -112,5 +115,28 @@ pub fn all(g: &Graph) -> Vec<Baseline> {
             peak_bytes: program_order_greedy(g).arena_bytes,
             description: "program order + greedy-by-size offsets".into(),
         },
-    ]
+    ];
+    for (name, order) in &g.extra_orders {
+        out.push(Baseline {
+            name: format!("{name}+memplan-layout"),
+            peak_bytes: order_with_layout(g, order, name).arena_bytes,
+            description: format!("the graph's {name} order, laid out by memplan"),
+        });
+    }
+    for (name, bytes) in &g.reference_peaks {
+        out.push(Baseline {
+            name: name.clone(),
+            peak_bytes: *bytes,
+            description: format!("{name}: as reported by the tool that made the graph"),
+        });
+    }
+    out
+}
+
+/// A given order with reuses, laid out by memplan's allocator.
+pub fn order_with_layout(g: &Graph, order: &[crate::graph::OpId], source: &str) -> Plan {
+    let low = lower::lower(g, true);
+    let order = Lowered::from_op_ids(order);
+    let ev = solver::evaluate(&low.problem, &order);
+    crate::pipeline::layout(g, &low, &order, &ev, source)
 }

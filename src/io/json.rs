@@ -21,6 +21,12 @@ pub struct GraphFile {
     pub name: String,
     pub tensors: Vec<TensorRecord>,
     pub ops: Vec<OpRecord>,
+    /// Other known orders of the ops, by name (each lists every op id once).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub orders: std::collections::BTreeMap<String, Vec<String>>,
+    /// Peaks other tools reported for this step, in bytes, by name.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub reference_peaks: std::collections::BTreeMap<String, u64>,
     /// Free-form information about where the graph came from.
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub metadata: serde_json::Map<String, serde_json::Value>,
@@ -202,7 +208,21 @@ pub fn from_file(file: GraphFile) -> Result<Graph, GraphError> {
         spec.attrs = o.attrs.clone();
         b.add_op(spec);
     }
-    b.build()
+    let mut g = b.build()?;
+    for (name, ids) in &file.orders {
+        let order = ids
+            .iter()
+            .map(|n| {
+                g.op_by_name(n).ok_or_else(|| {
+                    GraphError::Other(format!("order {name:?} names unknown op {n:?}"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        g.add_order(name.clone(), order)?;
+    }
+    g.reference_peaks = file.reference_peaks.into_iter().collect();
+    g.metadata = file.metadata;
+    Ok(g)
 }
 
 /// The file form of a graph (ops in program order as given).
@@ -251,7 +271,13 @@ pub fn to_file(g: &Graph) -> GraphFile {
                 attrs: o.attrs.clone(),
             })
             .collect(),
-        metadata: Default::default(),
+        orders: g
+            .extra_orders
+            .iter()
+            .map(|(n, o)| (n.clone(), o.iter().map(|&x| g.op(x).name.clone()).collect()))
+            .collect(),
+        reference_peaks: g.reference_peaks.iter().cloned().collect(),
+        metadata: g.metadata.clone(),
     }
 }
 
