@@ -50,6 +50,8 @@ pub mod lower;
 pub mod models;
 pub mod pipeline;
 pub mod plan;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use error::{Error, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};

@@ -70,7 +70,6 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
         .collect();
     cands.sort_by_key(|c| c.eval.peak);
 
-    let bound = solver::bounds::op_footprint(p);
     let mut best: Option<Plan> = None;
     let keep = |best: &mut Option<Plan>, plan: Plan| {
         if best.as_ref().is_none_or(|b| {
@@ -87,10 +86,34 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
     keep(&mut best, crate::baselines::program_order_greedy(g));
 
     let mut plan = best.expect("at least one candidate");
+    let (bound, kind) = lower_bound(p, &cands, start + opts.time_limit.mul_f64(BOUND_SHARE));
+    debug_assert!(
+        bound <= plan.stats.max_live_bytes,
+        "lower bound {bound} ({kind}) above the max live {} of a valid order",
+        plan.stats.max_live_bytes
+    );
     plan.stats.lower_bound_bytes = bound.min(plan.stats.max_live_bytes);
-    plan.stats.lower_bound_kind = "op-footprint".into();
+    plan.stats.lower_bound_kind = kind.into();
     plan.stats.solve_seconds = start.elapsed().as_secs_f64();
     Ok(plan)
+}
+
+/// Share of the time budget the min-cut floor may use (from the start of
+/// the solve).
+const BOUND_SHARE: f64 = 0.25;
+
+/// The min-cut floor if it finishes by `deadline`, else the best bound the
+/// search reached (`min-cut-partial`) or the simple bound.
+fn lower_bound(p: &solver::Problem, cands: &[Candidate], deadline: Instant) -> (u64, &'static str) {
+    let orders: Vec<&[solver::OpIdx]> = cands.iter().map(|c| c.order.as_slice()).collect();
+    let floor = solver::bounds::min_cut_floor(p, &orders, Some(deadline), &Default::default());
+    if floor.finished {
+        (floor.bytes, "min-cut")
+    } else if floor.bytes > floor.simple {
+        (floor.bytes, "min-cut-partial")
+    } else {
+        (floor.simple, "simple")
+    }
 }
 
 /// Lays out one evaluated order with the allocator and assembles the plan.

@@ -14,6 +14,7 @@
 
 pub mod bounds;
 pub mod list_schedule;
+pub mod maxflow;
 pub mod problem;
 pub mod simulate;
 

@@ -1,22 +1,34 @@
 //! A simulation of PyTorch's CUDA caching allocator, to tell what a PyTorch
 //! eager user would see as reserved memory for the same step.
 //!
-//! Modelled after `c10/cuda/CUDACachingAllocator.cpp` with default settings:
+//! Modelled after `c10/cuda/CUDACachingAllocator.cpp` with default settings
+//! (checked against its `round_size`, `get_pool`, `get_allocation_size`,
+//! `get_free_block`, `should_split`, `alloc_found_block` and `free_block`):
 //! - requests round up to a multiple of 512 bytes (at least 512);
-//! - two pools: small (requests ≤ 1 MiB) and large;
+//! - two pools per stream: small (rounded requests ≤ 1 MiB) and large; a
+//!   free block serves only requests of its own pool and stream;
 //! - a cache miss reserves a new segment: 2 MiB for small requests, 20 MiB
 //!   for requests under 10 MiB, else the request rounded up to 2 MiB;
 //! - lookup is best fit: the smallest free cached block of the pool that is
-//!   large enough (ties: lowest segment, lowest address);
+//!   large enough;
 //! - a block is split when the remainder is ≥ 512 B (small pool) or > 1 MiB
-//!   (large pool); the remainder stays free in the pool;
-//! - a freed block merges with free neighbours in its segment and stays
+//!   (large pool); the remainder stays free in the pool, and an unsplit
+//!   block is handed out whole (its whole size counts as allocated, as in
+//!   PyTorch's `allocated_bytes`);
+//! - a freed block merges with its free neighbours in its segment and stays
 //!   cached; segments are never released.
 //!
-//! Simplified: one stream and no `max_split_size`, no garbage collection, no
-//! expandable segments, no release-and-retry after an out-of-memory error
-//! (memory is unbounded), and events happen in op order: an op's outputs are
-//! allocated, then every tensor whose last use was that op is freed.
+//! Simplified: real ties between equal-sized free blocks go to the lowest
+//! device address, which a simulation cannot know; here they go to the
+//! oldest segment, then the lowest offset. No `max_split_size`,
+//! `roundup_power2_divisions`, garbage collection or expandable segments
+//! (all off by default in PyTorch). No release-and-retry after an
+//! out-of-memory error (memory is unbounded, so the peak reserved is what
+//! the step would ask of the device). A tensor used on another stream than
+//! its own is freed at once, as if `record_stream` events completed
+//! immediately. Events happen in op order: an op's outputs are allocated,
+//! then every tensor whose last use was that op is freed; the kernels'
+//! internal workspaces are not modelled.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -51,9 +63,11 @@ struct Block {
 pub struct CachingAllocator {
     /// Blocks of every segment by offset.
     segments: Vec<BTreeMap<u64, Block>>,
-    /// Free blocks: (size, segment, offset), one set per pool.
-    small_pool: BTreeSet<(u64, usize, u64)>,
-    large_pool: BTreeSet<(u64, usize, u64)>,
+    /// Stream of every segment.
+    segment_stream: Vec<u32>,
+    /// Free blocks: (stream, size, segment, offset), one set per pool.
+    small_pool: BTreeSet<(u32, u64, usize, u64)>,
+    large_pool: BTreeSet<(u32, u64, usize, u64)>,
     allocated: u64,
     reserved: u64,
     pub stats: CachingStats,
@@ -89,7 +103,7 @@ impl CachingAllocator {
         Self::default()
     }
 
-    fn pool(&mut self, small: bool) -> &mut BTreeSet<(u64, usize, u64)> {
+    fn pool(&mut self, small: bool) -> &mut BTreeSet<(u32, u64, usize, u64)> {
         if small {
             &mut self.small_pool
         } else {
@@ -97,15 +111,24 @@ impl CachingAllocator {
         }
     }
 
-    /// Allocates `size` bytes (must be > 0).
+    /// Allocates `size` bytes (must be > 0) on stream 0.
     pub fn malloc(&mut self, size: u64) -> Handle {
+        self.malloc_on(size, 0)
+    }
+
+    /// Allocates `size` bytes (must be > 0) for use on `stream`.
+    pub fn malloc_on(&mut self, size: u64, stream: u32) -> Handle {
         let size = round_size(size);
         let small = size <= SMALL_SIZE;
-        let found = self.pool(small).range((size, 0, 0)..).next().copied();
+        let found = self
+            .pool(small)
+            .range((stream, size, 0, 0)..=(stream, u64::MAX, usize::MAX, u64::MAX))
+            .next()
+            .copied();
         let (segment, offset, bsize) = match found {
             Some(key) => {
                 self.pool(small).remove(&key);
-                (key.1, key.2, key.0)
+                (key.2, key.3, key.1)
             }
             None => {
                 let seg = segment_size(size);
@@ -117,6 +140,7 @@ impl CachingAllocator {
                         small,
                     },
                 )]));
+                self.segment_stream.push(stream);
                 self.reserved += seg;
                 self.stats.segments = self.segments.len();
                 self.stats.max_reserved = self.stats.max_reserved.max(self.reserved);
@@ -148,7 +172,8 @@ impl CachingAllocator {
                     small,
                 },
             );
-            self.pool(small).insert((remaining, segment, offset + size));
+            self.pool(small)
+                .insert((stream, remaining, segment, offset + size));
         }
         self.allocated += used;
         self.stats.max_allocated = self.stats.max_allocated.max(self.allocated);
@@ -166,6 +191,7 @@ impl CachingAllocator {
         }
         self.allocated -= b.size;
         let small = b.small;
+        let stream = self.segment_stream[h.segment];
         let mut start = h.offset;
         let mut merged_away = Vec::new();
         // Merge with the next block.
@@ -173,7 +199,7 @@ impl CachingAllocator {
             && nb.free
             && no == h.offset + b.size
         {
-            merged_away.push((nb.size, h.segment, no));
+            merged_away.push((stream, nb.size, h.segment, no));
             seg.remove(&no);
             b.size += nb.size;
         }
@@ -182,7 +208,7 @@ impl CachingAllocator {
             && pb.free
             && po + pb.size == h.offset
         {
-            merged_away.push((pb.size, h.segment, po));
+            merged_away.push((stream, pb.size, h.segment, po));
             seg.remove(&h.offset);
             start = po;
             b.size += pb.size;
@@ -193,7 +219,7 @@ impl CachingAllocator {
         for k in merged_away {
             pool.remove(&k);
         }
-        pool.insert((b.size, h.segment, start));
+        pool.insert((stream, b.size, h.segment, start));
     }
 }
 
@@ -221,6 +247,39 @@ mod tests {
         let _v = a.malloc(18 << 20);
         assert_eq!(a.stats.segments, 3);
         assert_eq!(a.stats.max_reserved, (2 << 20) + (20 << 20) + (18 << 20));
+    }
+
+    #[test]
+    fn streams_do_not_share_cached_blocks() {
+        let mut a = CachingAllocator::new();
+        let x = a.malloc_on(1000, 0);
+        a.free(x);
+        // The free 2 MiB segment belongs to stream 0: stream 1 needs its own.
+        let _y = a.malloc_on(1000, 1);
+        assert_eq!(a.stats.segments, 2);
+        let _z = a.malloc_on(1000, 0);
+        assert_eq!(a.stats.segments, 2);
+        assert_eq!(a.stats.max_reserved, 2 * (2 << 20));
+    }
+
+    #[test]
+    fn best_fit_prefers_the_smallest_block_then_the_oldest_segment() {
+        let mut a = CachingAllocator::new();
+        // x splits a 20 MiB segment (16 MiB stay free); y does not fit
+        // there and gets a segment of exactly 18 MiB. Freeing x merges
+        // segment 0 back into one free 20 MiB block.
+        let x = a.malloc(4 << 20);
+        let y = a.malloc(18 << 20);
+        a.free(x);
+        assert_eq!(a.stats.segments, 2);
+        let z = a.malloc(5 << 20);
+        assert_eq!(z.segment, 0);
+        a.free(y);
+        // Free: 15 MiB in segment 0, 18 MiB segment 1. A 15 MiB request
+        // fits segment 0's block exactly (best fit), not segment 1.
+        let w = a.malloc(15 << 20);
+        assert_eq!((w.segment, w.offset), (0, 5 << 20));
+        assert_eq!(a.stats.segments, 2);
     }
 
     #[test]

@@ -79,8 +79,10 @@ pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
         }
     }
     for (i, &op) in order.iter().enumerate() {
+        // Blocks are cached per stream: an op's outputs come from its own.
+        let stream = g.op(crate::graph::OpId(op.0)).stream;
         for b in p.outputs(op) {
-            handle[b.index()] = Some(a.malloc(p.size(b)));
+            handle[b.index()] = Some(a.malloc_on(p.size(b), stream));
         }
         for &b in &dies_at[i] {
             if let Some(h) = handle[b.index()].take() {

@@ -1,0 +1,185 @@
+//! The `memplan` binary: exit codes (0 ok, 1 bad input, 2 usage), `--json`
+//! output, and the export → plan → check round trip.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn memplan(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memplan"))
+        .args(args)
+        .output()
+        .expect("runs the memplan binary")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = memplan(args);
+    assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+    stdout(&o)
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = ok(args);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+}
+
+#[test]
+fn plan_json_has_the_documented_keys() {
+    let v = json(&["plan", "--example", "mlp", "--json"]);
+    for key in [
+        "peak_bytes",
+        "lower_bound_bytes",
+        "solve_seconds",
+        "max_live_bytes",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}: {v}");
+    }
+    let peak = v["peak_bytes"].as_u64().unwrap();
+    let bound = v["lower_bound_bytes"].as_u64().unwrap();
+    assert!(bound > 0 && bound <= peak, "{v}");
+    assert_eq!(v["lower_bound_kind"], "min-cut");
+    assert!(v["solve_seconds"].as_f64().unwrap() >= 0.0);
+}
+
+#[test]
+fn compare_json_has_every_baseline() {
+    let v = json(&["compare", "--example", "gpt2-tiny", "--json"]);
+    let peak = v["peak_bytes"].as_u64().unwrap();
+    let bound = v["lower_bound_bytes"].as_u64().unwrap();
+    assert!(bound <= peak);
+    assert!(v["solve_seconds"].as_f64().is_some());
+    let base = v["baselines"].as_object().expect("baselines is an object");
+    for name in [
+        "pytorch-reserved",
+        "pytorch-allocated",
+        "program-order",
+        "program-order+greedy",
+    ] {
+        let b = base[name]["peak_bytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{name}: {v}"));
+        assert!(bound <= b, "{name} below the lower bound");
+    }
+    // Never worse than the static program-order arena or PyTorch's reserved.
+    assert!(peak <= base["program-order+greedy"]["peak_bytes"].as_u64().unwrap());
+    assert!(peak <= base["pytorch-reserved"]["peak_bytes"].as_u64().unwrap());
+}
+
+#[test]
+fn text_outputs() {
+    let out = ok(&["compare", "--example", "mlp"]);
+    assert!(
+        out.contains("lower bound (min-cut)") && out.contains("pytorch-reserved"),
+        "{out}"
+    );
+    let out = ok(&["stats", "--example", "mlp"]);
+    assert!(out.contains("ops") && out.contains("parameter"), "{out}");
+    let v = json(&["stats", "--example", "mlp", "--json"]);
+    assert!(v["ops"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn export_plan_check_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = dir.path().join("tiny.json.gz");
+    let plan = dir.path().join("tiny.plan.json");
+    let (g, p) = (graph.to_str().unwrap(), plan.to_str().unwrap());
+    let o = memplan(&["export", "--example", "gpt2-tiny", "-o", g]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&["plan", g, "-o", p, "--json"]);
+    assert_eq!(v["plan_file"], p);
+    let checked = json(&["check", g, p, "--json"]);
+    assert_eq!(checked["valid"], true);
+    assert_eq!(checked["arena_bytes"], v["peak_bytes"]);
+    assert_eq!(checked["max_live_bytes"], v["max_live_bytes"]);
+    // The same plan against the built-in example directly.
+    ok(&["check", "--example", "gpt2-tiny", p]);
+    let text = ok(&["check", g, p]);
+    assert!(text.contains("plan is valid"), "{text}");
+
+    // A corrupted plan: one fewer op in the order.
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    doc["order"].as_array_mut().unwrap().pop();
+    let bad = dir.path().join("bad.plan.json");
+    std::fs::write(&bad, doc.to_string()).unwrap();
+    let o = memplan(&["check", g, bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("bad.plan.json") && e.contains("invalid") && e.contains("the order has"),
+        "{e}"
+    );
+
+    // A corrupted layout: every tensor at offset 0.
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    for t in doc["tensors"].as_array_mut().unwrap() {
+        t["offset"] = 0.into();
+    }
+    std::fs::write(&bad, doc.to_string()).unwrap();
+    let o = memplan(&["check", g, bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("share bytes"), "{}", stderr(&o));
+}
+
+#[test]
+fn bad_input_exits_1_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.json");
+    std::fs::write(
+        &path,
+        "{\"format\": \"memplan-graph\", \"version\": 1,\n \"tensors\": [}",
+    )
+    .unwrap();
+    for cmd in ["plan", "stats", "compare"] {
+        let o = memplan(&[cmd, path.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{cmd}");
+        let e = stderr(&o);
+        assert!(e.contains("broken.json:2:"), "{cmd}: {e}");
+        assert!(stdout(&o).is_empty());
+    }
+    let o = memplan(&["plan", "/no/such/file.json"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("/no/such/file.json"));
+    let o = memplan(&["plan", "--example", "gpt2-huge"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("unknown example \"gpt2-huge\""),
+        "{}",
+        stderr(&o)
+    );
+    let o = memplan(&["plan", "--example", "mlp", "--time-limit=-3"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in [
+        &["plan", "--no-such-flag"][..],
+        &["frobnicate"][..],
+        &[][..],
+        &["check"][..],
+        &["plan", "--batch", "2"][..],
+    ] {
+        let o = memplan(args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).is_empty());
+    }
+    let o = memplan(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("compare"));
+}
+
+#[test]
+fn export_needs_an_example() {
+    let o = memplan(&["export", "-o", "/tmp/never-written.json"]);
+    assert_ne!(o.status.code(), Some(0));
+    assert!(!Path::new("/tmp/never-written.json").exists());
+}
