@@ -86,7 +86,11 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
     keep(&mut best, crate::baselines::program_order_greedy(g));
 
     let mut plan = best.expect("at least one candidate");
-    let (bound, kind) = lower_bound(p, &cands, start + opts.time_limit.mul_f64(BOUND_SHARE));
+    let bound_start = Instant::now();
+    let (bound, kind, simple) =
+        lower_bound(p, &cands, start + opts.time_limit.mul_f64(BOUND_SHARE));
+    plan.stats.simple_bound_bytes = simple.min(plan.stats.max_live_bytes);
+    plan.stats.bound_seconds = bound_start.elapsed().as_secs_f64();
     debug_assert!(
         bound <= plan.stats.max_live_bytes,
         "lower bound {bound} ({kind}) above the max live {} of a valid order",
@@ -103,16 +107,21 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
 const BOUND_SHARE: f64 = 0.25;
 
 /// The min-cut floor if it finishes by `deadline`, else the best bound the
-/// search reached (`min-cut-partial`) or the simple bound.
-fn lower_bound(p: &solver::Problem, cands: &[Candidate], deadline: Instant) -> (u64, &'static str) {
+/// search reached (`min-cut-partial`) or the simple bound; with the simple
+/// bound itself.
+fn lower_bound(
+    p: &solver::Problem,
+    cands: &[Candidate],
+    deadline: Instant,
+) -> (u64, &'static str, u64) {
     let orders: Vec<&[solver::OpIdx]> = cands.iter().map(|c| c.order.as_slice()).collect();
     let floor = solver::bounds::min_cut_floor(p, &orders, Some(deadline), &Default::default());
     if floor.finished {
-        (floor.bytes, "min-cut")
+        (floor.bytes, "min-cut", floor.simple)
     } else if floor.bytes > floor.simple {
-        (floor.bytes, "min-cut-partial")
+        (floor.bytes, "min-cut-partial", floor.simple)
     } else {
-        (floor.simple, "simple")
+        (floor.simple, "simple", floor.simple)
     }
 }
 

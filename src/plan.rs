@@ -43,6 +43,14 @@ pub struct PlanStats {
     /// Which bound `lower_bound_bytes` is.
     #[serde(default)]
     pub lower_bound_kind: String,
+    /// The simple bound over every valid order (bytes made live by
+    /// ancestry alone), never above `lower_bound_bytes`; kept to show how
+    /// much the min-cut floor adds.
+    #[serde(default)]
+    pub simple_bound_bytes: u64,
+    /// Seconds spent computing the bounds (part of `solve_seconds`).
+    #[serde(default)]
+    pub bound_seconds: f64,
     /// Seconds spent planning.
     pub solve_seconds: f64,
     /// Which algorithm produced the order.

@@ -54,6 +54,11 @@ fn compare_json_has_every_baseline() {
     let bound = v["lower_bound_bytes"].as_u64().unwrap();
     assert!(bound <= peak);
     assert!(v["solve_seconds"].as_f64().is_some());
+    // The simple bound is reported beside the floor, never above it.
+    let simple = v["simple_bound_bytes"].as_u64().unwrap();
+    assert!(simple > 0 && simple <= bound, "{v}");
+    let bound_s = v["bound_seconds"].as_f64().unwrap();
+    assert!(bound_s <= v["solve_seconds"].as_f64().unwrap(), "{v}");
     let base = v["baselines"].as_object().expect("baselines is an object");
     for name in [
         "pytorch-reserved",

@@ -313,6 +313,10 @@ fn plan_doc_example_is_a_valid_plan() {
     // Its bound is what memplan computes for the graph.
     let fresh = memplan::plan(&g, &Default::default()).unwrap();
     assert_eq!(plan.stats.lower_bound_bytes, fresh.stats.lower_bound_bytes);
+    assert_eq!(
+        plan.stats.simple_bound_bytes,
+        fresh.stats.simple_bound_bytes
+    );
     assert!(plan.stats.lower_bound_bytes <= report.max_live_bytes);
 }
 

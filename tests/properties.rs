@@ -64,6 +64,7 @@ proptest! {
             .map_err(|e| TestCaseError::fail(format!("checker rejected memplan's plan: {e}")))?;
         let s = &plan.stats;
         prop_assert_eq!(report.max_live_bytes, s.max_live_bytes, "checker and solver disagree on max live");
+        prop_assert!(s.simple_bound_bytes <= s.lower_bound_bytes);
         prop_assert!(s.lower_bound_bytes <= s.max_live_bytes);
         prop_assert!(s.max_live_bytes <= plan.arena_bytes);
         prop_assert_eq!(s.peak_bytes, plan.arena_bytes);

@@ -113,6 +113,8 @@ fn plan(
             "max_live_bytes": s.max_live_bytes,
             "lower_bound_bytes": s.lower_bound_bytes,
             "lower_bound_kind": s.lower_bound_kind,
+            "simple_bound_bytes": s.simple_bound_bytes,
+            "bound_seconds": s.bound_seconds,
             "gap": s.gap(),
             "solve_seconds": s.solve_seconds,
             "order_source": s.order_source,
@@ -122,13 +124,15 @@ fn plan(
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!(
-            "{}: arena {} ({} bytes), max live {}, lower bound {} ({}), gap {:.2}%, solved in {:.2} s",
+            "{}: arena {} ({} bytes), max live {}, lower bound {} ({}, {:.2} s; simple bound {}), gap {:.2}%, solved in {:.2} s",
             g.name,
             human_bytes(s.peak_bytes),
             grouped(s.peak_bytes),
             human_bytes(s.max_live_bytes),
             human_bytes(s.lower_bound_bytes),
             s.lower_bound_kind,
+            s.bound_seconds,
+            human_bytes(s.simple_bound_bytes),
             100.0 * s.gap(),
             s.solve_seconds
         );
@@ -251,6 +255,8 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
             "max_live_bytes": s.max_live_bytes,
             "lower_bound_bytes": s.lower_bound_bytes,
             "lower_bound_kind": s.lower_bound_kind,
+            "simple_bound_bytes": s.simple_bound_bytes,
+            "bound_seconds": s.bound_seconds,
             "ratio_to_lower_bound": s.peak_bytes as f64 / lb as f64,
             "ratio_to_best_baseline": s.peak_bytes as f64 / best.max(1) as f64,
             "solve_seconds": s.solve_seconds,
@@ -272,8 +278,15 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
         human_bytes(s.lower_bound_bytes),
         grouped(s.lower_bound_bytes),
         "1.000".into(),
-        String::new(),
+        format!("{:.2} s", s.bound_seconds),
     ]];
+    rows.push(vec![
+        "simple bound".into(),
+        human_bytes(s.simple_bound_bytes),
+        grouped(s.simple_bound_bytes),
+        format!("{:.3}", s.simple_bound_bytes as f64 / lb as f64),
+        String::new(),
+    ]);
     for b in &base {
         rows.push(vec![
             b.name.clone(),
