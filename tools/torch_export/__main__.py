@@ -70,8 +70,11 @@ def main(argv=None) -> int:
             step.measure(args.model, args.batch, args.seq, args.dtype, args.optimizer)
         )
         g.metadata["measured_on"] = torch.cuda.get_device_name()
+    # memplan's liveness of the eager order, computed here independently of
+    # the Rust side (whose tests compare the two).
+    live = graph.program_order_live(g.to_dict())
+    g.metadata["program_order_max_live_bytes"] = live["max_live"]
     d = g.write(args.output)
-    live = graph.program_order_live(d)
     print(
         f"wrote {args.output}: {len(d['ops'])} ops, {len(d['tensors'])} tensors, "
         f"program-order max live {live['max_live']:,} bytes at op {live['peak_step']}"

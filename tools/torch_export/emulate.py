@@ -18,16 +18,39 @@ see them. :class:`CudaEmulation` makes those choices as PyTorch does on CUDA:
   8 keep the math path. The padding of the efficient kernel's log-sum-exp to
   a multiple of 32 rows is not modelled (it is a few KiB).
 
+- dropout: on CUDA ``F.dropout`` in training runs the fused
+  ``aten.native_dropout``, which saves a one-byte boolean mask for backward;
+  elsewhere it draws a mask of the input's own dtype (``empty_like``,
+  ``bernoulli_``, ``div_``, ``mul``), four times larger in f32. The
+  emulation calls ``aten.native_dropout`` when PyTorch's CUDA build would
+  (training, ``0 < p < 1``, a non-empty input, not in place).
+- Hugging Face's mask preparation asks one data-dependent question in a
+  training step without an attention mask: whether the position ids hold
+  packed sequences (``find_packed_sequence_indices`` reads a value with
+  ``.all()``, which ``meta`` tensors cannot answer). Our batches hold one
+  sequence per row, so eager PyTorch answers "no" (``None``); the emulation
+  answers the same for ``meta`` tensors without running the check's few
+  small ops on the position ids.
+
 The optimizer's implementation is chosen by the driver (``foreach=True``,
 PyTorch's default on CUDA), not here.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 _SDPA = F.scaled_dot_product_attention
+_DROPOUT = F.dropout
+
+
+def emulated_dropout(input, p=0.5, training=True, inplace=False):
+    if training and 0.0 < p < 1.0 and not inplace and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+    return _DROPOUT(input, p, training, inplace)
 
 
 def sdpa_backend(query: torch.Tensor, attn_mask, dropout_p: float) -> str:
@@ -85,8 +108,8 @@ def emulated_sdpa(
 class CudaEmulation:
     """While active, attention calls take the kernels CUDA would take.
 
-    It replaces ``torch.nn.functional.scaled_dot_product_attention`` (the
-    module attribute, which both ``F.multi_head_attention_forward`` and
+    It replaces ``torch.nn.functional.scaled_dot_product_attention`` and
+    ``torch.nn.functional.dropout`` (module attributes, which both ``F.multi_head_attention_forward`` and
     Hugging Face's attention functions look up at call time) and restores it
     on exit. A ``TorchFunctionMode`` would not do: it is disabled while it
     runs a function, so it misses the attention call inside
@@ -96,7 +119,21 @@ class CudaEmulation:
     def __enter__(self) -> "CudaEmulation":
         self._saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = emulated_sdpa
+        F.dropout = emulated_dropout
+        self._hf = sys.modules.get("transformers.masking_utils")
+        if self._hf is not None:
+            original = self._saved_packed = self._hf.find_packed_sequence_indices
+
+            def find_packed_sequence_indices(position_ids):
+                if position_ids.device.type == "meta":
+                    return None
+                return original(position_ids)
+
+            self._hf.find_packed_sequence_indices = find_packed_sequence_indices
         return self
 
     def __exit__(self, *exc) -> None:
         F.scaled_dot_product_attention = self._saved
+        F.dropout = _DROPOUT
+        if self._hf is not None:
+            self._hf.find_packed_sequence_indices = self._saved_packed

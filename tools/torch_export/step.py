@@ -191,6 +191,7 @@ def measure(
     optimizer: str = "adamw",
     device: str = "cuda",
     stats: Any = None,
+    observe: Optional[Callable[[str, workloads.Workload, Any], None]] = None,
 ) -> Dict[str, int]:
     """Runs the same step for real (warm-up, then the measured step) and
     returns the peaks PyTorch reports for the measured step.
@@ -198,7 +199,10 @@ def measure(
     The counters are reset after the warm-up, when parameters, buffers,
     optimizer state and the batch are allocated and no gradient is: the state
     the traced graph starts from. The reserved peak includes the segments the
-    warm-up left cached, as in any step of a long run.
+    warm-up left cached, as in any step of a long run. ``stats`` stands for
+    CUDA's counters (:class:`CudaStats` by default); ``observe(stage, workload,
+    optimizer)`` is called at the reset (``"reset"``) and after the measured
+    step (``"end"``), for tests.
     """
     stats = stats if stats is not None else CudaStats()
     factory = workloads.resolve(model)
@@ -207,10 +211,14 @@ def measure(
     opt = make_optimizer(optimizer, w.model)
     run_step(w, opt, None)
     stats.synchronize()
+    if observe is not None:
+        observe("reset", w, opt)
     stats.reset()
     loss = run_step(w, opt, None)
     stats.synchronize()
     peaks = stats.peaks()
+    if observe is not None:
+        observe("end", w, opt)
     if not torch.isfinite(loss).item():
         raise RuntimeError(f"{w.name}: the measured step's loss is not finite ({loss.item()})")
     return peaks

@@ -73,11 +73,13 @@ def vit_b_16(batch: int = 32, seq: Optional[int] = None, dtype=torch.float32) ->
     return _image_classifier("vit_b_16", torchvision.models.vit_b_16, batch, dtype)
 
 
-def _lm(name: str, model: nn.Module, vocab: int, batch: int, seq: int) -> Workload:
+def _lm(name: str, model: nn.Module, vocab: int, batch: int, seq: int, **kw) -> Workload:
+    """A language model trained on its own input ids (the model shifts them
+    for causal LMs); ``kw`` goes to the model call."""
     ids = torch.randint(0, vocab, (batch, seq))
 
     def loss(m, b):
-        return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+        return m(input_ids=b["input_ids"], labels=b["input_ids"], **kw).loss
 
     return Workload(name, model, {"input_ids": ids}, loss, {"batch": batch, "seq": seq})
 
@@ -98,8 +100,10 @@ def _gpt2(name: str, cfg, batch: int, seq: Optional[int], dtype) -> Workload:
 
     seq = seq or cfg.n_positions
     model = GPT2LMHeadModel(cfg).to(dtype)
-    w = _lm(name, model, cfg.vocab_size, batch, seq)
-    w.config.update(layers=cfg.n_layer, width=cfg.n_embd, heads=cfg.n_head, attention="sdpa")
+    # A training step keeps no key/value cache (with one, every layer would
+    # also copy its keys and values into the cache).
+    w = _lm(name, model, cfg.vocab_size, batch, seq, use_cache=False)
+    w.config.update(use_cache=False, layers=cfg.n_layer, width=cfg.n_embd, heads=cfg.n_head, attention="sdpa")
     return w
 
 
