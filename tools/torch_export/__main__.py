@@ -26,6 +26,8 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: fake CUDA tensors when a GPU is present, else meta tensors "
                    "with CUDA's kernel choices emulated")
     p.add_argument("--align", type=int, default=256, help="alignment of every tensor in bytes")
+    p.add_argument("--no-reuse-hints", action="store_true",
+                   help="do not let outputs of pointwise ops take a dying input's bytes")
     p.add_argument("--measure", default="auto", choices=["auto", "yes", "no"],
                    help="also run the step for real on CUDA and record PyTorch's peaks "
                    "(auto: when a GPU is present)")
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
         return 2
     try:
         g = step.export(args.model, args.batch, args.seq, args.dtype, args.optimizer,
-                        args.trace_device, args.align)
+                        args.trace_device, args.align, not args.no_reuse_hints)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

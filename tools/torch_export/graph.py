@@ -20,7 +20,7 @@ import gzip
 import io
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 FORMAT = "memplan-graph"
 VERSION = 1
@@ -99,9 +99,12 @@ class GraphBuilder:
         inputs: Iterable[int] = (),
         outputs: Iterable[int] = (),
         updates: Iterable[int] = (),
+        reuse: Iterable[Tuple[int, int]] = (),
         attrs: Optional[Dict[str, Any]] = None,
     ) -> int:
-        """Adds an op (tensors by index) and returns its index."""
+        """Adds an op (tensors by index) and returns its index. ``reuse``
+        lists ``(output, input)`` pairs: the output may take the input's
+        bytes if this op is the input's last use."""
         if kind not in KINDS:
             raise GraphError(f"op {id!r}: unknown kind {kind!r}")
         o: Dict[str, Any] = {"id": id, "kind": kind, "type": type}
@@ -109,6 +112,9 @@ class GraphBuilder:
             ts = list(ts)
             if ts:
                 o[field] = ts
+        reuse = [(int(a), int(b)) for a, b in reuse]
+        if reuse:
+            o["reuse"] = reuse
         if attrs:
             o["attrs"] = dict(attrs)
         self.ops.append(o)
@@ -129,6 +135,8 @@ class GraphBuilder:
             for field in ("inputs", "outputs", "updates"):
                 if field in o:
                     o[field] = [tid[i] for i in o[field]]
+            if "reuse" in o:
+                o["reuse"] = [{"output": tid[a], "input": tid[b]} for a, b in o["reuse"]]
             ops.append(o)
         d: Dict[str, Any] = {
             "format": FORMAT,
@@ -230,6 +238,15 @@ def check(d: Dict[str, Any]) -> None:
             for x in o.get(field, []):
                 if x in outs:
                     raise GraphError(f"op {o['id']!r} {field[:-1]}s its own output {x!r}")
+        for r in o.get("reuse", []):
+            out, inp = r["output"], r["input"]
+            bad = f"op {o['id']!r}: reuse {out!r} <- {inp!r}:"
+            if out not in outs or inp not in o.get("inputs", []):
+                raise GraphError(f"{bad} not an output and an input of this op")
+            if "view_of" in tensors[out]:
+                raise GraphError(f"{bad} the output is a view")
+            if tensors[out]["size"] > tensors[root[inp]]["size"]:
+                raise GraphError(f"{bad} the output is larger than the input")
 
     def has_source(x: str) -> bool:
         while True:

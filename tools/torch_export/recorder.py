@@ -16,6 +16,12 @@ tensor's bytes. Storage identity is the address of the storage object
 it is closed so an address is never reused by a later storage. On fake or
 meta tensors that costs no memory.
 
+Pointwise ops (aten's ``pointwise`` tag: ``add``, ``mul``, ``gelu``,
+``threshold_backward``...) get **reuse hints**: an output may take the bytes
+of an argument with exactly its layout if the op is that argument's last use
+(memplan decides; PyTorch eager never does this on its own, a planned
+executor would call the op with ``out=`` that argument).
+
 Tensors on the host (``cpu`` while the step runs on an accelerator or on
 ``meta``), such as AdamW's ``step`` counters, are recorded with size 0: they
 still order the ops that use them but occupy no device memory.
@@ -76,9 +82,10 @@ class Recorder(TorchDispatchMode):
     in the written graph.
     """
 
-    def __init__(self, name: str, device: str, align: int = 256) -> None:
+    def __init__(self, name: str, device: str, align: int = 256, reuse_hints: bool = True) -> None:
         super().__init__()
         self.graph = GraphBuilder(name)
+        self.reuse_hints = reuse_hints
         self.device = device
         self.align = align
         self.phase = "forward"
@@ -203,6 +210,7 @@ class Recorder(TorchDispatchMode):
         flat_out, _ = tree_flatten(out)
         arg_ids = {id(x) for x in arg_objs}
         outputs: List[int] = []
+        new_roots: List[torch.Tensor] = []
         for x in flat_out:
             if not isinstance(x, torch.Tensor) or id(x) in arg_ids:
                 continue  # in-place result or `out=` argument: already an update
@@ -211,6 +219,7 @@ class Recorder(TorchDispatchMode):
             if base is None:
                 role = "activation" if self.phase != "optimizer" else "temporary"
                 i = self._new_root(x, f"t{len(self.graph.tensors)}", role, "transient")
+                new_roots.append(x)
             else:
                 # A view: of the argument it shares bytes with, else the root.
                 src = base
@@ -232,6 +241,9 @@ class Recorder(TorchDispatchMode):
 
         updates = _unique(writes)
         inputs = [i for i in _unique(reads) if i not in updates and i not in outputs]
+        reuse = []
+        if self.reuse_hints and not writes and torch.Tag.pointwise in func.tags:
+            reuse = self._pointwise_reuse(new_roots, arg_objs, inputs)
         if not (inputs or updates or outputs):
             self.skipped_ops += 1
             return out
@@ -245,11 +257,42 @@ class Recorder(TorchDispatchMode):
             inputs=inputs,
             outputs=outputs,
             updates=updates,
+            reuse=reuse,
         )
         for i in inputs + updates + outputs:
             r = self._root(i)
             self._used_in.setdefault(r, set()).add(self.phase)
         return out
+
+    def _pointwise_reuse(self, outs, args, inputs) -> List[tuple]:
+        """Reuse hints for a pointwise op: an output may take the bytes of an
+        argument with the same layout (shape, strides, offset 0, element
+        size) that fills its whole storage, exactly as the output will; each
+        element is then read before it is written, as in ``out=`` calls."""
+        pairs = []
+        taken = set()
+        for x in outs:
+            if self._is_host(x):
+                continue
+            xi = self._by_object[x]
+            for a in args:
+                ai = self._by_object.get(a)
+                if (
+                    ai is None
+                    or ai in taken
+                    or ai not in inputs
+                    or self._is_host(a)
+                    or a.shape != x.shape
+                    or a.stride() != x.stride()
+                    or a.storage_offset() != 0
+                    or a.element_size() != x.element_size()
+                    or a.untyped_storage().nbytes() != x.untyped_storage().nbytes()
+                ):
+                    continue
+                pairs.append((xi, ai))
+                taken.add(ai)
+                break
+        return pairs
 
     def _root(self, i: int) -> int:
         t = self.graph.tensors[i]

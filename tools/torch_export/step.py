@@ -107,6 +107,7 @@ def export(
     optimizer: str = "adamw",
     trace_device: str = "auto",
     align: int = 256,
+    reuse_hints: bool = True,
 ) -> GraphBuilder:
     """Records one training step of a workload and returns its graph."""
     factory = workloads.resolve(model)
@@ -125,7 +126,7 @@ def export(
     w.model.train()
     opt = make_optimizer(optimizer, w.model)
     label = f"{w.name}_b{w.config.get('batch', batch)}"
-    rec = Recorder(label, device, align=align)
+    rec = Recorder(label, device, align=align, reuse_hints=reuse_hints)
     with mode_ctx, emul:
         run_step(w, opt, None)  # warm-up: makes the optimizer state
         pnames = {}
@@ -156,6 +157,7 @@ def export(
             "trace_device": device,
             "cuda_emulation": device == "meta",
             "align": align,
+            "reuse_hints": reuse_hints,
             "ops_by_kind": kinds,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in w.model.parameters()),
             "unseen_storages": rec.unseen_storages,

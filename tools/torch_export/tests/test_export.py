@@ -75,6 +75,27 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(copy["updates"], ["in0"])
         self.assertEqual(root(copy["inputs"][0]), ops[-3]["outputs"][0])
 
+    def test_pointwise_ops_get_reuse_hints_for_same_layout_inputs(self):
+        x = torch.empty(4, 8, device="meta")
+        b = torch.empty(8, device="meta")
+
+        def f(x, b):
+            y = x * 2  # pointwise, same layout as x: hint
+            z = y + b  # b is broadcast: only y qualifies
+            zt = z.t() * 3  # the output keeps the input's strides: hint
+            z[:, :4] * 3  # part of z's storage: no hint
+            zt.sum()  # not pointwise: no hint
+
+        d = self.record(f, x, b)
+        graph.check(d)
+        mul, add, t, mul_t, sl, mul_part, total = d["ops"]
+        self.assertEqual(mul["reuse"], [{"output": mul["outputs"][0], "input": "in0"}])
+        self.assertEqual(add["reuse"], [{"output": add["outputs"][0], "input": mul["outputs"][0]}])
+        self.assertEqual(mul_t["reuse"], [{"output": mul_t["outputs"][0], "input": t["outputs"][0]}])
+        self.assertEqual(sl["type"], "aten.slice.Tensor")
+        self.assertNotIn("reuse", mul_part)
+        self.assertNotIn("reuse", total)
+
     def test_host_tensors_take_no_bytes(self):
         x = torch.empty(16, device="meta")
         c = torch.ones(3)  # on the host

@@ -105,6 +105,19 @@ class GraphTest(unittest.TestCase):
         with self.assertRaisesRegex(graph.GraphError, "before its producer"):
             graph.check(b.to_dict())
 
+    def test_reuse_hints(self):
+        b = graph.GraphBuilder("r")
+        x = b.add_tensor("x", 64, role="input")
+        y = b.add_tensor("y", 64)
+        big = b.add_tensor("big", 128)
+        b.add_op("relu", "forward", "aten.relu.default", inputs=[x], outputs=[y], reuse=[(y, x)])
+        d = b.to_dict()
+        self.assertEqual(d["ops"][0]["reuse"], [{"output": "y", "input": "x"}])
+        graph.check(d)
+        b.add_op("grow", "forward", "aten.cat.default", inputs=[y], outputs=[big], reuse=[(big, y)])
+        with self.assertRaisesRegex(graph.GraphError, "'grow': reuse 'big' <- 'y': the output is larger"):
+            graph.check(b.to_dict())
+
     def test_builder_rejects_unknown_names(self):
         b = graph.GraphBuilder("x")
         with self.assertRaisesRegex(graph.GraphError, "unknown role"):
