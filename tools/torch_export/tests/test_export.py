@@ -5,6 +5,7 @@ Skipped with a message where torch is not importable.
 
 import io
 import os
+import sys
 import tempfile
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
@@ -19,6 +20,8 @@ except ImportError:  # pragma: no cover - depends on the machine
 from tools.torch_export import graph
 
 SKIP = "torch is not installed (pip install torch torchvision transformers to run these tests)"
+if not HAVE_TORCH:
+    sys.stderr.write(f"tools/torch_export: skipping the exporter's torch tests: {SKIP}\n")
 
 
 def by_id(d):
