@@ -17,20 +17,21 @@ see them. :class:`CudaEmulation` makes those choices as PyTorch does on CUDA:
   additive one first, as PyTorch does. Head dims that are not a multiple of
   8 keep the math path. The padding of the efficient kernel's log-sum-exp to
   a multiple of 32 rows is not modelled (it is a few KiB).
-
 - dropout: on CUDA ``F.dropout`` in training runs the fused
   ``aten.native_dropout``, which saves a one-byte boolean mask for backward;
   elsewhere it draws a mask of the input's own dtype (``empty_like``,
   ``bernoulli_``, ``div_``, ``mul``), four times larger in f32. The
   emulation calls ``aten.native_dropout`` when PyTorch's CUDA build would
   (training, ``0 < p < 1``, a non-empty input, not in place).
-- Hugging Face's mask preparation asks one data-dependent question in a
-  training step without an attention mask: whether the position ids hold
-  packed sequences (``find_packed_sequence_indices`` reads a value with
-  ``.all()``, which ``meta`` tensors cannot answer). Our batches hold one
-  sequence per row, so eager PyTorch answers "no" (``None``); the emulation
-  answers the same for ``meta`` tensors without running the check's few
-  small ops on the position ids.
+
+:class:`EagerDataChecks` (used with meta and with fake tensors) answers
+Hugging Face's one data-dependent question in a training step without an
+attention mask: whether the position ids hold packed sequences
+(``find_packed_sequence_indices`` reads a value with ``.all()``, which
+``meta`` tensors cannot answer, and on fake tensors transformers assumes it is
+being compiled). Our batches hold one sequence per row, so eager PyTorch
+answers "no" (``None``); so does the patch, without running the check's few
+small ops on the position ids.
 
 The optimizer's implementation is chosen by the driver (``foreach=True``,
 PyTorch's default on CUDA), not here.
@@ -120,12 +121,28 @@ class CudaEmulation:
         self._saved = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = emulated_sdpa
         F.dropout = emulated_dropout
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = self._saved
+        F.dropout = _DROPOUT
+
+
+class EagerDataChecks:
+    """While active, Hugging Face's one data-dependent check in a training
+    step without an attention mask gets eager PyTorch's answer on meta and
+    fake tensors (see the module docs): "no packed sequences". On fake
+    tensors transformers would otherwise take the traced path (as under
+    ``torch.compile``) and build an explicit causal mask that eager PyTorch
+    does not build."""
+
+    def __enter__(self) -> "EagerDataChecks":
         self._hf = sys.modules.get("transformers.masking_utils")
         if self._hf is not None:
-            original = self._saved_packed = self._hf.find_packed_sequence_indices
+            original = self._saved = self._hf.find_packed_sequence_indices
 
             def find_packed_sequence_indices(position_ids):
-                if position_ids.device.type == "meta":
+                if position_ids.device.type == "meta" or _is_fake(position_ids):
                     return None
                 return original(position_ids)
 
@@ -133,7 +150,11 @@ class CudaEmulation:
         return self
 
     def __exit__(self, *exc) -> None:
-        F.scaled_dot_product_attention = self._saved
-        F.dropout = _DROPOUT
         if self._hf is not None:
-            self._hf.find_packed_sequence_indices = self._saved_packed
+            self._hf.find_packed_sequence_indices = self._saved
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

@@ -323,7 +323,7 @@ class Recorder(TorchDispatchMode):
         # kernels): the graph holds its largest size.
         for i, st in self._kept.items():
             t = self.graph.tensors[i]
-            if t["size"] and st.nbytes() > t["size"]:
+            if not t["id"].startswith("host:") and st.nbytes() > t["size"]:
                 t["size"] = st.nbytes()
                 self.resized_storages += 1
         self._kept.clear()

@@ -127,7 +127,7 @@ def export(
     opt = make_optimizer(optimizer, w.model)
     label = f"{w.name}_b{w.config.get('batch', batch)}"
     rec = Recorder(label, device, align=align, reuse_hints=reuse_hints)
-    with mode_ctx, emul:
+    with mode_ctx, emul, emulate.EagerDataChecks():
         run_step(w, opt, None)  # warm-up: makes the optimizer state
         pnames = {}
         for name, p in w.model.named_parameters():
