@@ -78,6 +78,30 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(copy["updates"], ["in0"])
         self.assertEqual(root(copy["inputs"][0]), ops[-3]["outputs"][0])
 
+    def test_fake_tensors_keep_storage_identity(self):
+        # The GPU path traces FakeTensors; their storages must behave as
+        # meta storages do (CPU fake tensors stand in for CUDA ones here).
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from tools.torch_export.recorder import Recorder
+
+        with FakeTensorMode():
+            x = torch.empty(4, 8)
+            rec = Recorder("fake", "cpu")
+            rec.register(x, "x", "input", persistent=True)
+            with rec:
+                y = x * 2
+                y.view(8, 4).add_(1)
+                x.copy_(y)
+        d = rec.finish().to_dict()
+        graph.check(d)
+        mul, view, add_, copy_ = d["ops"]
+        y_id = mul["outputs"][0]
+        self.assertEqual(by_id(d)[y_id]["size"], 128)
+        self.assertEqual(by_id(d)[view["outputs"][0]]["view_of"], y_id)
+        self.assertEqual(add_["updates"], view["outputs"])
+        self.assertEqual((copy_["updates"], copy_["inputs"]), (["x"], [y_id]))
+
     def test_pointwise_ops_get_reuse_hints_for_same_layout_inputs(self):
         x = torch.empty(4, 8, device="meta")
         b = torch.empty(8, device="meta")
