@@ -60,7 +60,10 @@ fn check_structure(g: &Graph) {
         p
     };
     assert!(
-        g.program_order().iter().enumerate().all(|(i, o)| o.index() == i),
+        g.program_order()
+            .iter()
+            .enumerate()
+            .all(|(i, o)| o.index() == i),
         "{}: the listed order is already the program order",
         g.name
     );
@@ -104,7 +107,13 @@ fn run(c: &Case) {
     check_structure(&g);
     let po = baselines::program_order_max_live(&g);
     let cs = baselines::pytorch_caching(&g);
-    let got = (g.num_ops(), g.num_tensors(), po, cs.max_reserved, cs.max_allocated);
+    let got = (
+        g.num_ops(),
+        g.num_tensors(),
+        po,
+        cs.max_reserved,
+        cs.max_allocated,
+    );
     let want = (c.ops, c.tensors, c.program_order, c.reserved, c.allocated);
     assert_eq!(
         got, want,
@@ -112,7 +121,12 @@ fn run(c: &Case) {
         c.file
     );
     // The exporter computed the same liveness on its own.
-    assert_eq!(po, meta_u64(&g, "program_order_max_live_bytes"), "{}", c.file);
+    assert_eq!(
+        po,
+        meta_u64(&g, "program_order_max_live_bytes"),
+        "{}",
+        c.file
+    );
     // The eager baseline plan passes the checker with the same max live.
     let base = baselines::program_order_greedy(&g);
     let report = checker::check(&g, &base).unwrap_or_else(|e| panic!("{}: {e}", c.file));
