@@ -64,7 +64,7 @@ fn check_structure(g: &Graph) {
             .iter()
             .enumerate()
             .all(|(i, o)| o.index() == i),
-        "{}: the listed order is already the program order",
+        "{}: the program order differs from the eager order the ops are listed in",
         g.name
     );
     let mut params = 0u64;
