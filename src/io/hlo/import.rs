@@ -822,7 +822,11 @@ fn add_op(
 /// temporary as large as the bodies' own peak.
 fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Error> {
     let inputs = bl.operand_leaves(ins);
-    let (val, mut outputs) = bl.fresh(ins)?;
+    let (val, mut outputs) = if ins.opcode == "while" {
+        while_results(bl, ctx.m, ins)?
+    } else {
+        bl.fresh(ins)?
+    };
 
     // (output index, operand number, operand index) pairs.
     let mut pairs: Vec<(ShapeIndex, usize, ShapeIndex)> = Vec::new();
@@ -883,6 +887,36 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
                 pairs.push((path.clone(), 0, path));
             }
         }
+        "conditional" | "call" => {
+            // A result the called computation returns straight from its
+            // parameter is the operand's buffer in XLA (the output value
+            // flows through the branch): let it take the operand's bytes.
+            let callees: Vec<(CompIdx, usize)> = if op == "call" {
+                ins.called_all("to_apply").map(|c| (c, 0)).collect()
+            } else {
+                ins.called_all("branch_computations")
+                    .chain(ins.called_all("true_computation"))
+                    .chain(ins.called_all("false_computation"))
+                    .enumerate()
+                    .map(|(k, c)| (c, k + 1))
+                    .collect()
+            };
+            for (c, first_operand) in callees {
+                let callee = ctx.m.comp(c);
+                for (path, _) in ins.shape.leaves() {
+                    if let Some((param, idx)) = passthrough(callee, &path) {
+                        // A call's parameter j is operand j; a branch has
+                        // one parameter, its own operand.
+                        let k = if op == "call" {
+                            param as usize
+                        } else {
+                            first_operand + param as usize
+                        };
+                        pairs.push((path, k, idx));
+                    }
+                }
+            }
+        }
         _ => {}
     }
 
@@ -891,6 +925,10 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
         let Some(Val::Leaf(out)) = val.at(&oi) else {
             continue;
         };
+        if !outputs.contains(out) {
+            // An aliased result (a loop invariant) has no bytes of its own.
+            continue;
+        }
         let Some(&o) = ins.operands.get(k) else {
             continue;
         };
@@ -937,6 +975,77 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
     }
     add_op(bl, ins, inputs, outputs, reuse, extra);
     Ok(val)
+}
+
+/// A `while`'s results: a state element the body returns unchanged (a
+/// loop invariant, e.g. stacked weights a scan reads) is the initial
+/// value's buffer itself, as in XLA; every other element is a fresh tensor
+/// (which may take its initial value's bytes, see the reuse hints).
+fn while_results(
+    bl: &mut Builder<'_>,
+    m: &Module,
+    ins: &Instr,
+) -> Result<(Val, Vec<TensorId>), Error> {
+    let init = bl.operand(ins, 0)?.clone();
+    let body = ins.called("body").map(|c| m.comp(c));
+    let mut made = Vec::new();
+    let val = build_while_val(bl, ins, &ins.shape, &mut Vec::new(), &init, body, &mut made)?;
+    Ok((val, made))
+}
+
+fn build_while_val(
+    bl: &mut Builder<'_>,
+    ins: &Instr,
+    s: &Shape,
+    path: &mut Vec<u32>,
+    init: &Val,
+    body: Option<&Computation>,
+    made: &mut Vec<TensorId>,
+) -> Result<Val, Error> {
+    match s {
+        Shape::Array(_) => {
+            let invariant = body.is_some_and(|b| {
+                passthrough(b, path).is_some_and(|(p, idx)| p == 0 && idx == *path)
+            });
+            if invariant && let Some(Val::Leaf(t)) = init.at(path) {
+                return Ok(Val::Leaf(*t));
+            }
+            bl.fresh_shape(ins, s, path, made)
+        }
+        Shape::Tuple(parts) => {
+            let mut v = Vec::with_capacity(parts.len());
+            for (i, p) in parts.iter().enumerate() {
+                path.push(i as u32);
+                v.push(build_while_val(bl, ins, p, path, init, body, made)?);
+                path.pop();
+            }
+            Ok(Val::Tuple(v))
+        }
+    }
+}
+
+/// The parameter (number, index) that `comp` returns unchanged at `path`
+/// of its result, following `tuple`, `get-tuple-element` and `bitcast`.
+fn passthrough(comp: &Computation, path: &[u32]) -> Option<(u64, ShapeIndex)> {
+    let mut cur = comp.root;
+    let mut rest: Vec<u32> = path.to_vec();
+    // Each step moves to an operand, which comes earlier: this terminates.
+    loop {
+        let x = &comp.instrs[cur.index()];
+        match x.opcode.as_str() {
+            "parameter" => return Some((x.param_number?, rest)),
+            "tuple" if !rest.is_empty() => {
+                cur = *x.operands.get(rest[0] as usize)?;
+                rest.remove(0);
+            }
+            "get-tuple-element" => {
+                rest.insert(0, u32::try_from(x.tuple_index?).ok()?);
+                cur = *x.operands.first()?;
+            }
+            "bitcast" | "domain" if rest.is_empty() => cur = *x.operands.first()?,
+            _ => return None,
+        }
+    }
 }
 
 fn depth_of(ctx: &Ctx<'_>) -> usize {

