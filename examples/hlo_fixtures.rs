@@ -28,8 +28,8 @@ fn manifest(dir: &Path) -> HashMap<String, HashMap<String, String>> {
     };
     let cols: Vec<&str> = header.split(',').collect();
     for line in lines {
-        // The config column has no commas in these manifests except none;
-        // split from both ends to be safe.
+        // No cell of these manifests holds a comma; a row that does not
+        // split into the header's columns is skipped.
         let cells: Vec<&str> = line.split(',').collect();
         if cells.len() != cols.len() {
             continue;

@@ -168,7 +168,10 @@ const EXPECTED: &[Row] = &[
     ),
 ];
 
-fn figures(g: &Graph) -> (usize, usize, usize, u64, Option<u64>, Option<u64>) {
+/// What [`Row`] records, less the names.
+type Figures = (usize, usize, usize, u64, Option<u64>, Option<u64>);
+
+fn figures(g: &Graph) -> Figures {
     (
         g.num_ops(),
         g.num_tensors(),

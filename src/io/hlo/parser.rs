@@ -151,6 +151,12 @@ fn bare(name: &str) -> &str {
     name.strip_prefix('%').unwrap_or(name)
 }
 
+/// Whether a word at an operand position starts a shape (an element type)
+/// rather than naming an operand.
+fn looks_like_shape_start(w: &str) -> bool {
+    ElementType::parse(w).is_some()
+}
+
 /// A computation reference not yet resolved to an index.
 struct PendingRef {
     comp: usize,
@@ -240,11 +246,9 @@ impl<'a> Parser<'a> {
                 }
                 _ => {}
             }
+            // A value may continue after a group or a word (e.g.
+            // `[2,2]<=[4]`); the loop head decides.
             self.lx.next_token()?;
-            if stack.is_empty() {
-                // A value that was one group or word may continue (e.g.
-                // `[2,2]<=[4]`); the loop head decides.
-            }
         }
     }
 
@@ -751,7 +755,7 @@ impl<'a> Parser<'a> {
                     loop {
                         let t = self.lx.peek()?;
                         let operand = match t.tok {
-                            Tok::Word(w) if !self.looks_like_shape_start(w) => {
+                            Tok::Word(w) if !looks_like_shape_start(w) => {
                                 self.lx.next_token()?;
                                 (w, t)
                             }
@@ -834,12 +838,6 @@ impl<'a> Parser<'a> {
             return Err(self.unexpected(&t, &format!("',' or the end of instruction %{name}")));
         }
         Ok((is_root, name, ins))
-    }
-
-    /// Whether a word at an operand position starts a shape (an element
-    /// type followed by `[`) rather than naming an operand.
-    fn looks_like_shape_start(&mut self, w: &str) -> bool {
-        ElementType::parse(w).is_some() && !w.starts_with('%')
     }
 
     /// `%name` or `{%a, %b}`.
