@@ -24,11 +24,17 @@
 //!   in-process implementation (one thread per rank) for CPU runs.
 //! - [`cpu`]: the CPU executor — f32 kernels, matrix products through
 //!   `matrixmultiply`, rayon over rows, heads and chunks.
+//! - [`device`]: the GPU backend's logic without CUDA — each instruction
+//!   lowered to kernel launches, cuBLAS calls, memsets, copies and
+//!   collectives over one device allocation — and [`device::emulate`], a
+//!   host emulator of those operations that tests the lowering on any
+//!   machine.
 //! - `cuda` (feature `cuda`): the CUDA executor — one `cuMemAlloc`'d arena,
 //!   cuBLAS for matrix products, NVRTC-compiled kernels, one stream per plan
 //!   stream with events, NCCL collectives; CUDA is loaded at run time.
 //! - [`init`]: deterministic initialization and synthetic data, identical
-//!   for a tensor whole or sharded.
+//!   for a tensor whole or sharded; [`runner`]: several steps over CPU
+//!   ranks with a fixed synthetic batch.
 //!
 //! # Guarantees
 //! [`program::Program::validate`] rejects any program whose operands leave
@@ -51,10 +57,12 @@ pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod init;
 pub mod kernel;
 pub mod program;
+pub mod runner;
 pub mod schedule;
 
 pub use comm::{Communicator, SingleRank, ThreadComm, run_ranks};
