@@ -26,8 +26,11 @@ fn program(g: &Graph) -> Program {
     exec::program(g, &plan).unwrap()
 }
 
+/// Each rank's persistent f32 tensors by name.
+type State = Vec<Vec<(String, Vec<f32>)>>;
+
 /// Losses per step and each rank's persistent f32 tensors, on the emulator.
-fn emulate(p: &Program, steps: usize) -> (Vec<f32>, Vec<Vec<(String, Vec<f32>)>>) {
+fn emulate(p: &Program, steps: usize) -> (Vec<f32>, State) {
     let per_rank = run_ranks(p.world_size as usize, |rank, comm| {
         let mut em = Emulator::new(p.clone())?;
         em.initialize(0, rank);
