@@ -11,6 +11,8 @@
 //! - [`checker`]: the independent plan checker.
 //! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
 //!   the allocator (`memplan-allocator`, offsets).
+//! - [`exec`]: a graph and its plan lowered to the executor's program
+//!   (`memplan-runtime`), and the unplanned reference.
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
 //!
@@ -44,6 +46,7 @@
 pub mod baselines;
 pub mod checker;
 pub mod error;
+pub mod exec;
 pub mod graph;
 pub mod io;
 pub mod lower;

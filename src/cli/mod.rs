@@ -2,6 +2,7 @@
 
 mod commands;
 pub mod format;
+mod run;
 
 use std::path::PathBuf;
 
@@ -44,6 +45,10 @@ pub struct GraphArgs {
     /// Clip the gradients' global norm before the updates (GPT-2 examples).
     #[arg(long, value_name = "MAX", requires = "example")]
     pub clip_grad_norm: Option<f64>,
+    /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one
+    /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
+    #[arg(long, value_name = "W")]
+    pub world_size: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -96,6 +101,8 @@ pub enum Command {
         #[arg(long, value_name = "S", default_value_t = 10.0)]
         time_limit: f64,
     },
+    /// Run the planned step for real (CPU, or CUDA) inside one arena.
+    Run(run::RunArgs),
     /// Write a built-in example graph as memplan JSON.
     Export {
         #[command(flatten)]
