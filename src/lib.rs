@@ -13,6 +13,9 @@
 //!   the allocator (`memplan-allocator`, offsets).
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
+//! - [`bench`]: benchmarks over many graphs and the peak record;
+//!   [`timeline`]: live bytes by role over an order, drawn by [`plot`]
+//!   (SVG) and [`trace`] (Chrome / Perfetto trace).
 //!
 //! # Example
 //! ```
@@ -42,6 +45,7 @@
 //! ```
 
 pub mod baselines;
+pub mod bench;
 pub mod checker;
 pub mod error;
 pub mod graph;
@@ -50,6 +54,9 @@ pub mod lower;
 pub mod models;
 pub mod pipeline;
 pub mod plan;
+pub mod plot;
+pub mod timeline;
+pub mod trace;
 
 pub use error::{Error, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};

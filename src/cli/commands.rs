@@ -40,6 +40,9 @@ pub fn run(cmd: Command) -> Result<()> {
             time_limit,
         } => compare(graph, &source, json, time_limit),
         Command::Export { source, output } => export(&source, &output),
+        Command::Bench(a) => super::bench::run(a),
+        Command::Plot(a) => super::plot::run(a),
+        Command::Trace(a) => super::trace::run(a),
     }
 }
 
