@@ -14,7 +14,8 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, BenchmarkId, Criterion, criterion_group, criterion_main};
 use memplan::graph::Graph;
 use memplan::lower::{self, Lowered};
 use memplan::models::{ExampleOptions, example};
@@ -56,19 +57,21 @@ fn cases() -> Vec<Case> {
         .collect()
 }
 
+/// A group with few samples and short runs, so `cargo bench` stays in
+/// minutes on the big graph; criterion still reports medians with
+/// confidence intervals.
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(10);
+    g
+}
+
 fn stages(c: &mut Criterion) {
     let cases = cases();
-    // Few samples and short runs so `cargo bench` stays in minutes on the
-    // big graph; criterion still reports medians with confidence intervals.
-    let mut group = |name: &str| {
-        let mut g = c.benchmark_group(name);
-        g.warm_up_time(Duration::from_secs(1))
-            .measurement_time(Duration::from_secs(3))
-            .sample_size(10);
-        g
-    };
     {
-        let mut g = group("lower");
+        let mut g = group(c, "lower");
         for k in &cases {
             g.bench_with_input(BenchmarkId::from_parameter(k.size), k, |b, k| {
                 b.iter(|| lower::lower(black_box(&k.graph), true))
@@ -77,7 +80,7 @@ fn stages(c: &mut Criterion) {
         g.finish();
     }
     {
-        let mut g = group("order");
+        let mut g = group(c, "order");
         for k in &cases {
             g.bench_with_input(BenchmarkId::new("list_schedule", k.size), k, |b, k| {
                 b.iter(|| solver::list_schedule(black_box(&k.low.problem)))
@@ -89,7 +92,7 @@ fn stages(c: &mut Criterion) {
         g.finish();
     }
     {
-        let mut g = group("bounds");
+        let mut g = group(c, "bounds");
         for k in &cases {
             g.bench_with_input(BenchmarkId::new("op_footprint", k.size), k, |b, k| {
                 b.iter(|| solver::bounds::op_footprint(black_box(&k.low.problem)))
@@ -98,7 +101,7 @@ fn stages(c: &mut Criterion) {
         g.finish();
     }
     {
-        let mut g = group("layout");
+        let mut g = group(c, "layout");
         for k in &cases {
             g.bench_with_input(BenchmarkId::new("greedy_by_size", k.size), k, |b, k| {
                 b.iter(|| alloc::greedy_by_size(black_box(&k.layout.problem)))
@@ -107,7 +110,7 @@ fn stages(c: &mut Criterion) {
         g.finish();
     }
     {
-        let mut g = group("pipeline");
+        let mut g = group(c, "pipeline");
         for k in &cases {
             g.bench_with_input(BenchmarkId::new("plan", k.size), k, |b, k| {
                 b.iter(|| memplan::plan(black_box(&k.graph), &memplan::Options::default()))

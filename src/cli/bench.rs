@@ -324,8 +324,16 @@ fn cells(rows: &[Row], s: &Summary) -> (Vec<String>, Vec<Vec<String>>) {
     );
     let mut out = Vec::new();
     for r in rows {
+        // Graphs of the same name (two dumps of one step) are told apart by
+        // where they came from.
+        let same_name = rows.iter().filter(|o| o.graph == r.graph).count();
+        let name = if same_name > 1 {
+            r.source.clone()
+        } else {
+            r.graph.clone()
+        };
         let mut c = vec![
-            r.graph.clone(),
+            name,
             grouped(r.ops as u64),
             grouped(r.tensors as u64),
             human_bytes(r.lower_bound_bytes),
