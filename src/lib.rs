@@ -15,6 +15,9 @@
 //!   (`memplan-runtime`), and the unplanned reference.
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
+//! - [`bench`]: benchmarks over many graphs and the peak record;
+//!   [`timeline`]: live bytes by role over an order, drawn by [`plot`]
+//!   (SVG) and [`trace`] (Chrome / Perfetto trace).
 //!
 //! # Example
 //! ```
@@ -44,6 +47,7 @@
 //! ```
 
 pub mod baselines;
+pub mod bench;
 pub mod checker;
 pub mod error;
 pub mod exec;
@@ -53,6 +57,9 @@ pub mod lower;
 pub mod models;
 pub mod pipeline;
 pub mod plan;
+pub mod plot;
+pub mod timeline;
+pub mod trace;
 
 pub use error::{Error, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};

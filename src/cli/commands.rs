@@ -41,6 +41,9 @@ pub fn run(cmd: Command) -> Result<()> {
         } => compare(graph, &source, json, time_limit),
         Command::Export { source, output } => export(&source, &output),
         Command::Run(args) => super::run::run(args),
+        Command::Bench(a) => super::bench::run(a),
+        Command::Plot(a) => super::plot::run(a),
+        Command::Trace(a) => super::trace::run(a),
     }
 }
 

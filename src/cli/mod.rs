@@ -1,8 +1,11 @@
 //! Command-line front end: argument parsing and the commands.
 
+mod bench;
 mod commands;
 pub mod format;
 mod run;
+mod plot;
+mod trace;
 
 use std::path::PathBuf;
 
@@ -111,6 +114,13 @@ pub enum Command {
         #[arg(short, long, value_name = "FILE")]
         output: PathBuf,
     },
+    /// Benchmark memplan against the lower bound and the baselines on many
+    /// graphs; keep or check the peak record.
+    Bench(bench::BenchArgs),
+    /// Draw a plan's memory as SVG: live bytes by role, and the arena layout.
+    Plot(plot::PlotArgs),
+    /// Write a plan's memory timeline as a Chrome / Perfetto trace (JSON).
+    Trace(trace::TraceArgs),
 }
 
 /// Parses the arguments and runs; returns the process exit code.
