@@ -615,6 +615,7 @@ pub fn min_cut_floor(
     }
     let mut solver = CutSolver::new(p);
     let mut per_op_cut = simple.per_op.clone();
+    let mut solved = vec![false; n];
     let (mut cuts, mut pruned) = (0, 0);
     let mut finished = true;
     for (i, &v) in todo.iter().enumerate() {
@@ -642,14 +643,39 @@ pub fn min_cut_floor(
             "cut above a valid order's live bytes at {v}"
         );
         per_op_cut[v.index()] = c;
+        solved[v.index()] = true;
         if c > best {
             best = c;
             at = Some(v);
         }
     }
-    // Step 0 holds a source op and the unused step inputs.
+    // Step 0 holds a source op and the unused step inputs. The term needs
+    // the cut at every source, pruned ones included (their simple bound
+    // would give a smaller, still valid, term), unless even the known
+    // orders' live bytes there cannot beat the best floor.
     let unused = unused_step_inputs(p);
     if unused > 0 && n > 0 {
+        let sources: Vec<OpIdx> = p.ops().filter(|&v| p.num_preds(v) == 0).collect();
+        let reach = sources
+            .iter()
+            .map(|v| ub[v.index()])
+            .min()
+            .unwrap_or(0)
+            .saturating_add(unused);
+        if !params.prune_by_orders || reach > best {
+            for &v in &sources {
+                if solved[v.index()] {
+                    continue;
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    finished = false;
+                    break;
+                }
+                per_op_cut[v.index()] = solver.cut_at(v).bytes;
+                solved[v.index()] = true;
+                cuts += 1;
+            }
+        }
         best = best.max(first_step_term(p, &per_op_cut, unused));
     }
     Floor {
