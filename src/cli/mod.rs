@@ -1,5 +1,6 @@
 //! Command-line front end: argument parsing and the commands.
 
+mod alloc;
 mod commands;
 pub mod format;
 
@@ -96,6 +97,9 @@ pub enum Command {
         #[arg(long, value_name = "S", default_value_t = 10.0)]
         time_limit: f64,
     },
+    /// Offsets for buffers with fixed lifetimes (MiniMalloc CSV), or the
+    /// allocator's benchmark report (--report).
+    Alloc(alloc::AllocArgs),
     /// Write a built-in example graph as memplan JSON.
     Export {
         #[command(flatten)]

@@ -1,0 +1,442 @@
+//! The allocator's entry point: heuristics, then exact search, per
+//! independent region, in capacity or minimise mode.
+//!
+//! 1. [`Problem::check`], then reuse groups become units ([`Units`]).
+//! 2. Regions: units split into partitions where no unit crosses a time
+//!    cut. In a partition without pins, a unit live over the whole
+//!    partition can go to the bottom without loss (cut its band out of any
+//!    layout and the rest closes over it), so such units are stacked at
+//!    the bottom and the rest, which often falls apart into smaller
+//!    partitions, is solved on top of them, recursively. This is only done
+//!    when the stacked sizes are multiples of every alignment in the
+//!    partition, so the shift keeps everything aligned.
+//! 3. Every leaf partition gets the best of the greedy heuristics.
+//! 4. Leaves above the target (the capacity, or in minimise mode the
+//!    floor) go to the exact search ([`crate::search`]): first at the
+//!    target, then, when minimising, at capacities between the best proven
+//!    bound and the best layout, bisecting; each attempt has a share of
+//!    the time left. A failed attempt that ran to the end is a proof and
+//!    raises the bound.
+//!
+//! The result always carries the best layout found and a proven lower
+//! bound on the arena: the floor (max live bytes) or better.
+
+use std::time::{Duration, Instant};
+
+use crate::heuristics::{self, Heuristic};
+use crate::params::SolverParams;
+use crate::problem::{Problem, ProblemError, Solution};
+use crate::search::{self, Decision, SearchStats};
+use crate::sweep::Sweep;
+use crate::units::{self, Unit, Units, lcm};
+
+/// What to solve for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// The smallest arena: stop when the floor is reached (proven optimal)
+    /// or the time runs out.
+    Minimize,
+    /// Whether everything fits in this many bytes (MiniMalloc's decision
+    /// problem); stop at the first layout that fits.
+    Capacity(u64),
+}
+
+/// How a solve ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// The layout's height equals the proven lower bound.
+    Optimal,
+    /// Capacity mode: the layout fits the capacity. Minimise mode: the best
+    /// layout found, above the lower bound.
+    Feasible,
+    /// Capacity mode: proven that no layout fits.
+    Infeasible,
+    /// Capacity mode: the time ran out before a layout that fits was found
+    /// or the capacity was refuted.
+    Unknown,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Optimal => "optimal",
+            Status::Feasible => "feasible",
+            Status::Infeasible => "infeasible",
+            Status::Unknown => "unknown",
+        }
+    }
+}
+
+/// Counters for reports.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SolveStats {
+    pub seconds: f64,
+    /// Height of the best heuristic layout (all leaves together).
+    pub heuristic_height: u64,
+    /// The heuristic that won most leaves' bytes (the tallest leaf's).
+    pub heuristic: String,
+    /// Search nodes and runs.
+    pub nodes: u64,
+    pub runs: u64,
+    /// Leaf partitions, and how many went to the exact search.
+    pub leaves: usize,
+    pub searched_leaves: usize,
+    /// Units after merging reuse groups, and how many were stacked at the
+    /// bottom of their partition.
+    pub units: usize,
+    pub peeled: usize,
+}
+
+/// The result of a solve.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The best layout found (in capacity mode it may not fit when the
+    /// status is not `Feasible`/`Optimal`).
+    pub solution: Solution,
+    pub status: Status,
+    /// A proven lower bound on the arena of any layout.
+    pub lower_bound: u64,
+    /// The problem's max live bytes (the floor).
+    pub max_live: u64,
+    /// Which method produced the tallest part of the layout: a heuristic's
+    /// name, `search` or `ilp`.
+    pub source: String,
+    pub stats: SolveStats,
+}
+
+impl Outcome {
+    /// `(height - lower_bound) / lower_bound` (0 when both are 0).
+    pub fn gap(&self) -> f64 {
+        if self.lower_bound == 0 {
+            return 0.0;
+        }
+        (self.solution.height as f64 - self.lower_bound as f64) / self.lower_bound as f64
+    }
+}
+
+/// A leaf partition: units solved together on top of `base` bytes.
+struct Leaf {
+    units: Vec<usize>,
+    base: u64,
+    /// Local units (copies) and their best offsets, height and bound.
+    local: Vec<Unit>,
+    offsets: Vec<u64>,
+    height: u64,
+    lower: u64,
+    source: String,
+    /// Proven: no layout of this leaf is lower than `height`.
+    done: bool,
+}
+
+/// Splits `idx` into leaves, stacking full-span units at the bottom.
+fn regions(
+    all: &[Unit],
+    idx: Vec<usize>,
+    base: u64,
+    params: &SolverParams,
+    offsets: &mut [u64],
+    peeled: &mut usize,
+    peak: &mut u64,
+    leaves: &mut Vec<Vec<usize>>,
+    bases: &mut Vec<u64>,
+) {
+    if idx.is_empty() {
+        return;
+    }
+    let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
+    let parts: Vec<Vec<usize>> = if params.static_decomposition {
+        Sweep::new(&local)
+            .partitions
+            .into_iter()
+            .map(|p| p.units.into_iter().map(|k| idx[k]).collect())
+            .collect()
+    } else {
+        vec![idx]
+    };
+    for part in parts {
+        let pinned = part.iter().any(|&i| all[i].pin.is_some());
+        if params.peel_full_span && !pinned && part.len() > 1 {
+            let lo = part.iter().map(|&i| all[i].lower).min().unwrap_or(0);
+            let hi = part.iter().map(|&i| all[i].upper).max().unwrap_or(0);
+            let a = part.iter().fold(1u64, |a, &i| lcm(a, all[i].align));
+            let (full, rest): (Vec<usize>, Vec<usize>) = part
+                .iter()
+                .partition(|&&i| all[i].lower == lo && all[i].upper == hi && all[i].size % a == 0);
+            if !full.is_empty() {
+                let mut top = base;
+                for &i in &full {
+                    offsets[i] = top;
+                    top += all[i].size;
+                }
+                *peak = (*peak).max(top);
+                *peeled += full.len();
+                if params.static_decomposition {
+                    regions(all, rest, top, params, offsets, peeled, peak, leaves, bases);
+                } else if !rest.is_empty() {
+                    leaves.push(rest);
+                    bases.push(top);
+                }
+                continue;
+            }
+        }
+        leaves.push(part);
+        bases.push(base);
+    }
+}
+
+/// Solves `problem` in `mode`.
+pub fn solve(problem: &Problem, mode: Mode, params: &SolverParams) -> Result<Outcome, ProblemError> {
+    let start = Instant::now();
+    let deadline = params.time_limit.map(|t| start + t);
+    problem.check()?;
+    let u = Units::new(problem);
+    let all = &u.units;
+    let mut offsets = vec![0u64; all.len()];
+    let mut stats = SolveStats {
+        units: all.len(),
+        ..Default::default()
+    };
+    let mut peak = 0u64;
+    let mut leaf_units = Vec::new();
+    let mut bases = Vec::new();
+    regions(
+        all,
+        (0..all.len()).collect(),
+        0,
+        params,
+        &mut offsets,
+        &mut stats.peeled,
+        &mut peak,
+        &mut leaf_units,
+        &mut bases,
+    );
+    let max_live = problem.max_live();
+    let hs: Vec<Heuristic> = if params.heuristics.is_empty() {
+        vec![Heuristic::ALL[0]]
+    } else {
+        params.heuristics.clone()
+    };
+    let mut leaves: Vec<Leaf> = leaf_units
+        .into_iter()
+        .zip(bases)
+        .map(|(idx, base)| {
+            let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
+            let lower = units::max_live(&local);
+            let (h, offs, height) = heuristics::best_of(&local, &hs, lower);
+            Leaf {
+                units: idx,
+                base,
+                local,
+                offsets: offs,
+                height,
+                lower,
+                source: h.name(),
+                done: height <= lower,
+            }
+        })
+        .collect();
+    stats.leaves = leaves.len();
+    let top_of = |leaves: &[Leaf]| {
+        leaves
+            .iter()
+            .map(|l| l.base + l.height)
+            .max()
+            .unwrap_or(0)
+            .max(peak)
+    };
+    stats.heuristic_height = top_of(&leaves);
+    let target = |l: &Leaf, goal: u64| goal.saturating_sub(l.base);
+    let mut infeasible = false;
+    if params.exact_search {
+        match mode {
+            Mode::Capacity(cap) => {
+                let mut order: Vec<usize> = (0..leaves.len())
+                    .filter(|&k| leaves[k].base + leaves[k].height > cap)
+                    .collect();
+                order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].local.len()));
+                let n = order.len();
+                for (done, k) in order.into_iter().enumerate() {
+                    let l = &mut leaves[k];
+                    let t = target(l, cap);
+                    if u.exact && (peak > cap || l.lower > t) {
+                        infeasible = true;
+                        break;
+                    }
+                    stats.searched_leaves += 1;
+                    let dl = share(deadline, n - done);
+                    let mut st = SearchStats::default();
+                    let d = search::decide(&l.local, t, params, dl, &mut st);
+                    stats.nodes += st.nodes;
+                    stats.runs += st.runs;
+                    match d {
+                        Decision::Fits(o) => {
+                            l.height = units::height(&l.local, &o);
+                            l.offsets = o;
+                            l.source = "search".into();
+                        }
+                        Decision::Infeasible => {
+                            if u.exact {
+                                infeasible = true;
+                                break;
+                            }
+                        }
+                        Decision::Unknown => {}
+                    }
+                }
+            }
+            Mode::Minimize => {
+                // The floor every leaf must reach: no point going lower.
+                let goal = leaves
+                    .iter()
+                    .map(|l| l.base + l.lower)
+                    .max()
+                    .unwrap_or(0)
+                    .max(peak);
+                let mut order: Vec<usize> = (0..leaves.len())
+                    .filter(|&k| leaves[k].base + leaves[k].height > goal)
+                    .collect();
+                order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].base + leaves[k].height));
+                let n = order.len();
+                for (done, k) in order.into_iter().enumerate() {
+                    // Leaves only need to come down to the tallest other
+                    // leaf's proven bound, and never below their own.
+                    let dl = share(deadline, n - done);
+                    stats.searched_leaves += 1;
+                    let l = &mut leaves[k];
+                    let t = target(l, goal).max(l.lower);
+                    minimise_leaf(l, t, params, dl, u.exact, &mut stats);
+                }
+            }
+        }
+    }
+    for l in &leaves {
+        for (k, &i) in l.units.iter().enumerate() {
+            offsets[i] = l.base + l.offsets[k];
+        }
+    }
+    let solution = u.to_solution(problem, &offsets);
+    let height = solution.height;
+    // Bounds: the floor, and every leaf's proven bound on its base.
+    let mut lower_bound = max_live;
+    if u.exact {
+        lower_bound = lower_bound.max(peak);
+        for l in &leaves {
+            lower_bound = lower_bound.max(l.base + l.lower);
+        }
+    }
+    let tallest = leaves.iter().max_by_key(|l| l.base + l.height);
+    stats.heuristic = tallest.map(|l| l.source.clone()).unwrap_or_default();
+    let source = stats.heuristic.clone();
+    let status = match mode {
+        Mode::Minimize => {
+            if height <= lower_bound {
+                Status::Optimal
+            } else {
+                Status::Feasible
+            }
+        }
+        Mode::Capacity(cap) => {
+            if height <= cap {
+                if height <= lower_bound {
+                    Status::Optimal
+                } else {
+                    Status::Feasible
+                }
+            } else if infeasible || lower_bound > cap {
+                Status::Infeasible
+            } else {
+                Status::Unknown
+            }
+        }
+    };
+    stats.seconds = start.elapsed().as_secs_f64();
+    Ok(Outcome {
+        solution,
+        status,
+        lower_bound,
+        max_live,
+        source,
+        stats,
+    })
+}
+
+/// A deadline that leaves equal shares to `parts` parts (this one
+/// included).
+fn share(deadline: Option<Instant>, parts: usize) -> Option<Instant> {
+    let d = deadline?;
+    let now = Instant::now();
+    let left = d.saturating_duration_since(now);
+    Some(now + left / parts.max(1) as u32)
+}
+
+/// Brings a leaf's height down toward `goal` (its own floor or better)
+/// with capacity attempts: the goal first, then bisection between the best
+/// proven bound and the best layout. Raises `lower` on proofs when the
+/// units are exact.
+fn minimise_leaf(
+    l: &mut Leaf,
+    goal: u64,
+    params: &SolverParams,
+    deadline: Option<Instant>,
+    exact: bool,
+    stats: &mut SolveStats,
+) {
+    let mut lo = l.lower;
+    let mut first = true;
+    // Capacities tried without an answer: try higher ones next.
+    let mut unknown_at: Option<u64> = None;
+    while lo < l.height {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        let cap = if first {
+            goal.max(lo)
+        } else {
+            match unknown_at {
+                // Bisect between the last unknown capacity and the best.
+                Some(u) => u + (l.height - u).div_ceil(2),
+                None => lo + (l.height - 1 - lo) / 2,
+            }
+        };
+        let cap = cap.min(l.height - 1);
+        // Each attempt gets half the time left (the first: a third).
+        let dl = deadline.map(|d| {
+            let now = Instant::now();
+            let left = d.saturating_duration_since(now);
+            now + if first { left / 3 } else { left / 2 }.max(Duration::from_millis(1))
+        });
+        first = false;
+        let mut st = SearchStats::default();
+        let d = search::decide(&l.local, cap, params, dl, &mut st);
+        stats.nodes += st.nodes;
+        stats.runs += st.runs;
+        match d {
+            Decision::Fits(o) => {
+                l.height = units::height(&l.local, &o);
+                l.offsets = o;
+                l.source = "search".into();
+                if unknown_at.is_some_and(|u| u >= l.height) {
+                    unknown_at = None;
+                }
+            }
+            Decision::Infeasible => {
+                if !exact {
+                    break;
+                }
+                lo = cap + 1;
+                l.lower = l.lower.max(lo);
+                unknown_at = None;
+            }
+            Decision::Unknown => {
+                if unknown_at.is_some_and(|u| cap <= u) || cap + 1 >= l.height {
+                    break;
+                }
+                unknown_at = Some(cap);
+            }
+        }
+        if l.height <= goal {
+            break;
+        }
+    }
+    l.done = l.height <= l.lower;
+}
