@@ -86,7 +86,9 @@ pub fn minimise(
             cons.push(constraint!(
                 off(i, &x) + units[i].size as f64 <= off(j, &x) + big * (1.0 - z)
             ));
-            cons.push(constraint!(off(j, &x) + units[j].size as f64 <= off(i, &x) + big * z));
+            cons.push(constraint!(
+                off(j, &x) + units[j].size as f64 <= off(i, &x) + big * z
+            ));
         }
     }
     let mut model = vars.minimise(h).using(highs);

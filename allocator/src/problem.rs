@@ -118,7 +118,12 @@ pub enum ProblemError {
     #[error("buffer {id}: pinned at {pinned}, which is not a multiple of its alignment {align}")]
     MisalignedPin { id: String, pinned: u64, align: u64 },
     #[error("buffers {a} and {b} share an offset through reuses but are pinned at {pa} and {pb}")]
-    ConflictingPins { a: String, b: String, pa: u64, pb: u64 },
+    ConflictingPins {
+        a: String,
+        b: String,
+        pa: u64,
+        pb: u64,
+    },
     #[error("buffer {id}: offset + size overflows u64")]
     Overflow { id: String },
 }

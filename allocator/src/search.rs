@@ -191,7 +191,11 @@ impl<'a> Model<'a> {
         }
         let total = |i: u32| {
             let (a, b) = self.span[i as usize];
-            load[a as usize..b as usize].iter().copied().max().unwrap_or(0)
+            load[a as usize..b as usize]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0)
         };
         let width = |i: u32| self.units[i as usize].upper - self.units[i as usize].lower;
         let area = |i: u32| self.units[i as usize].area();
@@ -331,7 +335,8 @@ impl<'m, 'a> Run<'m, 'a> {
         for &j in &self.m.adj[iu] {
             let ju = j as usize;
             if !self.placed[ju] && self.base[ju] < top {
-                self.trail.push(Undo::Min(j, self.base[ju], self.minoff[ju]));
+                self.trail
+                    .push(Undo::Min(j, self.base[ju], self.minoff[ju]));
                 self.base[ju] = top;
                 self.minoff[ju] = self.m.lift(ju, top);
             }
@@ -619,7 +624,10 @@ pub fn decide_limited(
             stats.nodes += run.nodes;
             stats.runs += 1;
             if std::env::var_os("MEMPLAN_TRACE").is_some() {
-                eprintln!("run cap {cap} limit {this_limit} nodes {} -> {:?}", run.nodes, res);
+                eprintln!(
+                    "run cap {cap} limit {this_limit} nodes {} -> {:?}",
+                    run.nodes, res
+                );
             }
             spent += run.nodes;
             match res {
@@ -666,13 +674,7 @@ mod tests {
 
     /// A staircase that greedy-by-size packs badly but fits exactly.
     fn staircase() -> Vec<Unit> {
-        vec![
-            u(0, 2, 2),
-            u(0, 4, 1),
-            u(2, 6, 2),
-            u(4, 6, 1),
-            u(0, 6, 1),
-        ]
+        vec![u(0, 2, 2), u(0, 4, 1), u(2, 6, 2), u(4, 6, 1), u(0, 6, 1)]
     }
 
     #[test]
@@ -685,7 +687,10 @@ mod tests {
             Decision::Fits(o) => valid(&us, &o, floor),
             d => panic!("{d:?}"),
         }
-        assert_eq!(decide(&us, floor - 1, &p, None, &mut st), Decision::Infeasible);
+        assert_eq!(
+            decide(&us, floor - 1, &p, None, &mut st),
+            Decision::Infeasible
+        );
     }
 
     #[test]

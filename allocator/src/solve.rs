@@ -185,7 +185,11 @@ fn regions(
 }
 
 /// Solves `problem` in `mode`.
-pub fn solve(problem: &Problem, mode: Mode, params: &SolverParams) -> Result<Outcome, ProblemError> {
+pub fn solve(
+    problem: &Problem,
+    mode: Mode,
+    params: &SolverParams,
+) -> Result<Outcome, ProblemError> {
     let start = Instant::now();
     let deadline = params.time_limit.map(|t| start + t);
     problem.check()?;

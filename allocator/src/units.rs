@@ -127,7 +127,8 @@ impl Units {
                 return false;
             }
             // Lifetimes must cover the union without a hole.
-            let mut iv: Vec<(u64, u64)> = m.iter().map(|&i| (bufs[i].lower, bufs[i].upper)).collect();
+            let mut iv: Vec<(u64, u64)> =
+                m.iter().map(|&i| (bufs[i].lower, bufs[i].upper)).collect();
             iv.sort_unstable();
             let mut reach = iv[0].1;
             for &(lo, hi) in &iv[1..] {

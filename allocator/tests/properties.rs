@@ -27,7 +27,12 @@ fn heuristics_only() -> SolverParams {
 /// Random buffers: `n` of them over a short horizon, small sizes, some
 /// aligned, maybe a persistent one.
 fn problem(max_n: usize, max_size: u64) -> impl Strategy<Value = Problem> {
-    let buf = (0u64..10, 1u64..6, 1..=max_size, prop_oneof![4 => Just(1u64), 1 => Just(2u64), 1 => Just(4u64)]);
+    let buf = (
+        0u64..10,
+        1u64..6,
+        1..=max_size,
+        prop_oneof![4 => Just(1u64), 1 => Just(2u64), 1 => Just(4u64)],
+    );
     (
         proptest::collection::vec(buf, 1..=max_n),
         proptest::option::weighted(0.2, 1..=max_size),

@@ -58,7 +58,12 @@ pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
         .from_reader(text.as_bytes());
     let mut records = rdr.records();
     let header = match records.next() {
-        None => return Err(err(1, "empty file: expected a header `id,lower,upper,size`".into())),
+        None => {
+            return Err(err(
+                1,
+                "empty file: expected a header `id,lower,upper,size`".into(),
+            ));
+        }
         Some(r) => r.map_err(|e| csv_err(file, e))?,
     };
     let hline = header.position().map_or(1, |p| p.line());
@@ -233,7 +238,8 @@ pub fn to_string(problem: &Problem, solution: &Solution) -> String {
 mod tests {
     use super::*;
 
-    const EXAMPLE: &str = "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n";
+    const EXAMPLE: &str =
+        "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n";
 
     #[test]
     fn reads_minimallocs_example() {
