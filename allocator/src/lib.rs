@@ -55,6 +55,7 @@
 
 pub mod error;
 pub mod heuristics;
+#[cfg(feature = "ilp")]
 pub mod ilp;
 pub mod io;
 pub mod params;

@@ -239,7 +239,9 @@ struct Run<'m, 'a> {
     base: Vec<u64>,
     /// `lift(base)`: where each unit would go now.
     minoff: Vec<u64>,
-    /// Highest top of placed units in each section.
+    /// Highest top of placed units in each section (every unplaced unit
+    /// of the section goes above it: it is placed at or above the last
+    /// offset, so above every placed unit it conflicts with).
     floor: Vec<u64>,
     /// Bytes of unplaced units in each section.
     rem: Vec<u64>,
@@ -323,8 +325,10 @@ impl<'m, 'a> Run<'m, 'a> {
         self.trail.push(Undo::Place(i));
         let (a, b) = self.m.span[iu];
         for s in a as usize..b as usize {
-            self.trail.push(Undo::Floor(s as u32, self.floor[s]));
-            self.floor[s] = top;
+            if self.floor[s] < top {
+                self.trail.push(Undo::Floor(s as u32, self.floor[s]));
+                self.floor[s] = top;
+            }
             self.rem[s] -= u.size;
         }
         let mut new_cut = false;
