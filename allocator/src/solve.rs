@@ -318,7 +318,18 @@ pub fn solve(
             offsets[i] = l.base + l.offsets[k];
         }
     }
-    let solution = u.to_solution(problem, &offsets);
+    let mut solution = u.to_solution(problem, &offsets);
+    let mut baseline_won = false;
+    // Never worse than the plain baseline: greedy by size over the whole
+    // problem, without partitions or peeling (one more O(u^2) pass, only
+    // when the layout is above the floor).
+    if solution.height > max_live && !all.is_empty() {
+        let g = heuristics::greedy_by_size(problem);
+        if g.height < solution.height {
+            solution = g;
+            baseline_won = true;
+        }
+    }
     let height = solution.height;
     // Bounds: the floor, and every leaf's proven bound on its base.
     let mut lower_bound = max_live;
@@ -330,7 +341,11 @@ pub fn solve(
     }
     let tallest = leaves.iter().max_by_key(|l| l.base + l.height);
     stats.heuristic = tallest.map(|l| l.source.clone()).unwrap_or_default();
-    let source = stats.heuristic.clone();
+    let source = if baseline_won {
+        "size/best (whole problem)".to_string()
+    } else {
+        stats.heuristic.clone()
+    };
     let status = match mode {
         Mode::Minimize => {
             if height <= lower_bound {

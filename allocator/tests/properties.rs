@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use memplan_allocator::{
-    Buffer, Heuristic, Mode, Problem, Reuse, SolverParams, Status, solve, validate,
+    Buffer, Heuristic, Mode, Problem, Reuse, SolverParams, Status, greedy_by_size, solve, validate,
 };
 use proptest::prelude::*;
 
@@ -129,6 +129,8 @@ proptest! {
         let heur = solve(&p, Mode::Minimize, &heuristics_only()).unwrap();
         let exact = solve(&p, Mode::Minimize, &params()).unwrap();
         prop_assert!(exact.solution.height <= heur.solution.height);
+        // Never worse than the plain baseline either.
+        prop_assert!(heur.solution.height <= greedy_by_size(&p).height);
         prop_assert_eq!(validate(&p, &exact.solution, None), Ok(()));
     }
 

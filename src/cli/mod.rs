@@ -1,8 +1,12 @@
 //! Command-line front end: argument parsing and the commands.
 
 mod alloc;
+mod bench;
 mod commands;
 pub mod format;
+mod run;
+mod plot;
+mod trace;
 
 use std::path::PathBuf;
 
@@ -45,6 +49,10 @@ pub struct GraphArgs {
     /// Clip the gradients' global norm before the updates (GPT-2 examples).
     #[arg(long, value_name = "MAX", requires = "example")]
     pub clip_grad_norm: Option<f64>,
+    /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one
+    /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
+    #[arg(long, value_name = "W")]
+    pub world_size: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -100,6 +108,8 @@ pub enum Command {
     /// Offsets for buffers with fixed lifetimes (MiniMalloc CSV), or the
     /// allocator's benchmark report (--report).
     Alloc(alloc::AllocArgs),
+    /// Run the planned step for real (CPU, or CUDA) inside one arena.
+    Run(run::RunArgs),
     /// Write a built-in example graph as memplan JSON.
     Export {
         #[command(flatten)]
@@ -108,6 +118,13 @@ pub enum Command {
         #[arg(short, long, value_name = "FILE")]
         output: PathBuf,
     },
+    /// Benchmark memplan against the lower bound and the baselines on many
+    /// graphs; keep or check the peak record.
+    Bench(bench::BenchArgs),
+    /// Draw a plan's memory as SVG: live bytes by role, and the arena layout.
+    Plot(plot::PlotArgs),
+    /// Write a plan's memory timeline as a Chrome / Perfetto trace (JSON).
+    Trace(trace::TraceArgs),
 }
 
 /// Parses the arguments and runs; returns the process exit code.
