@@ -258,34 +258,50 @@ pub fn solve(
                     .filter(|&k| leaves[k].base + leaves[k].height > cap)
                     .collect();
                 order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].local.len()));
-                let n = order.len();
-                for (done, k) in order.into_iter().enumerate() {
-                    let l = &mut leaves[k];
-                    let t = target(l, cap);
-                    if u.exact && (peak > cap || l.lower > t) {
-                        infeasible = true;
+                // Passes over the leaves still undecided: each gets an equal
+                // share of the time left; time a leaf does not use goes to
+                // the next, and what is left after a pass to the leaves that
+                // ran out of their share.
+                let mut pending = order;
+                let mut first_pass = true;
+                'passes: while !pending.is_empty() {
+                    if !first_pass && deadline.is_none_or(|d| Instant::now() >= d) {
                         break;
                     }
-                    stats.searched_leaves += 1;
-                    let dl = share(deadline, n - done);
-                    let mut st = SearchStats::default();
-                    let d = search::decide(&l.local, t, params, dl, &mut st);
-                    stats.nodes += st.nodes;
-                    stats.runs += st.runs;
-                    match d {
-                        Decision::Fits(o) => {
-                            l.height = units::height(&l.local, &o);
-                            l.offsets = o;
-                            l.source = "search".into();
+                    let n = pending.len();
+                    let mut undecided = Vec::new();
+                    for (done, k) in pending.into_iter().enumerate() {
+                        let l = &mut leaves[k];
+                        let t = target(l, cap);
+                        if u.exact && (peak > cap || l.lower > t) {
+                            infeasible = true;
+                            break 'passes;
                         }
-                        Decision::Infeasible => {
-                            if u.exact {
-                                infeasible = true;
-                                break;
+                        if first_pass {
+                            stats.searched_leaves += 1;
+                        }
+                        let dl = share(deadline, n - done);
+                        let mut st = SearchStats::default();
+                        let d = search::decide(&l.local, t, params, dl, &mut st);
+                        stats.nodes += st.nodes;
+                        stats.runs += st.runs;
+                        match d {
+                            Decision::Fits(o) => {
+                                l.height = units::height(&l.local, &o);
+                                l.offsets = o;
+                                l.source = "search".into();
                             }
+                            Decision::Infeasible => {
+                                if u.exact {
+                                    infeasible = true;
+                                    break 'passes;
+                                }
+                            }
+                            Decision::Unknown => undecided.push(k),
                         }
-                        Decision::Unknown => {}
                     }
+                    pending = undecided;
+                    first_pass = false;
                 }
             }
             Mode::Minimize => {
