@@ -128,18 +128,20 @@ struct Leaf {
     done: bool,
 }
 
+/// What [`regions`] builds: the offsets of stacked units, and the leaves
+/// left to solve with the base each sits on.
+#[derive(Default)]
+struct Regions {
+    offsets: Vec<u64>,
+    peeled: usize,
+    /// The top of the highest stack.
+    peak: u64,
+    leaves: Vec<Vec<usize>>,
+    bases: Vec<u64>,
+}
+
 /// Splits `idx` into leaves, stacking full-span units at the bottom.
-fn regions(
-    all: &[Unit],
-    idx: Vec<usize>,
-    base: u64,
-    params: &SolverParams,
-    offsets: &mut [u64],
-    peeled: &mut usize,
-    peak: &mut u64,
-    leaves: &mut Vec<Vec<usize>>,
-    bases: &mut Vec<u64>,
-) {
+fn regions(all: &[Unit], idx: Vec<usize>, base: u64, params: &SolverParams, out: &mut Regions) {
     if idx.is_empty() {
         return;
     }
@@ -165,22 +167,22 @@ fn regions(
             if !full.is_empty() {
                 let mut top = base;
                 for &i in &full {
-                    offsets[i] = top;
+                    out.offsets[i] = top;
                     top += all[i].size;
                 }
-                *peak = (*peak).max(top);
-                *peeled += full.len();
+                out.peak = out.peak.max(top);
+                out.peeled += full.len();
                 if params.static_decomposition {
-                    regions(all, rest, top, params, offsets, peeled, peak, leaves, bases);
+                    regions(all, rest, top, params, out);
                 } else if !rest.is_empty() {
-                    leaves.push(rest);
-                    bases.push(top);
+                    out.leaves.push(rest);
+                    out.bases.push(top);
                 }
                 continue;
             }
         }
-        leaves.push(part);
-        bases.push(base);
+        out.leaves.push(part);
+        out.bases.push(base);
     }
 }
 
@@ -195,25 +197,23 @@ pub fn solve(
     problem.check()?;
     let u = Units::new(problem);
     let all = &u.units;
-    let mut offsets = vec![0u64; all.len()];
-    let mut stats = SolveStats {
-        units: all.len(),
+    let mut rg = Regions {
+        offsets: vec![0u64; all.len()],
         ..Default::default()
     };
-    let mut peak = 0u64;
-    let mut leaf_units = Vec::new();
-    let mut bases = Vec::new();
-    regions(
-        all,
-        (0..all.len()).collect(),
-        0,
-        params,
-        &mut offsets,
-        &mut stats.peeled,
-        &mut peak,
-        &mut leaf_units,
-        &mut bases,
-    );
+    regions(all, (0..all.len()).collect(), 0, params, &mut rg);
+    let Regions {
+        mut offsets,
+        peeled,
+        peak,
+        leaves: leaf_units,
+        bases,
+    } = rg;
+    let mut stats = SolveStats {
+        units: all.len(),
+        peeled,
+        ..Default::default()
+    };
     let max_live = problem.max_live();
     let hs: Vec<Heuristic> = if params.heuristics.is_empty() {
         vec![Heuristic::ALL[0]]
@@ -240,15 +240,12 @@ pub fn solve(
         })
         .collect();
     stats.leaves = leaves.len();
-    let top_of = |leaves: &[Leaf]| {
-        leaves
-            .iter()
-            .map(|l| l.base + l.height)
-            .max()
-            .unwrap_or(0)
-            .max(peak)
-    };
-    stats.heuristic_height = top_of(&leaves);
+    stats.heuristic_height = leaves
+        .iter()
+        .map(|l| l.base + l.height)
+        .max()
+        .unwrap_or(0)
+        .max(peak);
     let target = |l: &Leaf, goal: u64| goal.saturating_sub(l.base);
     let mut infeasible = false;
     if params.exact_search {
