@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo run --release -p memplan-allocator --example minimalloc_bench -- \
-//!     [--time-limit S] [--minimize] FILE_OR_DIR...
+//!     [--time-limit S] [--minimize] [--disable LIST] [--node-limit N] FILE_OR_DIR...
 //! ```
 //!
 //! Every layout goes through [`validate`] before it is counted.
@@ -27,6 +27,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut files: Vec<PathBuf> = Vec::new();
     let mut limit = 10.0f64;
     let mut minimize = false;
+    let mut disable: Vec<String> = Vec::new();
+    let mut node_limit: Option<u64> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -38,6 +40,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     .map_err(|_| "--time-limit: not a number")?
             }
             "--minimize" => minimize = true,
+            // Ablations: techniques to turn off, comma-separated.
+            "--disable" => disable.extend(
+                args.next()
+                    .ok_or("--disable needs a list")?
+                    .split(',')
+                    .map(str::to_string),
+            ),
+            "--node-limit" => {
+                node_limit = Some(
+                    args.next()
+                        .ok_or("--node-limit needs a number")?
+                        .parse()
+                        .map_err(|_| "--node-limit: not a number")?,
+                )
+            }
             _ => {
                 let p = PathBuf::from(&a);
                 if p.is_dir() {
@@ -56,10 +73,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if files.is_empty() {
         return Err("give CSV files or folders of them".into());
     }
-    let params = SolverParams {
+    let mut params = SolverParams {
         time_limit: Some(Duration::from_secs_f64(limit)),
         ..SolverParams::default()
     };
+    if let Some(n) = node_limit {
+        params.initial_node_limit = n;
+    }
+    for d in &disable {
+        match d.as_str() {
+            "canonical" => params.canonical_only = false,
+            "inference" => params.section_inference = false,
+            "unallocated-floor" => params.unallocated_floor = false,
+            "dominance" => params.dominance = false,
+            "hatless" => params.hatless_pruning = false,
+            "static-decomposition" => params.static_decomposition = false,
+            "dynamic-decomposition" => params.dynamic_decomposition = false,
+            "peel" => params.peel_full_span = false,
+            "search" => params.exact_search = false,
+            other => return Err(format!("--disable: unknown technique {other:?}").into()),
+        }
+    }
     println!(
         "{:<16} {:>6} {:>9} {:>9} {:>8} {:>11} {:>8} {:>9} {:>8} {:>10} {:>8}",
         "problem",

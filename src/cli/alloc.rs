@@ -166,7 +166,11 @@ pub fn run(a: AllocArgs) -> Result<()> {
 /// The capacity in a MiniMalloc benchmark name: `A.1048576.csv`.
 fn capacity_in_name(path: &Path) -> Option<u64> {
     let stem = path.file_stem()?.to_str()?;
-    stem.rsplit('.').next()?.parse().ok().filter(|_| stem.contains('.'))
+    stem.rsplit('.')
+        .next()?
+        .parse()
+        .ok()
+        .filter(|_| stem.contains('.'))
 }
 
 /// The CSV files named by `inputs` (folders: their `*.csv`, sorted).

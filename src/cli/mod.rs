@@ -4,8 +4,8 @@ mod alloc;
 mod bench;
 mod commands;
 pub mod format;
-mod run;
 mod plot;
+mod run;
 mod trace;
 
 use std::path::PathBuf;
