@@ -168,7 +168,7 @@ pub fn layout_problem(g: &Graph, low: &Lowered, ev: &Evaluation) -> LayoutProble
         group_of_buf[b.index()] = gi;
     }
     LayoutProblem {
-        problem: alloc::Problem { buffers },
+        problem: alloc::Problem::new(buffers),
         group_of_buf,
     }
 }

@@ -134,7 +134,17 @@ pub fn layout(
     source: &str,
 ) -> Plan {
     let lp = lower::layout_problem(g, low, ev);
-    let sol = alloc::greedy_by_size(&lp.problem);
+    // The allocator's share of the budget: its heuristics reach max live on
+    // almost every step graph at once; the exact search only runs (anytime,
+    // within this limit) when they miss it.
+    let params = alloc::SolverParams {
+        time_limit: Some(Duration::from_secs(1)),
+        ..Default::default()
+    };
+    let (sol, layout_source) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params) {
+        Ok(out) => (out.solution, out.source),
+        Err(_) => (alloc::greedy_by_size(&lp.problem), "size/best".into()),
+    };
     lower::assemble(
         g,
         low,
@@ -144,7 +154,7 @@ pub fn layout(
         &sol,
         PlanStats {
             order_source: source.to_string(),
-            layout_source: "greedy-by-size".into(),
+            layout_source,
             ..Default::default()
         },
     )

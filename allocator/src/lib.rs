@@ -2,33 +2,71 @@
 //! arena so that buffers live at the same time never share a byte, and the
 //! arena is as small as possible.
 //!
-//! The input is a [`Problem`]: buffers with a size, an alignment, an optional
-//! pinned offset and a half-open live interval `[lower, upper)` in time steps.
-//! The floor is [`Problem::max_live`], the most bytes live at one time: no
-//! layout goes below it.
+//! # Problem
+//! A [`Problem`] is a set of buffers, each with a size, an alignment, an
+//! optional pinned offset and a half-open live interval `[lower, upper)` in
+//! time steps ([`Buffer::persistent`] for ones that live the whole step),
+//! plus [`Reuse`]s: an output that takes over a dying input's bytes (an
+//! in-place op) gets the same offset. The floor is [`Problem::max_live`],
+//! the most bytes live at one time: no layout goes below it. Deciding
+//! whether a capacity is enough is NP-complete (it contains bin packing), yet
+//! real step graphs almost always reach the floor.
 //!
-//! # Algorithms
-//! - [`greedy_by_size`]: largest buffer first, each into the smallest gap
-//!   among buffers it overlaps in time (best fit), else on top.
+//! # Algorithm ([`solve`])
+//! 1. Reuse groups become single rectangles; time is cut into sections,
+//!    and the rectangles into partitions wherever no rectangle crosses a
+//!    cut ([`sweep`]). A rectangle live over its whole partition goes to
+//!    the bottom (provably without loss), which often splits the rest
+//!    further.
+//! 2. Greedy layouts ([`heuristics`]): six orders (size, lifetime, area,
+//!    start time, and XLA's spatial and temporal sorts) × best or first fit;
+//!    the lowest per partition wins. `O(u^2)` worst case each, far less on
+//!    step graphs.
+//! 3. Where that misses the floor, an exact depth-first search over
+//!    canonical layouts ([`search`]) with section inference, dominance,
+//!    hatless pruning, dynamic decomposition and restarts over static
+//!    orders (the techniques of MiniMalloc, Moffitt, ASPLOS 2023). It is
+//!    complete: given time, it finds a layout within a capacity or proves
+//!    there is none. In minimise mode, capacities are tried from the floor
+//!    up, bisecting, so a layout at the floor comes with a proof of
+//!    optimality. An ILP ([`ilp`], good_lp + HiGHS) is available for
+//!    small partitions; the search wins on every benchmark we ran (see
+//!    `docs/allocator.md`), so it is off by default.
 //!
-//! Every layout can be checked on its own with [`validate`], which shares no
-//! code with the planners.
+//! Every layout can be checked on its own with [`validate`], which shares
+//! no code with the planners. Every search technique is a switch in
+//! [`SolverParams`] (all on by default), so ablations are one field away.
+//! [`io::minimalloc_csv`] reads and writes MiniMalloc's CSV format.
 //!
 //! # Example
 //! ```
-//! use memplan_allocator::{Buffer, Problem, greedy_by_size, validate};
-//! let p = Problem { buffers: vec![
+//! use memplan_allocator::{Buffer, Mode, Problem, SolverParams, Status, solve, validate};
+//! let p = Problem::new(vec![
 //!     Buffer::new("a", 0, 2, 4),
 //!     Buffer::new("b", 0, 4, 4),
 //!     Buffer::new("c", 2, 4, 4),
-//! ]};
-//! let s = greedy_by_size(&p);
-//! validate(&p, &s, None).unwrap();
-//! assert_eq!(s.height, p.max_live());
+//!     Buffer::persistent("weights", 16).aligned(8),
+//! ]);
+//! let out = solve(&p, Mode::Minimize, &SolverParams::default()).unwrap();
+//! validate(&p, &out.solution, None).unwrap();
+//! assert_eq!(out.solution.height, p.max_live());
+//! assert_eq!(out.status, Status::Optimal);
 //! ```
 
-pub mod best_fit;
+pub mod error;
+pub mod heuristics;
+#[cfg(feature = "ilp")]
+pub mod ilp;
+pub mod io;
+pub mod params;
 pub mod problem;
+pub mod search;
+pub mod solve;
+pub mod sweep;
+pub mod units;
 
-pub use best_fit::{greedy_by_size, place_in_order};
-pub use problem::{Buffer, LayoutError, Problem, Solution, validate};
+pub use error::AllocError;
+pub use heuristics::{Fit, Heuristic, Order, greedy_by_size};
+pub use params::{Preorder, SolverParams};
+pub use problem::{Buffer, LayoutError, Problem, ProblemError, Reuse, Solution, validate};
+pub use solve::{Mode, Outcome, SolveStats, Status, solve};

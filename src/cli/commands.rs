@@ -40,6 +40,7 @@ pub fn run(cmd: Command) -> Result<()> {
             time_limit,
         } => compare(graph, &source, json, time_limit),
         Command::Export { source, output } => export(&source, &output),
+        Command::Alloc(a) => super::alloc::run(a),
         Command::Run(args) => super::run::run(args),
         Command::Bench(a) => super::bench::run(a),
         Command::Plot(a) => super::plot::run(a),

@@ -1,5 +1,6 @@
 //! Command-line front end: argument parsing and the commands.
 
+mod alloc;
 mod bench;
 mod commands;
 pub mod format;
@@ -104,6 +105,9 @@ pub enum Command {
         #[arg(long, value_name = "S", default_value_t = 10.0)]
         time_limit: f64,
     },
+    /// Offsets for buffers with fixed lifetimes (MiniMalloc CSV), or the
+    /// allocator's benchmark report (--report).
+    Alloc(alloc::AllocArgs),
     /// Run the planned step for real (CPU, or CUDA) inside one arena.
     Run(run::RunArgs),
     /// Write a built-in example graph as memplan JSON.

@@ -1,0 +1,309 @@
+//! Greedy layouts: take the units in some order and put each at the best
+//! offset among the units already placed that are live at the same time.
+//!
+//! Orders (after pinned units, which go first, where they are pinned):
+//! - [`Order::Size`]: decreasing size (TFLite's greedy by size);
+//! - [`Order::Lifetime`]: decreasing duration, then earlier start
+//!   (longest-lived first, as in LLFB);
+//! - [`Order::Area`]: decreasing size × duration;
+//! - [`Order::Time`]: increasing start, as a runtime allocator sees them
+//!   (ties: longer first, then larger);
+//! - [`Order::XlaSpatial`] and [`Order::XlaTemporal`]: the two sorts of
+//!   XLA's global decreasing-size best-fit heap, (size ↓, duration ↓) and
+//!   (duration ↓, size ↓).
+//!
+//! Fits: [`Fit::Best`] takes the smallest free gap that holds the unit (the
+//! lowest such on ties), [`Fit::First`] the lowest gap that holds it; when
+//! no gap holds it, it goes on top of the highest conflicting unit.
+//!
+//! Cost per unit: a scan of the placed units in offset order, `O(p)` where
+//! `p` is the number placed so far (they are kept in a B-tree by offset),
+//! so `O(u^2)` per heuristic in the worst case; units that conflict with
+//! nothing that is placed cost the same scan, which is cheap in practice.
+
+use std::collections::BTreeMap;
+
+use crate::problem::{Problem, Solution};
+use crate::units::{Unit, Units};
+
+/// In what order a greedy layout takes the units.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Order {
+    Size,
+    Lifetime,
+    Area,
+    Time,
+    XlaSpatial,
+    XlaTemporal,
+}
+
+/// Where a greedy layout puts a unit among the free gaps.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Fit {
+    Best,
+    First,
+}
+
+/// One greedy layout: an order and a fit.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Heuristic {
+    pub order: Order,
+    pub fit: Fit,
+}
+
+impl Heuristic {
+    /// Every order with best fit, then every order with first fit.
+    pub const ALL: [Heuristic; 12] = {
+        use Fit::*;
+        use Order::*;
+        let o = [Size, Lifetime, Area, Time, XlaSpatial, XlaTemporal];
+        let mut out = [Heuristic {
+            order: Size,
+            fit: Best,
+        }; 12];
+        let mut i = 0;
+        while i < 6 {
+            out[i] = Heuristic {
+                order: o[i],
+                fit: Best,
+            };
+            out[i + 6] = Heuristic {
+                order: o[i],
+                fit: First,
+            };
+            i += 1;
+        }
+        out
+    };
+
+    /// A short name for reports (`size/best`, `xla-temporal/first`...).
+    pub fn name(&self) -> String {
+        let o = match self.order {
+            Order::Size => "size",
+            Order::Lifetime => "lifetime",
+            Order::Area => "area",
+            Order::Time => "time",
+            Order::XlaSpatial => "xla-spatial",
+            Order::XlaTemporal => "xla-temporal",
+        };
+        let f = match self.fit {
+            Fit::Best => "best",
+            Fit::First => "first",
+        };
+        format!("{o}/{f}")
+    }
+}
+
+/// The order in which `h` takes `units` (indices into `units`).
+pub fn order(units: &[Unit], h: Order) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..units.len()).collect();
+    let dur = |u: &Unit| u.upper - u.lower;
+    idx.sort_by(|&a, &b| {
+        let (x, y) = (&units[a], &units[b]);
+        let pins = y.pin.is_some().cmp(&x.pin.is_some());
+        let key = match h {
+            Order::Size => y.size.cmp(&x.size).then(dur(y).cmp(&dur(x))),
+            Order::Lifetime => dur(y)
+                .cmp(&dur(x))
+                .then(x.lower.cmp(&y.lower))
+                .then(y.size.cmp(&x.size)),
+            Order::Area => y.area().cmp(&x.area()).then(y.size.cmp(&x.size)),
+            Order::Time => x
+                .lower
+                .cmp(&y.lower)
+                .then(dur(y).cmp(&dur(x)))
+                .then(y.size.cmp(&x.size)),
+            Order::XlaSpatial => y
+                .size
+                .cmp(&x.size)
+                .then(dur(y).cmp(&dur(x)))
+                .then(x.lower.cmp(&y.lower)),
+            Order::XlaTemporal => dur(y)
+                .cmp(&dur(x))
+                .then(y.size.cmp(&x.size))
+                .then(x.lower.cmp(&y.lower)),
+        };
+        pins.then(key).then(a.cmp(&b))
+    });
+    idx
+}
+
+/// Placed units by offset: `(offset, unit) -> (end, lower, upper)`.
+type Placed = BTreeMap<(u64, u32), (u64, u64, u64)>;
+
+/// Where `u` lands among `placed`.
+fn fit_offset(u: &Unit, placed: &Placed, fit: Fit) -> u64 {
+    let align = u.align;
+    let mut best: Option<(u64, u64)> = None; // (gap, offset)
+    let mut cursor = 0u64;
+    for (&(off, _), &(end, lo, hi)) in placed {
+        if lo >= u.upper || u.lower >= hi {
+            continue;
+        }
+        if off > cursor {
+            let start = cursor.next_multiple_of(align);
+            if start.saturating_add(u.size) <= off {
+                let gap = off - cursor;
+                match fit {
+                    Fit::First => return start,
+                    Fit::Best => {
+                        if best.is_none_or(|(g, _)| gap < g) {
+                            best = Some((gap, start));
+                            if gap == u.size {
+                                return start;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cursor = cursor.max(end);
+    }
+    match best {
+        Some((_, off)) => off,
+        None => cursor.next_multiple_of(align),
+    }
+}
+
+/// Places `units` one by one in `order`; returns the offsets (indexed like
+/// `units`) and the height. Pinned units keep their pins wherever they
+/// come in the order (put them first, as [`order`] does, so the others
+/// see them).
+pub fn place(units: &[Unit], order: &[usize], fit: Fit) -> (Vec<u64>, u64) {
+    let mut offsets = vec![0u64; units.len()];
+    let mut placed: Placed = BTreeMap::new();
+    let mut height = 0;
+    for &i in order {
+        let u = &units[i];
+        let off = match u.pin {
+            Some(p) => p,
+            None => fit_offset(u, &placed, fit),
+        };
+        offsets[i] = off;
+        height = height.max(off + u.size);
+        placed.insert((off, i as u32), (off + u.size, u.lower, u.upper));
+    }
+    (offsets, height)
+}
+
+/// Runs one heuristic.
+pub fn run(units: &[Unit], h: Heuristic) -> (Vec<u64>, u64) {
+    place(units, &order(units, h.order), h.fit)
+}
+
+/// Runs every heuristic in `hs` and keeps the lowest layout (the first of
+/// equals); stops early when one reaches `floor`. Returns the winner too.
+pub fn best_of(units: &[Unit], hs: &[Heuristic], floor: u64) -> (Heuristic, Vec<u64>, u64) {
+    let mut best: Option<(Heuristic, Vec<u64>, u64)> = None;
+    for &h in hs {
+        let (offs, height) = run(units, h);
+        if best.as_ref().is_none_or(|b| height < b.2) {
+            best = Some((h, offs, height));
+        }
+        if height <= floor {
+            break;
+        }
+    }
+    best.unwrap_or((Heuristic::ALL[0], vec![0; units.len()], 0))
+}
+
+/// Greedy by size with best fit over a whole problem (TFLite's
+/// greedy-by-size; reuse groups move as one): the plain baseline layout.
+pub fn greedy_by_size(problem: &Problem) -> Solution {
+    let u = Units::new(problem);
+    let (offs, _) = run(
+        &u.units,
+        Heuristic {
+            order: Order::Size,
+            fit: Fit::Best,
+        },
+    );
+    u.to_solution(problem, &offs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::max_live;
+
+    fn u(lower: u64, upper: u64, size: u64) -> Unit {
+        Unit {
+            lower,
+            upper,
+            size,
+            align: 1,
+            pin: None,
+        }
+    }
+
+    fn check(units: &[Unit], offs: &[u64]) {
+        for i in 0..units.len() {
+            assert_eq!(offs[i] % units[i].align, 0);
+            if let Some(p) = units[i].pin {
+                assert_eq!(offs[i], p);
+            }
+            for j in 0..i {
+                if units[i].overlaps(&units[j]) {
+                    let (a, b) = (offs[i], offs[j]);
+                    assert!(a + units[i].size <= b || b + units[j].size <= a, "{i} {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_heuristic_gives_a_valid_layout() {
+        let us = vec![
+            u(0, 4, 3),
+            u(1, 3, 5),
+            u(2, 6, 2),
+            u(3, 5, 4),
+            u(0, 6, 1),
+            u(4, 6, 3),
+        ];
+        for h in Heuristic::ALL {
+            let (offs, height) = run(&us, h);
+            check(&us, &offs);
+            assert!(height >= max_live(&us), "{}", h.name());
+        }
+    }
+
+    #[test]
+    fn best_fit_takes_the_tightest_gap_first_fit_the_lowest() {
+        // Pinned units leave two free gaps at time [2, 3), where only the
+        // long units 1 and 3 live: [0, 4) of 4 bytes and [6, 8) of 2.
+        let mut us = vec![u(0, 2, 4), u(0, 9, 2), u(0, 2, 2), u(0, 9, 10), u(2, 3, 2)];
+        for (i, p) in [0, 4, 6, 8].into_iter().enumerate() {
+            us[i].pin = Some(p);
+        }
+        let ord: Vec<usize> = (0..5).collect();
+        let (best, _) = place(&us, &ord, Fit::Best);
+        assert_eq!(best[4], 6);
+        let (first, _) = place(&us, &ord, Fit::First);
+        assert_eq!(first[4], 0);
+    }
+
+    #[test]
+    fn time_order_reuses_freed_bytes() {
+        // a dies before c is born: c takes a's bytes.
+        let us = vec![u(0, 2, 4), u(0, 4, 4), u(2, 4, 4)];
+        let (offs, h) = run(
+            &us,
+            Heuristic {
+                order: Order::Time,
+                fit: Fit::Best,
+            },
+        );
+        assert_eq!(h, 8);
+        assert_eq!(offs[2], offs[0]);
+    }
+
+    #[test]
+    fn alignment_rounds_gaps_up() {
+        let mut us = vec![u(0, 4, 3), u(0, 4, 4)];
+        us[1].align = 4;
+        let (offs, h) = place(&us, &[0, 1], Fit::Best);
+        assert_eq!(offs, vec![0, 4]);
+        assert_eq!(h, 8);
+    }
+}

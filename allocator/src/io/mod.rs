@@ -1,0 +1,3 @@
+//! Problem and layout files.
+
+pub mod minimalloc_csv;

@@ -1,0 +1,771 @@
+//! Exact search for a layout within a capacity (the decision problem).
+//!
+//! **Canonical layouts.** Take any layout that fits and let every unit fall
+//! as low as it can, even jumping over others, until no unit can move to a
+//! lower free offset. In the result, sorted by (offset, rank), every unit
+//! sits at the lowest aligned offset at or above the tops of the units
+//! before it that it conflicts with, skipping pinned units in its way (if
+//! it sat higher, that slot would be free and it could jump down). So a
+//! depth-first search that repeatedly picks the next unit, puts it at that
+//! *minimum offset*, and never goes back to a lower (offset, rank) than the
+//! last placement, reaches a layout whenever one exists.
+//!
+//! **Pruning** (each a switch in [`SolverParams`]):
+//! - *section inference*: in each section still holding unplaced units,
+//!   all of them go above the section's floor (and above the last
+//!   placement's offset), stacked, so floor + their total size must fit
+//!   the capacity; with *unallocated floor* the floor is the lowest minimum
+//!   offset among them;
+//! - *dominance*: if an unplaced unit's minimum offset plus its size is at
+//!   most the last placement's offset, its slot will stay free forever and
+//!   the layout cannot be canonical: prune;
+//! - *hatless pruning*: a unit that no unplaced unit conflicts with keeps
+//!   its minimum offset forever; if placing it now fails, every
+//!   alternative fails too (they would pass it by);
+//! - *decomposition*: where no unplaced unit crosses a section boundary,
+//!   the two sides only share the (fixed) floors and the last offset, so
+//!   they are solved one after the other and a failure of either fails the
+//!   node, without trying the cross product of their choices.
+//!
+//! **Candidates** are tried in increasing (minimum offset, static rank). The
+//! static rank comes from a [`Preorder`]; runs restart round-robin over the
+//! preorders with doubling node limits, so an unlucky order costs little.
+//!
+//! The search is complete: when it ends without a node limit or deadline
+//! cutting it short and finds nothing, no layout fits. Cost per node:
+//! `O(n + s)` for `n` units and `s` sections of the current part, plus the
+//! conflicts of the placed unit.
+//!
+//! The ideas follow MiniMalloc (Moffitt, ASPLOS 2023): canonical
+//! solutions, section inference, dominance, hatless pruning, dynamic
+//! decomposition, static preorders with restarts.
+
+use std::time::Instant;
+
+use crate::params::{Preorder, SolverParams};
+use crate::units::Unit;
+
+/// What a search run ended with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// A layout within the capacity: offsets indexed like the units.
+    Fits(Vec<u64>),
+    /// Proven: no layout fits the capacity.
+    Infeasible,
+    /// The node limit or the deadline stopped it first.
+    Unknown,
+}
+
+/// Counters of one or more runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SearchStats {
+    pub nodes: u64,
+    pub runs: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Res {
+    Found,
+    Fail,
+    Abort,
+}
+
+/// One undo record.
+enum Undo {
+    /// A unit was placed: unplace it, give back its bytes and cuts.
+    Place(u32),
+    /// A section's floor changed.
+    Floor(u32, u64),
+    /// A unit's base and minimum offset changed.
+    Min(u32, u64, u64),
+}
+
+/// The static data of a search over a set of units.
+struct Model<'a> {
+    units: &'a [Unit],
+    /// Sections each unit covers.
+    span: Vec<(u32, u32)>,
+    nsec: usize,
+    /// For each unit, the free units it conflicts with.
+    adj: Vec<Vec<u32>>,
+    /// For each free unit, the pinned units it conflicts with, by offset:
+    /// (offset, end).
+    pins: Vec<Vec<(u64, u64)>>,
+    /// Free units (not pinned).
+    free: Vec<u32>,
+    /// For each free unit, the previous free unit (by index) with the same
+    /// lifetime, size and alignment: twins are placed in index order.
+    twin: Vec<Option<u32>>,
+    /// For each section, the free units covering it.
+    cover: Vec<Vec<u32>>,
+}
+
+impl<'a> Model<'a> {
+    fn new(units: &'a [Unit]) -> Model<'a> {
+        let n = units.len();
+        let mut times: Vec<u64> = units.iter().flat_map(|u| [u.lower, u.upper]).collect();
+        times.sort_unstable();
+        times.dedup();
+        let at = |t: u64| times.binary_search(&t).expect("an endpoint") as u32;
+        let span: Vec<(u32, u32)> = units.iter().map(|u| (at(u.lower), at(u.upper))).collect();
+        let nsec = times.len().saturating_sub(1);
+        // Conflicts: sweep by start.
+        let mut idx: Vec<u32> = (0..n as u32).collect();
+        idx.sort_by_key(|&i| (units[i as usize].lower, i));
+        let mut adj: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut pins: Vec<Vec<(u64, u64)>> = vec![Vec::new(); n];
+        let mut active: Vec<u32> = Vec::new();
+        for &i in &idx {
+            let u = &units[i as usize];
+            active.retain(|&j| units[j as usize].upper > u.lower);
+            for &j in &active {
+                let v = &units[j as usize];
+                match (u.pin, v.pin) {
+                    (None, None) => {
+                        adj[i as usize].push(j);
+                        adj[j as usize].push(i);
+                    }
+                    (None, Some(p)) => pins[i as usize].push((p, p + v.size)),
+                    (Some(p), None) => pins[j as usize].push((p, p + u.size)),
+                    (Some(_), Some(_)) => {}
+                }
+            }
+            active.push(i);
+        }
+        for p in &mut pins {
+            p.sort_unstable();
+        }
+        let free: Vec<u32> = (0..n as u32)
+            .filter(|&i| units[i as usize].pin.is_none())
+            .collect();
+        let mut twin = vec![None; n];
+        let mut last: std::collections::HashMap<(u64, u64, u64, u64), u32> = Default::default();
+        for &i in &free {
+            let u = &units[i as usize];
+            twin[i as usize] = last.insert((u.lower, u.upper, u.size, u.align), i);
+        }
+        let mut cover: Vec<Vec<u32>> = vec![Vec::new(); nsec];
+        for &i in &free {
+            let (a, b) = span[i as usize];
+            for c in &mut cover[a as usize..b as usize] {
+                c.push(i);
+            }
+        }
+        Model {
+            units,
+            span,
+            nsec,
+            adj,
+            pins,
+            free,
+            twin,
+            cover,
+        }
+    }
+
+    /// The lowest offset of unit `i` at or above `base`: aligned, clear of
+    /// the pinned units it conflicts with.
+    #[inline]
+    fn lift(&self, i: usize, base: u64) -> u64 {
+        let u = &self.units[i];
+        let mut y = base.next_multiple_of(u.align);
+        for &(p, e) in &self.pins[i] {
+            if y + u.size <= p {
+                break;
+            }
+            if e > y {
+                y = e.next_multiple_of(u.align);
+            }
+        }
+        y
+    }
+
+    /// Static ranks of the free units under a preorder (lower goes first).
+    fn ranks(&self, pre: Preorder) -> Vec<u32> {
+        let mut load = vec![0u64; self.nsec];
+        for &i in &self.free {
+            let (a, b) = self.span[i as usize];
+            for l in &mut load[a as usize..b as usize] {
+                *l += self.units[i as usize].size;
+            }
+        }
+        let total = |i: u32| {
+            let (a, b) = self.span[i as usize];
+            load[a as usize..b as usize]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0)
+        };
+        let width = |i: u32| self.units[i as usize].upper - self.units[i as usize].lower;
+        let area = |i: u32| self.units[i as usize].area();
+        let size = |i: u32| self.units[i as usize].size;
+        let mut order = self.free.clone();
+        order.sort_by(|&a, &b| {
+            let k = match pre {
+                Preorder::TotalWidthArea => total(b)
+                    .cmp(&total(a))
+                    .then(width(b).cmp(&width(a)))
+                    .then(area(b).cmp(&area(a))),
+                Preorder::WidthAreaTotal => width(b)
+                    .cmp(&width(a))
+                    .then(area(b).cmp(&area(a)))
+                    .then(total(b).cmp(&total(a))),
+                Preorder::TotalAreaWidth => total(b)
+                    .cmp(&total(a))
+                    .then(area(b).cmp(&area(a)))
+                    .then(width(b).cmp(&width(a))),
+                Preorder::SizeWidth => size(b).cmp(&size(a)).then(width(b).cmp(&width(a))),
+            };
+            k.then(a.cmp(&b))
+        });
+        let mut rank = vec![u32::MAX; self.units.len()];
+        for (r, &i) in order.iter().enumerate() {
+            rank[i as usize] = r as u32;
+        }
+        rank
+    }
+}
+
+/// The mutable state of one run.
+struct Run<'m, 'a> {
+    m: &'m Model<'a>,
+    p: &'m SolverParams,
+    cap: u64,
+    rank: Vec<u32>,
+    placed: Vec<bool>,
+    off: Vec<u64>,
+    /// Highest top of placed units conflicting with each unit.
+    base: Vec<u64>,
+    /// `lift(base)`: where each unit would go now.
+    minoff: Vec<u64>,
+    /// Highest top of placed units in each section (every unplaced unit
+    /// of the section goes above it: it is placed at or above the last
+    /// offset, so above every placed unit it conflicts with).
+    floor: Vec<u64>,
+    /// Bytes of unplaced units in each section.
+    rem: Vec<u64>,
+    /// Unplaced units crossing each boundary `b` (between sections `b` and
+    /// `b + 1`).
+    cut: Vec<u32>,
+    trail: Vec<Undo>,
+    nodes: u64,
+    node_limit: u64,
+    deadline: Option<Instant>,
+    aborted: bool,
+    /// Per section, an unplaced unit that shows the section can still fit
+    /// (`u32::MAX`: none yet).
+    witness: Vec<u32>,
+    /// Reusable vectors for candidate and child lists.
+    pool: Vec<Vec<(u128, u32)>>,
+    pool_items: Vec<Vec<u32>>,
+}
+
+impl<'m, 'a> Run<'m, 'a> {
+    fn new(
+        m: &'m Model<'a>,
+        p: &'m SolverParams,
+        cap: u64,
+        rank: Vec<u32>,
+        node_limit: u64,
+        deadline: Option<Instant>,
+    ) -> Self {
+        let n = m.units.len();
+        let mut rem = vec![0u64; m.nsec];
+        let mut cut = vec![0u32; m.nsec.saturating_sub(1)];
+        let mut minoff = vec![0u64; n];
+        for &i in &m.free {
+            let (a, b) = m.span[i as usize];
+            for r in &mut rem[a as usize..b as usize] {
+                *r += m.units[i as usize].size;
+            }
+            for c in &mut cut[a as usize..(b as usize - 1)] {
+                *c += 1;
+            }
+            minoff[i as usize] = m.lift(i as usize, 0);
+        }
+        let mut off = vec![0u64; n];
+        let mut placed = vec![false; n];
+        for (i, u) in m.units.iter().enumerate() {
+            if let Some(p) = u.pin {
+                off[i] = p;
+                placed[i] = true;
+            }
+        }
+        Run {
+            m,
+            p,
+            cap,
+            rank,
+            placed,
+            off,
+            base: vec![0; n],
+            minoff,
+            floor: vec![0; m.nsec],
+            rem,
+            cut,
+            trail: Vec::new(),
+            nodes: 0,
+            node_limit,
+            deadline,
+            aborted: false,
+            witness: vec![u32::MAX; m.nsec],
+            pool: Vec::new(),
+            pool_items: Vec::new(),
+        }
+    }
+
+    fn place(&mut self, i: u32) -> bool {
+        let iu = i as usize;
+        let u = &self.m.units[iu];
+        let x = self.minoff[iu];
+        let top = x + u.size;
+        self.placed[iu] = true;
+        self.off[iu] = x;
+        self.trail.push(Undo::Place(i));
+        let (a, b) = self.m.span[iu];
+        for s in a as usize..b as usize {
+            if self.floor[s] < top {
+                self.trail.push(Undo::Floor(s as u32, self.floor[s]));
+                self.floor[s] = top;
+            }
+            self.rem[s] -= u.size;
+        }
+        let mut new_cut = false;
+        for c in &mut self.cut[a as usize..(b as usize - 1)] {
+            *c -= 1;
+            new_cut |= *c == 0;
+        }
+        for &j in &self.m.adj[iu] {
+            let ju = j as usize;
+            if !self.placed[ju] && self.base[ju] < top {
+                self.trail
+                    .push(Undo::Min(j, self.base[ju], self.minoff[ju]));
+                self.base[ju] = top;
+                self.minoff[ju] = self.m.lift(ju, top);
+            }
+        }
+        new_cut
+    }
+
+    fn undo_to(&mut self, mark: usize) {
+        while self.trail.len() > mark {
+            match self.trail.pop().expect("non-empty") {
+                Undo::Place(i) => {
+                    let iu = i as usize;
+                    let u = &self.m.units[iu];
+                    self.placed[iu] = false;
+                    let (a, b) = self.m.span[iu];
+                    for r in &mut self.rem[a as usize..b as usize] {
+                        *r += u.size;
+                    }
+                    for c in &mut self.cut[a as usize..(b as usize - 1)] {
+                        *c += 1;
+                    }
+                }
+                Undo::Floor(s, f) => self.floor[s as usize] = f,
+                Undo::Min(j, b, m) => {
+                    self.base[j as usize] = b;
+                    self.minoff[j as usize] = m;
+                }
+            }
+        }
+    }
+
+    fn tick(&mut self) -> bool {
+        self.nodes += 1;
+        if self.nodes > self.node_limit {
+            self.aborted = true;
+        } else if self.nodes & 1023 == 0
+            && let Some(d) = self.deadline
+            && Instant::now() >= d
+        {
+            self.aborted = true;
+        }
+        self.aborted
+    }
+
+    /// Whether the sections `[a, b)` pass the inference. With the
+    /// unallocated floor, each section keeps a witness: an unplaced unit
+    /// covering it low enough for the rest to fit above; only when the
+    /// witness is placed or lifted too high is the section scanned again.
+    fn infer(&mut self, a: usize, b: usize, x_last: u64) -> bool {
+        for s in a..b {
+            let rem = self.rem[s];
+            if rem == 0 {
+                continue;
+            }
+            let Some(t) = self.cap.checked_sub(rem) else {
+                return false;
+            };
+            if x_last > t || self.floor[s] > t {
+                return false;
+            }
+            if self.p.unallocated_floor {
+                let w = self.witness[s] as usize;
+                if w < self.placed.len() && !self.placed[w] && self.minoff[w] <= t {
+                    continue;
+                }
+                match self.m.cover[s]
+                    .iter()
+                    .find(|&&j| !self.placed[j as usize] && self.minoff[j as usize] <= t)
+                {
+                    Some(&j) => self.witness[s] = j,
+                    None => return false,
+                }
+            }
+        }
+        true
+    }
+
+    /// Solves the part made of the unplaced units `items`, which live in
+    /// sections `[a, b)`, after a placement at (`x_last`, `r_last`).
+    fn dfs(&mut self, items: &[u32], a: usize, b: usize, x_last: u64, r_last: u32) -> Res {
+        if items.is_empty() {
+            return Res::Found;
+        }
+        if self.tick() {
+            return Res::Abort;
+        }
+        let canon = self.p.canonical_only;
+        let dom = canon && self.p.dominance;
+        // The dominance bound: no placement may start at or above the top
+        // of an unplaced unit's current slot, or that slot stays free.
+        let mut bound = u64::MAX;
+        for &i in items {
+            let iu = i as usize;
+            let reach = self.minoff[iu] + self.m.units[iu].size;
+            if reach > self.cap {
+                return Res::Fail;
+            }
+            bound = bound.min(reach);
+        }
+        if dom && bound <= x_last {
+            return Res::Fail;
+        }
+        if self.p.section_inference && !self.infer(a, b, if canon { x_last } else { 0 }) {
+            return Res::Fail;
+        }
+        // Candidates in (minoff, rank) order.
+        let mut cands = self.pool.pop().unwrap_or_default();
+        cands.clear();
+        for &i in items {
+            let iu = i as usize;
+            let mo = self.minoff[iu];
+            let r = self.rank[iu];
+            if canon && (mo, r) < (x_last, r_last) {
+                // It can only be placed once a conflicting unit lifts it;
+                // with dominance, that unit must go below its slot's top.
+                if dom && !self.liftable(iu) {
+                    self.pool.push(cands);
+                    return Res::Fail;
+                }
+                continue;
+            }
+            if dom && mo >= bound {
+                continue;
+            }
+            // Identical units go in index order.
+            if let Some(t) = self.m.twin[iu]
+                && !self.placed[t as usize]
+            {
+                continue;
+            }
+            cands.push(((mo as u128) << 32 | r as u128, i));
+        }
+        cands.sort_unstable();
+        let mut res = Res::Fail;
+        let mut rest = self.pool_items.pop().unwrap_or_default();
+        for &(key, i) in cands.iter() {
+            let iu = i as usize;
+            let x = (key >> 32) as u64;
+            let hatless = self.p.hatless_pruning
+                && canon
+                && self.m.adj[iu].iter().all(|&j| self.placed[j as usize]);
+            let mark = self.trail.len();
+            let new_cut = self.place(i);
+            rest.clear();
+            rest.extend(items.iter().copied().filter(|&j| j != i));
+            let r = if new_cut && self.p.dynamic_decomposition {
+                self.solve_parts(&rest, a, b, x, self.rank[iu])
+            } else {
+                self.dfs(&rest, a, b, x, self.rank[iu])
+            };
+            match r {
+                Res::Found => {
+                    res = Res::Found;
+                    break;
+                }
+                Res::Abort => {
+                    self.undo_to(mark);
+                    res = Res::Abort;
+                    break;
+                }
+                Res::Fail => self.undo_to(mark),
+            }
+            if hatless {
+                break;
+            }
+        }
+        self.pool_items.push(rest);
+        self.pool.push(cands);
+        res
+    }
+
+    /// Whether some unplaced unit conflicting with `j` could still be
+    /// placed below the top of `j`'s slot (and so lift `j`).
+    fn liftable(&self, j: usize) -> bool {
+        let reach = self.minoff[j] + self.m.units[j].size;
+        self.m.adj[j]
+            .iter()
+            .any(|&k| !self.placed[k as usize] && self.minoff[k as usize] < reach)
+    }
+
+    /// Splits `items` at every boundary in `[a, b)` no unplaced unit
+    /// crosses, and solves the parts one by one.
+    fn solve_parts(&mut self, items: &[u32], a: usize, b: usize, x_last: u64, r_last: u32) -> Res {
+        if items.is_empty() {
+            return Res::Found;
+        }
+        let parts = self.split(items, a, b);
+        if parts.len() <= 1 {
+            return self.dfs(items, a, b, x_last, r_last);
+        }
+        let mark = self.trail.len();
+        for (pa, pb, part) in &parts {
+            match self.dfs(part, *pa, *pb, x_last, r_last) {
+                Res::Found => {}
+                other => {
+                    self.undo_to(mark);
+                    return other;
+                }
+            }
+        }
+        Res::Found
+    }
+
+    /// The parts of `items` (sorted by their first section) between the
+    /// zero cuts of `[a, b)`: (first section, end section, units).
+    fn split(&self, items: &[u32], a: usize, b: usize) -> Vec<(usize, usize, Vec<u32>)> {
+        let mut by_start: Vec<u32> = items.to_vec();
+        by_start.sort_unstable_by_key(|&i| self.m.span[i as usize].0);
+        let mut parts: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+        let mut reach = 0usize;
+        for i in by_start {
+            let (lo, hi) = self.m.span[i as usize];
+            let (lo, hi) = (lo as usize, hi as usize);
+            match parts.last_mut() {
+                Some(p) if lo < reach => {
+                    p.2.push(i);
+                    reach = reach.max(hi);
+                    p.1 = reach;
+                }
+                _ => {
+                    parts.push((lo, hi, vec![i]));
+                    reach = hi;
+                }
+            }
+        }
+        debug_assert!(parts.iter().all(|p| p.0 >= a && p.1 <= b));
+        // Hardest part first: fail fast.
+        parts.sort_by_key(|p| std::cmp::Reverse(p.2.len()));
+        parts
+    }
+}
+
+/// Decides whether `units` fit in `cap` bytes. Pinned units stay where
+/// they are (they must not conflict with each other). Restarts over the
+/// preorders with doubling node limits until a layout is found, the search
+/// is proven exhausted, or `deadline` passes (then [`Decision::Unknown`]).
+pub fn decide(
+    units: &[Unit],
+    cap: u64,
+    params: &SolverParams,
+    deadline: Option<Instant>,
+    stats: &mut SearchStats,
+) -> Decision {
+    decide_limited(units, cap, params, deadline, u64::MAX, stats)
+}
+
+/// [`decide`] with a total node limit across restarts.
+pub fn decide_limited(
+    units: &[Unit],
+    cap: u64,
+    params: &SolverParams,
+    deadline: Option<Instant>,
+    max_nodes: u64,
+    stats: &mut SearchStats,
+) -> Decision {
+    if units
+        .iter()
+        .any(|u| u.pin.is_some_and(|p| p + u.size > cap))
+    {
+        return Decision::Infeasible;
+    }
+    let m = Model::new(units);
+    let pres: Vec<Preorder> = if params.preorders.is_empty() {
+        vec![Preorder::TotalWidthArea]
+    } else {
+        params.preorders.clone()
+    };
+    let ranks: Vec<Vec<u32>> = pres.iter().map(|&p| m.ranks(p)).collect();
+    let mut limit = params.initial_node_limit.max(1);
+    let mut spent = 0u64;
+    loop {
+        for rank in &ranks {
+            let this_limit = limit.min(max_nodes.saturating_sub(spent));
+            if this_limit == 0 {
+                return Decision::Unknown;
+            }
+            let mut run = Run::new(&m, params, cap, rank.clone(), this_limit, deadline);
+            let items: Vec<u32> = m.free.clone();
+            let nsec = m.nsec;
+            let res = if params.static_decomposition {
+                run.solve_parts(&items, 0, nsec, 0, 0)
+            } else {
+                run.dfs(&items, 0, nsec, 0, 0)
+            };
+            stats.nodes += run.nodes;
+            stats.runs += 1;
+            if std::env::var_os("MEMPLAN_TRACE").is_some() {
+                eprintln!(
+                    "run cap {cap} limit {this_limit} nodes {} -> {:?}",
+                    run.nodes, res
+                );
+            }
+            spent += run.nodes;
+            match res {
+                Res::Found => return Decision::Fits(run.off),
+                Res::Fail => return Decision::Infeasible,
+                Res::Abort => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Decision::Unknown;
+                    }
+                }
+            }
+        }
+        limit = limit.saturating_mul(2);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u(lower: u64, upper: u64, size: u64) -> Unit {
+        Unit {
+            lower,
+            upper,
+            size,
+            align: 1,
+            pin: None,
+        }
+    }
+
+    fn valid(units: &[Unit], offs: &[u64], cap: u64) {
+        for i in 0..units.len() {
+            assert!(offs[i] + units[i].size <= cap);
+            assert_eq!(offs[i] % units[i].align, 0);
+            for j in 0..i {
+                if units[i].overlaps(&units[j]) {
+                    assert!(
+                        offs[i] + units[i].size <= offs[j] || offs[j] + units[j].size <= offs[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// A staircase that greedy-by-size packs badly but fits exactly.
+    fn staircase() -> Vec<Unit> {
+        vec![u(0, 2, 2), u(0, 4, 1), u(2, 6, 2), u(4, 6, 1), u(0, 6, 1)]
+    }
+
+    #[test]
+    fn finds_a_perfect_packing_and_proves_one_byte_less_impossible() {
+        let us = staircase();
+        let floor = crate::units::max_live(&us);
+        let mut st = SearchStats::default();
+        let p = SolverParams::default();
+        match decide(&us, floor, &p, None, &mut st) {
+            Decision::Fits(o) => valid(&us, &o, floor),
+            d => panic!("{d:?}"),
+        }
+        assert_eq!(
+            decide(&us, floor - 1, &p, None, &mut st),
+            Decision::Infeasible
+        );
+    }
+
+    #[test]
+    fn every_switch_off_still_decides_the_same() {
+        let us = vec![
+            u(0, 3, 3),
+            u(1, 4, 2),
+            u(2, 6, 2),
+            u(0, 2, 1),
+            u(3, 6, 3),
+            u(4, 7, 1),
+        ];
+        let floor = crate::units::max_live(&us);
+        let mut st = SearchStats::default();
+        let on = SolverParams::default();
+        let off = SolverParams {
+            canonical_only: false,
+            section_inference: false,
+            unallocated_floor: false,
+            dominance: false,
+            hatless_pruning: false,
+            static_decomposition: false,
+            dynamic_decomposition: false,
+            ..SolverParams::default()
+        };
+        for cap in floor..floor + 3 {
+            let a = decide(&us, cap, &on, None, &mut st);
+            let b = decide(&us, cap, &off, None, &mut st);
+            assert_eq!(
+                matches!(a, Decision::Fits(_)),
+                matches!(b, Decision::Fits(_)),
+                "cap {cap}"
+            );
+            if let Decision::Fits(o) = a {
+                valid(&us, &o, cap);
+            }
+        }
+    }
+
+    #[test]
+    fn pins_and_alignment_are_kept() {
+        let mut us = vec![u(0, 4, 4), u(0, 2, 2), u(2, 4, 3), u(1, 3, 2)];
+        us[0].pin = Some(2);
+        us[2].align = 2;
+        let mut st = SearchStats::default();
+        let p = SolverParams::default();
+        match decide(&us, 12, &p, None, &mut st) {
+            Decision::Fits(o) => {
+                valid(&us, &o, 12);
+                assert_eq!(o[0], 2);
+            }
+            d => panic!("{d:?}"),
+        }
+        // Unit 3 [1,3) conflicts with everything: 4 + 2 + 2 (+ pin gap).
+        assert_eq!(decide(&us, 7, &p, None, &mut st), Decision::Infeasible);
+    }
+
+    #[test]
+    fn independent_parts_are_solved_apart() {
+        // Two copies of the staircase side by side in time.
+        let mut us = staircase();
+        us.extend(staircase().into_iter().map(|mut x| {
+            x.lower += 10;
+            x.upper += 10;
+            x
+        }));
+        let floor = crate::units::max_live(&us);
+        let mut st = SearchStats::default();
+        match decide(&us, floor, &SolverParams::default(), None, &mut st) {
+            Decision::Fits(o) => valid(&us, &o, floor),
+            d => panic!("{d:?}"),
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! The allocator's entry point: heuristics, then exact search, per
+//! independent region, in capacity or minimise mode.
+//!
+//! 1. [`Problem::check`], then reuse groups become units ([`Units`]).
+//! 2. Regions: units split into partitions where no unit crosses a time
+//!    cut. In a partition without pins, a unit live over the whole
+//!    partition can go to the bottom without loss (cut its band out of any
+//!    layout and the rest closes over it), so such units are stacked at
+//!    the bottom and the rest, which often falls apart into smaller
+//!    partitions, is solved on top of them, recursively. This is only done
+//!    when the stacked sizes are multiples of every alignment in the
+//!    partition, so the shift keeps everything aligned.
+//! 3. Every leaf partition gets the best of the greedy heuristics.
+//! 4. Leaves above the target (the capacity, or in minimise mode the
+//!    floor) go to the exact search ([`crate::search`]): first at the
+//!    target, then, when minimising, at capacities between the best proven
+//!    bound and the best layout, bisecting; each attempt has a share of
+//!    the time left. A failed attempt that ran to the end is a proof and
+//!    raises the bound.
+//!
+//! The result always carries the best layout found and a proven lower
+//! bound on the arena: the floor (max live bytes) or better.
+
+use std::time::{Duration, Instant};
+
+use crate::heuristics::{self, Heuristic};
+use crate::params::SolverParams;
+use crate::problem::{Problem, ProblemError, Solution};
+use crate::search::{self, Decision, SearchStats};
+use crate::sweep::Sweep;
+use crate::units::{self, Unit, Units, lcm};
+
+/// What to solve for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// The smallest arena: stop when the floor is reached (proven optimal)
+    /// or the time runs out.
+    Minimize,
+    /// Whether everything fits in this many bytes (MiniMalloc's decision
+    /// problem); stop at the first layout that fits.
+    Capacity(u64),
+}
+
+/// How a solve ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// The layout's height equals the proven lower bound.
+    Optimal,
+    /// Capacity mode: the layout fits the capacity. Minimise mode: the best
+    /// layout found, above the lower bound.
+    Feasible,
+    /// Capacity mode: proven that no layout fits.
+    Infeasible,
+    /// Capacity mode: the time ran out before a layout that fits was found
+    /// or the capacity was refuted.
+    Unknown,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Optimal => "optimal",
+            Status::Feasible => "feasible",
+            Status::Infeasible => "infeasible",
+            Status::Unknown => "unknown",
+        }
+    }
+}
+
+/// Counters for reports.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SolveStats {
+    pub seconds: f64,
+    /// Height of the best heuristic layout (all leaves together).
+    pub heuristic_height: u64,
+    /// The heuristic that won most leaves' bytes (the tallest leaf's).
+    pub heuristic: String,
+    /// Search nodes and runs.
+    pub nodes: u64,
+    pub runs: u64,
+    /// Leaf partitions, and how many went to the exact search.
+    pub leaves: usize,
+    pub searched_leaves: usize,
+    /// Units after merging reuse groups, and how many were stacked at the
+    /// bottom of their partition.
+    pub units: usize,
+    pub peeled: usize,
+}
+
+/// The result of a solve.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The best layout found (in capacity mode it may not fit when the
+    /// status is not `Feasible`/`Optimal`).
+    pub solution: Solution,
+    pub status: Status,
+    /// A proven lower bound on the arena of any layout.
+    pub lower_bound: u64,
+    /// The problem's max live bytes (the floor).
+    pub max_live: u64,
+    /// Which method produced the tallest part of the layout: a heuristic's
+    /// name, `search` or `ilp`.
+    pub source: String,
+    pub stats: SolveStats,
+}
+
+impl Outcome {
+    /// `(height - lower_bound) / lower_bound` (0 when both are 0).
+    pub fn gap(&self) -> f64 {
+        if self.lower_bound == 0 {
+            return 0.0;
+        }
+        (self.solution.height as f64 - self.lower_bound as f64) / self.lower_bound as f64
+    }
+}
+
+/// A leaf partition: units solved together on top of `base` bytes.
+struct Leaf {
+    units: Vec<usize>,
+    base: u64,
+    /// Local units (copies) and their best offsets, height and bound.
+    local: Vec<Unit>,
+    offsets: Vec<u64>,
+    height: u64,
+    lower: u64,
+    source: String,
+    /// Proven: no layout of this leaf is lower than `height`.
+    done: bool,
+}
+
+/// What [`regions`] builds: the offsets of stacked units, and the leaves
+/// left to solve with the base each sits on.
+#[derive(Default)]
+struct Regions {
+    offsets: Vec<u64>,
+    peeled: usize,
+    /// The top of the highest stack.
+    peak: u64,
+    leaves: Vec<Vec<usize>>,
+    bases: Vec<u64>,
+}
+
+/// Splits `idx` into leaves, stacking full-span units at the bottom.
+fn regions(all: &[Unit], idx: Vec<usize>, base: u64, params: &SolverParams, out: &mut Regions) {
+    if idx.is_empty() {
+        return;
+    }
+    let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
+    let parts: Vec<Vec<usize>> = if params.static_decomposition {
+        Sweep::new(&local)
+            .partitions
+            .into_iter()
+            .map(|p| p.units.into_iter().map(|k| idx[k]).collect())
+            .collect()
+    } else {
+        vec![idx]
+    };
+    for part in parts {
+        let pinned = part.iter().any(|&i| all[i].pin.is_some());
+        if params.peel_full_span && !pinned && part.len() > 1 {
+            let lo = part.iter().map(|&i| all[i].lower).min().unwrap_or(0);
+            let hi = part.iter().map(|&i| all[i].upper).max().unwrap_or(0);
+            let a = part.iter().fold(1u64, |a, &i| lcm(a, all[i].align));
+            let (full, rest): (Vec<usize>, Vec<usize>) = part
+                .iter()
+                .partition(|&&i| all[i].lower == lo && all[i].upper == hi && all[i].size % a == 0);
+            if !full.is_empty() {
+                let mut top = base;
+                for &i in &full {
+                    out.offsets[i] = top;
+                    top += all[i].size;
+                }
+                out.peak = out.peak.max(top);
+                out.peeled += full.len();
+                if params.static_decomposition {
+                    regions(all, rest, top, params, out);
+                } else if !rest.is_empty() {
+                    out.leaves.push(rest);
+                    out.bases.push(top);
+                }
+                continue;
+            }
+        }
+        out.leaves.push(part);
+        out.bases.push(base);
+    }
+}
+
+/// Solves `problem` in `mode`.
+pub fn solve(
+    problem: &Problem,
+    mode: Mode,
+    params: &SolverParams,
+) -> Result<Outcome, ProblemError> {
+    let start = Instant::now();
+    let deadline = params.time_limit.map(|t| start + t);
+    problem.check()?;
+    let u = Units::new(problem);
+    let all = &u.units;
+    let mut rg = Regions {
+        offsets: vec![0u64; all.len()],
+        ..Default::default()
+    };
+    regions(all, (0..all.len()).collect(), 0, params, &mut rg);
+    let Regions {
+        mut offsets,
+        peeled,
+        peak,
+        leaves: leaf_units,
+        bases,
+    } = rg;
+    let mut stats = SolveStats {
+        units: all.len(),
+        peeled,
+        ..Default::default()
+    };
+    let max_live = problem.max_live();
+    let hs: Vec<Heuristic> = if params.heuristics.is_empty() {
+        vec![Heuristic::ALL[0]]
+    } else {
+        params.heuristics.clone()
+    };
+    let mut leaves: Vec<Leaf> = leaf_units
+        .into_iter()
+        .zip(bases)
+        .map(|(idx, base)| {
+            let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
+            let lower = units::max_live(&local);
+            let (h, offs, height) = heuristics::best_of(&local, &hs, lower);
+            Leaf {
+                units: idx,
+                base,
+                local,
+                offsets: offs,
+                height,
+                lower,
+                source: h.name(),
+                done: height <= lower,
+            }
+        })
+        .collect();
+    stats.leaves = leaves.len();
+    stats.heuristic_height = leaves
+        .iter()
+        .map(|l| l.base + l.height)
+        .max()
+        .unwrap_or(0)
+        .max(peak);
+    let target = |l: &Leaf, goal: u64| goal.saturating_sub(l.base);
+    let mut infeasible = false;
+    if params.exact_search {
+        match mode {
+            Mode::Capacity(cap) => {
+                let mut order: Vec<usize> = (0..leaves.len())
+                    .filter(|&k| leaves[k].base + leaves[k].height > cap)
+                    .collect();
+                order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].local.len()));
+                // Passes over the leaves still undecided: each gets an equal
+                // share of the time left; time a leaf does not use goes to
+                // the next, and what is left after a pass to the leaves that
+                // ran out of their share.
+                let mut pending = order;
+                let mut first_pass = true;
+                'passes: while !pending.is_empty() {
+                    if !first_pass && deadline.is_none_or(|d| Instant::now() >= d) {
+                        break;
+                    }
+                    let n = pending.len();
+                    let mut undecided = Vec::new();
+                    for (done, k) in pending.into_iter().enumerate() {
+                        let l = &mut leaves[k];
+                        let t = target(l, cap);
+                        if u.exact && (peak > cap || l.lower > t) {
+                            infeasible = true;
+                            break 'passes;
+                        }
+                        if first_pass {
+                            stats.searched_leaves += 1;
+                        }
+                        let dl = share(deadline, n - done);
+                        let mut st = SearchStats::default();
+                        let d = search::decide(&l.local, t, params, dl, &mut st);
+                        stats.nodes += st.nodes;
+                        stats.runs += st.runs;
+                        match d {
+                            Decision::Fits(o) => {
+                                l.height = units::height(&l.local, &o);
+                                l.offsets = o;
+                                l.source = "search".into();
+                            }
+                            Decision::Infeasible => {
+                                if u.exact {
+                                    infeasible = true;
+                                    break 'passes;
+                                }
+                            }
+                            Decision::Unknown => undecided.push(k),
+                        }
+                    }
+                    pending = undecided;
+                    first_pass = false;
+                }
+            }
+            Mode::Minimize => {
+                // The floor every leaf must reach: no point going lower.
+                let goal = leaves
+                    .iter()
+                    .map(|l| l.base + l.lower)
+                    .max()
+                    .unwrap_or(0)
+                    .max(peak);
+                let mut order: Vec<usize> = (0..leaves.len())
+                    .filter(|&k| leaves[k].base + leaves[k].height > goal)
+                    .collect();
+                order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].base + leaves[k].height));
+                let n = order.len();
+                for (done, k) in order.into_iter().enumerate() {
+                    // Leaves only need to come down to the tallest other
+                    // leaf's proven bound, and never below their own.
+                    let dl = share(deadline, n - done);
+                    stats.searched_leaves += 1;
+                    let l = &mut leaves[k];
+                    let t = target(l, goal).max(l.lower);
+                    minimise_leaf(l, t, params, dl, u.exact, &mut stats);
+                }
+            }
+        }
+    }
+    for l in &leaves {
+        for (k, &i) in l.units.iter().enumerate() {
+            offsets[i] = l.base + l.offsets[k];
+        }
+    }
+    let mut solution = u.to_solution(problem, &offsets);
+    let mut baseline_won = false;
+    // Never worse than the plain baseline: greedy by size over the whole
+    // problem, without partitions or peeling (one more O(u^2) pass, only
+    // when the layout is above the floor).
+    if solution.height > max_live && !all.is_empty() {
+        let g = heuristics::greedy_by_size(problem);
+        if g.height < solution.height {
+            solution = g;
+            baseline_won = true;
+        }
+    }
+    let height = solution.height;
+    // Bounds: the floor, and every leaf's proven bound on its base.
+    let mut lower_bound = max_live;
+    if u.exact {
+        lower_bound = lower_bound.max(peak);
+        for l in &leaves {
+            lower_bound = lower_bound.max(l.base + l.lower);
+        }
+    }
+    let tallest = leaves.iter().max_by_key(|l| l.base + l.height);
+    stats.heuristic = tallest.map(|l| l.source.clone()).unwrap_or_default();
+    let source = if baseline_won {
+        "size/best (whole problem)".to_string()
+    } else {
+        stats.heuristic.clone()
+    };
+    let status = match mode {
+        Mode::Minimize => {
+            if height <= lower_bound {
+                Status::Optimal
+            } else {
+                Status::Feasible
+            }
+        }
+        Mode::Capacity(cap) => {
+            if height <= cap {
+                if height <= lower_bound {
+                    Status::Optimal
+                } else {
+                    Status::Feasible
+                }
+            } else if infeasible || lower_bound > cap {
+                Status::Infeasible
+            } else {
+                Status::Unknown
+            }
+        }
+    };
+    stats.seconds = start.elapsed().as_secs_f64();
+    Ok(Outcome {
+        solution,
+        status,
+        lower_bound,
+        max_live,
+        source,
+        stats,
+    })
+}
+
+/// A deadline that leaves equal shares to `parts` parts (this one
+/// included).
+fn share(deadline: Option<Instant>, parts: usize) -> Option<Instant> {
+    let d = deadline?;
+    let now = Instant::now();
+    let left = d.saturating_duration_since(now);
+    Some(now + left / parts.max(1) as u32)
+}
+
+/// Brings a leaf's height down toward `goal` (its own floor or better)
+/// with capacity attempts. First the goal itself, with a tenth of the
+/// time (step graphs and perfect packings end here, proven optimal). Then
+/// a descent from the best layout: try `best - step`; a layout that fits
+/// becomes the best (often lower than asked), a proof that nothing fits
+/// raises the lower bound, and an attempt that runs out of its slice (a
+/// quarter of the time left) halves the step. Capacities are multiples of
+/// the gcd of the leaf's sizes, alignments and pins, since every height
+/// is. Raises `lower` on proofs when the units are exact.
+fn minimise_leaf(
+    l: &mut Leaf,
+    goal: u64,
+    params: &SolverParams,
+    deadline: Option<Instant>,
+    exact: bool,
+    stats: &mut SolveStats,
+) {
+    #[cfg(feature = "ilp")]
+    if params.ilp_max_units >= l.local.len() && l.height > l.lower {
+        if let Some(r) = crate::ilp::minimise(&l.local, &l.offsets, l.height, l.lower, deadline) {
+            if r.height < l.height {
+                l.height = r.height;
+                l.offsets = r.offsets;
+                l.source = "ilp".into();
+            }
+            if r.optimal && exact {
+                l.lower = l.lower.max(r.height.min(l.height));
+            }
+        }
+    }
+    let g = l
+        .local
+        .iter()
+        .flat_map(|u| [u.size, u.align, u.pin.unwrap_or(0)])
+        .fold(0, gcd)
+        .max(1);
+    if exact {
+        l.lower = l.lower.next_multiple_of(g);
+    }
+    let mut lo = l.lower;
+    let mut first = true;
+    let mut step: Option<u64> = None;
+    while lo < l.height {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        let gap = l.height - lo;
+        let s = if first {
+            gap
+        } else {
+            step.unwrap_or(gap.div_ceil(2)).clamp(1, gap)
+        };
+        let cap = if first {
+            goal.max(lo).next_multiple_of(g)
+        } else {
+            ((l.height - s) / g * g).max(lo)
+        };
+        if cap >= l.height {
+            break;
+        }
+        let dl = deadline.map(|d| {
+            let now = Instant::now();
+            let left = d.saturating_duration_since(now);
+            now + if first { left / 10 } else { left / 4 }.max(Duration::from_millis(1))
+        });
+        let was_first = std::mem::replace(&mut first, false);
+        let mut st = SearchStats::default();
+        let d = search::decide(&l.local, cap, params, dl, &mut st);
+        stats.nodes += st.nodes;
+        stats.runs += st.runs;
+        match d {
+            Decision::Fits(o) => {
+                l.height = units::height(&l.local, &o);
+                l.offsets = o;
+                l.source = "search".into();
+            }
+            Decision::Infeasible => {
+                if !exact {
+                    break;
+                }
+                lo = (cap + 1).next_multiple_of(g);
+                l.lower = l.lower.max(lo);
+            }
+            Decision::Unknown => {
+                if !was_first {
+                    step = Some((s / 2).max(g));
+                }
+            }
+        }
+        if l.height <= goal {
+            break;
+        }
+    }
+    l.done = l.height <= l.lower;
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
