@@ -107,6 +107,10 @@ fn with<const W: usize>(mut s: Bits<W>, i: usize) -> Bits<W> {
     s
 }
 #[inline]
+fn intersects<const W: usize>(a: &Bits<W>, b: &Bits<W>) -> bool {
+    (0..W).any(|k| a[k] & b[k] != 0)
+}
+#[inline]
 fn subset<const W: usize>(a: &Bits<W>, b: &Bits<W>) -> bool {
     (0..W).all(|k| a[k] & !b[k] == 0)
 }
@@ -139,17 +143,38 @@ struct OpInfo<const W: usize> {
 struct Node<const W: usize> {
     set: Bits<W>,
     g: u64,
+    /// Best lower bound known on the rest of the order from this state.
+    h: u64,
+    /// `h` is the strong bound (computed when the state is first popped).
+    strong: bool,
     live: u64,
     live_persistent: u64,
     parent: u32,
     op: u32,
 }
 
+/// A buffer as the strong bound sees it.
+struct BufInfo<const W: usize> {
+    size: u64,
+    producer: Option<usize>,
+    persistent: bool,
+    users: Bits<W>,
+}
+
 struct Search<'a, const W: usize> {
     n: usize,
     ops: Vec<OpInfo<W>>,
-    /// Ops by decreasing `footprint`, for `h`.
+    /// Ops by decreasing `footprint`, for the cheap bound.
     by_footprint: Vec<(u64, usize)>,
+    /// Buffers with bytes, for the strong bound.
+    bufs: Vec<BufInfo<W>>,
+    /// Per op: itself and its descendants.
+    down: Vec<Bits<W>>,
+    /// Per op: itself and its ancestors.
+    up: Vec<Bits<W>>,
+    /// Per op: bytes live at its step whatever happened before (see
+    /// [`Search::strong_h`]).
+    fixed: Vec<u64>,
     live0: u64,
     persistent0: u64,
     /// Bytes live at step 0 only (unused, non-persistent step inputs).
@@ -248,10 +273,60 @@ impl<'a, const W: usize> Search<'a, W> {
             })
             .collect();
         by_footprint.sort_by(|a, b| b.cmp(a));
+        let bufs: Vec<BufInfo<W>> = p
+            .buf_ids()
+            .filter(|&b| p.size(b) > 0)
+            .map(|b| BufInfo {
+                size: p.size(b),
+                producer: p.buf(b).producer.map(|q| q.index()),
+                persistent: p.buf(b).persistent,
+                users: users[b.index()],
+            })
+            .collect();
+        let mut up: Vec<Bits<W>> = vec![[0; W]; n];
+        let mut down: Vec<Bits<W>> = vec![[0; W]; n];
+        for &v in p.topo_order() {
+            let mut m = with([0; W], v.index());
+            for u in p.preds(v) {
+                for k in 0..W {
+                    m[k] |= up[u.index()][k];
+                }
+            }
+            up[v.index()] = m;
+        }
+        for &v in p.topo_order().iter().rev() {
+            let mut m = with([0; W], v.index());
+            for s in p.succs(v) {
+                for k in 0..W {
+                    m[k] |= down[s.index()][k];
+                }
+            }
+            down[v.index()] = m;
+        }
+        let fixed: Vec<u64> = (0..n)
+            .map(|v| {
+                let sum: u64 = bufs
+                    .iter()
+                    .filter(|b| {
+                        b.producer.is_none_or(|q| has(&up[v], q))
+                            && (b.persistent
+                                || b.producer == Some(v)
+                                || intersects(&b.users, &down[v]))
+                    })
+                    .map(|b| b.size)
+                    .sum();
+                let max_reuse: u64 = ops[v].hints.iter().map(|h| h.size).sum();
+                sum.saturating_sub(max_reuse)
+            })
+            .collect();
         Search {
             n,
             ops,
             by_footprint,
+            bufs,
+            down,
+            up,
+            fixed,
             live0,
             persistent0,
             extra0,
@@ -310,6 +385,39 @@ impl<'a, const W: usize> Search<'a, W> {
         live_persistent + rest
     }
 
+    /// The strong bound: for every op `v` still to run, the bytes that must
+    /// be live at its step — buffers born before it (already, or by one of
+    /// its ancestors) that are persistent or read by `v` or a descendant,
+    /// plus `v`'s outputs, less what its hints could save. `fixed[v]` holds
+    /// the part that does not depend on the state (step inputs and buffers
+    /// of `v`'s ancestors); buffers already produced by other ops are added
+    /// here.
+    fn strong_h(&self, set: &Bits<W>) -> u64 {
+        let live: Vec<&BufInfo<W>> = self
+            .bufs
+            .iter()
+            .filter(|b| {
+                b.producer.is_some_and(|q| has(set, q)) && (b.persistent || !subset(&b.users, set))
+            })
+            .collect();
+        let mut best = 0;
+        for v in 0..self.n {
+            if has(set, v) || self.fixed[v] + live.iter().map(|b| b.size).sum::<u64>() <= best {
+                continue;
+            }
+            let extra: u64 = live
+                .iter()
+                .filter(|b| {
+                    !has(&self.up[v], b.producer.unwrap_or(0))
+                        && (b.persistent || intersects(&b.users, &self.down[v]))
+                })
+                .map(|b| b.size)
+                .sum();
+            best = best.max(self.fixed[v] + extra);
+        }
+        best
+    }
+
     fn run(self, incumbent: u64, budget: &Budget) -> ExactResult {
         let n = self.n;
         let mut full = [0u64; W];
@@ -317,9 +425,12 @@ impl<'a, const W: usize> Search<'a, W> {
             full = with(full, i);
         }
         let dominance = self.dominance();
+        let h0 = self.h(&[0; W], self.persistent0);
         let mut nodes: Vec<Node<W>> = vec![Node {
             set: [0; W],
             g: 0,
+            h: h0,
+            strong: false,
             live: self.live0,
             live_persistent: self.persistent0,
             parent: u32::MAX,
@@ -328,19 +439,33 @@ impl<'a, const W: usize> Search<'a, W> {
         let mut index: HashMap<Bits<W>, u32> = HashMap::new();
         index.insert([0; W], 0);
         let mut heap: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
-        let f0 = self.h(&[0; W], self.persistent0);
-        if f0 < incumbent {
-            heap.push(Reverse((f0, 0)));
+        if h0 < incumbent {
+            heap.push(Reverse((h0, 0)));
         }
         let mut closed: Vec<bool> = vec![false];
         let mut result = None;
         let mut exhausted = true;
         while let Some(Reverse((f, id))) = heap.pop() {
             let node = &nodes[id as usize];
-            let f_now = node.g.max(self.h(&node.set, node.live_persistent));
-            if closed[id as usize] || f_now != f {
+            if closed[id as usize] || node.g.max(node.h) != f {
                 continue;
             }
+            if !node.strong && node.set != full {
+                let hs = self.strong_h(&node.set);
+                let node = &mut nodes[id as usize];
+                node.strong = true;
+                node.h = node.h.max(hs);
+                let f2 = node.g.max(node.h);
+                if f2 >= incumbent {
+                    closed[id as usize] = true;
+                    continue;
+                }
+                if f2 > f {
+                    heap.push(Reverse((f2, id)));
+                    continue;
+                }
+            }
+            let node = &nodes[id as usize];
             if node.set == full {
                 result = Some((id, node.g));
                 break;
@@ -373,14 +498,11 @@ impl<'a, const W: usize> Search<'a, W> {
             for (v, m, live, lp) in children {
                 let g = g_here.max(m);
                 let cset = with(set, v);
-                let fc = g.max(self.h(&cset, lp));
-                if fc >= incumbent {
-                    continue;
-                }
                 match index.get(&cset) {
                     Some(&cid) => {
                         let c = &mut nodes[cid as usize];
-                        if g < c.g {
+                        let fc = g.max(c.h);
+                        if g < c.g && fc < incumbent {
                             c.g = g;
                             c.parent = id;
                             c.op = v as u32;
@@ -389,10 +511,17 @@ impl<'a, const W: usize> Search<'a, W> {
                         }
                     }
                     None => {
+                        let hc = self.h(&cset, lp);
+                        let fc = g.max(hc);
+                        if fc >= incumbent {
+                            continue;
+                        }
                         let cid = nodes.len() as u32;
                         nodes.push(Node {
                             set: cset,
                             g,
+                            h: hc,
+                            strong: false,
                             live,
                             live_persistent: lp,
                             parent: id,
@@ -436,8 +565,7 @@ impl<'a, const W: usize> Search<'a, W> {
                     .iter()
                     .filter(|Reverse((f, id))| {
                         let node = &nodes[*id as usize];
-                        !closed[*id as usize]
-                            && node.g.max(self.h(&node.set, node.live_persistent)) == *f
+                        !closed[*id as usize] && node.g.max(node.h) == *f
                     })
                     .map(|Reverse((f, _))| *f)
                     .min()

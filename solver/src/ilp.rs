@@ -376,5 +376,40 @@ mod tests {
             prop_assert!(r.proven);
             prop_assert_eq!(r.peak, best);
         }
+
+        /// The program and the exact search agree on random parts too large
+        /// for brute force (up to 14 ops); parts are windows cut from a
+        /// random order of a larger problem, as the window search makes them.
+        #[test]
+        fn agrees_with_the_exact_search(seed in any::<u64>(), width in 6usize..=14) {
+            let big = random_problem(seed, 40, 0.08);
+            let order = random_order(&big, seed);
+            let pos = crate::simulate::positions(&big, &order);
+            let start = (seed % 20) as usize;
+            let ops = &order[start..start + width];
+            let side = |o: OpIdx| {
+                let q = pos[o.index()] as usize;
+                if q < start { -1 } else if q >= start + width { 1 } else { 0 }
+            };
+            let sub = crate::partition::extract_with(&big, ops, 0, &[], side);
+            let p = &sub.problem;
+            let local: Vec<OpIdx> = (0..width as u32).map(OpIdx).collect();
+            let exact = crate::exact::solve(
+                p,
+                u64::MAX,
+                &crate::exact::ExactLimits::default(),
+                &crate::budget::Budget::unlimited(),
+            );
+            prop_assert!(exact.proven);
+            let r = solve(p, &local, Duration::from_secs(20)).unwrap();
+            prop_assert!(r.peak >= exact.peak);
+            prop_assert!(r.lower_bound <= exact.peak);
+            // With at most one hint per op the program's reuse rule is the
+            // simulator's, and the two back ends must agree exactly.
+            if p.ops().all(|v| p.reuses_of(v).count() <= 1) {
+                prop_assert!(r.proven);
+                prop_assert_eq!(r.peak, exact.peak);
+            }
+        }
     }
 }

@@ -40,7 +40,11 @@
 //!    scheduled sets with memory-bound pruning ([`exact`], Serenity-style) and
 //!    a time-indexed ILP on HiGHS ([`ilp`], MODeL/ROAM-style) where the
 //!    search's state budget runs out.
-//! 4. **Bounds**: every part has a lower bound ([`part_bound`]); a part
+//! 4. **Tidy** ([`local::tidy`]): each part's final order sinks every op
+//!    that allocates more than it frees to just before its first consumer
+//!    wherever the peak does not rise, so recomputation runs just before its
+//!    use in the backward pass even when the step's peak is elsewhere.
+//! 5. **Bounds**: every part has a lower bound ([`part_bound`]); a part
 //!    stops as soon as it meets it, and parts whose peak is below the best
 //!    global bound are not worked on, since they cannot set the peak.
 //!

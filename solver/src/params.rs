@@ -25,6 +25,9 @@ pub struct SolverParams {
     pub dfs: bool,
     /// The sink/hoist pass on every heuristic order.
     pub sink_hoist: bool,
+    /// A last pass on each part's final order sinking allocators to their
+    /// first consumer wherever the peak does not rise ([`crate::local::tidy`]).
+    pub tidy: bool,
     /// Weight-update and collective placement into valleys of the curve.
     pub update_placement: bool,
     /// Peak-driven reinsertion local search with incremental scoring.
@@ -72,6 +75,7 @@ impl Default for SolverParams {
             reverse_greedy: true,
             dfs: true,
             sink_hoist: true,
+            tidy: true,
             update_placement: true,
             reinsertion: true,
             window_exact: true,
@@ -104,6 +108,7 @@ impl SolverParams {
             ("reverse_greedy", self.reverse_greedy),
             ("dfs", self.dfs),
             ("sink_hoist", self.sink_hoist),
+            ("tidy", self.tidy),
             ("update_placement", self.update_placement),
             ("reinsertion", self.reinsertion),
             ("window_exact", self.window_exact),
@@ -124,6 +129,7 @@ impl SolverParams {
             "reverse_greedy" => &mut self.reverse_greedy,
             "dfs" => &mut self.dfs,
             "sink_hoist" => &mut self.sink_hoist,
+            "tidy" => &mut self.tidy,
             "update_placement" => &mut self.update_placement,
             "reinsertion" => &mut self.reinsertion,
             "window_exact" => &mut self.window_exact,
