@@ -16,8 +16,8 @@
 //!    every other op — are found in `O(n + m)`; every valid order runs the
 //!    ops between two consecutive key points as one block, and a buffer's
 //!    liveness inside a block depends only on the block's order. So the
-//!    minimum peak is the maximum over parts of (bytes live across the part
-//!    + the part's own minimum), and **ordering each part separately is
+//!    minimum peak is the maximum over parts of the bytes live across the
+//!    part plus the part's own minimum, and **ordering each part separately is
 //!    exact**: no optimum is lost. Inside a large part, two further
 //!    decompositions are used, both as *restrictions* that never lose the
 //!    incumbent but carry no optimality guarantee of their own: weight
