@@ -11,8 +11,13 @@
 //! - [`checker`]: the independent plan checker.
 //! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
 //!   the allocator (`memplan-allocator`, offsets).
+//! - [`exec`]: a graph and its plan lowered to the executor's program
+//!   (`memplan-runtime`), and the unplanned reference.
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
+//! - [`bench`]: benchmarks over many graphs and the peak record;
+//!   [`timeline`]: live bytes by role over an order, drawn by [`plot`]
+//!   (SVG) and [`trace`] (Chrome / Perfetto trace).
 //!
 //! # Example
 //! ```
@@ -42,14 +47,19 @@
 //! ```
 
 pub mod baselines;
+pub mod bench;
 pub mod checker;
 pub mod error;
+pub mod exec;
 pub mod graph;
 pub mod io;
 pub mod lower;
 pub mod models;
 pub mod pipeline;
 pub mod plan;
+pub mod plot;
+pub mod timeline;
+pub mod trace;
 
 pub use error::{Error, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};

@@ -41,11 +41,25 @@ pub fn run(cmd: Command) -> Result<()> {
             time_limit,
         } => compare(graph, &source, json, time_limit),
         Command::Export { source, output } => export(&source, &output),
+        Command::Run(args) => super::run::run(args),
+        Command::Bench(a) => super::bench::run(a),
+        Command::Plot(a) => super::plot::run(a),
+        Command::Trace(a) => super::trace::run(a),
     }
 }
 
-/// Loads the graph a command names: a file or `--example`.
+/// Loads the graph a command names: a file or `--example`, sharded over
+/// `--world-size` ranks if given.
 pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
+    let g = load_unsharded(graph, src)?;
+    match src.world_size {
+        Some(w) if w > 1 => Ok(memplan::models::fsdp::shard(&g, w)?),
+        Some(0) => bail!("--world-size must be at least 1"),
+        _ => Ok(g),
+    }
+}
+
+fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
     match (&src.example, graph) {
         (Some(_), Some(p)) => bail!(
             "give either a graph file ({}) or --example, not both",
@@ -84,7 +98,7 @@ fn options(time_limit: f64) -> Result<Options> {
     })
 }
 
-fn solve(g: &Graph, time_limit: f64) -> Result<Plan> {
+pub fn solve(g: &Graph, time_limit: f64) -> Result<Plan> {
     Ok(solve_with_report(g, time_limit)?.0)
 }
 

@@ -1,9 +1,13 @@
 //! Command-line front end: argument parsing and the commands.
 
+mod bench;
 mod commands;
 pub mod format;
+mod plot;
 mod progress;
 mod report;
+mod run;
+mod trace;
 
 use std::path::PathBuf;
 
@@ -46,6 +50,10 @@ pub struct GraphArgs {
     /// Clip the gradients' global norm before the updates (GPT-2 examples).
     #[arg(long, value_name = "MAX", requires = "example")]
     pub clip_grad_norm: Option<f64>,
+    /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one
+    /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
+    #[arg(long, value_name = "W")]
+    pub world_size: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -101,6 +109,8 @@ pub enum Command {
         #[arg(long, value_name = "S", default_value_t = 10.0)]
         time_limit: f64,
     },
+    /// Run the planned step for real (CPU, or CUDA) inside one arena.
+    Run(run::RunArgs),
     /// Write a built-in example graph as memplan JSON.
     Export {
         #[command(flatten)]
@@ -109,6 +119,13 @@ pub enum Command {
         #[arg(short, long, value_name = "FILE")]
         output: PathBuf,
     },
+    /// Benchmark memplan against the lower bound and the baselines on many
+    /// graphs; keep or check the peak record.
+    Bench(bench::BenchArgs),
+    /// Draw a plan's memory as SVG: live bytes by role, and the arena layout.
+    Plot(plot::PlotArgs),
+    /// Write a plan's memory timeline as a Chrome / Perfetto trace (JSON).
+    Trace(trace::TraceArgs),
 }
 
 /// Parses the arguments and runs; returns the process exit code.

@@ -1,8 +1,10 @@
 //! Reading and writing graphs and plans.
 //!
 //! [`load_graph`] reads a graph file of any supported kind, plain or
-//! gzip-compressed (`.gz`): memplan's JSON graph format ([`json`]).
+//! gzip-compressed (`.gz`): memplan's JSON graph format ([`json`]) or XLA
+//! HLO text ([`hlo`]), told apart by content.
 
+pub mod hlo;
 pub mod json;
 
 use std::io::Read;
@@ -47,10 +49,13 @@ pub fn load_graph(path: &Path) -> Result<Graph, Error> {
     if start.starts_with('{') {
         return json::parse_graph(&text, path);
     }
+    if hlo::looks_like_hlo(&text) {
+        return hlo::parse_graph(&text, path, &hlo::ImportOptions::default());
+    }
     Err(Error::Graph {
         path: Some(path.to_path_buf()),
         source: GraphError::Other(
-            "unrecognised graph file: expected memplan JSON (starting with '{')".into(),
+            "unrecognised graph file: expected memplan JSON (starting with '{') or XLA HLO text (starting with 'HloModule')".into(),
         ),
     })
 }

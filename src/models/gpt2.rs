@@ -472,6 +472,7 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         if let Value::Object(a) = json!({
             "elements": elems, "lr": cfg.lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
             "weight_decay": wd, "step": 1, "init": init, "clip": cfg.clip_grad_norm,
+            "layers": cfg.layers,
         }) {
             spec.attrs = a;
         }

@@ -2,6 +2,7 @@
 //! step and an MLP. Ops carry their type, shapes and hyper-parameters so an
 //! executor can run them (op types are listed in `docs/ops.md`).
 
+pub mod fsdp;
 pub mod gpt2;
 pub mod mlp;
 

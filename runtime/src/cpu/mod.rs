@@ -1,0 +1,603 @@
+//! The CPU executor: one host allocation of exactly the arena plus the
+//! workspace, every tensor bound to its offset, instructions run in order.
+//!
+//! Memory: the arena holds every tensor; the workspace after it holds
+//! staged inputs ([`crate::binding`]). Outside them the kernels use small
+//! bounded scratch on the heap: GEMM packing buffers inside
+//! `matrixmultiply` (a few hundred KiB per thread), one row per task for
+//! row-wise kernels, one partial sum per 32 rows for row reductions, and the
+//! position index of `embedding_backward` (one word per token and per
+//! vocabulary entry). The in-process communicator copies each collective's
+//! send buffer once per rank.
+
+pub mod gemm;
+pub mod kernels;
+
+use std::alloc::Layout;
+use std::time::Instant;
+
+use crate::binding::{Bindings, InstrBinding};
+use crate::comm::Communicator;
+use crate::error::{Result, RuntimeError};
+use crate::kernel::Kernel;
+use crate::program::{DType, Instr, Program, TensorDesc, TensorIdx};
+
+/// Alignment of the host arena.
+pub const ARENA_ALIGN: usize = 4096;
+
+/// One owned, zeroed, aligned host allocation.
+struct HostBuffer {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+impl HostBuffer {
+    fn new(bytes: u64, what: &str) -> Result<HostBuffer> {
+        let oom = || RuntimeError::OutOfMemory {
+            device: "host".into(),
+            bytes,
+            what: what.to_string(),
+        };
+        let size = usize::try_from(bytes.max(1)).map_err(|_| oom())?;
+        let layout = Layout::from_size_align(size, ARENA_ALIGN).map_err(|_| oom())?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(oom());
+        }
+        Ok(HostBuffer { ptr, layout })
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated with this layout in `new`.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+// SAFETY: the buffer is plain memory owned by the executor.
+unsafe impl Send for HostBuffer {}
+
+/// What one step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// Wall-clock seconds of the step.
+    pub seconds: f64,
+    /// The step number just run (1 for the first).
+    pub step: u64,
+}
+
+/// Runs a [`Program`] on the CPU inside one arena; see the module docs.
+pub struct CpuExecutor {
+    program: Program,
+    bindings: Bindings,
+    buf: HostBuffer,
+    rank: usize,
+    steps_done: u64,
+}
+
+impl CpuExecutor {
+    /// Validates `program`, analyses its bindings, and allocates the arena
+    /// and the workspace for rank `rank`.
+    pub fn new(program: Program, rank: usize) -> Result<CpuExecutor> {
+        program.validate()?;
+        if rank >= program.world_size as usize {
+            return Err(RuntimeError::InvalidProgram(format!(
+                "rank {rank} in a world of {}",
+                program.world_size
+            )));
+        }
+        if let Some(t) = program.tensors.iter().find(|t| t.dtype == DType::BF16) {
+            return Err(RuntimeError::Unavailable(
+                "bf16 on the CPU backend",
+                format!(
+                    "tensor {:?} is bf16; the CPU executor computes in f32 only (build the graph with dtype f32)",
+                    t.name
+                ),
+            ));
+        }
+        let bindings = Bindings::new(&program)?;
+        let total = program
+            .arena_bytes
+            .checked_add(bindings.workspace_bytes)
+            .ok_or_else(|| RuntimeError::InvalidProgram("arena plus workspace overflows".into()))?;
+        let buf = HostBuffer::new(total, "the arena and workspace")?;
+        Ok(CpuExecutor {
+            program,
+            bindings,
+            buf,
+            rank,
+            steps_done: 0,
+        })
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn arena_bytes(&self) -> u64 {
+        self.program.arena_bytes
+    }
+    /// Bytes after the arena for staged inputs.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.bindings.workspace_bytes
+    }
+    /// Bytes of the one host allocation (arena + workspace).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.program.arena_bytes + self.bindings.workspace_bytes
+    }
+    pub fn bindings(&self) -> &Bindings {
+        &self.bindings
+    }
+    /// Steps run so far.
+    pub fn steps_done(&self) -> u64 {
+        self.steps_done
+    }
+
+    fn tensor_checked(&self, t: TensorIdx, dtype: DType) -> Result<&TensorDesc> {
+        let x = self
+            .program
+            .tensors
+            .get(t.index())
+            .ok_or_else(|| RuntimeError::Access {
+                tensor: t.to_string(),
+                why: "no such tensor".into(),
+            })?;
+        if x.dtype != dtype {
+            return Err(RuntimeError::Access {
+                tensor: x.name.clone(),
+                why: format!("is {}, not {dtype}", x.dtype),
+            });
+        }
+        Ok(x)
+    }
+
+    fn bytes_of(&self, x: &TensorDesc) -> &[u8] {
+        // SAFETY: validated: the tensor lies inside the arena; `&self` means
+        // no kernel is writing.
+        unsafe {
+            std::slice::from_raw_parts(self.buf.ptr.add(x.offset as usize), x.bytes() as usize)
+        }
+    }
+    fn bytes_of_mut(&mut self, t: TensorIdx) -> &mut [u8] {
+        let x = &self.program.tensors[t.index()];
+        // SAFETY: as above, with exclusive access through `&mut self`.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.buf.ptr.add(x.offset as usize), x.bytes() as usize)
+        }
+    }
+
+    /// Copies `data` into f32 tensor `t`.
+    pub fn write_f32(&mut self, t: TensorIdx, data: &[f32]) -> Result<()> {
+        let x = self.tensor_checked(t, DType::F32)?;
+        if data.len() as u64 != x.elements() {
+            return Err(RuntimeError::Access {
+                tensor: x.name.clone(),
+                why: format!("has {} elements, got {}", x.elements(), data.len()),
+            });
+        }
+        let dst = self.bytes_of_mut(t);
+        for (d, v) in dst.chunks_exact_mut(4).zip(data) {
+            d.copy_from_slice(&v.to_ne_bytes());
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into i32 tensor `t`.
+    pub fn write_i32(&mut self, t: TensorIdx, data: &[i32]) -> Result<()> {
+        let x = self.tensor_checked(t, DType::I32)?;
+        if data.len() as u64 != x.elements() {
+            return Err(RuntimeError::Access {
+                tensor: x.name.clone(),
+                why: format!("has {} elements, got {}", x.elements(), data.len()),
+            });
+        }
+        let dst = self.bytes_of_mut(t);
+        for (d, v) in dst.chunks_exact_mut(4).zip(data) {
+            d.copy_from_slice(&v.to_ne_bytes());
+        }
+        Ok(())
+    }
+
+    /// The values of f32 tensor `t`.
+    pub fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
+        let x = self.tensor_checked(t, DType::F32)?;
+        Ok(self
+            .bytes_of(x)
+            .chunks_exact(4)
+            .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// The values of i32 tensor `t`.
+    pub fn read_i32(&self, t: TensorIdx) -> Result<Vec<i32>> {
+        let x = self.tensor_checked(t, DType::I32)?;
+        Ok(self
+            .bytes_of(x)
+            .chunks_exact(4)
+            .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// Fills every tensor that has an [`crate::init::Init`] (parameters,
+    /// optimizer state) from `seed`, for this executor's rank.
+    pub fn initialize(&mut self, seed: u64) -> Result<()> {
+        let todo: Vec<(TensorIdx, Vec<f32>)> = self
+            .program
+            .tensors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| {
+                t.init.as_ref().map(|init| {
+                    (
+                        TensorIdx(i as u32),
+                        init.values(seed, self.rank as u64, t.elements()),
+                    )
+                })
+            })
+            .collect();
+        for (t, v) in todo {
+            self.write_f32(t, &v)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one step: every instruction in order, collectives through `comm`.
+    pub fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<StepReport> {
+        if comm.world_size() != self.program.world_size as usize || comm.rank() != self.rank {
+            return Err(RuntimeError::InvalidProgram(format!(
+                "the communicator is rank {} of {}, the executor rank {} of {}",
+                comm.rank(),
+                comm.world_size(),
+                self.rank,
+                self.program.world_size
+            )));
+        }
+        let start = Instant::now();
+        let step = self.steps_done + 1;
+        for (ins, bind) in self.program.instrs.iter().zip(&self.bindings.instrs) {
+            let ops = Operands {
+                base: self.buf.ptr,
+                program: &self.program,
+                ins,
+                bind,
+            };
+            // SAFETY: the program was validated and bound (every operand
+            // inside the allocation, written operands disjoint from all
+            // others except the aliased pairs the kernels read in place).
+            unsafe { ops.stage() };
+            // SAFETY: as above.
+            unsafe { run_instr(&ops, comm, step) }.map_err(|why| match why {
+                Failure::Kernel(why) => RuntimeError::Kernel {
+                    instr: ins.name.clone(),
+                    kernel: ins.kernel.name(),
+                    why,
+                },
+                Failure::Runtime(e) => e,
+            })?;
+        }
+        self.steps_done = step;
+        Ok(StepReport {
+            seconds: start.elapsed().as_secs_f64(),
+            step,
+        })
+    }
+}
+
+enum Failure {
+    Kernel(String),
+    Runtime(RuntimeError),
+}
+
+impl From<String> for Failure {
+    fn from(s: String) -> Self {
+        Failure::Kernel(s)
+    }
+}
+impl From<RuntimeError> for Failure {
+    fn from(e: RuntimeError) -> Self {
+        Failure::Runtime(e)
+    }
+}
+
+/// Typed views of one instruction's operands on the arena.
+struct Operands<'a> {
+    base: *mut u8,
+    program: &'a Program,
+    ins: &'a Instr,
+    bind: &'a InstrBinding,
+}
+
+impl<'a> Operands<'a> {
+    fn desc(&self, t: TensorIdx) -> &'a TensorDesc {
+        self.program.tensor(t)
+    }
+
+    /// Copies staged inputs into the workspace.
+    unsafe fn stage(&self) {
+        for &(pos, ws) in &self.bind.staged {
+            let x = self.desc(self.ins.inputs[pos]);
+            // SAFETY: both ranges lie inside the allocation and the
+            // workspace range overlaps nothing else.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.base.add(x.offset as usize),
+                    self.base.add((self.program.arena_bytes + ws) as usize),
+                    x.bytes() as usize,
+                );
+            }
+        }
+    }
+
+    /// Input `pos`, or `None` if the kernel reads it in place.
+    unsafe fn input(&self, pos: usize) -> Option<&'a [f32]> {
+        if self.bind.aliased_input(pos).is_some() {
+            return None;
+        }
+        let x = self.desc(self.ins.inputs[pos]);
+        let off = match self.bind.staged_input(pos) {
+            Some(ws) => self.program.arena_bytes + ws,
+            None => x.offset,
+        };
+        // SAFETY: inside the allocation; not written by this instruction.
+        Some(unsafe {
+            std::slice::from_raw_parts(
+                self.base.add(off as usize) as *const f32,
+                x.elements() as usize,
+            )
+        })
+    }
+
+    /// Input `pos`, which is never read in place for this kernel.
+    unsafe fn input_ro(&self, pos: usize) -> &'a [f32] {
+        // SAFETY: forwarded.
+        unsafe { self.input(pos) }.expect("an input the kernel does not take in place")
+    }
+
+    unsafe fn input_i32(&self, pos: usize) -> &'a [i32] {
+        let x = self.desc(self.ins.inputs[pos]);
+        let off = match self.bind.staged_input(pos) {
+            Some(ws) => self.program.arena_bytes + ws,
+            None => x.offset,
+        };
+        // SAFETY: inside the allocation; i32 inputs are never written here.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.base.add(off as usize) as *const i32,
+                x.elements() as usize,
+            )
+        }
+    }
+
+    fn all_inputs(&self) -> Vec<&'a [f32]> {
+        (0..self.ins.inputs.len())
+            // SAFETY: inputs of kernels that take none in place.
+            .map(|i| unsafe { self.input_ro(i) })
+            .collect()
+    }
+
+    /// Output `pos` (each is taken once per instruction).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn output(&self, pos: usize) -> &'a mut [f32] {
+        let x = self.desc(self.ins.outputs[pos]);
+        // SAFETY: disjoint from every other operand slice made for this
+        // instruction (aliased inputs are not made into slices).
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.base.add(x.offset as usize) as *mut f32,
+                x.elements() as usize,
+            )
+        }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn update(&self, pos: usize) -> &'a mut [f32] {
+        let x = self.desc(self.ins.updates[pos]);
+        // SAFETY: as for outputs.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.base.add(x.offset as usize) as *mut f32,
+                x.elements() as usize,
+            )
+        }
+    }
+}
+
+/// Runs one instruction.
+///
+/// # Safety
+/// `ops` must describe a validated, bound program's instruction over a live
+/// allocation that nothing else accesses.
+unsafe fn run_instr(
+    ops: &Operands<'_>,
+    comm: &dyn Communicator<[f32]>,
+    step: u64,
+) -> Result<(), Failure> {
+    use kernels as k;
+    let u = |x: u64| x as usize;
+    // SAFETY (whole body): operand slices come from `ops` under the
+    // function's contract; each output and update is taken once.
+    unsafe {
+        match &ops.ins.kernel {
+            Kernel::Embedding {
+                seq, width, vocab, ..
+            } => k::embedding(
+                ops.input_i32(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.output(0),
+                u(*seq),
+                u(*width),
+                *vocab,
+            )?,
+            Kernel::EmbeddingBackward {
+                batch,
+                seq,
+                width,
+                vocab,
+                accumulate,
+            } => {
+                let dhead = accumulate.then(|| ops.input(2));
+                k::embedding_backward(
+                    ops.input_ro(0),
+                    ops.input_i32(1),
+                    dhead,
+                    ops.output(0),
+                    ops.output(1),
+                    u(*batch),
+                    u(*seq),
+                    u(*width),
+                    *vocab,
+                )?
+            }
+            Kernel::LayerNorm { cols, eps, .. } => k::layernorm(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.output(0),
+                ops.output(1),
+                ops.output(2),
+                u(*cols),
+                *eps,
+            ),
+            Kernel::LayerNormBackward { cols, .. } => k::layernorm_backward(
+                ops.input(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.input_ro(3),
+                ops.input_ro(4),
+                ops.output(0),
+                ops.output(1),
+                ops.output(2),
+                u(*cols),
+            ),
+            Kernel::Linear(m) => k::linear(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.output(0),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+            ),
+            Kernel::LinearBackwardData(m) => k::linear_backward_data(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+            ),
+            Kernel::LinearBackwardWeight(m) => k::linear_backward_weight(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                ops.output(1),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+            ),
+            Kernel::MatmulNt(m) => gemm::matmul(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+                false,
+                true,
+                false,
+            ),
+            Kernel::MatmulNn(m) => gemm::matmul(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+                false,
+                false,
+                false,
+            ),
+            Kernel::MatmulTn(m) => gemm::matmul(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+                true,
+                false,
+                false,
+            ),
+            Kernel::AttentionScores(a) => k::attention_scores(ops.input_ro(0), ops.output(0), a),
+            Kernel::AttentionScoresBackward(a) => {
+                k::attention_scores_backward(ops.input_ro(0), ops.input_ro(1), ops.update(0), a)
+            }
+            Kernel::CausalSoftmax(a) => k::causal_softmax(ops.input(0), ops.output(0), a),
+            Kernel::CausalSoftmaxBackward(a) => {
+                k::causal_softmax_backward(ops.input(0), ops.input_ro(1), ops.output(0), a)
+            }
+            Kernel::AttentionValues(a) => {
+                k::attention_values(ops.input_ro(0), ops.input_ro(1), ops.output(0), a)
+            }
+            Kernel::AttentionValuesBackward(a) => k::attention_values_backward(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.output(0),
+                ops.output(1),
+                a,
+            ),
+            Kernel::Add { .. } => k::add(ops.input(0), ops.input(1), ops.output(0)),
+            Kernel::Gelu { .. } => k::gelu(ops.input(0), ops.output(0)),
+            Kernel::GeluBackward { .. } => {
+                k::gelu_backward(ops.input(0), ops.input_ro(1), ops.output(0))
+            }
+            Kernel::Relu { .. } => k::relu(ops.input(0), ops.output(0)),
+            Kernel::ReluBackward { .. } => {
+                k::relu_backward(ops.input(0), ops.input_ro(1), ops.output(0))
+            }
+            Kernel::CrossEntropy { classes, .. } => {
+                let loss = k::cross_entropy(ops.input_ro(0), ops.input_i32(1), u(*classes))?;
+                ops.output(0)[0] = loss;
+            }
+            Kernel::CrossEntropyBackward { classes, scale, .. } => k::cross_entropy_backward(
+                ops.input(0),
+                ops.input_i32(1),
+                ops.output(0),
+                u(*classes),
+                *scale,
+            )?,
+            Kernel::GradNorm { squared } => {
+                let s = k::sum_of_squares(&ops.all_inputs());
+                ops.output(0)[0] = if *squared { s as f32 } else { s.sqrt() as f32 };
+            }
+            Kernel::Adam(p) => {
+                let norm = p.max_norm.map(|_| ops.input_ro(1)[0]);
+                let denom = (ops.ins.outputs.len() == 1).then(|| ops.output(0));
+                k::adam(
+                    ops.input_ro(0),
+                    norm,
+                    ops.update(0),
+                    ops.update(1),
+                    ops.update(2),
+                    denom,
+                    p,
+                    p.first_step + step - 1,
+                )
+            }
+            Kernel::View => {}
+            Kernel::Pack { offsets, .. } => k::pack(&ops.all_inputs(), offsets, ops.output(0)),
+            Kernel::AllGather { .. } => comm.all_gather(ops.input_ro(0), ops.output(0))?,
+            Kernel::ReduceScatter { op, .. } => {
+                comm.reduce_scatter(ops.input_ro(0), ops.output(0), *op)?
+            }
+            Kernel::AllReduce { op, .. } => comm.all_reduce(ops.update(0), *op)?,
+        }
+    }
+    Ok(())
+}

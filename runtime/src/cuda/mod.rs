@@ -1,0 +1,726 @@
+//! The CUDA executor (feature `cuda`): one `cuMemAlloc`'d allocation of
+//! the arena plus a documented workspace, the device operations of
+//! [`crate::device`] issued on one CUDA stream per plan stream, events for
+//! the cross-stream waits of [`crate::schedule`], cuBLAS for matrix
+//! products, NVRTC-compiled kernels (`device/kernels.cu`) for the rest, and
+//! collectives through a [`Communicator`] over device memory — NCCL for
+//! several GPUs.
+//!
+//! CUDA, cuBLAS, NVRTC and NCCL are loaded at run time (cudarc's dynamic
+//! loading): a missing library is reported as an error naming it, before
+//! any call. cudarc panics on some failures (a symbol missing from an old
+//! driver); [`run_cuda`] turns any such panic into an error.
+//!
+//! Memory measured: `cuMemGetInfo`'s free bytes are read after the context,
+//! kernels, cuBLAS handles and NCCL communicator exist and before the one
+//! allocation (the baseline), and again after each step; the difference is
+//! what the step used — the arena, the workspace (staging, a 32 MiB cuBLAS
+//! workspace per computing stream, one error word), and anything a library
+//! allocated lazily during the step.
+
+pub mod nccl;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaStream, result as drv, sys as drv_sys,
+};
+
+use crate::binding::Bindings;
+use crate::comm::Communicator;
+use crate::device::{
+    Arg, CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, KERNELS_CU, Launch, lower_all,
+};
+use crate::error::{Result, RuntimeError};
+use crate::program::{DType, Program, TensorIdx};
+use crate::runner::{Data, RunConfig, RunReport, StepResult, loss_tensors, synthetic_batch};
+use crate::schedule::Schedule;
+
+pub use nccl::NcclComm;
+
+fn driver(call: &str, e: drv::DriverError) -> RuntimeError {
+    RuntimeError::Device {
+        library: "CUDA",
+        call: call.to_string(),
+        why: format!("{e:?}"),
+    }
+}
+
+fn cublas(call: &str, e: blas::CublasError) -> RuntimeError {
+    RuntimeError::Device {
+        library: "cuBLAS",
+        call: call.to_string(),
+        why: format!("{e:?}"),
+    }
+}
+
+/// Checks the shared libraries the executor needs can be loaded.
+pub fn check_libraries(need_nccl: bool) -> Result<()> {
+    let missing = |lib: &str, what: &str| {
+        RuntimeError::Unavailable(
+            "CUDA",
+            format!(
+                "the {what} library ({lib}) could not be loaded; install it or add its directory to LD_LIBRARY_PATH"
+            ),
+        )
+    };
+    // SAFETY: these only try to open the libraries.
+    unsafe {
+        if !drv_sys::is_culib_present() {
+            return Err(missing("libcuda.so", "CUDA driver"));
+        }
+        if !blas_sys::is_culib_present() {
+            return Err(missing("libcublas.so", "cuBLAS"));
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            return Err(missing("libnvrtc.so", "NVRTC"));
+        }
+        if need_nccl && !cudarc::nccl::sys::is_culib_present() {
+            return Err(missing("libnccl.so", "NCCL"));
+        }
+    }
+    Ok(())
+}
+
+/// A device region of f32 elements and the stream a collective on it runs on.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceSlice {
+    pub ptr: drv_sys::CUdeviceptr,
+    pub len: usize,
+    pub stream: drv_sys::CUstream,
+}
+
+/// The communicator of a world of one GPU: gathers and scatters are copies.
+impl Communicator<DeviceSlice> for crate::comm::SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_gather(&self, shard: &DeviceSlice, full: &mut DeviceSlice) -> Result<()> {
+        copy_slice("all_gather", shard, full)
+    }
+    fn reduce_scatter(
+        &self,
+        full: &DeviceSlice,
+        shard: &mut DeviceSlice,
+        _: crate::ReduceOp,
+    ) -> Result<()> {
+        copy_slice("reduce_scatter", full, shard)
+    }
+    fn all_reduce(&self, _: &mut DeviceSlice, _: crate::ReduceOp) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn copy_slice(op: &'static str, src: &DeviceSlice, dst: &mut DeviceSlice) -> Result<()> {
+    if src.len != dst.len {
+        return Err(RuntimeError::Comm {
+            op,
+            rank: 0,
+            why: format!("{} elements into {}", src.len, dst.len),
+        });
+    }
+    if src.ptr != dst.ptr && src.len > 0 {
+        // SAFETY: both regions lie in the executor's allocation.
+        unsafe { drv::memcpy_dtod_async(dst.ptr, src.ptr, 4 * src.len, dst.stream) }
+            .map_err(|e| driver("cuMemcpyDtoDAsync", e))?;
+    }
+    Ok(())
+}
+
+/// A cuBLAS handle bound to one stream, with its workspace.
+struct Blas(blas_sys::cublasHandle_t);
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_handle`, destroyed once.
+        let _ = unsafe { blas::destroy_handle(self.0) };
+    }
+}
+
+/// The one device allocation.
+struct DeviceMem {
+    ptr: drv_sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `malloc_sync`, freed once; streams were
+        // synchronized by the executor's drop.
+        let _ = unsafe { drv::free_sync(self.ptr) };
+    }
+}
+
+/// Runs a [`Program`] on one GPU; see the module docs.
+pub struct CudaExecutor {
+    program: Program,
+    layout: DeviceLayout,
+    ops: Vec<Vec<DevOp>>,
+    schedule: Schedule,
+    ctx: Arc<CudaContext>,
+    streams: Vec<Arc<CudaStream>>,
+    events: Vec<Option<CudaEvent>>,
+    blas: Vec<Option<Blas>>,
+    funcs: HashMap<DevKernel, CudaFunction>,
+    mem: Option<DeviceMem>,
+    baseline_free: usize,
+    rank: usize,
+    steps_done: u64,
+}
+
+impl CudaExecutor {
+    /// Validates and lowers `program` and sets up device `ordinal` for rank
+    /// `rank`: context, streams, events, kernels, cuBLAS. Allocates nothing
+    /// for the program yet: create communicators, then [`Self::allocate`].
+    pub fn new(program: Program, ordinal: usize, rank: usize) -> Result<CudaExecutor> {
+        program.validate()?;
+        if let Some(t) = program.tensors.iter().find(|t| t.dtype == DType::BF16) {
+            return Err(RuntimeError::Unavailable(
+                "bf16 on the CUDA backend",
+                format!(
+                    "tensor {:?} is bf16; the CUDA kernels are f32 only for now",
+                    t.name
+                ),
+            ));
+        }
+        check_libraries(false)?;
+        let bindings = Bindings::new(&program)?;
+        let layout = DeviceLayout::new(&program, &bindings);
+        let ops = lower_all(&program, &bindings, &layout)?;
+        let schedule = Schedule::new(&program, &bindings);
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| driver(&format!("creating a context on device {ordinal}"), e))?;
+        let streams = (0..program.num_streams())
+            .map(|_| ctx.new_stream().map_err(|e| driver("cuStreamCreate", e)))
+            .collect::<Result<Vec<_>>>()?;
+        let events = schedule
+            .signals
+            .iter()
+            .map(|&s| {
+                s.then(|| ctx.new_event(None).map_err(|e| driver("cuEventCreate", e)))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("cuDeviceGetAttribute(compute capability)", e))?;
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+            name: Some("memplan_kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_CU, opts).map_err(|e| {
+            RuntimeError::Device {
+                library: "NVRTC",
+                call: "nvrtcCompileProgram(kernels.cu)".into(),
+                why: format!("{e:?}"),
+            }
+        })?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| driver("cuModuleLoadData", e))?;
+        let mut funcs = HashMap::new();
+        for k in DevKernel::ALL {
+            let f = module
+                .load_function(k.name())
+                .map_err(|e| driver(&format!("cuModuleGetFunction({})", k.name()), e))?;
+            funcs.insert(k, f);
+        }
+        let blas = layout
+            .blas
+            .iter()
+            .enumerate()
+            .map(|(s, ws)| {
+                ws.map(|_| {
+                    let h = blas::create_handle().map_err(|e| cublas("cublasCreate", e))?;
+                    let h = Blas(h);
+                    // SAFETY: a live handle and stream.
+                    unsafe { blas::set_stream(h.0, streams[s].cu_stream() as _) }
+                        .map_err(|e| cublas("cublasSetStream", e))?;
+                    Ok(h)
+                })
+                .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CudaExecutor {
+            program,
+            layout,
+            ops,
+            schedule,
+            ctx,
+            streams,
+            events,
+            blas,
+            funcs,
+            mem: None,
+            baseline_free: 0,
+            rank,
+            steps_done: 0,
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream collectives of stream `s` run on.
+    pub fn stream(&self, s: usize) -> &Arc<CudaStream> {
+        &self.streams[s]
+    }
+    pub fn layout(&self) -> &DeviceLayout {
+        &self.layout
+    }
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Reads the baseline free memory, then makes the one allocation
+    /// (arena + workspace), zeroes it and hands the cuBLAS workspaces out.
+    pub fn allocate(&mut self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        self.ctx
+            .synchronize()
+            .map_err(|e| driver("cuCtxSynchronize", e))?;
+        let (free, _) = drv::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+        self.baseline_free = free;
+        let bytes = self.layout.total as usize;
+        // SAFETY: a plain allocation, freed by `DeviceMem`.
+        let ptr = match unsafe { drv::malloc_sync(bytes) } {
+            Ok(p) => p,
+            Err(e) if e.0 == drv_sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
+                return Err(RuntimeError::OutOfMemory {
+                    device: format!("cuda:{}", self.ctx.ordinal()),
+                    bytes: bytes as u64,
+                    what: format!(
+                        "the arena ({} bytes) and workspace ({} bytes); {free} bytes were free",
+                        self.layout.arena,
+                        self.layout.workspace()
+                    ),
+                });
+            }
+            Err(e) => return Err(driver("cuMemAlloc", e)),
+        };
+        self.mem = Some(DeviceMem {
+            ptr,
+            ctx: self.ctx.clone(),
+        });
+        // SAFETY: inside the allocation just made.
+        unsafe { drv::memset_d8_sync(ptr, 0, bytes) }.map_err(|e| driver("cuMemsetD8", e))?;
+        for (h, ws) in self.blas.iter().zip(&self.layout.blas) {
+            if let (Some(h), Some(off)) = (h, ws) {
+                // SAFETY: the workspace lies in the allocation and only this
+                // handle (bound to one stream) uses it.
+                unsafe {
+                    blas_sys::cublasSetWorkspace_v2(
+                        h.0,
+                        (ptr + off) as *mut c_void,
+                        crate::device::CUBLAS_WORKSPACE as usize,
+                    )
+                }
+                .result()
+                .map_err(|e| cublas("cublasSetWorkspace", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn base(&self) -> Result<drv_sys::CUdeviceptr> {
+        self.mem.as_ref().map(|m| m.ptr).ok_or_else(|| {
+            RuntimeError::InvalidProgram(
+                "the executor has not allocated its memory yet (call allocate)".into(),
+            )
+        })
+    }
+
+    fn checked(&self, t: TensorIdx, dtype: DType, len: usize) -> Result<u64> {
+        let x = self
+            .program
+            .tensors
+            .get(t.index())
+            .ok_or_else(|| RuntimeError::Access {
+                tensor: t.to_string(),
+                why: "no such tensor".into(),
+            })?;
+        if x.dtype != dtype || x.elements() as usize != len {
+            return Err(RuntimeError::Access {
+                tensor: x.name.clone(),
+                why: format!("is {} × {}, not {dtype} × {len}", x.elements(), x.dtype),
+            });
+        }
+        Ok(self.base()? + x.offset)
+    }
+
+    pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) -> Result<()> {
+        let at = self.checked(t, DType::F32, v.len())?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: the tensor lies in the allocation; the device is idle.
+        unsafe { drv::memcpy_htod_sync(at, v) }.map_err(|e| driver("cuMemcpyHtoD", e))
+    }
+    pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) -> Result<()> {
+        let at = self.checked(t, DType::I32, v.len())?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: as above.
+        unsafe { drv::memcpy_htod_sync(at, v) }.map_err(|e| driver("cuMemcpyHtoD", e))
+    }
+    pub fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
+        let n = self
+            .program
+            .tensors
+            .get(t.index())
+            .map_or(0, |x| x.elements() as usize);
+        let at = self.checked(t, DType::F32, n)?;
+        let mut v = vec![0.0f32; n];
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: as above.
+        unsafe { drv::memcpy_dtoh_sync(&mut v, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        Ok(v)
+    }
+
+    /// Fills parameters and optimizer state from `seed`.
+    pub fn initialize(&mut self, seed: u64) -> Result<()> {
+        let todo: Vec<(TensorIdx, Vec<f32>)> = self
+            .program
+            .tensors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| {
+                t.init.as_ref().map(|init| {
+                    (
+                        TensorIdx(i as u32),
+                        init.values(seed, self.rank as u64, t.elements()),
+                    )
+                })
+            })
+            .collect();
+        for (t, v) in todo {
+            self.write_f32(t, &v)?;
+        }
+        Ok(())
+    }
+
+    fn launch(&self, l: &Launch, base: u64, stream: &CudaStream, step: u64) -> Result<()> {
+        let f = &self.funcs[&l.kernel];
+        let mut vals: Vec<u64> = l
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(off) => base + off,
+                Arg::Null => 0,
+                Arg::I64(v) => v as u64,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+                Arg::Step(first) => first + step - 1,
+            })
+            .collect();
+        // Each parameter is read from the start of its 8-byte slot: 4-byte
+        // values sit in the low half (little-endian).
+        let mut params: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: the arguments match the kernel's signature in kernels.cu
+        // (checked on the host by the emulator tests) and point into the
+        // allocation.
+        unsafe {
+            drv::launch_kernel(
+                f.cu_function(),
+                (l.grid, 1, 1),
+                (l.block, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| driver(&format!("cuLaunchKernel({})", l.kernel.name()), e))
+    }
+
+    fn gemm(&self, g: &GemmCall, base: u64, s: usize) -> Result<()> {
+        let h = self.blas[s].as_ref().ok_or_else(|| {
+            RuntimeError::InvalidProgram(format!(
+                "stream {s} runs a matrix product but has no cuBLAS handle"
+            ))
+        })?;
+        let op = |t| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (a, b, c) = (
+            (base + g.a) as *const f32,
+            (base + g.b) as *const f32,
+            (base + g.c) as *mut f32,
+        );
+        // SAFETY: pointers into the allocation with the shapes the lowering
+        // computed; alpha and beta live on the host for the call.
+        unsafe {
+            if g.batch == 1 {
+                blas::sgemm(
+                    h.0,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    &g.alpha,
+                    a,
+                    g.lda,
+                    b,
+                    g.ldb,
+                    &g.beta,
+                    c,
+                    g.ldc,
+                )
+                .map_err(|e| cublas("cublasSgemm", e))
+            } else {
+                blas::sgemm_strided_batched(
+                    h.0,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    &g.alpha,
+                    a,
+                    g.lda,
+                    g.stride_a,
+                    b,
+                    g.ldb,
+                    g.stride_b,
+                    &g.beta,
+                    c,
+                    g.ldc,
+                    g.stride_c,
+                    g.batch,
+                )
+                .map_err(|e| cublas("cublasSgemmStridedBatched", e))
+            }
+        }
+    }
+
+    /// Runs one step; returns its seconds and the device memory it used.
+    pub fn step(&mut self, comm: &dyn Communicator<DeviceSlice>) -> Result<(f64, u64)> {
+        let base = self.base()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let ew = base + self.layout.error_word;
+        // SAFETY: the error word lies in the allocation; the device is idle.
+        unsafe { drv::memset_d8_sync(ew, 0, 4) }.map_err(|e| driver("cuMemsetD8", e))?;
+        let step = self.steps_done + 1;
+        let start = Instant::now();
+        for (j, ops) in self.ops.iter().enumerate() {
+            let s = self.program.instrs[j].stream.index();
+            let stream = &self.streams[s];
+            for w in &self.schedule.waits[j] {
+                let ev = self.events[w.index()]
+                    .as_ref()
+                    .expect("waited-for instructions signal");
+                stream
+                    .wait(ev)
+                    .map_err(|e| driver("cuStreamWaitEvent", e))?;
+            }
+            for op in ops {
+                match op {
+                    DevOp::Launch(l) => self.launch(l, base, stream, step)?,
+                    DevOp::Gemm(g) => self.gemm(g, base, s)?,
+                    // SAFETY (memset, copy): regions inside the allocation.
+                    DevOp::Memset { at, bytes } => unsafe {
+                        drv::memset_d8_async(base + at, 0, *bytes as usize, stream.cu_stream())
+                    }
+                    .map_err(|e| driver("cuMemsetD8Async", e))?,
+                    DevOp::Copy { src, dst, bytes } => unsafe {
+                        drv::memcpy_dtod_async(
+                            base + dst,
+                            base + src,
+                            *bytes as usize,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| driver("cuMemcpyDtoDAsync", e))?,
+                    DevOp::Collective(c) => {
+                        let sl = |at: u64, len: u64| DeviceSlice {
+                            ptr: base + at,
+                            len: len as usize,
+                            stream: stream.cu_stream(),
+                        };
+                        let w = comm.world_size() as u64;
+                        match *c {
+                            CollectiveOp::AllGather { send, recv, count } => {
+                                comm.all_gather(&sl(send, count), &mut sl(recv, w * count))?
+                            }
+                            CollectiveOp::ReduceScatter {
+                                send,
+                                recv,
+                                count,
+                                op,
+                            } => {
+                                comm.reduce_scatter(&sl(send, w * count), &mut sl(recv, count), op)?
+                            }
+                            CollectiveOp::AllReduce { buf, count, op } => {
+                                comm.all_reduce(&mut sl(buf, count), op)?
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(ev) = &self.events[j] {
+                ev.record(stream).map_err(|e| driver("cuEventRecord", e))?;
+            }
+        }
+        for s in &self.streams {
+            s.synchronize()
+                .map_err(|e| driver("cuStreamSynchronize (running the step)", e))?;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let (free, _) = drv::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+        let mut code = [0i32; 1];
+        // SAFETY: as above.
+        unsafe { drv::memcpy_dtoh_sync(&mut code, ew) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        if code[0] != 0 {
+            let ins = &self.program.instrs[code[0] as usize - 1];
+            return Err(RuntimeError::Kernel {
+                instr: ins.name.clone(),
+                kernel: ins.kernel.name(),
+                why: "an index (token id or target) is out of range".into(),
+            });
+        }
+        self.steps_done = step;
+        Ok((seconds, self.baseline_free.saturating_sub(free) as u64))
+    }
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        for s in &self.streams {
+            let _ = s.synchronize();
+        }
+    }
+}
+
+/// Runs `cfg.steps` steps of `p` on GPUs `first_gpu ..` (one thread per
+/// rank, NCCL between them when there are several).
+pub fn run_cuda(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunReport> {
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_cuda_inner(p, cfg, first_gpu)
+    }));
+    caught.unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(RuntimeError::Device {
+            library: "cudarc",
+            call: "a CUDA library call".into(),
+            why: format!("it panicked: {msg}"),
+        })
+    })
+}
+
+type RankRun = (Vec<(f32, f64, u64)>, Vec<(String, Vec<f32>)>, u64);
+
+fn one_rank(
+    p: &Program,
+    cfg: &RunConfig,
+    gpu: usize,
+    rank: usize,
+    id: Option<cudarc::nccl::sys::ncclUniqueId>,
+) -> Result<RankRun> {
+    let mut ex = CudaExecutor::new(p.clone(), gpu, rank)?;
+    let world = p.world_size as usize;
+    let comm: Box<dyn Communicator<DeviceSlice>> = match id {
+        None => Box::new(crate::comm::SingleRank),
+        Some(id) => Box::new(NcclComm::new(ex.context(), rank, world, id)?),
+    };
+    ex.allocate()?;
+    ex.initialize(cfg.init_seed)?;
+    let batch = synthetic_batch(p, cfg.data_seed, rank)?;
+    let losses = loss_tensors(p);
+    let mut steps = Vec::with_capacity(cfg.steps);
+    for _ in 0..cfg.steps {
+        for (t, d) in &batch {
+            match d {
+                Data::F32(v) => ex.write_f32(*t, v)?,
+                Data::I32(v) => ex.write_i32(*t, v)?,
+            }
+        }
+        let (secs, used) = ex.step(comm.as_ref())?;
+        let mut loss = 0.0;
+        for &t in &losses {
+            loss += ex.read_f32(t)?[0];
+        }
+        steps.push((loss, secs, used));
+    }
+    let state = if cfg.keep_state {
+        p.persistent_tensors()
+            .filter(|&t| p.tensor(t).dtype == DType::F32)
+            .map(|t| Ok((p.tensor(t).name.clone(), ex.read_f32(t)?)))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+    let total = ex.layout().total;
+    drop(comm);
+    Ok((steps, state, total))
+}
+
+fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunReport> {
+    let world = p.world_size as usize;
+    check_libraries(world > 1)?;
+    let per_rank: Vec<RankRun> = if world == 1 {
+        vec![one_rank(p, cfg, first_gpu, 0, None)?]
+    } else {
+        let id =
+            cudarc::nccl::result::get_uniqueid().map_err(|e| nccl::error("ncclGetUniqueId", e))?;
+        let results: Vec<Result<RankRun>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| s.spawn(move || one_rank(p, cfg, first_gpu + r, r, Some(id))))
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(RuntimeError::Device {
+                            library: "cudarc",
+                            call: "a rank's thread".into(),
+                            why: "it panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        results.into_iter().collect::<Result<Vec<_>>>()?
+    };
+    let steps = (0..cfg.steps)
+        .map(|s| StepResult {
+            loss: per_rank.iter().map(|r| r.0[s].0).sum::<f32>() / world as f32,
+            seconds: per_rank.iter().map(|r| r.0[s].1).fold(0.0, f64::max),
+            measured_bytes: per_rank.iter().map(|r| r.0[s].2).max().unwrap_or(0),
+        })
+        .collect();
+    let total = per_rank.first().map_or(0, |r| r.2);
+    Ok(RunReport {
+        steps,
+        arena_bytes: p.arena_bytes,
+        allocated_bytes: total,
+        workspace_bytes: total - p.arena_bytes,
+        state: per_rank.into_iter().map(|r| r.1).collect(),
+    })
+}

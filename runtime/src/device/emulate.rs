@@ -1,0 +1,616 @@
+//! A host emulator of device operations: runs the [`DevOp`]s a program
+//! lowers to on a byte buffer laid out like the device allocation, with
+//! each CUDA kernel of `kernels.cu` mirrored in Rust (same loops, same
+//! order of reads and writes for in-place operands) and cuBLAS products
+//! computed from their column-major definition.
+//!
+//! It is slow and exists to test the GPU lowering ([`super::lower`]) —
+//! addresses, product shapes and transposes, launch arguments, staging and
+//! in-place use — against the CPU executor on machines without a GPU.
+
+use super::{Arg, CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, Launch, lower_all};
+use crate::binding::Bindings;
+use crate::comm::Communicator;
+use crate::error::{Result, RuntimeError};
+use crate::program::{DType, Program, TensorIdx};
+
+/// A program ready to run on the emulated device.
+pub struct Emulator {
+    program: Program,
+    layout: DeviceLayout,
+    ops: Vec<Vec<DevOp>>,
+    mem: Vec<u8>,
+    steps_done: u64,
+}
+
+/// Reads an argument list positionally.
+struct Args<'a> {
+    args: &'a [Arg],
+    step: u64,
+}
+
+impl Args<'_> {
+    fn ptr(&self, i: usize) -> Option<usize> {
+        match self.args[i] {
+            Arg::Ptr(p) => Some(p as usize),
+            Arg::Null => None,
+            ref other => panic!("argument {i} is {other:?}, not a pointer"),
+        }
+    }
+    fn p(&self, i: usize) -> usize {
+        self.ptr(i).expect("a non-null pointer")
+    }
+    fn n(&self, i: usize) -> usize {
+        match self.args[i] {
+            Arg::I64(v) => v as usize,
+            Arg::Step(first) => (first + self.step - 1) as usize,
+            ref other => panic!("argument {i} is {other:?}, not an i64"),
+        }
+    }
+    fn i(&self, i: usize) -> i32 {
+        match self.args[i] {
+            Arg::I32(v) => v,
+            ref other => panic!("argument {i} is {other:?}, not an i32"),
+        }
+    }
+    fn f(&self, i: usize) -> f32 {
+        match self.args[i] {
+            Arg::F32(v) => v,
+            ref other => panic!("argument {i} is {other:?}, not an f32"),
+        }
+    }
+}
+
+/// f32 / i32 access to emulated device memory by byte address.
+struct Mem<'a>(&'a mut [u8]);
+
+impl Mem<'_> {
+    fn f(&self, at: usize, i: usize) -> f32 {
+        let o = at + 4 * i;
+        f32::from_ne_bytes(self.0[o..o + 4].try_into().expect("4 bytes"))
+    }
+    fn set(&mut self, at: usize, i: usize, v: f32) {
+        let o = at + 4 * i;
+        self.0[o..o + 4].copy_from_slice(&v.to_ne_bytes());
+    }
+    fn i(&self, at: usize, i: usize) -> i32 {
+        let o = at + 4 * i;
+        i32::from_ne_bytes(self.0[o..o + 4].try_into().expect("4 bytes"))
+    }
+    fn fail(&mut self, err: usize, code: i32) {
+        if self.i(err, 0) == 0 {
+            self.0[err..err + 4].copy_from_slice(&code.to_ne_bytes());
+        }
+    }
+}
+
+const GELU_C: f32 = 0.797_884_6;
+
+fn gelu_f(x: f32) -> f32 {
+    let u = GELU_C * (x + 0.044715 * x * x * x);
+    0.5 * x * (1.0 + u.tanh())
+}
+
+fn gelu_g(x: f32) -> f32 {
+    let u = GELU_C * (x + 0.044715 * x * x * x);
+    let t = u.tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// Runs one launch; mirrors the kernel of the same name in `kernels.cu`.
+fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
+    let a = Args {
+        args: &l.args,
+        step,
+    };
+    match l.kernel {
+        DevKernel::FillRows => {
+            let (y, b, rows, n) = (a.p(0), a.p(1), a.n(2), a.n(3));
+            for i in 0..rows * n {
+                let v = m.f(b, i % n);
+                m.set(y, i, v);
+            }
+        }
+        DevKernel::ColSum => {
+            let (x, out, rows, n) = (a.p(0), a.p(1), a.n(2), a.n(3));
+            for j in 0..n {
+                let mut s = 0.0f32;
+                for i in 0..rows {
+                    s += m.f(x, i * n + j);
+                }
+                m.set(out, j, s);
+            }
+        }
+        DevKernel::Add => {
+            let (x, y, c, n) = (a.p(0), a.p(1), a.p(2), a.n(3));
+            for i in 0..n {
+                let v = m.f(x, i) + m.f(y, i);
+                m.set(c, i, v);
+            }
+        }
+        DevKernel::GeluFwd | DevKernel::ReluFwd => {
+            let (x, y, n) = (a.p(0), a.p(1), a.n(2));
+            for i in 0..n {
+                let v = m.f(x, i);
+                let r = if l.kernel == DevKernel::GeluFwd {
+                    gelu_f(v)
+                } else if v > 0.0 {
+                    v
+                } else {
+                    0.0
+                };
+                m.set(y, i, r);
+            }
+        }
+        DevKernel::GeluBwd | DevKernel::ReluBwd => {
+            let (dy, x, dx, n) = (a.p(0), a.p(1), a.p(2), a.n(3));
+            for i in 0..n {
+                let (d, v) = (m.f(dy, i), m.f(x, i));
+                let r = if l.kernel == DevKernel::GeluBwd {
+                    d * gelu_g(v)
+                } else if v > 0.0 {
+                    d
+                } else {
+                    0.0
+                };
+                m.set(dx, i, r);
+            }
+        }
+        DevKernel::LayernormFwd => {
+            let (x, g, b, y, mean, rstd) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4), a.p(5));
+            let (rows, cols, eps) = (a.n(6), a.n(7), a.f(8));
+            for r in 0..rows {
+                let mut s = 0.0f32;
+                for j in 0..cols {
+                    s += m.f(x, r * cols + j);
+                }
+                let mu = s / cols as f32;
+                let mut v = 0.0f32;
+                for j in 0..cols {
+                    let d = m.f(x, r * cols + j) - mu;
+                    v += d * d;
+                }
+                v /= cols as f32;
+                let rs = 1.0 / (v + eps).sqrt();
+                m.set(mean, r, mu);
+                m.set(rstd, r, rs);
+                for j in 0..cols {
+                    let o = (m.f(x, r * cols + j) - mu) * rs * m.f(g, j) + m.f(b, j);
+                    m.set(y, r * cols + j, o);
+                }
+            }
+        }
+        DevKernel::LayernormBwdParams => {
+            let (dy, x, mean, rstd, dg, db) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4), a.p(5));
+            let (rows, cols) = (a.n(6), a.n(7));
+            for j in 0..cols {
+                let (mut sg, mut sb) = (0.0f32, 0.0f32);
+                for r in 0..rows {
+                    let d = m.f(dy, r * cols + j);
+                    sg += d * (m.f(x, r * cols + j) - m.f(mean, r)) * m.f(rstd, r);
+                    sb += d;
+                }
+                m.set(dg, j, sg);
+                m.set(db, j, sb);
+            }
+        }
+        DevKernel::LayernormBwdData => {
+            let (dy, x, mean, rstd, g, dx) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4), a.p(5));
+            let (rows, cols) = (a.n(6), a.n(7));
+            for r in 0..rows {
+                let (mu, rs) = (m.f(mean, r), m.f(rstd, r));
+                let (mut s1, mut s2) = (0.0f32, 0.0f32);
+                for j in 0..cols {
+                    let d = m.f(dy, r * cols + j) * m.f(g, j);
+                    s1 += d;
+                    s2 += d * (m.f(x, r * cols + j) - mu) * rs;
+                }
+                s1 /= cols as f32;
+                s2 /= cols as f32;
+                for j in 0..cols {
+                    let xhat = (m.f(x, r * cols + j) - mu) * rs;
+                    let v = rs * (m.f(dy, r * cols + j) * m.f(g, j) - s1 - xhat * s2);
+                    m.set(dx, r * cols + j, v);
+                }
+            }
+        }
+        DevKernel::CausalSoftmaxFwd => {
+            let (s, p, rows, t) = (a.p(0), a.p(1), a.n(2), a.n(3));
+            for r in 0..rows {
+                let i = r % t;
+                let mut mx = f32::NEG_INFINITY;
+                for j in 0..=i {
+                    mx = mx.max(m.f(s, r * t + j));
+                }
+                let mut sum = 0.0f32;
+                for j in 0..=i {
+                    sum += (m.f(s, r * t + j) - mx).exp();
+                }
+                let inv = 1.0 / sum;
+                for j in 0..t {
+                    let v = if j <= i {
+                        (m.f(s, r * t + j) - mx).exp() * inv
+                    } else {
+                        0.0
+                    };
+                    m.set(p, r * t + j, v);
+                }
+            }
+        }
+        DevKernel::CausalSoftmaxBwd => {
+            let (dp, p, ds, rows, t) = (a.p(0), a.p(1), a.p(2), a.n(3), a.n(4));
+            for r in 0..rows {
+                let mut dot = 0.0f32;
+                for j in 0..t {
+                    dot += m.f(dp, r * t + j) * m.f(p, r * t + j);
+                }
+                for j in 0..t {
+                    let v = m.f(p, r * t + j) * (m.f(dp, r * t + j) - dot);
+                    m.set(ds, r * t + j, v);
+                }
+            }
+        }
+        DevKernel::ZeroUpper => {
+            let (s, mats, t) = (a.p(0), a.n(1), a.n(2));
+            for k in 0..mats * t * t {
+                if k % t > (k / t) % t {
+                    m.set(s, k, 0.0);
+                }
+            }
+        }
+        DevKernel::ZeroQk => {
+            let (d, rows, c) = (a.p(0), a.n(1), a.n(2));
+            for k in 0..rows * 2 * c {
+                m.set(d, (k / (2 * c)) * 3 * c + k % (2 * c), 0.0);
+            }
+        }
+        DevKernel::CrossEntropyFwd => {
+            let (x, tgt, loss, rows, classes, err, code) =
+                (a.p(0), a.p(1), a.p(2), a.n(3), a.n(4), a.p(5), a.i(6));
+            for r in 0..rows {
+                let mut mx = f32::NEG_INFINITY;
+                for j in 0..classes {
+                    mx = mx.max(m.f(x, r * classes + j));
+                }
+                let mut s = 0.0f32;
+                for j in 0..classes {
+                    s += (m.f(x, r * classes + j) - mx).exp();
+                }
+                let t = m.i(tgt, r);
+                if t < 0 || t as usize >= classes {
+                    m.fail(err, code);
+                } else {
+                    let v = m.f(loss, 0)
+                        + (mx + s.ln() - m.f(x, r * classes + t as usize)) / rows as f32;
+                    m.set(loss, 0, v);
+                }
+            }
+        }
+        DevKernel::CrossEntropyBwd => {
+            let (x, tgt, d, rows, classes, scale, err, code) = (
+                a.p(0),
+                a.p(1),
+                a.p(2),
+                a.n(3),
+                a.n(4),
+                a.f(5),
+                a.p(6),
+                a.i(7),
+            );
+            for r in 0..rows {
+                let mut mx = f32::NEG_INFINITY;
+                for j in 0..classes {
+                    mx = mx.max(m.f(x, r * classes + j));
+                }
+                let mut s = 0.0f32;
+                for j in 0..classes {
+                    s += (m.f(x, r * classes + j) - mx).exp();
+                }
+                let mut t = m.i(tgt, r) as i64;
+                if t < 0 || t as usize >= classes {
+                    m.fail(err, code);
+                    t = -1;
+                }
+                let k = scale / s;
+                for j in 0..classes {
+                    let v = (m.f(x, r * classes + j) - mx).exp() * k
+                        - if j as i64 == t { scale } else { 0.0 };
+                    m.set(d, r * classes + j, v);
+                }
+            }
+        }
+        DevKernel::EmbeddingFwd => {
+            let (tok, wte, wpe, x) = (a.p(0), a.p(1), a.p(2), a.p(3));
+            let (bt, seq, width, vocab, err, code) =
+                (a.n(4), a.n(5), a.n(6), a.n(7), a.p(8), a.i(9));
+            for i in 0..bt * width {
+                let (r, c) = (i / width, i % width);
+                let t = m.i(tok, r);
+                if t < 0 || t as usize >= vocab {
+                    m.fail(err, code);
+                    m.set(x, i, 0.0);
+                } else {
+                    let v = m.f(wte, t as usize * width + c) + m.f(wpe, (r % seq) * width + c);
+                    m.set(x, i, v);
+                }
+            }
+        }
+        DevKernel::EmbeddingBwdTokens => {
+            let (dx, tok, dwte, bt, width, vocab, err, code) = (
+                a.p(0),
+                a.p(1),
+                a.p(2),
+                a.n(3),
+                a.n(4),
+                a.n(5),
+                a.p(6),
+                a.i(7),
+            );
+            for i in 0..bt * width {
+                let (r, c) = (i / width, i % width);
+                let t = m.i(tok, r);
+                if t < 0 || t as usize >= vocab {
+                    m.fail(err, code);
+                } else {
+                    let at = t as usize * width + c;
+                    let v = m.f(dwte, at) + m.f(dx, i);
+                    m.set(dwte, at, v);
+                }
+            }
+        }
+        DevKernel::EmbeddingBwdPositions => {
+            let (dx, dwpe, batch, seq, width) = (a.p(0), a.p(1), a.n(2), a.n(3), a.n(4));
+            for i in 0..seq * width {
+                let mut s = 0.0f32;
+                for b in 0..batch {
+                    s += m.f(dx, b * seq * width + i);
+                }
+                m.set(dwpe, i, s);
+            }
+        }
+        DevKernel::SumSquares => {
+            let (x, out, n) = (a.p(0), a.p(1), a.n(2));
+            let mut s = 0.0f32;
+            for i in 0..n {
+                s += m.f(x, i) * m.f(x, i);
+            }
+            let v = m.f(out, 0) + s;
+            m.set(out, 0, v);
+        }
+        DevKernel::SqrtInplace => {
+            let x = a.p(0);
+            let v = m.f(x, 0).sqrt();
+            m.set(x, 0, v);
+        }
+        DevKernel::AdamStep => {
+            let (g, norm, w, mm, v, denom) = (a.p(0), a.ptr(1), a.p(2), a.p(3), a.p(4), a.ptr(5));
+            let (n, lr, b1, b2, eps, wd) = (a.n(6), a.f(7), a.f(8), a.f(9), a.f(10), a.f(11));
+            let (decoupled, step, max_norm, norm_squared) =
+                (a.i(12) != 0, a.n(13), a.f(14), a.i(15) != 0);
+            let mut coef = 1.0f32;
+            if let Some(np) = norm {
+                let mut nn = m.f(np, 0);
+                if norm_squared {
+                    nn = nn.max(0.0).sqrt();
+                }
+                coef = (max_norm / (nn + 1e-6)).min(1.0);
+            }
+            let bc1 = 1.0 - b1.powf(step as f32);
+            let bc2_sqrt = (1.0 - b2.powf(step as f32)).sqrt();
+            let step_size = lr / bc1;
+            let decay = 1.0 - lr * wd;
+            for i in 0..n {
+                let mut gi = m.f(g, i) * coef;
+                let mut wi = m.f(w, i);
+                if decoupled {
+                    wi *= decay;
+                } else if wd != 0.0 {
+                    gi += wd * wi;
+                }
+                let mi = b1 * m.f(mm, i) + (1.0 - b1) * gi;
+                let vi = b2 * m.f(v, i) + (1.0 - b2) * gi * gi;
+                let d = vi.sqrt() / bc2_sqrt + eps;
+                m.set(w, i, wi - step_size * mi / d);
+                m.set(mm, i, mi);
+                m.set(v, i, vi);
+                if let Some(dp) = denom {
+                    m.set(dp, i, d);
+                }
+            }
+        }
+    }
+}
+
+/// cuBLAS `sgemm(StridedBatched)` by its definition (column-major; with
+/// `beta == 0`, `C` is not read).
+fn gemm(m: &mut Mem<'_>, g: &GemmCall) {
+    let (mm, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+    let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+    for q in 0..g.batch as usize {
+        let a = g.a as usize + 4 * q * g.stride_a as usize;
+        let b = g.b as usize + 4 * q * g.stride_b as usize;
+        let c = g.c as usize + 4 * q * g.stride_c as usize;
+        for j in 0..n {
+            for i in 0..mm {
+                let mut s = 0.0f32;
+                for p in 0..k {
+                    let x = if g.transa {
+                        m.f(a, p + i * lda)
+                    } else {
+                        m.f(a, i + p * lda)
+                    };
+                    let y = if g.transb {
+                        m.f(b, j + p * ldb)
+                    } else {
+                        m.f(b, p + j * ldb)
+                    };
+                    s += x * y;
+                }
+                let old = if g.beta == 0.0 {
+                    0.0
+                } else {
+                    g.beta * m.f(c, i + j * ldc)
+                };
+                m.set(c, i + j * ldc, g.alpha * s + old);
+            }
+        }
+    }
+}
+
+impl Emulator {
+    /// Lowers `program` (validated here) for the emulated device.
+    pub fn new(program: Program) -> Result<Emulator> {
+        program.validate()?;
+        if program.tensors.iter().any(|t| t.dtype == DType::BF16) {
+            return Err(RuntimeError::Unavailable(
+                "bf16 on the emulated device",
+                program.name,
+            ));
+        }
+        let b = Bindings::new(&program)?;
+        let layout = DeviceLayout::new(&program, &b);
+        let ops = lower_all(&program, &b, &layout)?;
+        let mem = vec![0u8; layout.total as usize];
+        Ok(Emulator {
+            program,
+            layout,
+            ops,
+            mem,
+            steps_done: 0,
+        })
+    }
+
+    pub fn layout(&self) -> &DeviceLayout {
+        &self.layout
+    }
+
+    /// The device operations of each instruction.
+    pub fn ops(&self) -> &[Vec<DevOp>] {
+        &self.ops
+    }
+
+    pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) {
+        let off = self.program.tensor(t).offset as usize;
+        for (i, x) in v.iter().enumerate() {
+            self.mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+        }
+    }
+    pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) {
+        let off = self.program.tensor(t).offset as usize;
+        for (i, x) in v.iter().enumerate() {
+            self.mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+        }
+    }
+    pub fn read_f32(&self, t: TensorIdx) -> Vec<f32> {
+        let x = self.program.tensor(t);
+        let off = x.offset as usize;
+        (0..x.elements() as usize)
+            .map(|i| {
+                f32::from_ne_bytes(
+                    self.mem[off + 4 * i..off + 4 * i + 4]
+                        .try_into()
+                        .expect("4 bytes"),
+                )
+            })
+            .collect()
+    }
+
+    /// Fills parameters and optimizer state as the executors do.
+    pub fn initialize(&mut self, seed: u64, rank: usize) {
+        let todo: Vec<(TensorIdx, Vec<f32>)> = self
+            .program
+            .tensors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| {
+                t.init.as_ref().map(|init| {
+                    (
+                        TensorIdx(i as u32),
+                        init.values(seed, rank as u64, t.elements()),
+                    )
+                })
+            })
+            .collect();
+        for (t, v) in todo {
+            self.write_f32(t, &v);
+        }
+    }
+
+    /// Runs one step; collectives go through `comm`.
+    pub fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<()> {
+        let step = self.steps_done + 1;
+        let ew = self.layout.error_word as usize;
+        self.mem[ew..ew + 4].fill(0);
+        for ops in &self.ops {
+            for op in ops {
+                let mut m = Mem(&mut self.mem);
+                match op {
+                    DevOp::Launch(l) => launch(&mut m, l, step),
+                    DevOp::Gemm(g) => gemm(&mut m, g),
+                    DevOp::Memset { at, bytes } => {
+                        self.mem[*at as usize..(*at + *bytes) as usize].fill(0)
+                    }
+                    DevOp::Copy { src, dst, bytes } => {
+                        let (s, d, n) = (*src as usize, *dst as usize, *bytes as usize);
+                        self.mem.copy_within(s..s + n, d);
+                    }
+                    DevOp::Collective(c) => collective(&mut self.mem, c, comm)?,
+                }
+            }
+        }
+        let code = i32::from_ne_bytes(self.mem[ew..ew + 4].try_into().expect("4 bytes"));
+        if code != 0 {
+            let ins = &self.program.instrs[code as usize - 1];
+            return Err(RuntimeError::Kernel {
+                instr: ins.name.clone(),
+                kernel: ins.kernel.name(),
+                why: "an index (token id or target) is out of range".into(),
+            });
+        }
+        self.steps_done = step;
+        Ok(())
+    }
+}
+
+fn floats(mem: &[u8], at: u64, n: u64) -> Vec<f32> {
+    let at = at as usize;
+    (0..n as usize)
+        .map(|i| f32::from_ne_bytes(mem[at + 4 * i..at + 4 * i + 4].try_into().expect("4 bytes")))
+        .collect()
+}
+
+fn store(mem: &mut [u8], at: u64, v: &[f32]) {
+    let at = at as usize;
+    for (i, x) in v.iter().enumerate() {
+        mem[at + 4 * i..at + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+    }
+}
+
+fn collective(mem: &mut [u8], c: &CollectiveOp, comm: &dyn Communicator<[f32]>) -> Result<()> {
+    let w = comm.world_size() as u64;
+    match *c {
+        CollectiveOp::AllGather { send, recv, count } => {
+            let s = floats(mem, send, count);
+            let mut r = vec![0.0; (w * count) as usize];
+            comm.all_gather(&s, &mut r)?;
+            store(mem, recv, &r);
+        }
+        CollectiveOp::ReduceScatter {
+            send,
+            recv,
+            count,
+            op,
+        } => {
+            let s = floats(mem, send, w * count);
+            let mut r = vec![0.0; count as usize];
+            comm.reduce_scatter(&s, &mut r, op)?;
+            store(mem, recv, &r);
+        }
+        CollectiveOp::AllReduce { buf, count, op } => {
+            let mut b = floats(mem, buf, count);
+            comm.all_reduce(&mut b, op)?;
+            store(mem, buf, &b);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,332 @@
+// memplan's CUDA kernels (f32), compiled at run time with NVRTC.
+//
+// Each kernel is correct when an output is the same buffer as the input
+// named in its comment ("in place: y = x"): every thread reads the elements
+// it writes before writing them, and row kernels finish reading a row
+// (block reductions end in __syncthreads) before writing it.
+// `device/emulate.rs` mirrors every kernel on the host; keep them in step.
+// Formulas: docs/ops.md.
+
+typedef long long i64;
+
+#define GELU_C 0.7978845608028654f
+// -infinity without math headers (NVRTC compiles without them).
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float sh[33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float x = lane < nw ? sh[lane] : 0.f;
+        x = warp_sum(x);
+        if (lane == 0) sh[32] = x;
+    }
+    __syncthreads();
+    float r = sh[32];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float sh[33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        float x = lane < nw ? sh[lane] : NEG_INF;
+        x = warp_max(x);
+        if (lane == 0) sh[32] = x;
+    }
+    __syncthreads();
+    float r = sh[32];
+    __syncthreads();
+    return r;
+}
+
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// Records the first failing instruction (code = its index + 1).
+__device__ __forceinline__ void fail(int* err, int code) { atomicCAS(err, 0, code); }
+
+// y[i, j] = b[j]  (y: m x n)
+extern "C" __global__ void fill_rows(float* y, const float* b, i64 m, i64 n) {
+    GRID_STRIDE(i, m * n) y[i] = b[i % n];
+}
+
+// out[j] = sum_i a[i, j]  (a: m x n), rows in order.
+extern "C" __global__ void col_sum(const float* a, float* out, i64 m, i64 n) {
+    GRID_STRIDE(j, n) {
+        float s = 0.f;
+        for (i64 i = 0; i < m; ++i) s += a[i * n + j];
+        out[j] = s;
+    }
+}
+
+// In place: c = a or c = b.
+extern "C" __global__ void add_f32(const float* a, const float* b, float* c, i64 n) {
+    GRID_STRIDE(i, n) c[i] = a[i] + b[i];
+}
+
+__device__ __forceinline__ float gelu_f(float x) {
+    float u = GELU_C * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_g(float x) {
+    float u = GELU_C * (x + 0.044715f * x * x * x);
+    float t = tanhf(u);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_C * (1.f + 3.f * 0.044715f * x * x);
+}
+
+// In place: y = x.
+extern "C" __global__ void gelu_fwd(const float* x, float* y, i64 n) {
+    GRID_STRIDE(i, n) y[i] = gelu_f(x[i]);
+}
+
+// In place: dx = dy.
+extern "C" __global__ void gelu_bwd(const float* dy, const float* x, float* dx, i64 n) {
+    GRID_STRIDE(i, n) dx[i] = dy[i] * gelu_g(x[i]);
+}
+
+// In place: y = x.
+extern "C" __global__ void relu_fwd(const float* x, float* y, i64 n) {
+    GRID_STRIDE(i, n) y[i] = x[i] > 0.f ? x[i] : 0.f;
+}
+
+// In place: dx = dy.
+extern "C" __global__ void relu_bwd(const float* dy, const float* x, float* dx, i64 n) {
+    GRID_STRIDE(i, n) dx[i] = x[i] > 0.f ? dy[i] : 0.f;
+}
+
+// One block per row.
+extern "C" __global__ void layernorm_fwd(const float* x, const float* g, const float* b, float* y,
+                                         float* mean, float* rstd, i64 rows, i64 cols, float eps) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + r * cols;
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+    float m = block_sum(s) / (float)cols;
+    float v = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float d = xr[j] - m;
+        v += d * d;
+    }
+    v = block_sum(v) / (float)cols;
+    float rs = rsqrtf(v + eps);
+    if (threadIdx.x == 0) {
+        mean[r] = m;
+        rstd[r] = rs;
+    }
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) y[r * cols + j] = (xr[j] - m) * rs * g[j] + b[j];
+}
+
+// dgamma[j] = sum_r dy[r,j] xhat[r,j], dbeta[j] = sum_r dy[r,j]: one thread per column.
+extern "C" __global__ void layernorm_bwd_params(const float* dy, const float* x, const float* mean,
+                                                const float* rstd, float* dg, float* db, i64 rows, i64 cols) {
+    GRID_STRIDE(j, cols) {
+        float sg = 0.f, sb = 0.f;
+        for (i64 r = 0; r < rows; ++r) {
+            float d = dy[r * cols + j];
+            sg += d * (x[r * cols + j] - mean[r]) * rstd[r];
+            sb += d;
+        }
+        dg[j] = sg;
+        db[j] = sb;
+    }
+}
+
+// One block per row. In place: dx = dy (runs after layernorm_bwd_params).
+extern "C" __global__ void layernorm_bwd_data(const float* dy, const float* x, const float* mean,
+                                              const float* rstd, const float* g, float* dx, i64 rows, i64 cols) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const float m = mean[r], rs = rstd[r];
+    float s1 = 0.f, s2 = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float d = dy[r * cols + j] * g[j];
+        s1 += d;
+        s2 += d * (x[r * cols + j] - m) * rs;
+    }
+    s1 = block_sum(s1) / (float)cols;
+    s2 = block_sum(s2) / (float)cols;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float xhat = (x[r * cols + j] - m) * rs;
+        dx[r * cols + j] = rs * (dy[r * cols + j] * g[j] - s1 - xhat * s2);
+    }
+}
+
+// One block per row of length t (row r is row r % t of its matrix).
+// In place: p = s.
+extern "C" __global__ void causal_softmax_fwd(const float* s, float* p, i64 rows, i64 t) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    i64 i = r % t;
+    const float* sr = s + r * t;
+    float mx = NEG_INF;
+    for (i64 j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, sr[j]);
+    mx = block_max(mx);
+    float sum = 0.f;
+    for (i64 j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(sr[j] - mx);
+    sum = block_sum(sum);
+    float inv = 1.f / sum;
+    for (i64 j = threadIdx.x; j < t; j += blockDim.x) p[r * t + j] = j <= i ? expf(sr[j] - mx) * inv : 0.f;
+}
+
+// One block per row. In place: ds = dp.
+extern "C" __global__ void causal_softmax_bwd(const float* dp, const float* p, float* ds, i64 rows, i64 t) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    float dot = 0.f;
+    for (i64 j = threadIdx.x; j < t; j += blockDim.x) dot += dp[r * t + j] * p[r * t + j];
+    dot = block_sum(dot);
+    for (i64 j = threadIdx.x; j < t; j += blockDim.x) ds[r * t + j] = p[r * t + j] * (dp[r * t + j] - dot);
+}
+
+// Zero above the diagonal of `mats` t x t matrices.
+extern "C" __global__ void zero_upper(float* s, i64 mats, i64 t) {
+    GRID_STRIDE(k, mats * t * t) {
+        i64 i = (k / t) % t, j = k % t;
+        if (j > i) s[k] = 0.f;
+    }
+}
+
+// Zero the query and key parts (first 2c columns) of `rows` rows of 3c.
+extern "C" __global__ void zero_qk(float* dqkv, i64 rows, i64 c) {
+    GRID_STRIDE(k, rows * 2 * c) {
+        i64 r = k / (2 * c), j = k % (2 * c);
+        dqkv[r * 3 * c + j] = 0.f;
+    }
+}
+
+// One block per row; loss must be zero beforehand.
+extern "C" __global__ void cross_entropy_fwd(const float* logits, const int* tgt, float* loss, i64 rows,
+                                             i64 classes, int* err, int code) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + r * classes;
+    float mx = NEG_INF;
+    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx);
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(x[j] - mx);
+    s = block_sum(s);
+    int t = tgt[r];
+    if (threadIdx.x == 0) {
+        if (t < 0 || t >= classes) fail(err, code);
+        else atomicAdd(loss, (mx + logf(s) - x[t]) / (float)rows);
+    }
+}
+
+// One block per row. In place: d = logits.
+extern "C" __global__ void cross_entropy_bwd(const float* logits, const int* tgt, float* d, i64 rows,
+                                             i64 classes, float scale, int* err, int code) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + r * classes;
+    float mx = NEG_INF;
+    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx);
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(x[j] - mx);
+    s = block_sum(s);
+    int t = tgt[r];
+    if (t < 0 || t >= classes) {
+        if (threadIdx.x == 0) fail(err, code);
+        t = -1;
+    }
+    float k = scale / s;
+    for (i64 j = threadIdx.x; j < classes; j += blockDim.x)
+        d[r * classes + j] = expf(x[j] - mx) * k - (j == t ? scale : 0.f);
+}
+
+// x[r, :] = wte[tok[r], :] + wpe[r % seq, :]
+extern "C" __global__ void embedding_fwd(const int* tok, const float* wte, const float* wpe, float* x, i64 bt,
+                                         i64 seq, i64 width, i64 vocab, int* err, int code) {
+    GRID_STRIDE(i, bt * width) {
+        i64 r = i / width, c = i % width;
+        int t = tok[r];
+        if (t < 0 || t >= vocab) {
+            fail(err, code);
+            x[i] = 0.f;
+        } else {
+            x[i] = wte[(i64)t * width + c] + wpe[(r % seq) * width + c];
+        }
+    }
+}
+
+// dwte[tok[r], :] += dx[r, :]  (dwte already holds dhead or zeros)
+extern "C" __global__ void embedding_bwd_tokens(const float* dx, const int* tok, float* dwte, i64 bt, i64 width,
+                                                i64 vocab, int* err, int code) {
+    GRID_STRIDE(i, bt * width) {
+        i64 r = i / width, c = i % width;
+        int t = tok[r];
+        if (t < 0 || t >= vocab) fail(err, code);
+        else atomicAdd(&dwte[(i64)t * width + c], dx[i]);
+    }
+}
+
+// dwpe[t, c] = sum_b dx[b, t, c]
+extern "C" __global__ void embedding_bwd_positions(const float* dx, float* dwpe, i64 batch, i64 seq, i64 width) {
+    GRID_STRIDE(i, seq * width) {
+        float s = 0.f;
+        for (i64 b = 0; b < batch; ++b) s += dx[b * seq * width + i];
+        dwpe[i] = s;
+    }
+}
+
+// out += sum of squares (out zeroed beforehand).
+extern "C" __global__ void sum_squares(const float* x, float* out, i64 n) {
+    float s = 0.f;
+    GRID_STRIDE(i, n) s += x[i] * x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) atomicAdd(out, s);
+}
+
+extern "C" __global__ void sqrt_inplace(float* x) { x[0] = sqrtf(x[0]); }
+
+// PyTorch's single-tensor Adam/AdamW at step `step`; `norm` (nullable)
+// clips by the global norm; `denom` (nullable) receives the denominator.
+extern "C" __global__ void adam_step(const float* g, const float* norm, float* w, float* m, float* v, float* denom,
+                                     i64 n, float lr, float b1, float b2, float eps, float wd, int decoupled,
+                                     i64 step, float max_norm, int norm_squared) {
+    float coef = 1.f;
+    if (norm) {
+        float nn = norm[0];
+        if (norm_squared) nn = sqrtf(fmaxf(nn, 0.f));
+        coef = fminf(max_norm / (nn + 1e-6f), 1.f);
+    }
+    float bc1 = 1.f - powf(b1, (float)step);
+    float bc2_sqrt = sqrtf(1.f - powf(b2, (float)step));
+    float step_size = lr / bc1;
+    float decay = 1.f - lr * wd;
+    GRID_STRIDE(i, n) {
+        float gi = g[i] * coef;
+        float wi = w[i];
+        if (decoupled) wi *= decay;
+        else if (wd != 0.f) gi += wd * wi;
+        float mi = b1 * m[i] + (1.f - b1) * gi;
+        float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+        float d = sqrtf(vi) / bc2_sqrt + eps;
+        w[i] = wi - step_size * mi / d;
+        m[i] = mi;
+        v[i] = vi;
+        if (denom) denom[i] = d;
+    }
+}

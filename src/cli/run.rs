@@ -1,0 +1,196 @@
+//! `memplan run`: plan a training step and execute it for real, on the CPU
+//! or a CUDA GPU, inside one arena of the planned size; print per step the
+//! loss, the time, and planned vs measured peak memory.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::ValueEnum;
+use serde_json::json;
+
+use memplan::exec;
+use memplan_runtime::runner::{RunConfig, RunReport};
+
+use super::GraphArgs;
+use super::commands::{load, solve};
+use super::format::{grouped, human_bytes, table};
+
+/// Where the step runs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Options of `memplan run`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Graph file (memplan JSON, optionally .gz); its ops must all have
+    /// kernels (docs/ops.md).
+    #[arg(required_unless_present = "example")]
+    pub graph: Option<PathBuf>,
+    #[command(flatten)]
+    pub source: GraphArgs,
+    /// Where to run: cpu, or cuda (needs a build with `--features cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: Device,
+    /// Training steps to run on the same synthetic batch.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub steps: usize,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Time budget for planning, in seconds.
+    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    pub time_limit: f64,
+    /// Seed of parameter initialization (the batch uses SEED + 1).
+    #[arg(long, value_name = "SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Run the unplanned reference instead: program order, every tensor in
+    /// bytes of its own.
+    #[arg(long)]
+    pub unplanned: bool,
+    /// First CUDA device; rank r uses device FIRST + r.
+    #[arg(long, value_name = "FIRST", default_value_t = 0)]
+    pub gpu: usize,
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    if a.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let g = load(a.graph.as_deref(), &a.source)?;
+    let plan = if a.unplanned {
+        exec::unplanned_plan(&g)
+    } else {
+        solve(&g, a.time_limit)?
+    };
+    let program = exec::program(&g, &plan).context("lowering the plan for the executor")?;
+    let cfg = RunConfig {
+        steps: a.steps,
+        init_seed: a.seed,
+        data_seed: a.seed.wrapping_add(1),
+        keep_state: false,
+    };
+    let report = match a.device {
+        Device::Cpu => memplan_runtime::runner::run_cpu(&program, &cfg)?,
+        Device::Cuda => run_cuda(&program, &cfg, a.gpu)?,
+    };
+    print(&a, &g.name, &plan, program.world_size, &report)
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(p: &memplan_runtime::Program, cfg: &RunConfig, gpu: usize) -> Result<RunReport> {
+    Ok(memplan_runtime::cuda::run_cuda(p, cfg, gpu)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &memplan_runtime::Program, _: &RunConfig, _: usize) -> Result<RunReport> {
+    bail!(
+        "this memplan was built without CUDA support; rebuild with `cargo build --release --features cuda` (CUDA is loaded at run time, no toolkit is needed to build)"
+    )
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return 0.0;
+    }
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+fn print(a: &RunArgs, name: &str, plan: &memplan::Plan, world: u32, r: &RunReport) -> Result<()> {
+    let device = match a.device {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+    };
+    // Timing: the first step warms caches (and on CUDA, kernels); the
+    // median of the rest is the step time when there are any.
+    let times: Vec<f64> = r.steps.iter().map(|s| s.seconds).collect();
+    let steady = if times.len() > 1 {
+        times[1..].to_vec()
+    } else {
+        times.clone()
+    };
+    let med = median(steady);
+    let s = &plan.stats;
+    if a.json {
+        let steps: Vec<_> = r
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(i, st)| {
+                json!({
+                    "step": i + 1,
+                    "loss": st.loss,
+                    "seconds": st.seconds,
+                    "planned_peak_bytes": plan.arena_bytes,
+                    "measured_peak_bytes": st.measured_bytes,
+                })
+            })
+            .collect();
+        let v = json!({
+            "graph": name,
+            "device": device,
+            "world_size": world,
+            "planned": !a.unplanned,
+            "arena_bytes": r.arena_bytes,
+            "workspace_bytes": r.workspace_bytes,
+            "lower_bound_bytes": s.lower_bound_bytes,
+            "order_source": s.order_source,
+            "layout_source": s.layout_source,
+            "median_step_seconds": med,
+            "steps": steps,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{name} on {device}, world size {world}: arena {} ({} bytes, {}), workspace {}",
+        human_bytes(r.arena_bytes),
+        grouped(r.arena_bytes),
+        if a.unplanned {
+            "unplanned: every tensor its own bytes".to_string()
+        } else {
+            format!("{} + {}", s.order_source, s.layout_source)
+        },
+        human_bytes(r.workspace_bytes),
+    );
+    let measured = match a.device {
+        Device::Cpu => "allocated",
+        Device::Cuda => "measured peak",
+    };
+    let rows: Vec<Vec<String>> = r
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(i, st)| {
+            vec![
+                (i + 1).to_string(),
+                format!("{:.4}", st.loss),
+                format!("{:.3} s", st.seconds),
+                human_bytes(plan.arena_bytes),
+                human_bytes(st.measured_bytes),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(&["step", "loss", "time", "planned peak", measured], &rows)
+    );
+    println!(
+        "median step time {:.3} s{}",
+        med,
+        if times.len() > 1 {
+            " (steps after the first)"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}

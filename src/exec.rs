@@ -1,0 +1,576 @@
+//! From a graph and its plan to the executor's program
+//! ([`memplan_runtime::Program`]), and the unplanned reference.
+//!
+//! [`program`] checks the plan with [`crate::checker`] first (so the
+//! executor never sees a plan whose bytes clash), then:
+//! - every tensor gets its dtype and shape (required: the executor computes
+//!   on them), its absolute offset (a root's planned offset; a view's is its
+//!   base's plus its offset inside it, which a `view` op gives in its
+//!   `offsets` attribute, 0 otherwise), its role, whether it is persistent,
+//!   and how to initialize it (parameters from the `init` attribute of their
+//!   update op, optimizer state zero);
+//! - every op becomes an instruction with a typed kernel parsed from its
+//!   `op_type` and attributes (`docs/ops.md`), in the plan's order, on its
+//!   stream.
+//!
+//! [`unplanned_plan`] is the reference a plan is compared with: program
+//! order, every tensor in bytes of its own (no reuse, no sharing).
+
+use serde_json::{Map, Value};
+
+use memplan_runtime::{
+    self as rt, AdamParams, Attention, DType, Fill, Init, InitSegment, Kernel, Matmul, ReduceOp,
+};
+
+use crate::checker;
+use crate::error::Error;
+use crate::graph::{Graph, Lifetime, Op, OpId, Role, TensorId};
+use crate::plan::{Plan, PlanStats};
+
+fn bad_op(op: &Op, why: impl std::fmt::Display) -> Error {
+    Error::Invalid(format!("op {:?} ({}): {why}", op.name, op.op_type))
+}
+
+/// Typed access to an op's attributes with errors that name the op.
+struct Attrs<'a> {
+    op: &'a Op,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Attrs<'a> {
+    fn new(op: &'a Op) -> Self {
+        Attrs { op, map: &op.attrs }
+    }
+    fn get(&self, key: &str) -> Result<&'a Value, Error> {
+        self.map
+            .get(key)
+            .ok_or_else(|| bad_op(self.op, format!("missing attribute {key:?}")))
+    }
+    fn u64(&self, key: &str) -> Result<u64, Error> {
+        let v = self.get(key)?;
+        v.as_u64()
+            .or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && *f >= 0.0)
+                    .map(|f| f as u64)
+            })
+            .ok_or_else(|| {
+                bad_op(
+                    self.op,
+                    format!("attribute {key:?} must be a non-negative integer, got {v}"),
+                )
+            })
+    }
+    fn f32(&self, key: &str) -> Result<f32, Error> {
+        let v = self.get(key)?;
+        v.as_f64().map(|f| f as f32).ok_or_else(|| {
+            bad_op(
+                self.op,
+                format!("attribute {key:?} must be a number, got {v}"),
+            )
+        })
+    }
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>, Error> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) => self.f32(key).map(Some),
+        }
+    }
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool, Error> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| {
+                bad_op(
+                    self.op,
+                    format!("attribute {key:?} must be true or false, got {v}"),
+                )
+            }),
+        }
+    }
+    fn u64_list(&self, key: &str) -> Result<Vec<u64>, Error> {
+        let v = self.get(key)?;
+        v.as_array()
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| {
+                bad_op(
+                    self.op,
+                    format!("attribute {key:?} must be a list of non-negative integers"),
+                )
+            })
+    }
+    fn matmul(&self) -> Result<Matmul, Error> {
+        Ok(Matmul {
+            m: self.u64("m")?,
+            k: self.u64("k")?,
+            n: self.u64("n")?,
+        })
+    }
+    fn attention(&self) -> Result<Attention, Error> {
+        Ok(Attention {
+            batch: self.u64("batch")?,
+            heads: self.u64("heads")?,
+            seq: self.u64("seq")?,
+            head_dim: self.u64("head_dim")?,
+            scale: self.f32("scale")?,
+        })
+    }
+    fn reduce_op(&self) -> Result<ReduceOp, Error> {
+        match self.map.get("op").and_then(|v| v.as_str()) {
+            None | Some("sum") => Ok(ReduceOp::Sum),
+            Some("avg") => Ok(ReduceOp::Avg),
+            Some(other) => Err(bad_op(
+                self.op,
+                format!("attribute \"op\" must be \"sum\" or \"avg\", got {other:?}"),
+            )),
+        }
+    }
+    fn world(&self) -> Result<u32, Error> {
+        let w = self.u64("world_size")?;
+        u32::try_from(w).map_err(|_| bad_op(self.op, format!("world_size {w} is too large")))
+    }
+}
+
+/// The kernel an op runs, from its `op_type` and attributes.
+pub fn kernel(op: &Op) -> Result<Kernel, Error> {
+    let a = Attrs::new(op);
+    let elements = || a.u64("elements");
+    Ok(match op.op_type.as_str() {
+        "embedding" => Kernel::Embedding {
+            batch: a.u64("batch")?,
+            seq: a.u64("seq")?,
+            width: a.u64("width")?,
+            vocab: a.u64("vocab")?,
+        },
+        "embedding_backward" => Kernel::EmbeddingBackward {
+            batch: a.u64("batch")?,
+            seq: a.u64("seq")?,
+            width: a.u64("width")?,
+            vocab: a.u64("vocab")?,
+            accumulate: a.bool_or("accumulate", false)?,
+        },
+        "layernorm" => Kernel::LayerNorm {
+            rows: a.u64("rows")?,
+            cols: a.u64("cols")?,
+            eps: a.opt_f32("eps")?.unwrap_or(1e-5),
+        },
+        "layernorm_backward" => Kernel::LayerNormBackward {
+            rows: a.u64("rows")?,
+            cols: a.u64("cols")?,
+        },
+        "linear" => Kernel::Linear(a.matmul()?),
+        "linear_backward_data" => Kernel::LinearBackwardData(a.matmul()?),
+        "linear_backward_weight" => Kernel::LinearBackwardWeight(a.matmul()?),
+        "matmul_nt" => Kernel::MatmulNt(a.matmul()?),
+        "matmul_nn" => Kernel::MatmulNn(a.matmul()?),
+        "matmul_tn" => Kernel::MatmulTn(a.matmul()?),
+        "attention_scores" => Kernel::AttentionScores(a.attention()?),
+        "attention_scores_backward" => Kernel::AttentionScoresBackward(a.attention()?),
+        "causal_softmax" => Kernel::CausalSoftmax(a.attention()?),
+        "causal_softmax_backward" => Kernel::CausalSoftmaxBackward(a.attention()?),
+        "attention_values" => Kernel::AttentionValues(a.attention()?),
+        "attention_values_backward" => Kernel::AttentionValuesBackward(a.attention()?),
+        "add" => Kernel::Add {
+            elements: elements()?,
+        },
+        "gelu" => Kernel::Gelu {
+            elements: elements()?,
+        },
+        "gelu_backward" => Kernel::GeluBackward {
+            elements: elements()?,
+        },
+        "relu" => Kernel::Relu {
+            elements: elements()?,
+        },
+        "relu_backward" => Kernel::ReluBackward {
+            elements: elements()?,
+        },
+        "cross_entropy" => Kernel::CrossEntropy {
+            rows: a.u64("rows")?,
+            classes: a.u64("classes")?,
+        },
+        "cross_entropy_backward" => Kernel::CrossEntropyBackward {
+            rows: a.u64("rows")?,
+            classes: a.u64("classes")?,
+            scale: a.f32("scale")?,
+        },
+        "grad_norm" => Kernel::GradNorm {
+            squared: a.bool_or("squared", false)?,
+        },
+        "adam" | "adamw" => Kernel::Adam(AdamParams {
+            elements: elements()?,
+            lr: a.f32("lr")?,
+            beta1: a.opt_f32("beta1")?.unwrap_or(0.9),
+            beta2: a.opt_f32("beta2")?.unwrap_or(0.999),
+            eps: a.opt_f32("eps")?.unwrap_or(1e-8),
+            weight_decay: a.opt_f32("weight_decay")?.unwrap_or(0.0),
+            decoupled: op.op_type == "adamw",
+            first_step: match a.map.get("step") {
+                None => 1,
+                Some(_) => a.u64("step")?,
+            },
+            max_norm: match a.opt_f32("clip")? {
+                Some(c) => Some(c),
+                None => a.opt_f32("max_norm")?,
+            },
+            norm_squared: a.bool_or("norm_squared", false)?,
+        }),
+        "view" => Kernel::View,
+        "pack" => Kernel::Pack {
+            offsets: a.u64_list("offsets")?,
+            elements: elements()?,
+        },
+        "all_gather" => Kernel::AllGather { world: a.world()? },
+        "reduce_scatter" => Kernel::ReduceScatter {
+            world: a.world()?,
+            op: a.reduce_op()?,
+        },
+        "all_reduce" => Kernel::AllReduce {
+            world: a.world()?,
+            op: a.reduce_op()?,
+        },
+        other => {
+            return Err(bad_op(
+                op,
+                format!("the executor has no kernel for op type {other:?} (see docs/ops.md)"),
+            ));
+        }
+    })
+}
+
+/// Parses an `init` attribute: `zeros`, `ones`, `normal:STD`, or
+/// `normal_resid:STD` (GPT-2's residual projections: `STD / √(2·layers)`,
+/// with `layers` from the op's attributes).
+fn fill(op: &Op, spec: &str) -> Result<Fill, Error> {
+    let a = Attrs::new(op);
+    let number = |s: &str| {
+        s.parse::<f32>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| bad_op(op, format!("init {spec:?}: bad standard deviation {s:?}")))
+    };
+    Ok(match spec.split_once(':') {
+        None if spec == "zeros" => Fill::Zeros,
+        None if spec == "ones" => Fill::Ones,
+        Some(("normal", s)) => Fill::Normal { std: number(s)? },
+        Some(("normal_resid", s)) => {
+            let layers = a.u64("layers")?.max(1);
+            Fill::Normal {
+                std: number(s)? / (2.0 * layers as f32).sqrt(),
+            }
+        }
+        _ => {
+            return Err(bad_op(
+                op,
+                format!("unknown init {spec:?} (zeros, ones, normal:STD, normal_resid:STD)"),
+            ));
+        }
+    })
+}
+
+/// The initialization an update op gives its parameter (`updates[0]`).
+fn param_init(g: &Graph, op: &Op) -> Result<Option<Init>, Error> {
+    let Some(&w) = op.updates.first() else {
+        return Ok(None);
+    };
+    let elements = g.tensor(w).shape.as_ref().map_or(0, |s| s.iter().product());
+    if let Some(segs) = op.attrs.get("init_segments") {
+        let list = segs
+            .as_array()
+            .ok_or_else(|| bad_op(op, "init_segments must be a list"))?;
+        let mut segments = Vec::with_capacity(list.len());
+        for s in list {
+            let field = |k: &str| {
+                s.get(k)
+                    .ok_or_else(|| bad_op(op, format!("init_segments entry lacks {k:?}")))
+            };
+            let num = |k: &str| {
+                field(k)?
+                    .as_u64()
+                    .ok_or_else(|| bad_op(op, format!("init_segments {k:?} must be an integer")))
+            };
+            let text = |k: &str| {
+                field(k)?
+                    .as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad_op(op, format!("init_segments {k:?} must be a string")))
+            };
+            segments.push(InitSegment {
+                key: text("name")?,
+                offset: num("offset")?,
+                elements: num("elements")?,
+                fill: fill(op, &text("init")?)?,
+            });
+        }
+        let sharded = Attrs::new(op).bool_or("sharded", false)?;
+        return Ok(Some(Init { segments, sharded }));
+    }
+    match op.attrs.get("init").and_then(|v| v.as_str()) {
+        None => Ok(None),
+        Some(spec) => Ok(Some(Init::whole(
+            g.tensor(w).name.clone(),
+            elements,
+            fill(op, spec)?,
+        ))),
+    }
+}
+
+fn role(r: Role) -> rt::Role {
+    match r {
+        Role::Parameter => rt::Role::Parameter,
+        Role::Gradient => rt::Role::Gradient,
+        Role::OptimizerState => rt::Role::OptimizerState,
+        Role::Activation => rt::Role::Activation,
+        Role::Temporary => rt::Role::Temporary,
+        Role::Input => rt::Role::Input,
+        Role::Output => rt::Role::Output,
+        Role::Communication => rt::Role::Communication,
+    }
+}
+
+/// The offset of view `t` inside its base, in bytes.
+fn view_offset(g: &Graph, t: TensorId) -> Result<u64, Error> {
+    let x = g.tensor(t);
+    let Some(p) = x.producer else {
+        return Ok(0);
+    };
+    let op = g.op(p);
+    if op.op_type != "view" || !op.attrs.contains_key("offsets") {
+        return Ok(0);
+    }
+    let offsets = Attrs::new(op).u64_list("offsets")?;
+    let pos = op
+        .outputs
+        .iter()
+        .position(|&o| o == t)
+        .expect("produces it");
+    let off = offsets.get(pos).ok_or_else(|| {
+        bad_op(
+            op,
+            format!("{} outputs but {} offsets", op.outputs.len(), offsets.len()),
+        )
+    })?;
+    let dtype = x
+        .dtype
+        .as_deref()
+        .and_then(DType::parse)
+        .unwrap_or(DType::F32);
+    Ok(off * dtype.size())
+}
+
+/// Lowers `g` laid out by `plan` to the executor's program. The plan is
+/// checked first.
+pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
+    checker::check(g, plan)?;
+    let mut tensors = Vec::with_capacity(g.num_tensors());
+    // Offsets of roots first, then views (bases may come after their views
+    // in the tensor list).
+    let mut offset: Vec<Option<u64>> = plan.offsets.clone();
+    for t in g.tensor_ids() {
+        if g.tensor(t).view_of.is_none() && offset[t.index()].is_none() {
+            offset[t.index()] = Some(0); // zero-sized
+        }
+    }
+    fn resolve(g: &Graph, t: TensorId, offset: &mut Vec<Option<u64>>) -> Result<u64, Error> {
+        if let Some(o) = offset[t.index()] {
+            return Ok(o);
+        }
+        let base = g.tensor(t).view_of.expect("only views lack an offset");
+        let o = resolve(g, base, offset)? + view_offset(g, t)?;
+        offset[t.index()] = Some(o);
+        Ok(o)
+    }
+    for t in g.tensor_ids() {
+        let x = g.tensor(t);
+        let bad = |why: String| Error::Invalid(format!("tensor {:?}: {why}", x.name));
+        let dtype = match x.dtype.as_deref() {
+            None => {
+                return Err(bad(
+                    "has no dtype; the executor needs dtype and shape".into()
+                ));
+            }
+            Some(d) => DType::parse(d)
+                .ok_or_else(|| bad(format!("dtype {d:?} is not f32, bf16 or i32")))?,
+        };
+        let shape = x
+            .shape
+            .clone()
+            .ok_or_else(|| bad("has no shape; the executor needs dtype and shape".into()))?;
+        let elements: u64 = shape.iter().product();
+        if x.view_of.is_none() && elements * dtype.size() != x.size {
+            return Err(bad(format!(
+                "size {} bytes does not match shape {shape:?} of {dtype} ({} bytes)",
+                x.size,
+                elements * dtype.size()
+            )));
+        }
+        let mut d = rt::TensorDesc::new(x.name.clone(), dtype, shape, resolve(g, t, &mut offset)?);
+        d.role = role(x.role);
+        d.persistent = x.lifetime == Lifetime::Persistent;
+        d.view_of = x.view_of.map(|b| rt::TensorIdx(b.0));
+        tensors.push(d);
+    }
+    // Initialization: parameters from their update op, optimizer state zero.
+    for op in g.ops() {
+        if !matches!(op.op_type.as_str(), "adam" | "adamw") {
+            continue;
+        }
+        if let Some(init) = param_init(g, op)? {
+            tensors[op.updates[0].index()].init = Some(init);
+        }
+        for &s in op.updates.iter().skip(1) {
+            let n = tensors[s.index()].elements();
+            tensors[s.index()].init = Some(Init::whole(g.tensor(s).name.clone(), n, Fill::Zeros));
+        }
+    }
+    let mut pos = vec![usize::MAX; g.num_ops()];
+    for (i, &o) in plan.order.iter().enumerate() {
+        pos[o.index()] = i;
+    }
+    let mut world: Option<u32> = None;
+    let mut instrs = Vec::with_capacity(g.num_ops());
+    for &o in &plan.order {
+        let op = g.op(o);
+        let k = kernel(op)?;
+        if let Some(w) = k.world_size() {
+            if world.is_some_and(|x| x != w) {
+                return Err(bad_op(
+                    op,
+                    format!(
+                        "world size {w} differs from other collectives' {}",
+                        world.unwrap_or(0)
+                    ),
+                ));
+            }
+            world = Some(w);
+        }
+        let ids = |v: &[TensorId]| v.iter().map(|t| rt::TensorIdx(t.0)).collect::<Vec<_>>();
+        let mut ins = rt::Instr::new(op.name.clone(), k)
+            .inputs(ids(&op.inputs))
+            .outputs(ids(&op.outputs))
+            .updates(ids(&op.updates))
+            .stream(op.stream);
+        ins.after = op
+            .after
+            .iter()
+            .map(|a: &OpId| rt::InstrIdx(pos[a.index()] as u32))
+            .collect();
+        instrs.push(ins);
+    }
+    let p = rt::Program {
+        name: g.name.clone(),
+        arena_bytes: plan.arena_bytes,
+        tensors,
+        instrs,
+        world_size: world.unwrap_or(1),
+    };
+    p.validate()
+        .map_err(|e| Error::Invalid(format!("graph {:?} cannot run: {e}", g.name)))?;
+    Ok(p)
+}
+
+/// The unplanned reference: program order, every tensor that occupies
+/// memory in bytes of its own (as if each were allocated separately), no
+/// reuse. Passes the checker by construction.
+pub fn unplanned_plan(g: &Graph) -> Plan {
+    let mut offsets = vec![None; g.num_tensors()];
+    let mut end = 0u64;
+    for t in g.tensor_ids() {
+        if g.occupies_memory(t) {
+            let x = g.tensor(t);
+            let off = end.div_ceil(x.align.max(1)) * x.align.max(1);
+            offsets[t.index()] = Some(off);
+            end = off + x.size;
+        }
+    }
+    Plan {
+        order: g.program_order().to_vec(),
+        offsets,
+        arena_bytes: end,
+        reuses: Vec::new(),
+        stats: PlanStats {
+            peak_bytes: end,
+            order_source: "program-order".into(),
+            layout_source: "unplanned (every tensor its own bytes)".into(),
+            ..Default::default()
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::{GraphBuilder, OpKind, OpSpec, TensorSpec};
+
+    #[test]
+    fn names_the_op_and_attribute_that_is_wrong() {
+        let mut b = GraphBuilder::new("t");
+        let x = b.add_tensor(
+            TensorSpec::new("x", 16)
+                .role(Role::Input)
+                .dtype("f32")
+                .shape([4]),
+        );
+        let y = b.add_tensor(TensorSpec::new("y", 16).dtype("f32").shape([4]));
+        b.add_op(
+            OpSpec::new("act", OpKind::Forward, "gelu")
+                .inputs([x])
+                .outputs([y]),
+        );
+        let g = b.build().unwrap();
+        let e = program(&g, &unplanned_plan(&g)).unwrap_err().to_string();
+        assert_eq!(e, "op \"act\" (gelu): missing attribute \"elements\"");
+
+        let mut b = GraphBuilder::new("t");
+        let x = b.add_tensor(
+            TensorSpec::new("x", 16)
+                .role(Role::Input)
+                .dtype("f32")
+                .shape([4]),
+        );
+        let y = b.add_tensor(TensorSpec::new("y", 16).dtype("f32").shape([4]));
+        b.add_op(
+            OpSpec::new("s", OpKind::Forward, "sigmoid")
+                .inputs([x])
+                .outputs([y]),
+        );
+        let g = b.build().unwrap();
+        let e = program(&g, &unplanned_plan(&g)).unwrap_err().to_string();
+        assert!(e.contains("no kernel for op type \"sigmoid\""), "{e}");
+
+        let mut b = GraphBuilder::new("t");
+        let x = b.add_tensor(
+            TensorSpec::new("x", 16)
+                .role(Role::Input)
+                .dtype("f32")
+                .shape([4]),
+        );
+        let y = b.add_tensor(TensorSpec::new("y", 12).dtype("f32").shape([3]));
+        b.add_op(
+            OpSpec::new("act", OpKind::Forward, "gelu")
+                .inputs([x])
+                .outputs([y])
+                .attr("elements", 4),
+        );
+        let g = b.build().unwrap();
+        let e = program(&g, &unplanned_plan(&g)).unwrap_err().to_string();
+        assert!(e.contains("output 0 \"y\" has 3 elements"), "{e}");
+    }
+
+    #[test]
+    fn unplanned_layout_gives_every_tensor_its_own_bytes() {
+        let g = crate::models::example("mlp", &Default::default()).unwrap();
+        let plan = unplanned_plan(&g);
+        checker::check(&g, &plan).unwrap();
+        assert!(plan.arena_bytes >= g.total_bytes());
+        let p = program(&g, &plan).unwrap();
+        assert_eq!(p.world_size, 1);
+        // Parameters have an init; optimizer state is zero-initialized.
+        let w = p.tensor_by_name("fc0.weight").unwrap();
+        assert!(p.tensor(w).init.is_some());
+        let m = p.tensor_by_name("fc0.weight.adam_m").unwrap();
+        assert_eq!(
+            p.tensor(m).init.as_ref().unwrap().segments[0].fill,
+            Fill::Zeros
+        );
+    }
+}

@@ -1,0 +1,304 @@
+//! Every committed HLO fixture imports, plans and passes the checker, with
+//! exact regression figures for what the importer makes of it; and, when the
+//! shared fixtures are beside the repository (`../shared/fixtures/hlo`, or
+//! `MEMPLAN_SHARED_FIXTURES`), every module there too.
+
+use std::path::{Path, PathBuf};
+
+use memplan::graph::Graph;
+use memplan::lower::{self, Lowered};
+use memplan::{baselines, checker};
+use memplan_solver as solver;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hlo")
+}
+
+/// Max live bytes of the graph's `xla-order`, with reuses.
+fn xla_order_live(g: &Graph) -> Option<u64> {
+    let (_, order) = g.extra_orders.iter().find(|(n, _)| n == "xla-order")?;
+    let low = lower::lower(g, true);
+    Some(solver::evaluate(&low.problem, &Lowered::from_op_ids(order)).peak)
+}
+
+fn plan_and_check(path: &Path) -> (Graph, memplan::Plan) {
+    let g = memplan::io::load_graph(path).unwrap_or_else(|e| panic!("{e}"));
+    let opts = memplan::Options {
+        time_limit: std::time::Duration::from_secs(2),
+        ..Default::default()
+    };
+    let plan = memplan::plan(&g, &opts).unwrap();
+    checker::check(&g, &plan).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (g, plan)
+}
+
+/// (case, file, ops, tensors, reuse hints, program-order max live without
+/// reuse, xla-order max live with reuse, XLA's total bytes).
+type Row = (
+    &'static str,
+    &'static str,
+    usize,
+    usize,
+    usize,
+    u64,
+    Option<u64>,
+    Option<u64>,
+);
+
+const EXPECTED: &[Row] = &[
+    (
+        "cnn",
+        "before_optimizations",
+        66,
+        102,
+        48,
+        1637244,
+        None,
+        None,
+    ),
+    (
+        "cnn",
+        "cpu_after_optimizations",
+        58,
+        76,
+        30,
+        2109808,
+        Some(2109808),
+        Some(2110258),
+    ),
+    (
+        "cond_mlp",
+        "before_optimizations",
+        123,
+        193,
+        145,
+        200748,
+        None,
+        None,
+    ),
+    (
+        "cond_mlp",
+        "cpu_after_optimizations",
+        39,
+        69,
+        53,
+        200648,
+        Some(134484),
+        Some(135224),
+    ),
+    (
+        "mlp",
+        "before_optimizations",
+        213,
+        296,
+        227,
+        4019976,
+        None,
+        None,
+    ),
+    (
+        "mlp",
+        "cpu_after_optimizations",
+        65,
+        95,
+        73,
+        2440468,
+        Some(2277652),
+        Some(2474636),
+    ),
+    (
+        "transformer_remat",
+        "before_optimizations",
+        828,
+        1074,
+        817,
+        3078864,
+        None,
+        None,
+    ),
+    (
+        "transformer_remat",
+        "cpu_after_optimizations",
+        273,
+        328,
+        149,
+        2589472,
+        Some(2588452),
+        Some(2622916),
+    ),
+    (
+        "transformer_scan",
+        "before_optimizations",
+        185,
+        314,
+        249,
+        4885252,
+        None,
+        None,
+    ),
+    (
+        "transformer_scan",
+        "cpu_after_optimizations",
+        87,
+        157,
+        99,
+        4789812,
+        Some(3817264),
+        Some(3818624),
+    ),
+    (
+        "xla_gpt2_small_b4_scan",
+        "cpu_after_optimizations",
+        141,
+        249,
+        173,
+        23120391232,
+        Some(14022121516),
+        Some(14022126364),
+    ),
+    (
+        "xla_gpt2_tiny",
+        "cpu_after_optimizations",
+        305,
+        406,
+        260,
+        322690076,
+        Some(322690076),
+        Some(322962308),
+    ),
+];
+
+/// What [`Row`] records, less the names.
+type Figures = (usize, usize, usize, u64, Option<u64>, Option<u64>);
+
+fn figures(g: &Graph) -> Figures {
+    (
+        g.num_ops(),
+        g.num_tensors(),
+        g.ops().iter().map(|o| o.reuse.len()).sum(),
+        baselines::program_order_max_live(g),
+        xla_order_live(g),
+        g.reference_peaks
+            .iter()
+            .find(|(n, _)| n == "xla")
+            .map(|p| p.1),
+    )
+}
+
+/// After a deliberate change to the importer, print the new table with
+/// `MEMPLAN_RECORD_HLO_FIGURES=1 cargo test --test hlo_fixtures -- --nocapture`.
+fn record() {
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(fixtures())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    for case in cases {
+        for file in ["before_optimizations", "cpu_after_optimizations"] {
+            let path = case.join(format!("{file}.txt.gz"));
+            if path.is_file() {
+                let g = memplan::io::load_graph(&path).unwrap();
+                let (o, t, h, p, x, r) = figures(&g);
+                println!(
+                    "    ({:?}, {file:?}, {o}, {t}, {h}, {p}, {x:?}, {r:?}),",
+                    case.file_name().unwrap().to_string_lossy()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn committed_fixtures_import_plan_and_check_with_recorded_figures() {
+    if std::env::var_os("MEMPLAN_RECORD_HLO_FIGURES").is_some() {
+        record();
+        return;
+    }
+    let mut seen = 0;
+    for &(case, file, ops, tensors, hints, po_live, xla_live, xla_total) in EXPECTED {
+        let path = fixtures().join(case).join(format!("{file}.txt.gz"));
+        let (g, plan) = plan_and_check(&path);
+        assert_eq!(
+            figures(&g),
+            (ops, tensors, hints, po_live, xla_live, xla_total),
+            "{case}/{file}"
+        );
+        // Never worse than the baseline a user gets without memplan.
+        assert!(plan.arena_bytes <= baselines::program_order_greedy(&g).arena_bytes);
+        seen += 1;
+    }
+    // Every fixture file is in the table.
+    let mut files = 0;
+    for case in std::fs::read_dir(fixtures()).unwrap() {
+        let case = case.unwrap().path();
+        if case.is_dir() {
+            files += std::fs::read_dir(&case)
+                .unwrap()
+                .filter(|f| {
+                    let n = f.as_ref().unwrap().file_name();
+                    let n = n.to_string_lossy();
+                    n.ends_with("optimizations.txt.gz")
+                })
+                .count();
+        }
+    }
+    assert_eq!(seen, files, "a fixture is missing from EXPECTED");
+}
+
+#[test]
+fn xla_order_matches_the_shared_manifest_on_copied_fixtures() {
+    // The manifest's independent `maxlive_xla_order_bytes` for these two
+    // cases (../shared/fixtures/hlo/manifest.csv).
+    for (case, manifest) in [
+        ("xla_gpt2_tiny", 322_690_076u64),
+        ("xla_gpt2_small_b4_scan", 14_022_121_516),
+    ] {
+        let path = fixtures().join(case).join("cpu_after_optimizations.txt.gz");
+        let g = memplan::io::load_graph(&path).unwrap();
+        assert_eq!(xla_order_live(&g), Some(manifest), "{case}");
+    }
+}
+
+fn shared_fixtures() -> Option<PathBuf> {
+    let dir = std::env::var_os("MEMPLAN_SHARED_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"))
+        .join("hlo");
+    dir.is_dir().then_some(dir)
+}
+
+#[test]
+fn every_shared_module_imports_plans_and_checks() {
+    let Some(dir) = shared_fixtures() else {
+        eprintln!(
+            "skipped: no ../shared/fixtures/hlo beside the repository (set MEMPLAN_SHARED_FIXTURES to its parent)"
+        );
+        return;
+    };
+    let mut n = 0;
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    for case in cases {
+        for file in [
+            "before_optimizations.txt.gz",
+            "cpu_after_optimizations.txt.gz",
+        ] {
+            let path = case.join(file);
+            if path.is_file() {
+                let (g, plan) = plan_and_check(&path);
+                if file.starts_with("cpu_after") {
+                    assert!(g.extra_orders.iter().any(|(n, _)| n == "xla-order"));
+                    assert!(g.reference_peaks.iter().any(|(n, _)| n == "xla"));
+                }
+                assert!(plan.arena_bytes > 0);
+                n += 1;
+            }
+        }
+    }
+    assert!(n > 0, "no modules in {}", dir.display());
+}

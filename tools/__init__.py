@@ -1,0 +1,1 @@
+"""Developer tools of memplan (Python): front ends that export graphs."""

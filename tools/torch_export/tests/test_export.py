@@ -1,0 +1,393 @@
+"""The recorder, the CUDA emulation, the driver and the CLI, on tiny models.
+
+Skipped with a message where torch is not importable.
+"""
+
+import io
+import os
+import sys
+import tempfile
+import unittest
+from contextlib import redirect_stderr, redirect_stdout
+
+try:
+    import torch
+
+    HAVE_TORCH = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAVE_TORCH = False
+
+from tools.torch_export import graph
+
+SKIP = "torch is not installed (pip install torch torchvision transformers to run these tests)"
+if not HAVE_TORCH:
+    sys.stderr.write(f"tools/torch_export: skipping the exporter's torch tests: {SKIP}\n")
+
+
+def by_id(d):
+    return {t["id"]: t for t in d["tensors"]}
+
+
+def roots(d):
+    ts = by_id(d)
+
+    def root(x):
+        while "view_of" in ts[x]:
+            x = ts[x]["view_of"]
+        return x
+
+    return root
+
+
+@unittest.skipUnless(HAVE_TORCH, SKIP)
+class RecorderTest(unittest.TestCase):
+    def record(self, fn, *tensors):
+        from tools.torch_export.recorder import Recorder
+
+        rec = Recorder("t", "meta")
+        for i, t in enumerate(tensors):
+            rec.register(t, f"in{i}", "input", persistent=True)
+        with rec:
+            fn(*tensors)
+        return rec.finish().to_dict()
+
+    def test_views_and_in_place_updates_follow_storage(self):
+        x = torch.empty(4, 8, device="meta")
+
+        def f(x):
+            y = x * 2  # new storage: 128 bytes
+            v = y.view(8, 4)  # a view of y
+            v.add_(1)  # updates y's bytes through the view
+            z = v.t().contiguous()  # a copy: new storage
+            x.copy_(z.view(4, 8))  # updates the input
+
+        d = self.record(f, x)
+        graph.check(d)
+        ts, root = by_id(d), roots(d)
+        ops = d["ops"]
+        self.assertEqual([o["type"] for o in ops][:3],
+                         ["aten.mul.Tensor", "aten.view.default", "aten.add_.Tensor"])
+        y = ops[0]["outputs"][0]
+        self.assertEqual(ts[y]["size"], 4 * 8 * 4)
+        v = ops[1]["outputs"][0]
+        self.assertEqual(ts[v]["view_of"], y)
+        self.assertEqual(ops[2]["updates"], [v])
+        self.assertNotIn("outputs", ops[2])
+        copy = ops[-1]
+        self.assertEqual(copy["type"], "aten.copy_.default")
+        self.assertEqual(copy["updates"], ["in0"])
+        self.assertEqual(root(copy["inputs"][0]), ops[-3]["outputs"][0])
+
+    def test_fake_tensors_keep_storage_identity(self):
+        # The GPU path traces FakeTensors; their storages must behave as
+        # meta storages do (CPU fake tensors stand in for CUDA ones here).
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from tools.torch_export.recorder import Recorder
+
+        with FakeTensorMode():
+            x = torch.empty(4, 8)
+            rec = Recorder("fake", "cpu")
+            rec.register(x, "x", "input", persistent=True)
+            with rec:
+                y = x * 2
+                y.view(8, 4).add_(1)
+                x.copy_(y)
+        d = rec.finish().to_dict()
+        graph.check(d)
+        mul, view, add_, copy_ = d["ops"]
+        y_id = mul["outputs"][0]
+        self.assertEqual(by_id(d)[y_id]["size"], 128)
+        self.assertEqual(by_id(d)[view["outputs"][0]]["view_of"], y_id)
+        self.assertEqual(add_["updates"], view["outputs"])
+        self.assertEqual((copy_["updates"], copy_["inputs"]), (["x"], [y_id]))
+
+    def test_pointwise_ops_get_reuse_hints_for_same_layout_inputs(self):
+        x = torch.empty(4, 8, device="meta")
+        b = torch.empty(8, device="meta")
+
+        def f(x, b):
+            y = x * 2  # pointwise, same layout as x: hint
+            z = y + b  # b is broadcast: only y qualifies
+            zt = z.t() * 3  # the output keeps the input's strides: hint
+            z[:, :4] * 3  # part of z's storage: no hint
+            zt.sum()  # not pointwise: no hint
+
+        d = self.record(f, x, b)
+        graph.check(d)
+        mul, add, t, mul_t, sl, mul_part, total = d["ops"]
+        self.assertEqual(mul["reuse"], [{"output": mul["outputs"][0], "input": "in0"}])
+        self.assertEqual(add["reuse"], [{"output": add["outputs"][0], "input": mul["outputs"][0]}])
+        self.assertEqual(mul_t["reuse"], [{"output": mul_t["outputs"][0], "input": t["outputs"][0]}])
+        self.assertEqual(sl["type"], "aten.slice.Tensor")
+        self.assertNotIn("reuse", mul_part)
+        self.assertNotIn("reuse", total)
+
+    def test_host_tensors_take_no_bytes(self):
+        x = torch.empty(16, device="meta")
+        c = torch.ones(3)  # on the host
+
+        def f(x, c):
+            (x.sum() + 1).mul(2)
+            c.add_(1)
+
+        d = self.record(f, x, c)
+        ts = by_id(d)
+        self.assertEqual(ts["host:in1"]["size"], 0)
+        self.assertEqual(ts["in0"]["size"], 64)
+
+    def test_recorder_keeps_storage_keys_unique(self):
+        # Freed temporaries must not be confused with later storages that
+        # could reuse their address.
+        x = torch.empty(64, device="meta")
+
+        def f(x):
+            for _ in range(50):
+                (x + 1).sum()
+
+        d = self.record(f, x)
+        graph.check(d)
+        adds = [o for o in d["ops"] if o["type"] == "aten.add.Tensor"]
+        outs = {o["outputs"][0] for o in adds}
+        self.assertEqual(len(outs), 50)
+        self.assertTrue(all("view_of" not in by_id(d)[t] for t in outs))
+
+
+@unittest.skipUnless(HAVE_TORCH, SKIP)
+class EmulationTest(unittest.TestCase):
+    def test_backend_rule(self):
+        from tools.torch_export.emulate import sdpa_backend
+
+        q32 = torch.empty(2, 4, 16, 64, device="meta")
+        q16 = torch.empty(2, 4, 16, 64, device="meta", dtype=torch.bfloat16)
+        mask = torch.empty(16, 16, device="meta", dtype=torch.bool)
+        self.assertEqual(sdpa_backend(q32, None, 0.0), "efficient")
+        self.assertEqual(sdpa_backend(q16, None, 0.1), "flash")
+        self.assertEqual(sdpa_backend(q16, mask, 0.0), "efficient")
+        odd = torch.empty(2, 4, 16, 20, device="meta")
+        self.assertEqual(sdpa_backend(odd, None, 0.0), "math")
+
+    def test_emulation_is_scoped(self):
+        import torch.nn.functional as F
+
+        from tools.torch_export.emulate import CudaEmulation, emulated_sdpa
+
+        from tools.torch_export.emulate import emulated_dropout
+
+        before = F.scaled_dot_product_attention, F.dropout
+        with CudaEmulation():
+            self.assertIs(F.scaled_dot_product_attention, emulated_sdpa)
+            self.assertIs(F.dropout, emulated_dropout)
+        self.assertEqual((F.scaled_dot_product_attention, F.dropout), before)
+
+    def test_dropout_saves_a_byte_mask(self):
+        from tools.torch_export.recorder import Recorder
+        from tools.torch_export.emulate import CudaEmulation
+
+        x = torch.empty(4, 256, device="meta", requires_grad=True)
+        rec = Recorder("d", "meta")
+        rec.register(x, "x", "input", persistent=False)
+        with CudaEmulation(), rec:
+            torch.nn.Dropout(0.1)(x).sum().backward()
+        d = rec.finish().to_dict()
+        graph.check(d)
+        ts = by_id(d)
+        fwd = [o for o in d["ops"] if o["type"] == "aten.native_dropout.default"]
+        self.assertEqual(len(fwd), 1)
+        out, mask = fwd[0]["outputs"]
+        self.assertEqual((ts[out]["size"], ts[mask]["size"]), (4096, 1024))
+        self.assertEqual(ts[mask]["dtype"], "bool")
+        bwd = [o for o in d["ops"] if o["type"] == "aten.native_dropout_backward.default"]
+        self.assertEqual(len(bwd), 1)
+        self.assertIn(mask, bwd[0]["inputs"])
+
+    def test_emulated_attention_matches_math_on_cpu(self):
+        from tools.torch_export.emulate import emulated_sdpa
+
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+        mask = torch.rand(8, 8) > 0.3
+        mask.fill_diagonal_(True)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # The efficient kernel has no CPU implementation; the bool-mask
+        # conversion is what runs before it, check it against math.
+        bias = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        self.assertTrue(torch.allclose(want, got, atol=1e-6))
+        # Odd head dims keep the math path, which runs anywhere.
+        q5 = torch.randn(1, 2, 8, 5)
+        self.assertTrue(torch.allclose(
+            emulated_sdpa(q5, q5, q5, is_causal=True),
+            torch.nn.functional.scaled_dot_product_attention(q5, q5, q5, is_causal=True)))
+
+
+@unittest.skipUnless(HAVE_TORCH, SKIP)
+class StepTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from tools.torch_export import step
+
+        cls.mlp = step.export("mlp", batch=8).to_dict()
+        cls.attn = step.export("tiny-attn", batch=2, seq=16).to_dict()
+
+    def test_graph_is_valid(self):
+        for d in (self.mlp, self.attn):
+            graph.check(d)
+            self.assertEqual(d["metadata"]["unseen_storages"], 1)  # AdamW's constant 1.0
+            self.assertEqual(d["metadata"]["trace_device"], "meta")
+
+    def test_phases_are_in_order(self):
+        for d in (self.mlp, self.attn):
+            kinds = [o["kind"] for o in d["ops"]]
+            order = {"forward": 0, "backward": 1, "optimizer": 2}
+            self.assertEqual(kinds, sorted(kinds, key=order.__getitem__))
+            self.assertEqual(set(kinds), set(order))
+
+    def test_roles_and_lifetimes(self):
+        d = self.mlp
+        ts = by_id(d)
+        root = roots(d)
+        params = [t for t in ts.values() if t["id"].startswith("param:")]
+        self.assertEqual(len(params), 6)
+        self.assertTrue(all(t["lifetime"] == "persistent" for t in params))
+        state = [t for t in ts.values() if t["role"] == "optimizer_state" and "view_of" not in t]
+        self.assertEqual(len(state), 18)  # exp_avg, exp_avg_sq, step per parameter
+        self.assertTrue(all(t["lifetime"] == "persistent" for t in state))
+        steps = [t for t in state if t["id"].endswith(".step")]
+        self.assertTrue(all(t["size"] == 0 and t["id"].startswith("host:") for t in steps))
+        self.assertEqual(sorted(t["id"] for t in ts.values() if t["role"] == "input"
+                                and "view_of" not in t), ["host:unseen1", "input:x", "input:y"])
+        self.assertEqual(ts["input:x"]["lifetime"], "transient")
+        buffers = [t for t in ts.values() if t["id"].startswith("buffer:")]
+        self.assertEqual(len(buffers), 3)
+        # BatchNorm's step counter is updated in place in the forward pass.
+        upd = [o for o in d["ops"] if "buffer:1.num_batches_tracked" in o.get("updates", [])]
+        self.assertEqual(len(upd), 1)
+        self.assertEqual(upd[0]["kind"], "forward")
+        # The loss: a persistent output made in the forward pass.
+        outs = [t for t in ts.values() if t["role"] == "output" and "view_of" not in t]
+        self.assertEqual(len(outs), 1)
+        self.assertEqual(outs[0]["lifetime"], "persistent")
+        self.assertEqual(outs[0]["shape"], [])
+        # One gradient per parameter, each made by the backward pass and
+        # last used by the optimizer.
+        grads = {t["id"] for t in ts.values() if t["role"] == "gradient" and "view_of" not in t}
+        self.assertEqual(len(grads), 6)
+        live = graph.program_order_live(d)
+        kind_at = [o["kind"] for o in d["ops"]]
+        for g in grads:
+            self.assertEqual(ts[g]["lifetime"], "transient")
+            self.assertEqual(kind_at[live["birth"][g]], "backward")
+            self.assertEqual(kind_at[live["death"][g]], "optimizer")
+        # Every parameter is updated in place by the optimizer.
+        updated = {root(x) for o in d["ops"] if o["kind"] == "optimizer" for x in o.get("updates", [])}
+        self.assertTrue({p["id"] for p in params} <= updated)
+        # No activation outlives the backward pass.
+        last_bwd = max(i for i, k in enumerate(kind_at) if k == "backward")
+        for t in ts.values():
+            if t["role"] == "activation" and t["id"] in live["death"]:
+                self.assertLessEqual(live["death"][t["id"]], last_bwd, t["id"])
+
+    def test_attention_takes_the_cuda_kernel(self):
+        types = [o["type"] for o in self.attn["ops"]]
+        self.assertIn("aten._scaled_dot_product_efficient_attention.default", types)
+        self.assertIn("aten._scaled_dot_product_efficient_attention_backward.default", types)
+        self.assertFalse(any("softmax.default" in t and "log" not in t for t in types), types)
+
+    def test_resident_bytes(self):
+        # Parameters (11,560 bytes), AdamW's two moments of the same size,
+        # BatchNorm's running mean and variance (64 f32 each) and its i64
+        # step counter; the AdamW step counters live on the host.
+        d = self.mlp
+        resident = sum(t["size"] for t in d["tensors"]
+                       if t["lifetime"] == "persistent" and "view_of" not in t
+                       and t["role"] in ("parameter", "optimizer_state"))
+        self.assertEqual(resident, 3 * 11560 + 256 * 2 + 8)
+        live = graph.program_order_live(d)
+        self.assertGreater(live["max_live"], resident)
+
+    def test_unknown_names_are_clear_errors(self):
+        from tools.torch_export import step
+
+        with self.assertRaisesRegex(ValueError, "unknown model 'nope'"):
+            step.export("nope")
+        with self.assertRaisesRegex(ValueError, "unknown optimizer"):
+            step.export("mlp", optimizer="lion")
+        with self.assertRaisesRegex(ValueError, "cannot load"):
+            step.export("no.such.module:f")
+
+
+@unittest.skipUnless(HAVE_TORCH, SKIP)
+class MeasureTest(unittest.TestCase):
+    def test_measure_resets_after_warm_up(self):
+        """The real-run path, on the CPU with a stand-in for CUDA's counters:
+        the counters are reset once the optimizer state exists and no
+        gradient is held, and the measured step really trains."""
+        from tools.torch_export import step
+
+        seen = {}
+
+        class Stats:
+            calls = []
+
+            def synchronize(self):
+                self.calls.append("sync")
+
+            def reset(self):
+                self.calls.append("reset")
+
+            def peaks(self):
+                self.calls.append("peaks")
+                return {"torch-allocated": 1234, "torch-reserved": 5678}
+
+        def observe(stage, w, opt):
+            params = list(w.model.parameters())
+            if stage == "reset":
+                seen["state"] = len(opt.state)
+                seen["grads"] = sum(p.grad is not None for p in params)
+                seen["params"] = [p.detach().clone() for p in params]
+            else:
+                seen["changed"] = sum(
+                    not torch.equal(a, p) for a, p in zip(seen["params"], params))
+                seen["steps"] = [float(s["step"]) for s in opt.state.values()]
+
+        stats = Stats()
+        peaks = step.measure("mlp", batch=8, device="cpu", stats=stats, observe=observe)
+        self.assertEqual(stats.calls, ["sync", "reset", "sync", "peaks"])
+        self.assertEqual(peaks, {"torch-allocated": 1234, "torch-reserved": 5678})
+        self.assertEqual(seen["state"], 6)
+        self.assertEqual(seen["grads"], 0)
+        self.assertEqual(seen["changed"], 6)
+        self.assertEqual(seen["steps"], [2.0] * 6)
+
+
+@unittest.skipUnless(HAVE_TORCH, SKIP)
+class CliTest(unittest.TestCase):
+    def test_cli_writes_a_loadable_graph(self):
+        from tools.torch_export.__main__ import main
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "mlp.json.gz")
+            buf = io.StringIO()
+            with redirect_stdout(buf):
+                rc = main(["--model", "mlp", "--batch", "4", "--trace-device", "meta",
+                           "--measure", "no", "-o", out])
+            self.assertEqual(rc, 0)
+            d = graph.load(out)
+            self.assertEqual(d["metadata"]["config"]["batch"], 4)
+            live = graph.program_order_live(d)
+            self.assertIn(f"program-order max live {live['max_live']:,} bytes", buf.getvalue())
+
+    def test_cli_errors(self):
+        from tools.torch_export.__main__ import main
+
+        err = io.StringIO()
+        with redirect_stderr(err):
+            self.assertEqual(main(["--model", "mlp"]), 2)
+            self.assertEqual(main(["--model", "nope", "-o", "x.json"]), 2)
+        self.assertIn("give --model and -o", err.getvalue())
+        self.assertIn("unknown model 'nope'", err.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()
