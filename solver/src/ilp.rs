@@ -180,9 +180,9 @@ pub fn solve(p: &Problem, start: &[OpIdx], time_limit: Duration) -> Result<IlpRe
     // Start values from the given order.
     let ev = evaluate(p, start);
     let mut init: Vec<(Variable, f64)> = Vec::new();
-    for v in 0..n {
+    for (v, &first) in asap.iter().enumerate().take(n) {
         for (k, &var) in m.x[v].iter().enumerate() {
-            let t = asap[v] + k;
+            let t = first + k;
             init.push((var, if ev.pos[v] as usize == t { 1.0 } else { 0.0 }));
         }
     }
@@ -300,10 +300,10 @@ pub fn solve(p: &Problem, start: &[OpIdx], time_limit: Duration) -> Result<IlpRe
         }
         model.add_constraint(e.eq(1.0));
     }
-    for v in 0..n {
+    for (v, &first) in asap.iter().enumerate().take(n) {
         for u in p.preds(OpIdx(v as u32)) {
             let u = u.index();
-            for t in asap[v]..=alap[u].min(m.n - 1) {
+            for t in first..=alap[u].min(m.n - 1) {
                 model.add_constraint(m.done(v, t as i64).leq(m.done(u, t as i64 - 1)));
             }
         }

@@ -67,9 +67,9 @@ pub fn random_problem(seed: u64, n: usize, density: f64) -> Problem {
             let persistent = r.chance(0.08);
             let x = b.add_buf(s, Some(ops[i]), persistent);
             produced.push((x, i, s));
-            for j in i + 1..n {
+            for &o in &ops[i + 1..n] {
                 if r.chance(density) {
-                    b.add_use(ops[j], x);
+                    b.add_use(o, x);
                 }
             }
         }
