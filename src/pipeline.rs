@@ -1,13 +1,17 @@
 //! The planning pipeline: orders, then layouts, keep the best plan.
 //!
 //! 1. Lower the graph for the solver ([`crate::lower`]).
-//! 2. Make candidate orders: the program order and the solver's orders.
+//! 2. Make candidate orders: the program order, the orders the graph
+//!    carries, the plain list schedule and the solver's order
+//!    ([`memplan_solver::solve`]: partition, per-part heuristics, exact
+//!    search and local improvement, within the time limit).
 //! 3. Evaluate each (live-bytes peak, reuses taken) and lay out the best
 //!    few with the allocator.
 //! 4. Keep the smallest arena. The program order without reuses, laid out by
 //!    greedy-by-size (the baseline a user gets without memplan), is always a
 //!    candidate, so the result is never worse than it.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memplan_allocator as alloc;
@@ -25,6 +29,10 @@ pub struct Options {
     pub time_limit: Duration,
     /// How many of the best orders (by live-bytes peak) get a layout.
     pub layouts: usize,
+    /// The ordering solver's switches and limits.
+    pub solver: solver::SolverParams,
+    /// Counters the solve updates as it goes (for a progress bar).
+    pub progress: Option<Arc<solver::Progress>>,
 }
 
 impl Default for Options {
@@ -32,8 +40,26 @@ impl Default for Options {
         Options {
             time_limit: Duration::from_secs(10),
             layouts: 3,
+            solver: solver::SolverParams::default(),
+            progress: None,
         }
     }
+}
+
+/// Share of the time limit the ordering solver may use; the min-cut floor
+/// gets [`BOUND_SHARE`] and layouts the rest.
+const ORDER_SHARE: f64 = 0.65;
+
+/// What a solve did, for `memplan plan --report`.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// `(phase, seconds)` of the pipeline: lowering, ordering, layout.
+    pub phases: Vec<(String, f64)>,
+    /// The ordering solver's report (per-part sizes, bounds, gaps).
+    pub solver: solver::SolveReport,
+    /// Every candidate order: `(source, max live bytes, arena bytes if it
+    /// was laid out)`.
+    pub candidates: Vec<(String, u64, Option<u64>)>,
 }
 
 /// An order with where it came from.
@@ -45,9 +71,21 @@ struct Candidate {
 
 /// Plans `g`: returns the smallest-arena plan found.
 pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
+    plan_with_report(g, opts).map(|(plan, _)| plan)
+}
+
+/// [`plan`], with a report of where the time went and how close each part
+/// came to its bound.
+pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Error> {
     let start = Instant::now();
+    let mut report = Report::default();
+    let mut lap = Instant::now();
     let low = lower::lower(g, true);
     let p = &low.problem;
+    report
+        .phases
+        .push(("lowering".into(), lap.elapsed().as_secs_f64()));
+    lap = Instant::now();
 
     let mut orders: Vec<(&'static str, Vec<solver::OpIdx>)> =
         vec![("program-order", Lowered::from_op_ids(g.program_order()))];
@@ -55,6 +93,19 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
     for (_, order) in &g.extra_orders {
         orders.push(("given-order", Lowered::from_op_ids(order)));
     }
+    let given: Vec<(String, Vec<solver::OpIdx>)> = orders
+        .iter()
+        .filter(|(s, _)| *s != "list-schedule")
+        .map(|(s, o)| (s.to_string(), o.clone()))
+        .collect();
+    let budget = solver::Budget::new(opts.time_limit.mul_f64(ORDER_SHARE));
+    let sol = solver::solve(p, &given, &opts.solver, &budget, opts.progress.as_deref());
+    orders.push(("memplan-solver", sol.order));
+    report.solver = sol.report;
+    report
+        .phases
+        .push(("ordering".into(), lap.elapsed().as_secs_f64()));
+    lap = Instant::now();
 
     let mut cands: Vec<Candidate> = orders
         .into_iter()
@@ -78,17 +129,39 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
             *best = Some(plan);
         }
     };
-    for c in cands.iter().take(opts.layouts.max(1)) {
-        let plan = layout(g, &low, &c.order, &c.eval, c.source);
-        keep(&mut best, plan);
+    // Each laid-out candidate gets an equal share of what ordering and the
+    // floor leave, at most one second (the heuristics almost always reach
+    // max live at once; the exact search runs only when they miss it).
+    let layout_limit = opts
+        .time_limit
+        .mul_f64((1.0 - ORDER_SHARE - BOUND_SHARE) / opts.layouts.max(1) as f64)
+        .min(Duration::from_secs(1));
+    for (i, c) in cands.iter().enumerate() {
+        let arena = if i < opts.layouts.max(1) {
+            let plan = layout_within(g, &low, &c.order, &c.eval, c.source, layout_limit);
+            let a = plan.arena_bytes;
+            keep(&mut best, plan);
+            Some(a)
+        } else {
+            None
+        };
+        report
+            .candidates
+            .push((c.source.to_string(), c.eval.peak, arena));
     }
     // The baseline: program order, no reuse, greedy by size.
     keep(&mut best, crate::baselines::program_order_greedy(g));
 
     let mut plan = best.expect("at least one candidate");
     let bound_start = Instant::now();
-    let (bound, kind, simple) =
-        lower_bound(p, &cands, start + opts.time_limit.mul_f64(BOUND_SHARE));
+    let (mut bound, mut kind, simple) =
+        lower_bound(p, &cands, bound_start + opts.time_limit.mul_f64(BOUND_SHARE));
+    // The solver's per-part bounds are valid for every order too; keep the
+    // stronger of the two.
+    if report.solver.lower_bound > bound {
+        bound = report.solver.lower_bound;
+        kind = "part-bound";
+    }
     plan.stats.simple_bound_bytes = simple.min(plan.stats.max_live_bytes);
     plan.stats.bound_seconds = bound_start.elapsed().as_secs_f64();
     debug_assert!(
@@ -99,12 +172,15 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
     plan.stats.lower_bound_bytes = bound.min(plan.stats.max_live_bytes);
     plan.stats.lower_bound_kind = kind.into();
     plan.stats.solve_seconds = start.elapsed().as_secs_f64();
-    Ok(plan)
+    report
+        .phases
+        .push(("layout".into(), lap.elapsed().as_secs_f64()));
+    Ok((plan, report))
 }
 
-/// Share of the time budget the min-cut floor may use (from the start of
-/// the solve).
-const BOUND_SHARE: f64 = 0.25;
+/// Share of the time budget the min-cut floor may use (from the end of the
+/// ordering phase).
+const BOUND_SHARE: f64 = 0.15;
 
 /// The min-cut floor if it finishes by `deadline`, else the best bound the
 /// search reached (`min-cut-partial`) or the simple bound; with the simple
@@ -133,12 +209,24 @@ pub fn layout(
     ev: &solver::Evaluation,
     source: &str,
 ) -> Plan {
+    layout_within(g, low, order, ev, source, Duration::from_secs(1))
+}
+
+/// [`layout`] with the allocator's time limit given.
+fn layout_within(
+    g: &Graph,
+    low: &Lowered,
+    order: &[solver::OpIdx],
+    ev: &solver::Evaluation,
+    source: &str,
+    limit: Duration,
+) -> Plan {
     let lp = lower::layout_problem(g, low, ev);
-    // The allocator's share of the budget: its heuristics reach max live on
-    // almost every step graph at once; the exact search only runs (anytime,
-    // within this limit) when they miss it.
+    // The allocator's heuristics reach max live on almost every step graph
+    // at once; the exact search only runs (anytime, within `limit`) when
+    // they miss it.
     let params = alloc::SolverParams {
-        time_limit: Some(Duration::from_secs(1)),
+        time_limit: Some(limit),
         ..Default::default()
     };
     let (sol, layout_source) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params) {

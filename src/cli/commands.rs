@@ -22,7 +22,8 @@ pub fn run(cmd: Command) -> Result<()> {
             output,
             json,
             time_limit,
-        } => plan(graph, &source, output, json, time_limit),
+            report,
+        } => plan(graph, &source, output, json, time_limit, report),
         Command::Check {
             files,
             source,
@@ -99,10 +100,23 @@ fn options(time_limit: f64) -> Result<Options> {
 }
 
 pub fn solve(g: &Graph, time_limit: f64) -> Result<Plan> {
-    let plan = memplan::plan(g, &options(time_limit)?)?;
+    Ok(solve_with_report(g, time_limit)?.0)
+}
+
+/// Plans with a progress bar (shown when the solve takes over a second).
+fn solve_with_report(g: &Graph, time_limit: f64) -> Result<(Plan, memplan::pipeline::Report)> {
+    let progress = std::sync::Arc::new(memplan_solver::Progress::new());
+    let opts = Options {
+        progress: Some(progress.clone()),
+        ..options(time_limit)?
+    };
+    let guard = super::progress::watch(progress);
+    let result = memplan::pipeline::plan_with_report(g, &opts);
+    drop(guard);
+    let (plan, report) = result?;
     // Every plan leaves through the independent checker.
     checker::check(g, &plan).context("internal error: memplan produced an invalid plan")?;
-    Ok(plan)
+    Ok((plan, report))
 }
 
 fn plan(
@@ -111,9 +125,10 @@ fn plan(
     output: Option<PathBuf>,
     as_json: bool,
     time_limit: f64,
+    with_report: bool,
 ) -> Result<()> {
     let g = load(graph.as_deref(), src)?;
-    let plan = solve(&g, time_limit)?;
+    let (plan, report) = solve_with_report(&g, time_limit)?;
     if let Some(out) = &output {
         std::fs::write(out, plan.to_json(&g))
             .with_context(|| format!("writing {}", out.display()))?;
@@ -136,8 +151,15 @@ fn plan(
             "layout_source": s.layout_source,
             "plan_file": output.as_ref().map(|p| p.display().to_string()),
         });
+        let mut v = v;
+        if with_report {
+            v["report"] = super::report::json(&report);
+        }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
+        if with_report {
+            print!("{}", super::report::text(&g, &plan, &report));
+        }
         println!(
             "{}: arena {} ({} bytes), max live {}, lower bound {} ({}, {:.2} s; simple bound {}), gap {:.2}%, solved in {:.2} s",
             g.name,

@@ -5,6 +5,8 @@ mod bench;
 mod commands;
 pub mod format;
 mod plot;
+mod progress;
+mod report;
 mod run;
 mod trace;
 
@@ -73,6 +75,9 @@ pub enum Command {
         /// Time budget for the whole solve, in seconds.
         #[arg(long, value_name = "S", default_value_t = 10.0)]
         time_limit: f64,
+        /// Report where the time went and each part's size, bound, peak and gap.
+        #[arg(long)]
+        report: bool,
     },
     /// Check a plan against its graph with the independent checker.
     Check {

@@ -1,0 +1,475 @@
+//! The whole solve: partition, order every part, improve the parts that set
+//! the peak, combine.
+//!
+//! 1. **Partition** at key points ([`crate::partition`]); every part becomes
+//!    a stand-alone problem with its constant.
+//! 2. **Heuristics** on every part (in parallel): forward and reverse greedy
+//!    with each rule, the DFS post-orders and the caller's orders (e.g. the
+//!    program order) restricted to the part, each followed by the sink/hoist
+//!    pass; the best is the part's incumbent. A part whose incumbent meets its
+//!    lower bound is done (proven).
+//! 3. **Improvement** of the parts that can still matter — not proven, and
+//!    with a peak above the best global lower bound (the maximum of every
+//!    part's bound plus constant; a part below it cannot set the step's
+//!    peak) — in parallel: update/collective placement, peak-driven
+//!    reinsertion and exact windows on the best heuristic orders; then, for
+//!    small parts, the exact search, and the ILP where the search's state
+//!    budget ran out. Each step keeps the best order and stops at the bound.
+//! 4. **Combine** the parts' orders in execution order.
+//!
+//! The result is never worse than any order the caller passes (each part's
+//! incumbent is at least as good as that order restricted to the part), and
+//! deterministic for a given problem and [`SolverParams`] unless the time
+//! limit cuts a search short (the report says so).
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::budget::Budget;
+use crate::dfs::{DfsVariant, dfs_order};
+use crate::exact::{self, ExactLimits};
+use crate::greedy::{Direction, Rule, greedy};
+use crate::params::SolverParams;
+use crate::part_bound::part_bound;
+use crate::partition::{PartKind, SubProblem, partition};
+use crate::problem::{OpIdx, Problem};
+use crate::report::{PartReport, Progress, SolveReport};
+use crate::simulate::evaluate;
+use crate::{ilp, local, placement};
+
+/// The solver's answer.
+#[derive(Clone, Debug)]
+pub struct Solution {
+    /// A valid order of every op.
+    pub order: Vec<OpIdx>,
+    /// Its peak live bytes.
+    pub peak: u64,
+    pub report: SolveReport,
+}
+
+/// One part while it is being solved.
+struct PartState {
+    sub: SubProblem,
+    kind: PartKind,
+    /// Lower bound without the constant.
+    bound: u64,
+    /// Heuristic orders (local ids), best first: (method, order, peak).
+    cands: Vec<(String, Vec<OpIdx>, u64)>,
+    first_peak: u64,
+    best: Vec<OpIdx>,
+    peak: u64,
+    method: String,
+    proven: bool,
+    seconds: f64,
+    states: usize,
+}
+
+/// Orders `p`. `given` are orders to start from and never do worse than
+/// (e.g. the program order); each must be valid.
+pub fn solve(
+    p: &Problem,
+    given: &[(String, Vec<OpIdx>)],
+    params: &SolverParams,
+    budget: &Budget,
+    progress: Option<&Progress>,
+) -> Solution {
+    let start = Instant::now();
+    let mut phases: Vec<(String, f64)> = Vec::new();
+    let mut lap = Instant::now();
+    let mut phase_done = |name: &str, lap: &mut Instant| {
+        phases.push((name.to_string(), lap.elapsed().as_secs_f64()));
+        *lap = Instant::now();
+    };
+
+    let part = partition(p, params.key_points);
+    // Index of every op inside its part, to restrict given orders.
+    let mut local_of = vec![0u32; p.num_ops()];
+    for pt in &part.parts {
+        for (i, &o) in pt.ops.iter().enumerate() {
+            local_of[o.index()] = i as u32;
+        }
+    }
+    phase_done("partition", &mut lap);
+
+    let nparts = part.parts.len();
+    if let Some(pr) = progress {
+        pr.start_phase("heuristics", nparts);
+    }
+    let heuristics = |j: usize| -> PartState {
+        let t = Instant::now();
+        let sub = part.extract(p, j);
+        let mut given_local: Vec<(String, Vec<OpIdx>)> = Vec::new();
+        for (name, order) in given {
+            let o: Vec<OpIdx> = order
+                .iter()
+                .filter(|o| part.part_of[o.index()] as usize == j)
+                .map(|o| OpIdx(local_of[o.index()]))
+                .collect();
+            given_local.push((name.clone(), o));
+        }
+        let st = heuristic_part(&sub, part.parts[j].kind, &given_local, params);
+        if let Some(pr) = progress {
+            pr.part_done();
+        }
+        PartState {
+            seconds: t.elapsed().as_secs_f64(),
+            ..st
+        }
+    };
+    let states: Vec<PartState> = if params.parallel {
+        (0..nparts).into_par_iter().map(heuristics).collect()
+    } else {
+        (0..nparts).map(heuristics).collect()
+    };
+    phase_done("heuristics", &mut lap);
+
+    // The best global bound: no order does better than any part's bound.
+    let global_bound = states
+        .iter()
+        .map(|s| s.sub.base + s.bound)
+        .max()
+        .unwrap_or(0);
+    let needy: Vec<usize> = (0..nparts)
+        .filter(|&j| {
+            let s = &states[j];
+            !s.proven && (!params.focus_peak_parts || s.sub.base + s.peak > global_bound)
+        })
+        .collect();
+    if let Some(pr) = progress {
+        let hp = states
+            .iter()
+            .map(|s| s.sub.base + s.peak)
+            .max()
+            .unwrap_or(0);
+        pr.best_peak.store(hp, std::sync::atomic::Ordering::Relaxed);
+        pr.start_phase("improving", needy.len());
+    }
+    let target_for = |s: &PartState| -> u64 {
+        // Below this a part cannot lower the step's peak any further.
+        let mut t = s.bound;
+        if params.focus_peak_parts {
+            t = t.max(global_bound.saturating_sub(s.sub.base));
+        }
+        t
+    };
+    let improve = |mut s: PartState| -> PartState {
+        let t = Instant::now();
+        let target = target_for(&s);
+        improve_part(&mut s, target, params, budget);
+        if let Some(pr) = progress {
+            pr.part_done();
+        }
+        s.seconds += t.elapsed().as_secs_f64();
+        s
+    };
+    let mut slots: Vec<Option<PartState>> = states.into_iter().map(Some).collect();
+    let taken: Vec<(usize, PartState)> = needy
+        .iter()
+        .map(|&j| (j, slots[j].take().expect("each part once")))
+        .collect();
+    let improved: Vec<(usize, PartState)> = if params.parallel {
+        taken
+            .into_par_iter()
+            .map(|(j, s)| (j, improve(s)))
+            .collect()
+    } else {
+        taken.into_iter().map(|(j, s)| (j, improve(s))).collect()
+    };
+    for (j, s) in improved {
+        slots[j] = Some(s);
+    }
+    let mut states: Vec<PartState> = slots
+        .into_iter()
+        .map(|s| s.expect("every part solved"))
+        .collect();
+    if params.tidy {
+        // Off-peak ops may sit anywhere that keeps the peak; move
+        // allocators next to their consumers so values such as recomputed
+        // activations are made just before their use. `tidy` never returns
+        // a higher peak.
+        for s in states.iter_mut().filter(|s| s.best.len() > 2) {
+            let q = &s.sub.problem;
+            let t = local::tidy(q, &s.best);
+            debug_assert!(evaluate(q, &t).peak <= s.peak);
+            s.best = t;
+        }
+    }
+    phase_done("improvement", &mut lap);
+
+    let orders: Vec<Vec<OpIdx>> = states.iter().map(|s| s.sub.to_global(&s.best)).collect();
+    let order = part.concat(&orders);
+    debug_assert!(p.is_valid_order(&order));
+    let ev = evaluate(p, &order);
+    debug_assert_eq!(
+        ev.peak,
+        states
+            .iter()
+            .map(|s| s.sub.base + s.peak)
+            .max()
+            .unwrap_or(0)
+            .max(if order.is_empty() { 0 } else { ev.peak }),
+    );
+    let lower_bound = states
+        .iter()
+        .map(|s| s.sub.base + s.bound)
+        .max()
+        .unwrap_or(0)
+        .min(ev.peak);
+    let proven = ev.peak <= lower_bound
+        || states
+            .iter()
+            .filter(|s| s.sub.base + s.peak == ev.peak)
+            .all(|s| s.proven);
+    let parts: Vec<PartReport> = states
+        .iter()
+        .enumerate()
+        .map(|(j, s)| PartReport {
+            index: j,
+            kind: s.kind,
+            ops: s.sub.ops.len(),
+            base: s.sub.base,
+            bound: s.sub.base + s.bound,
+            first_peak: s.sub.base + s.first_peak,
+            peak: s.sub.base + s.peak,
+            method: s.method.clone(),
+            proven: s.proven,
+            seconds: s.seconds,
+            states: s.states,
+        })
+        .collect();
+    phase_done("combine", &mut lap);
+    if let Some(pr) = progress {
+        pr.best_peak
+            .store(ev.peak, std::sync::atomic::Ordering::Relaxed);
+    }
+    let _ = start;
+    Solution {
+        order,
+        peak: ev.peak,
+        report: SolveReport {
+            parts,
+            phases,
+            peak: ev.peak,
+            lower_bound,
+            proven,
+            time_limit_hit: budget.was_hit(),
+            threads: if params.parallel {
+                rayon::current_num_threads()
+            } else {
+                1
+            },
+        },
+    }
+}
+
+/// Heuristic orders of one part; the best is its incumbent.
+fn heuristic_part(
+    sub: &SubProblem,
+    kind: PartKind,
+    given: &[(String, Vec<OpIdx>)],
+    params: &SolverParams,
+) -> PartState {
+    let q = &sub.problem;
+    let n = q.num_ops();
+    let bound = part_bound(q);
+    let mut raw: Vec<(String, Vec<OpIdx>)> = given.to_vec();
+    if n > 1 {
+        for rule in Rule::ALL {
+            if params.forward_greedy {
+                raw.push((
+                    format!("greedy-{}", rule.name()),
+                    greedy(q, rule, Direction::Forward),
+                ));
+            }
+            if params.reverse_greedy {
+                raw.push((
+                    format!("reverse-{}", rule.name()),
+                    greedy(q, rule, Direction::Reverse),
+                ));
+            }
+        }
+        if params.dfs {
+            for v in [DfsVariant::Weighted, DfsVariant::Plain] {
+                raw.push((v.name().to_string(), dfs_order(q, v)));
+            }
+        }
+    }
+    if raw.is_empty() {
+        raw.push(("topological".into(), q.topo_order().to_vec()));
+    }
+    let mut cands: Vec<(String, Vec<OpIdx>, u64)> = Vec::new();
+    for (name, o) in raw {
+        debug_assert!(q.is_valid_order(&o), "{name}");
+        let peak = evaluate(q, &o).peak;
+        if params.sink_hoist && n > 2 && peak > bound {
+            let s = local::sink_hoist(q, &o, params.sink_hoist_passes);
+            let sp = evaluate(q, &s).peak;
+            if sp < peak {
+                cands.push((format!("{name}+sink-hoist"), s, sp));
+                continue;
+            }
+        }
+        cands.push((name, o, peak));
+    }
+    // Stable: ties keep the first (given orders come first).
+    cands.sort_by_key(|c| c.2);
+    cands.dedup_by(|a, b| a.1 == b.1);
+    let (method, best, peak) = cands[0].clone();
+    PartState {
+        sub: sub.clone(),
+        kind,
+        bound: bound.min(peak),
+        first_peak: peak,
+        proven: peak <= bound,
+        best,
+        peak,
+        method,
+        cands,
+        seconds: 0.0,
+        states: 0,
+    }
+}
+
+/// Improves one part until it reaches `target` or runs out of techniques.
+fn improve_part(s: &mut PartState, target: u64, params: &SolverParams, budget: &Budget) {
+    let q = s.sub.problem.clone();
+    let n = q.num_ops();
+    let done = |s: &PartState| s.proven || (params.bound_stop && s.peak <= target);
+    let consider = |s: &mut PartState, order: Vec<OpIdx>, method: String| {
+        let peak = evaluate(&q, &order).peak;
+        if peak < s.peak {
+            s.peak = peak;
+            s.best = order;
+            s.method = method;
+            if peak <= s.bound {
+                s.proven = true;
+            }
+        }
+    };
+    let small = params.exact_search && n <= params.exact_max_ops.min(exact::MAX_OPS);
+    // Local improvement on the best heuristic orders.
+    let cands: Vec<(String, Vec<OpIdx>, u64)> = s
+        .cands
+        .iter()
+        .take(params.improve_candidates.max(1))
+        .cloned()
+        .collect();
+    for (name, order, _) in cands {
+        if done(s) || budget.expired() {
+            break;
+        }
+        let mut cur = order;
+        let mut method = name;
+        if params.update_placement {
+            let (o, moved) = placement::place(&q, cur, budget);
+            cur = o;
+            if moved > 0 {
+                method.push_str("+placement");
+            }
+        }
+        if params.reinsertion {
+            let before = evaluate(&q, &cur).peak;
+            let (o, st) = local::reinsert(&q, cur, params.reinsert_rounds, budget);
+            cur = o;
+            if st.moves > 0 && evaluate(&q, &cur).peak <= before {
+                method.push_str("+reinsertion");
+            }
+        }
+        if params.window_exact && !small {
+            let limits = ExactLimits {
+                max_states: params.window_states,
+                dominance: params.dominance,
+            };
+            let (o, st) = local::window_exact(
+                &q,
+                cur,
+                params.window_ops,
+                params.max_windows,
+                &limits,
+                budget,
+            );
+            cur = o;
+            if st.moves > 0 {
+                method.push_str("+windows");
+            }
+        }
+        consider(s, cur, method);
+    }
+    if small && !done(s) && !budget.expired() {
+        let limits = ExactLimits {
+            max_states: params.exact_max_states,
+            dominance: params.dominance,
+        };
+        let r = exact::solve(&q, s.peak, &limits, budget);
+        s.states += r.states;
+        s.bound = s.bound.max(r.lower_bound.min(s.peak));
+        if let Some(o) = r.order {
+            consider(s, o, "exact-search".into());
+        }
+        if r.proven {
+            s.proven = true;
+            if !s.method.contains("exact") {
+                s.method.push_str(" (proven by exact-search)");
+            }
+        }
+    }
+    if params.ilp && !done(s) && n <= params.ilp_max_ops && !budget.expired() {
+        let limit = budget
+            .remaining()
+            .map_or(params.ilp_time_limit, |r| r.min(params.ilp_time_limit));
+        if let Ok(r) = ilp::solve(&q, &s.best, limit) {
+            s.bound = s.bound.max(r.lower_bound.min(s.peak));
+            if let Some(o) = r.order {
+                consider(s, o, "ilp".into());
+            }
+            if r.proven && r.peak <= s.peak {
+                s.proven = true;
+            }
+        }
+    }
+    if s.peak <= s.bound {
+        s.proven = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::{brute_force_peak, random_order, random_problem};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(60))]
+        /// With every switch on, small problems are solved exactly; the
+        /// result is never worse than the order passed in.
+        #[test]
+        fn solves_small_problems_exactly(seed in any::<u64>(), n in 1usize..=10) {
+            let p = random_problem(seed, n, 0.25);
+            let given = random_order(&p, seed);
+            let gp = evaluate(&p, &given).peak;
+            let s = solve(&p, &[("given".into(), given)], &SolverParams::default(), &Budget::unlimited(), None);
+            prop_assert!(p.is_valid_order(&s.order));
+            prop_assert!(s.peak <= gp);
+            prop_assert!(s.report.lower_bound <= s.peak);
+            if let Some(best) = brute_force_peak(&p, 200_000) {
+                prop_assert_eq!(s.peak, best);
+                prop_assert!(s.report.proven);
+            }
+        }
+
+        #[test]
+        fn every_ablation_gives_a_valid_order(seed in any::<u64>(), n in 1usize..60, off in 0usize..15) {
+            let p = random_problem(seed, n, 0.1);
+            let mut params = SolverParams::default();
+            let name = params.switches()[off].0;
+            params.disable(name);
+            let given = p.topo_order().to_vec();
+            let gp = evaluate(&p, &given).peak;
+            let s = solve(&p, &[("topo".into(), given)], &params, &Budget::unlimited(), None);
+            prop_assert!(p.is_valid_order(&s.order));
+            prop_assert!(s.peak <= gp);
+            prop_assert!(s.report.lower_bound <= s.peak);
+        }
+    }
+}
