@@ -201,14 +201,17 @@ pub fn solve(
     let order = part.concat(&orders);
     debug_assert!(p.is_valid_order(&order));
     let ev = evaluate(p, &order);
-    debug_assert_eq!(
-        ev.peak,
-        states
-            .iter()
-            .map(|s| s.sub.base + s.peak)
-            .max()
-            .unwrap_or(0)
-            .max(if order.is_empty() { 0 } else { ev.peak }),
+    // The parts' accounting never undercounts the whole order's peak (it
+    // may count a few bytes more where a reuse spans parts: see the notes
+    // in `partition`). An empty order has no parts, only its step inputs.
+    debug_assert!(
+        order.is_empty()
+            || ev.peak
+                <= states
+                    .iter()
+                    .map(|s| s.sub.base + s.peak)
+                    .max()
+                    .unwrap_or(0)
     );
     let lower_bound = states
         .iter()
