@@ -157,8 +157,11 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
     // The reported bound is the min-cut floor (checked against every order
     // of small graphs in tests/properties.rs); the solver's per-part bounds
     // only steer its search and appear in `--report`.
-    let (bound, kind, simple) =
-        lower_bound(p, &cands, bound_start + opts.time_limit.mul_f64(BOUND_SHARE));
+    let (bound, kind, simple) = lower_bound(
+        p,
+        &cands,
+        bound_start + opts.time_limit.mul_f64(BOUND_SHARE),
+    );
     plan.stats.simple_bound_bytes = simple.min(plan.stats.max_live_bytes);
     plan.stats.bound_seconds = bound_start.elapsed().as_secs_f64();
     debug_assert!(

@@ -56,11 +56,12 @@ fn sort_index(pid: u64, tid: Option<u64>, index: u64) -> Value {
 pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
     let tl = Timeline::of_plan(g, plan);
     let n = tl.steps as u64;
-    let mut ev: Vec<Value> = Vec::new();
-    ev.push(meta(PID_OPS, None, "process_name", "ops (memplan order)"));
-    ev.push(meta(PID_OPS, Some(0), "thread_name", "ops"));
-    ev.push(meta(PID_MEMORY, None, "process_name", "memory"));
-    ev.push(meta(PID_TENSORS, None, "process_name", "tensors (by role)"));
+    let mut ev: Vec<Value> = vec![
+        meta(PID_OPS, None, "process_name", "ops (memplan order)"),
+        meta(PID_OPS, Some(0), "thread_name", "ops"),
+        meta(PID_MEMORY, None, "process_name", "memory"),
+        meta(PID_TENSORS, None, "process_name", "tensors (by role)"),
+    ];
     for (i, pid) in [PID_OPS, PID_MEMORY, PID_TENSORS].into_iter().enumerate() {
         ev.push(sort_index(pid, None, i as u64));
     }
