@@ -1,16 +1,8 @@
-# The two commands a newcomer needs:
-#   make demo   set up, build, and compare memplan with the baselines on GPT-2 small
-#   make test   set up and run every test
-.PHONY: demo test setup build
+# Shorthands for the README's two commands (scripts/demo.sh, scripts/test.sh).
+.PHONY: demo test
 
-setup:
-	@bash scripts/setup.sh
+demo:
+	bash scripts/demo.sh
 
-build: setup
-	cargo build --release --bin memplan
-
-demo: build
-	./target/release/memplan compare --example gpt2-small
-
-test: setup
+test:
 	bash scripts/test.sh

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every test of the project: the Rust workspace (unit, property, integration
-# and doc tests). Called by `make test` and by CI.
+# Every test of the project, after setting up what the build needs: the Rust
+# workspace (unit, property, integration and doc tests) and the Python tools'
+# tests. The README's test command; CI (.ci/run) calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh
 cargo test --workspace --all-targets
 cargo test --workspace --doc
 # The Python tools' tests (the ones that need torch skip themselves without it).
