@@ -347,12 +347,16 @@ impl<'a, const W: usize> Search<'a, W> {
             // Greedy in hint order, as the simulator takes them.
             let mut busy: Vec<u32> = Vec::new();
             for h in &o.hints {
-                if subset(&h.inp_users, &after) && !busy.contains(&h.inp) && !busy.contains(&h.out)
+                // Inputs and outputs share `busy`: outputs are tagged with
+                // the top bit, in the check as in the push, so an output
+                // takes at most one input's bytes (as in the simulator).
+                let out_tag = h.out | 1 << 31;
+                if subset(&h.inp_users, &after)
+                    && !busy.contains(&h.inp)
+                    && !busy.contains(&out_tag)
                 {
-                    // `inp` and `out` ids never collide: both are buffers
-                    // and a hint's `out != inp`; tag outs to keep them apart.
                     busy.push(h.inp);
-                    busy.push(h.out | 1 << 31);
+                    busy.push(out_tag);
                     reuse += h.size;
                 }
             }
@@ -598,6 +602,37 @@ mod tests {
         assert!(r.proven);
         assert_eq!(r.order, None);
         assert_eq!(r.peak, best);
+    }
+
+    /// Regression: two hints of one op share an output; the simulator
+    /// takes one, and so must the search's step accounting (it took both,
+    /// reporting a peak below the order's real one).
+    #[test]
+    fn one_output_takes_one_inputs_bytes() {
+        use crate::problem::{OpClass, ProblemBuilder};
+        let mut b = ProblemBuilder::new();
+        let a = b.add_op(OpClass::Forward);
+        let c = b.add_op(OpClass::Forward);
+        let x = b.add_buf(5, Some(a), false);
+        let y = b.add_buf(5, Some(a), false);
+        let z = b.add_buf(5, Some(c), false);
+        // A scratch output makes c's step the peak.
+        b.add_buf(3, Some(c), false);
+        b.add_use(c, x);
+        b.add_use(c, y);
+        b.add_reuse(c, z, x);
+        b.add_reuse(c, z, y);
+        let p = b.build().unwrap();
+        let limits = ExactLimits {
+            dominance: false,
+            ..ExactLimits::default()
+        };
+        let r = solve(&p, u64::MAX, &limits, &Budget::unlimited());
+        let order = r.order.unwrap();
+        // At c: x + y + z + scratch, less one reuse (a's step holds 10).
+        assert_eq!(evaluate(&p, &order).peak, 13);
+        assert_eq!(r.peak, 13);
+        assert_eq!(r.lower_bound, 13);
     }
 
     proptest! {
