@@ -130,12 +130,12 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
         }
     };
     // Each laid-out candidate gets an equal share of what ordering and the
-    // floor leave, at most one second (the heuristics almost always reach
-    // max live at once; the exact search runs only when they miss it).
+    // floor leave as a backstop (1.5 to 4 s); the search normally stops
+    // earlier, on its node budget.
     let layout_limit = opts
         .time_limit
         .mul_f64((1.0 - ORDER_SHARE - BOUND_SHARE) / opts.layouts.max(1) as f64)
-        .min(Duration::from_secs(1));
+        .clamp(Duration::from_millis(1500), Duration::from_secs(4));
     for (i, c) in cands.iter().enumerate() {
         let arena = if i < opts.layouts.max(1) {
             let plan = layout_within(g, &low, &c.order, &c.eval, c.source, layout_limit);
@@ -218,6 +218,9 @@ pub fn layout(
     layout_within(g, low, order, ev, source, Duration::from_secs(1))
 }
 
+/// Search nodes the allocator may spend on one candidate's layout.
+const LAYOUT_NODE_BUDGET: u64 = 100_000;
+
 /// [`layout`] with the allocator's time limit given.
 fn layout_within(
     g: &Graph,
@@ -229,10 +232,13 @@ fn layout_within(
 ) -> Plan {
     let lp = lower::layout_problem(g, low, ev);
     // The allocator's heuristics reach max live on almost every step graph
-    // at once; the exact search only runs (anytime, within `limit`) when
-    // they miss it.
+    // at once; the exact search only runs when they miss it. It stops on a
+    // node budget, so plans (and the recorded peaks of fixtures/peaks.json)
+    // do not depend on the machine's speed or load; `limit` is only a
+    // backstop for pathological cases.
     let params = alloc::SolverParams {
         time_limit: Some(limit),
+        node_budget: Some(LAYOUT_NODE_BUDGET),
         ..Default::default()
     };
     let (sol, layout_source) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params) {

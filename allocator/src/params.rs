@@ -73,6 +73,11 @@ pub struct SolverParams {
     /// In minimise mode, solve partitions up to this many units with the ILP
     /// (good_lp + HiGHS) instead of the search (0: never).
     pub ilp_max_units: usize,
+    /// Total search nodes of one solve, over all its exact decisions; each
+    /// decision may use at most an eighth of it (`None`: only the time
+    /// limit stops the search). With a budget that runs out before the time
+    /// limit, the result does not depend on the machine's speed.
+    pub node_budget: Option<u64>,
 }
 
 impl Default for SolverParams {
@@ -97,6 +102,7 @@ impl Default for SolverParams {
             ],
             initial_node_limit: 2048,
             ilp_max_units: 0,
+            node_budget: None,
         }
     }
 }

@@ -279,7 +279,14 @@ pub fn solve(
                         }
                         let dl = share(deadline, n - done);
                         let mut st = SearchStats::default();
-                        let d = search::decide(&l.local, t, params, dl, &mut st);
+                        let d = search::decide_limited(
+                            &l.local,
+                            t,
+                            params,
+                            dl,
+                            nodes_left(params, stats.nodes),
+                            &mut st,
+                        );
                         stats.nodes += st.nodes;
                         stats.runs += st.runs;
                         match d {
@@ -467,8 +474,16 @@ fn minimise_leaf(
             now + if first { left / 10 } else { left / 4 }.max(Duration::from_millis(1))
         });
         let was_first = std::mem::replace(&mut first, false);
+        let budget = nodes_left(params, stats.nodes);
+        if budget == 0 {
+            break;
+        }
         let mut st = SearchStats::default();
-        let d = search::decide(&l.local, cap, params, dl, &mut st);
+        let d = search::decide_limited(&l.local, cap, params, dl, budget, &mut st);
+        if params.node_budget.is_some() && st.nodes == 0 {
+            // Nothing was searched: with a budget, trying again cannot help.
+            break;
+        }
         stats.nodes += st.nodes;
         stats.runs += st.runs;
         match d {
@@ -495,6 +510,14 @@ fn minimise_leaf(
         }
     }
     l.done = l.height <= l.lower;
+}
+
+/// Nodes the next exact decision may use: an eighth of the solve's budget,
+/// at most what is left of it (`u64::MAX` without a budget).
+fn nodes_left(params: &SolverParams, spent: u64) -> u64 {
+    params
+        .node_budget
+        .map_or(u64::MAX, |b| b.saturating_sub(spent).min((b / 8).max(1)))
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
