@@ -25,7 +25,14 @@
 //! - *decomposition*: where no unplaced unit crosses a section boundary,
 //!   the two sides only share the (fixed) floors and the last offset, so
 //!   they are solved one after the other and a failure of either fails the
-//!   node, without trying the cross product of their choices.
+//!   node, without trying the cross product of their choices;
+//! - *re-ranking parts*: each part of a decomposition gets its own static
+//!   order, by the same preorder but with the bytes still to place in its
+//!   sections as the `Total` key, and drops the rank of the last placement
+//!   from its canonical bound (only the offset carries over: any tie-break
+//!   order is canonical inside a part). On MiniMalloc's challenging set
+//!   this is what lets problem I solve in a fraction of a second instead
+//!   of running out of time.
 //!
 //! **Candidates** are tried in increasing (minimum offset, static rank). The
 //! static rank comes from a [`Preorder`]; runs restart round-robin over the
@@ -189,6 +196,18 @@ impl<'a> Model<'a> {
                 *l += self.units[i as usize].size;
             }
         }
+        let mut order = self.free.clone();
+        self.sort_by_preorder(pre, &mut order, &load);
+        let mut rank = vec![u32::MAX; self.units.len()];
+        for (r, &i) in order.iter().enumerate() {
+            rank[i as usize] = r as u32;
+        }
+        rank
+    }
+
+    /// Sorts `order` (free units) by `pre`, with `load` the bytes in each
+    /// section that the `Total` key reads.
+    fn sort_by_preorder(&self, pre: Preorder, order: &mut [u32], load: &[u64]) {
         let total = |i: u32| {
             let (a, b) = self.span[i as usize];
             load[a as usize..b as usize]
@@ -200,7 +219,6 @@ impl<'a> Model<'a> {
         let width = |i: u32| self.units[i as usize].upper - self.units[i as usize].lower;
         let area = |i: u32| self.units[i as usize].area();
         let size = |i: u32| self.units[i as usize].size;
-        let mut order = self.free.clone();
         order.sort_by(|&a, &b| {
             let k = match pre {
                 Preorder::TotalWidthArea => total(b)
@@ -219,11 +237,6 @@ impl<'a> Model<'a> {
             };
             k.then(a.cmp(&b))
         });
-        let mut rank = vec![u32::MAX; self.units.len()];
-        for (r, &i) in order.iter().enumerate() {
-            rank[i as usize] = r as u32;
-        }
-        rank
     }
 }
 
@@ -232,6 +245,8 @@ struct Run<'m, 'a> {
     m: &'m Model<'a>,
     p: &'m SolverParams,
     cap: u64,
+    /// The preorder the ranks come from.
+    pre: Preorder,
     rank: Vec<u32>,
     placed: Vec<bool>,
     off: Vec<u64>,
@@ -259,6 +274,8 @@ struct Run<'m, 'a> {
     /// Reusable vectors for candidate and child lists.
     pool: Vec<Vec<(u128, u32)>>,
     pool_items: Vec<Vec<u32>>,
+    depth: usize,
+    deepest: usize,
 }
 
 impl<'m, 'a> Run<'m, 'a> {
@@ -266,6 +283,7 @@ impl<'m, 'a> Run<'m, 'a> {
         m: &'m Model<'a>,
         p: &'m SolverParams,
         cap: u64,
+        pre: Preorder,
         rank: Vec<u32>,
         node_limit: u64,
         deadline: Option<Instant>,
@@ -296,6 +314,7 @@ impl<'m, 'a> Run<'m, 'a> {
             m,
             p,
             cap,
+            pre,
             rank,
             placed,
             off,
@@ -312,6 +331,8 @@ impl<'m, 'a> Run<'m, 'a> {
             witness: vec![u32::MAX; m.nsec],
             pool: Vec::new(),
             pool_items: Vec::new(),
+            depth: 0,
+            deepest: 0,
         }
     }
 
@@ -321,6 +342,8 @@ impl<'m, 'a> Run<'m, 'a> {
         let x = self.minoff[iu];
         let top = x + u.size;
         self.placed[iu] = true;
+        self.depth += 1;
+        self.deepest = self.deepest.max(self.depth);
         self.off[iu] = x;
         self.trail.push(Undo::Place(i));
         let (a, b) = self.m.span[iu];
@@ -355,6 +378,7 @@ impl<'m, 'a> Run<'m, 'a> {
                     let iu = i as usize;
                     let u = &self.m.units[iu];
                     self.placed[iu] = false;
+                    self.depth -= 1;
                     let (a, b) = self.m.span[iu];
                     for r in &mut self.rem[a as usize..b as usize] {
                         *r += u.size;
@@ -533,7 +557,25 @@ impl<'m, 'a> Run<'m, 'a> {
         }
         let mark = self.trail.len();
         for (pa, pb, part) in &parts {
-            match self.dfs(part, *pa, *pb, x_last, r_last) {
+            let res = if self.p.rerank_parts && part.len() > 1 {
+                // The part's own preorder, from the bytes left in its
+                // sections. Any rank order is canonical within a part, so
+                // only the offset bound carries over.
+                let saved: Vec<u32> = part.iter().map(|&i| self.rank[i as usize]).collect();
+                let mut order = part.clone();
+                self.m.sort_by_preorder(self.pre, &mut order, &self.rem);
+                for (r, &i) in order.iter().enumerate() {
+                    self.rank[i as usize] = r as u32;
+                }
+                let res = self.dfs(part, *pa, *pb, x_last, 0);
+                for (&i, &r) in part.iter().zip(&saved) {
+                    self.rank[i as usize] = r;
+                }
+                res
+            } else {
+                self.dfs(part, *pa, *pb, x_last, r_last)
+            };
+            match res {
                 Res::Found => {}
                 other => {
                     self.undo_to(mark);
@@ -612,12 +654,12 @@ pub fn decide_limited(
     let mut limit = params.initial_node_limit.max(1);
     let mut spent = 0u64;
     loop {
-        for rank in &ranks {
+        for (&pre, rank) in pres.iter().zip(&ranks) {
             let this_limit = limit.min(max_nodes.saturating_sub(spent));
             if this_limit == 0 {
                 return Decision::Unknown;
             }
-            let mut run = Run::new(&m, params, cap, rank.clone(), this_limit, deadline);
+            let mut run = Run::new(&m, params, cap, pre, rank.clone(), this_limit, deadline);
             let items: Vec<u32> = m.free.clone();
             let nsec = m.nsec;
             let res = if params.static_decomposition {
@@ -629,8 +671,11 @@ pub fn decide_limited(
             stats.runs += 1;
             if std::env::var_os("MEMPLAN_TRACE").is_some() {
                 eprintln!(
-                    "run cap {cap} limit {this_limit} nodes {} -> {:?}",
-                    run.nodes, res
+                    "run cap {cap} limit {this_limit} nodes {} deepest {}/{} -> {:?}",
+                    run.nodes,
+                    run.deepest,
+                    m.free.len(),
+                    res
                 );
             }
             spent += run.nodes;
