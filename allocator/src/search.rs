@@ -206,7 +206,7 @@ impl<'a> Model<'a> {
     }
 
     /// Sorts `order` (free units) by `pre`, with `load` the bytes in each
-    /// section that the `Total` key reads.
+    /// section that the `Total` key reads. Keys are computed once per unit.
     fn sort_by_preorder(&self, pre: Preorder, order: &mut [u32], load: &[u64]) {
         let total = |i: u32| {
             let (a, b) = self.span[i as usize];
@@ -214,29 +214,29 @@ impl<'a> Model<'a> {
                 .iter()
                 .copied()
                 .max()
-                .unwrap_or(0)
+                .unwrap_or(0) as u128
         };
-        let width = |i: u32| self.units[i as usize].upper - self.units[i as usize].lower;
+        let width = |i: u32| (self.units[i as usize].upper - self.units[i as usize].lower) as u128;
         let area = |i: u32| self.units[i as usize].area();
-        let size = |i: u32| self.units[i as usize].size;
-        order.sort_by(|&a, &b| {
-            let k = match pre {
-                Preorder::TotalWidthArea => total(b)
-                    .cmp(&total(a))
-                    .then(width(b).cmp(&width(a)))
-                    .then(area(b).cmp(&area(a))),
-                Preorder::WidthAreaTotal => width(b)
-                    .cmp(&width(a))
-                    .then(area(b).cmp(&area(a)))
-                    .then(total(b).cmp(&total(a))),
-                Preorder::TotalAreaWidth => total(b)
-                    .cmp(&total(a))
-                    .then(area(b).cmp(&area(a)))
-                    .then(width(b).cmp(&width(a))),
-                Preorder::SizeWidth => size(b).cmp(&size(a)).then(width(b).cmp(&width(a))),
+        let size = |i: u32| self.units[i as usize].size as u128;
+        // Every key decreasing, then the index increasing.
+        let key = |i: u32| {
+            let (k1, k2, k3) = match pre {
+                Preorder::TotalWidthArea => (total(i), width(i), area(i)),
+                Preorder::WidthAreaTotal => (width(i), area(i), total(i)),
+                Preorder::TotalAreaWidth => (total(i), area(i), width(i)),
+                Preorder::SizeWidth => (size(i), width(i), 0),
             };
-            k.then(a.cmp(&b))
-        });
+            (!k1, !k2, !k3, i)
+        };
+        if order.len() <= 1 {
+            return;
+        }
+        let mut keyed: Vec<(u128, u128, u128, u32)> = order.iter().map(|&i| key(i)).collect();
+        keyed.sort_unstable();
+        for (o, k) in order.iter_mut().zip(&keyed) {
+            *o = k.3;
+        }
     }
 }
 
@@ -271,9 +271,9 @@ struct Run<'m, 'a> {
     /// Per section, an unplaced unit that shows the section can still fit
     /// (`u32::MAX`: none yet).
     witness: Vec<u32>,
-    /// Reusable vectors for candidate and child lists.
+    /// Reusable candidate lists: (minimum offset << 32 | rank, position).
     pool: Vec<Vec<(u128, u32)>>,
-    pool_items: Vec<Vec<u32>>,
+    /// Units placed now, and the most at once (shown by `MEMPLAN_TRACE`).
     depth: usize,
     deepest: usize,
 }
@@ -330,7 +330,6 @@ impl<'m, 'a> Run<'m, 'a> {
             aborted: false,
             witness: vec![u32::MAX; m.nsec],
             pool: Vec::new(),
-            pool_items: Vec::new(),
             depth: 0,
             deepest: 0,
         }
@@ -444,7 +443,7 @@ impl<'m, 'a> Run<'m, 'a> {
 
     /// Solves the part made of the unplaced units `items`, which live in
     /// sections `[a, b)`, after a placement at (`x_last`, `r_last`).
-    fn dfs(&mut self, items: &[u32], a: usize, b: usize, x_last: u64, r_last: u32) -> Res {
+    fn dfs(&mut self, items: &mut [u32], a: usize, b: usize, x_last: u64, r_last: u32) -> Res {
         if items.is_empty() {
             return Res::Found;
         }
@@ -453,40 +452,30 @@ impl<'m, 'a> Run<'m, 'a> {
         }
         let canon = self.p.canonical_only;
         let dom = canon && self.p.dominance;
-        // The dominance bound: no placement may start at or above the top
-        // of an unplaced unit's current slot, or that slot stays free.
+        // One pass: the dominance bound (no placement may start at or
+        // above the top of an unplaced unit's current slot, or that slot
+        // stays free) and the candidates, by position in `items`.
         let mut bound = u64::MAX;
-        for &i in items {
-            let iu = i as usize;
-            let reach = self.minoff[iu] + self.m.units[iu].size;
-            if reach > self.cap {
-                return Res::Fail;
-            }
-            bound = bound.min(reach);
-        }
-        if dom && bound <= x_last {
-            return Res::Fail;
-        }
-        if self.p.section_inference && !self.infer(a, b, if canon { x_last } else { 0 }) {
-            return Res::Fail;
-        }
-        // Candidates in (minoff, rank) order.
         let mut cands = self.pool.pop().unwrap_or_default();
         cands.clear();
-        for &i in items {
+        let mut fail = false;
+        for (pos, &i) in items.iter().enumerate() {
             let iu = i as usize;
             let mo = self.minoff[iu];
+            let reach = mo + self.m.units[iu].size;
+            if reach > self.cap {
+                fail = true;
+                break;
+            }
+            bound = bound.min(reach);
             let r = self.rank[iu];
             if canon && (mo, r) < (x_last, r_last) {
                 // It can only be placed once a conflicting unit lifts it;
                 // with dominance, that unit must go below its slot's top.
                 if dom && !self.liftable(iu) {
-                    self.pool.push(cands);
-                    return Res::Fail;
+                    fail = true;
+                    break;
                 }
-                continue;
-            }
-            if dom && mo >= bound {
                 continue;
             }
             // Identical units go in index order.
@@ -495,26 +484,42 @@ impl<'m, 'a> Run<'m, 'a> {
             {
                 continue;
             }
-            cands.push(((mo as u128) << 32 | r as u128, i));
+            cands.push(((mo as u128) << 32 | r as u128, pos as u32));
+        }
+        if fail
+            || (dom && bound <= x_last)
+            || (self.p.section_inference && !self.infer(a, b, if canon { x_last } else { 0 }))
+        {
+            self.pool.push(cands);
+            return Res::Fail;
         }
         cands.sort_unstable();
         let mut res = Res::Fail;
-        let mut rest = self.pool_items.pop().unwrap_or_default();
-        for &(key, i) in cands.iter() {
-            let iu = i as usize;
+        let last = items.len() - 1;
+        for &(key, pos) in cands.iter() {
             let x = (key >> 32) as u64;
+            if dom && x >= bound {
+                break;
+            }
+            let pos = pos as usize;
+            let i = items[pos];
+            let iu = i as usize;
             let hatless = self.p.hatless_pruning
                 && canon
                 && self.m.adj[iu].iter().all(|&j| self.placed[j as usize]);
             let mark = self.trail.len();
             let new_cut = self.place(i);
-            rest.clear();
-            rest.extend(items.iter().copied().filter(|&j| j != i));
+            // The rest are `items[..last]` while `i` sits at the end;
+            // children leave the order of their slice as they found it.
+            items.swap(pos, last);
+            let rank = self.rank[iu];
+            let rest = &mut items[..last];
             let r = if new_cut && self.p.dynamic_decomposition {
-                self.solve_parts(&rest, a, b, x, self.rank[iu])
+                self.solve_parts(rest, a, b, x, rank)
             } else {
-                self.dfs(&rest, a, b, x, self.rank[iu])
+                self.dfs(rest, a, b, x, rank)
             };
+            items.swap(pos, last);
             match r {
                 Res::Found => {
                     res = Res::Found;
@@ -531,7 +536,6 @@ impl<'m, 'a> Run<'m, 'a> {
                 break;
             }
         }
-        self.pool_items.push(rest);
         self.pool.push(cands);
         res
     }
@@ -547,16 +551,23 @@ impl<'m, 'a> Run<'m, 'a> {
 
     /// Splits `items` at every boundary in `[a, b)` no unplaced unit
     /// crosses, and solves the parts one by one.
-    fn solve_parts(&mut self, items: &[u32], a: usize, b: usize, x_last: u64, r_last: u32) -> Res {
+    fn solve_parts(
+        &mut self,
+        items: &mut [u32],
+        a: usize,
+        b: usize,
+        x_last: u64,
+        r_last: u32,
+    ) -> Res {
         if items.is_empty() {
             return Res::Found;
         }
-        let parts = self.split(items, a, b);
+        let mut parts = self.split(items, a, b);
         if parts.len() <= 1 {
             return self.dfs(items, a, b, x_last, r_last);
         }
         let mark = self.trail.len();
-        for (pa, pb, part) in &parts {
+        for (pa, pb, part) in &mut parts {
             let res = if self.p.rerank_parts && part.len() > 1 {
                 // The part's own preorder, from the bytes left in its
                 // sections. Any rank order is canonical within a part, so
@@ -660,12 +671,12 @@ pub fn decide_limited(
                 return Decision::Unknown;
             }
             let mut run = Run::new(&m, params, cap, pre, rank.clone(), this_limit, deadline);
-            let items: Vec<u32> = m.free.clone();
+            let mut items: Vec<u32> = m.free.clone();
             let nsec = m.nsec;
             let res = if params.static_decomposition {
-                run.solve_parts(&items, 0, nsec, 0, 0)
+                run.solve_parts(&mut items, 0, nsec, 0, 0)
             } else {
-                run.dfs(&items, 0, nsec, 0, 0)
+                run.dfs(&mut items, 0, nsec, 0, 0)
             };
             stats.nodes += run.nodes;
             stats.runs += 1;
