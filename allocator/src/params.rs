@@ -97,7 +97,6 @@ impl Default for SolverParams {
                 Preorder::TotalWidthArea,
                 Preorder::WidthAreaTotal,
                 Preorder::TotalAreaWidth,
-                Preorder::SizeWidth,
             ],
             initial_node_limit: 2048,
             ilp_max_units: 0,
