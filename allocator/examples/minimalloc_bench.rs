@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! cargo run --release -p memplan-allocator --example minimalloc_bench -- \
-//!     [--time-limit S] [--minimize] [--disable LIST] [--node-limit N] FILE_OR_DIR...
+//!     [--time-limit S] [--minimize] [--disable LIST] [--node-limit N] \
+//!     [--preorders TWA,WAT,TAW,SW] FILE_OR_DIR...
 //! ```
 //!
 //! Every layout goes through [`validate`] before it is counted.
@@ -14,7 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use memplan_allocator::io::minimalloc_csv;
-use memplan_allocator::{Mode, SolverParams, Status, solve, validate};
+use memplan_allocator::{Mode, Preorder, SolverParams, Status, solve, validate};
 
 fn main() {
     if let Err(e) = run() {
@@ -29,6 +30,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut minimize = false;
     let mut disable: Vec<String> = Vec::new();
     let mut node_limit: Option<u64> = None;
+    let mut preorders: Option<Vec<Preorder>> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -40,6 +42,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     .map_err(|_| "--time-limit: not a number")?
             }
             "--minimize" => minimize = true,
+            "--preorders" => {
+                let list = args.next().ok_or("--preorders needs a list")?;
+                let mut v = Vec::new();
+                for x in list.split(',') {
+                    v.push(match x {
+                        "TWA" => Preorder::TotalWidthArea,
+                        "WAT" => Preorder::WidthAreaTotal,
+                        "TAW" => Preorder::TotalAreaWidth,
+                        "SW" => Preorder::SizeWidth,
+                        other => return Err(format!("--preorders: unknown {other:?}").into()),
+                    });
+                }
+                preorders = Some(v);
+            }
             // Ablations: techniques to turn off, comma-separated.
             "--disable" => disable.extend(
                 args.next()
@@ -77,6 +93,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         time_limit: Some(Duration::from_secs_f64(limit)),
         ..SolverParams::default()
     };
+    if let Some(list) = preorders {
+        params.preorders = list;
+    }
     if let Some(n) = node_limit {
         params.initial_node_limit = n;
     }
@@ -89,6 +108,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "hatless" => params.hatless_pruning = false,
             "static-decomposition" => params.static_decomposition = false,
             "dynamic-decomposition" => params.dynamic_decomposition = false,
+            "rerank" => params.rerank_parts = false,
             "peel" => params.peel_full_span = false,
             "search" => params.exact_search = false,
             other => return Err(format!("--disable: unknown technique {other:?}").into()),

@@ -24,8 +24,9 @@
 //!    step graphs.
 //! 3. Where that misses the floor, an exact depth-first search over
 //!    canonical layouts ([`search`]) with section inference, dominance,
-//!    hatless pruning, dynamic decomposition and restarts over static
-//!    orders (the techniques of MiniMalloc, Moffitt, ASPLOS 2023). It is
+//!    hatless pruning, dynamic decomposition (each part re-ranked) and
+//!    restarts over static orders (the techniques of MiniMalloc, Moffitt,
+//!    ASPLOS 2023). It is
 //!    complete: given time, it finds a layout within a capacity or proves
 //!    there is none. In minimise mode, capacities are tried from the floor
 //!    up, bisecting, so a layout at the floor comes with a proof of

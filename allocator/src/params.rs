@@ -62,6 +62,9 @@ pub struct SolverParams {
     /// Split during the search too, wherever placements leave no unplaced
     /// unit across a cut; solve the parts independently.
     pub dynamic_decomposition: bool,
+    /// Give each part found by a decomposition its own preorder, computed
+    /// from the bytes still to place in its sections.
+    pub rerank_parts: bool,
     /// Move units that are live over their whole partition to its bottom
     /// before searching (safe when alignments allow; see `solve`).
     pub peel_full_span: bool,
@@ -93,12 +96,12 @@ impl Default for SolverParams {
             hatless_pruning: true,
             static_decomposition: true,
             dynamic_decomposition: true,
+            rerank_parts: true,
             peel_full_span: true,
             preorders: vec![
                 Preorder::TotalWidthArea,
                 Preorder::WidthAreaTotal,
                 Preorder::TotalAreaWidth,
-                Preorder::SizeWidth,
             ],
             initial_node_limit: 2048,
             ilp_max_units: 0,

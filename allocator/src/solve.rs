@@ -415,7 +415,7 @@ fn share(deadline: Option<Instant>, parts: usize) -> Option<Instant> {
 /// becomes the best (often lower than asked), a proof that nothing fits
 /// raises the lower bound, and an attempt that runs out of its slice (a
 /// quarter of the time left) halves the step. Capacities are multiples of
-/// the gcd of the leaf's sizes, alignments and pins, since every height
+/// the gcd of the leaf's sizes, alignments above 1 and pins, since every height
 /// is. Raises `lower` on proofs when the units are exact.
 fn minimise_leaf(
     l: &mut Leaf,
@@ -441,7 +441,14 @@ fn minimise_leaf(
     let g = l
         .local
         .iter()
-        .flat_map(|u| [u.size, u.align, u.pin.unwrap_or(0)])
+        // An alignment of 1 rounds nothing, so it does not count.
+        .flat_map(|u| {
+            [
+                u.size,
+                if u.align > 1 { u.align } else { 0 },
+                u.pin.unwrap_or(0),
+            ]
+        })
         .fold(0, gcd)
         .max(1);
     if exact {

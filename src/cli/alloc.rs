@@ -48,7 +48,7 @@ pub struct AllocArgs {
     pub graphs: bool,
     /// Turn search techniques off (ablations), comma-separated: canonical,
     /// inference, unallocated-floor, dominance, hatless,
-    /// static-decomposition, dynamic-decomposition, peel, search.
+    /// static-decomposition, dynamic-decomposition, rerank, peel, search.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub disable: Vec<String>,
     /// Solve partitions of up to N units with the ILP (HiGHS) when
@@ -78,11 +78,13 @@ fn params(a: &AllocArgs) -> Result<SolverParams> {
             "hatless" => p.hatless_pruning = false,
             "static-decomposition" => p.static_decomposition = false,
             "dynamic-decomposition" => p.dynamic_decomposition = false,
+            "rerank" => p.rerank_parts = false,
             "peel" => p.peel_full_span = false,
             "search" => p.exact_search = false,
             other => bail!(
                 "--disable: unknown technique {other:?} (canonical, inference, unallocated-floor, \
-                 dominance, hatless, static-decomposition, dynamic-decomposition, peel, search)"
+                 dominance, hatless, static-decomposition, dynamic-decomposition, rerank, peel, \
+                 search)"
             ),
         }
     }
