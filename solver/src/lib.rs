@@ -34,7 +34,9 @@
 //!    post-orders ([`dfs`]), and the caller's orders (program order); each
 //!    followed by the sink/hoist pass ([`local::sink_hoist`]).
 //! 3. **Improvement** of the parts that can still set the step's peak:
-//!    update/collective placement into valleys ([`placement`]), peak-driven
+//!    chain hoisting of net-freeing ops with their private producers
+//!    ([`local::chain_hoist`]), update/collective placement into valleys
+//!    ([`placement`]), peak-driven
 //!    reinsertion with incremental scoring ([`profile`], [`local::reinsert`]),
 //!    exact windows; for small parts an exact best-first search over
 //!    scheduled sets with memory-bound pruning ([`exact`], Serenity-style) and
@@ -43,7 +45,9 @@
 //! 4. **Tidy** ([`local::tidy`]): each part's final order sinks every op
 //!    that allocates more than it frees to just before its first consumer
 //!    wherever the peak does not rise, so recomputation runs just before its
-//!    use in the backward pass even when the step's peak is elsewhere.
+//!    use in the backward pass even when the step's peak is elsewhere;
+//!    then chain hoisting again, since placement and tidy can defer a
+//!    weight-gradient op and its recomputed input next to a late update.
 //! 5. **Bounds**: every part has a lower bound ([`part_bound`]); a part
 //!    stops as soon as it meets it, and parts whose peak is below the best
 //!    global bound are not worked on, since they cannot set the peak.
@@ -60,6 +64,7 @@
 //! Partition `O(n + m)`; greedy orders `O(n · r + m)` (`r` the largest
 //! ready set); part bounds `O(n · m / 64)` per part; exact search and ILP
 //! exponential in the worst case, bounded by state and time limits;
+//! chain hoisting `O(n · (n + m))` (at most 16 scored insertions per op);
 //! local search `O(window · degree)` per scored move plus `O(n + m)` per
 //! accepted move.
 //!

@@ -9,6 +9,12 @@
 //!   nothing moves (or a pass limit). This undoes, for instance, a
 //!   recomputation scheduled right after the forward pass it repeats, or a
 //!   backward-only value computed early in the forward pass.
+//! - [`chain_hoist`]: an op that frees more than it allocates moves earlier
+//!   with its private producers (and, as a second variant, with the
+//!   consumers that free what it makes), to the best of a few insertion
+//!   points by `(peak, area under the curve)`. This undoes what single-op
+//!   moves cannot: a recomputed activation and the weight-gradient op that
+//!   reads it, deferred together to the end of the backward pass.
 //! - [`reinsert`]: at the first step at the peak, every op that could
 //!   lower it (the op there, producers of buffers live there that could run
 //!   later, last users that could run earlier) is scored in every gap of
@@ -154,6 +160,163 @@ pub fn tidy(p: &Problem, order: &[OpIdx]) -> Vec<OpIdx> {
         }
     }
     cur
+}
+
+/// Most insertion points scored per group in [`chain_hoist`].
+const CHAIN_TRIES: usize = 8;
+/// Largest group moved by [`chain_hoist`].
+const CHAIN_MAX: usize = 16;
+
+/// The chain-hoist pass: an op that frees more than it allocates moves
+/// earlier together with its *private producers* (preds, transitively,
+/// whose every consumer is in the group), kept in their relative order.
+/// This undoes a pile-up that single-op moves cannot: a recomputed value
+/// and the weight-gradient op that consumes it, both deferred to the end of
+/// the backward pass, hold their inputs live across every later block;
+/// hoisting either alone does not free anything, hoisting both does. The
+/// group is tried at its earliest legal position and just after each
+/// other user of a buffer it reads (where that buffer may die or be
+/// reused); the best insertion point by `(peak, area under the curve)` is
+/// kept if it lowers that pair. Ops are visited from the start, once each.
+/// Returns an order whose peak is not above the input's; `O(n · CHAIN_TRIES
+/// · (n + m))`, cut short when the budget expires.
+pub fn chain_hoist(p: &Problem, order: Vec<OpIdx>, budget: &Budget) -> (Vec<OpIdx>, LocalStats) {
+    let mut stats = LocalStats::default();
+    let n = order.len();
+    let key = |ev: &crate::simulate::Evaluation| {
+        (ev.peak, ev.curve.iter().map(|&c| c as u128).sum::<u128>())
+    };
+    let mut cur = order;
+    if n < 3 {
+        return (cur, stats);
+    }
+    let ev = evaluate(p, &cur);
+    let mut best_key = key(&ev);
+    let mut pos = ev.pos;
+    let visit = cur.clone();
+    for v in visit {
+        if budget.expired() {
+            break;
+        }
+        stats.rounds += 1;
+        let i = pos[v.index()] as usize;
+        // The group: `v` and its private producers.
+        let mut base = vec![v];
+        let mut k = 0;
+        while k < base.len() {
+            let w = base[k];
+            k += 1;
+            for u in p.preds(w) {
+                if !base.contains(&u)
+                    && base.len() < CHAIN_MAX
+                    && p.succs(u).all(|s| base.contains(&s))
+                {
+                    base.push(u);
+                }
+            }
+        }
+        // The second variant also takes the consumers of `v`'s outputs whose
+        // other inputs are ready before `v` (the weight update after a
+        // weight-gradient op), so what `v` allocates can die with it.
+        let mut with_users = base.clone();
+        for b in p.outputs(v) {
+            for s in p.users(b) {
+                if !with_users.contains(&s)
+                    && with_users.len() < CHAIN_MAX
+                    && p.preds(s).all(|u| u == v || pos[u.index()] < i as u32)
+                {
+                    with_users.push(s);
+                }
+            }
+        }
+        let mut variants = vec![base];
+        if with_users.len() > variants[0].len() {
+            variants.push(with_users);
+        }
+        let mut best: Option<((u64, u128), Vec<OpIdx>)> = None;
+        for mut group in variants {
+            // Only groups that free more than they keep allocated.
+            let inside = |o: &OpIdx| group.contains(o);
+            let mut read: Vec<_> = group.iter().flat_map(|&w| p.uses(w)).collect();
+            read.sort_unstable();
+            read.dedup();
+            let freed: u64 = read
+                .into_iter()
+                .filter(|&b| {
+                    !p.buf(b).persistent
+                        && !p.buf(b).producer.is_some_and(|q| inside(&q))
+                        && p.users(b).all(|u| inside(&u) || pos[u.index()] < i as u32)
+                })
+                .map(|b| p.size(b))
+                .sum();
+            let kept: u64 = group
+                .iter()
+                .flat_map(|&w| p.outputs(w))
+                .filter(|&b| p.buf(b).persistent || p.users(b).any(|u| !inside(&u)))
+                .map(|b| p.size(b))
+                .sum();
+            if freed <= kept {
+                continue;
+            }
+            group.sort_by_key(|w| pos[w.index()]);
+            let first = pos[group[0].index()] as usize;
+            let earliest = group
+                .iter()
+                .flat_map(|&w| p.preds(w))
+                .filter(|u| !group.contains(u))
+                .map(|u| pos[u.index()] as usize + 1)
+                .max()
+                .unwrap_or(0);
+            if earliest >= first && group.len() == 1 {
+                continue;
+            }
+            // Insertion points: the group goes just before `cur[t]`.
+            let mut points = vec![earliest];
+            for &w in &group {
+                for b in p.uses(w) {
+                    if p.buf(b).persistent {
+                        continue;
+                    }
+                    for u in p.users(b) {
+                        let pu = pos[u.index()] as usize;
+                        if !group.contains(&u) && pu >= earliest && pu < i {
+                            points.push(pu + 1);
+                        }
+                    }
+                }
+            }
+            points.sort_unstable();
+            points.dedup();
+            points.truncate(CHAIN_TRIES);
+            for &t in &points {
+                let mut next = Vec::with_capacity(n);
+                for (k, &o) in cur.iter().enumerate() {
+                    if k == t {
+                        next.extend_from_slice(&group);
+                    }
+                    if !group.contains(&o) {
+                        next.push(o);
+                    }
+                }
+                if next == cur {
+                    continue;
+                }
+                debug_assert!(p.is_valid_order(&next));
+                let e = evaluate(p, &next);
+                let kk = key(&e);
+                if kk < best_key && best.as_ref().is_none_or(|b| kk < b.0) {
+                    best = Some((kk, next));
+                }
+            }
+        }
+        if let Some((kk, next)) = best {
+            best_key = kk;
+            cur = next;
+            pos = crate::simulate::positions(p, &cur);
+            stats.moves += 1;
+        }
+    }
+    (cur, stats)
 }
 
 /// Ops that could lower the live bytes at step `k`.
@@ -354,6 +517,9 @@ mod tests {
             let (b, _) = reinsert(&p, start.clone(), 200, &Budget::unlimited());
             prop_assert!(p.is_valid_order(&b));
             prop_assert!(evaluate(&p, &b).peak <= peak);
+            let (h, _) = chain_hoist(&p, start.clone(), &Budget::unlimited());
+            prop_assert!(p.is_valid_order(&h));
+            prop_assert!(evaluate(&p, &h).peak <= peak);
             let (c, _) = window_exact(&p, start, 8, 20, &ExactLimits::default(), &Budget::unlimited());
             prop_assert!(p.is_valid_order(&c));
             prop_assert!(evaluate(&p, &c).peak <= peak);
@@ -393,5 +559,59 @@ mod tests {
         let e = evaluate(&p, &after);
         assert!(e.peak < before);
         assert_eq!(e.pos[re.index()] + 1, e.pos[prev.index()]);
+    }
+
+    /// Checkpointing's pile-up in miniature: per block, `fc` is recomputed,
+    /// read by the gelu backward `gb`, then turned in place into `gelu`,
+    /// which the weight-gradient op `bw` reads; `upd` frees the gradient.
+    /// With every block's `gelu, bw, upd` deferred to the end, each `fc`
+    /// stays live across all later blocks. No single op frees anything by
+    /// moving; the group `gelu, bw, upd` does, and goes back right after
+    /// its block's `gb`.
+    #[test]
+    fn hoists_a_deferred_weight_gradient_with_its_recomputed_input() {
+        use crate::problem::{OpClass, ProblemBuilder};
+        let mut b = ProblemBuilder::new();
+        let x = b.add_buf(1, None, true);
+        let mut dx = x;
+        let (mut early, mut late, mut gbs, mut gelus) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..6 {
+            let fc_op = b.add_op(OpClass::Forward);
+            b.add_use(fc_op, dx);
+            let fc = b.add_buf(10, Some(fc_op), false);
+            let gb = b.add_op(OpClass::Backward);
+            b.add_use(gb, fc);
+            dx = b.add_buf(1, Some(gb), false);
+            let gelu_op = b.add_op(OpClass::Forward);
+            b.add_use(gelu_op, fc);
+            let gelu = b.add_buf(10, Some(gelu_op), false);
+            b.add_reuse(gelu_op, gelu, fc);
+            let bw = b.add_op(OpClass::Backward);
+            b.add_use(bw, gelu);
+            let grad = b.add_buf(10, Some(bw), false);
+            let upd = b.add_op(OpClass::Optimizer);
+            b.add_use(upd, grad);
+            early.extend([fc_op, gb]);
+            late.extend([gelu_op, bw, upd]);
+            gbs.push(gb);
+            gelus.push(gelu_op);
+        }
+        let last = b.add_op(OpClass::Backward);
+        b.add_use(last, dx);
+        early.push(last);
+        let p = b.build().unwrap();
+        let order: Vec<OpIdx> = early.into_iter().chain(late).collect();
+        assert!(p.is_valid_order(&order));
+        let before = evaluate(&p, &order).peak;
+        assert!(before >= 60, "the deferred order holds every fc: {before}");
+        assert_eq!(evaluate(&p, &sink_hoist(&p, &order, 8)).peak, before);
+        let (after, st) = chain_hoist(&p, order, &Budget::unlimited());
+        assert!(p.is_valid_order(&after));
+        let e = evaluate(&p, &after);
+        assert!(e.peak <= 22, "peak {}", e.peak);
+        assert!(st.moves >= 6);
+        for (gb, gelu) in gbs.iter().zip(&gelus) {
+            assert_eq!(e.pos[gb.index()] + 1, e.pos[gelu.index()]);
+        }
     }
 }

@@ -28,6 +28,9 @@ pub struct SolverParams {
     /// A last pass on each part's final order sinking allocators to their
     /// first consumer wherever the peak does not rise ([`crate::local::tidy`]).
     pub tidy: bool,
+    /// Hoist net-freeing ops together with their private producers
+    /// ([`crate::local::chain_hoist`]) before the other local improvements.
+    pub chain_hoist: bool,
     /// Weight-update and collective placement into valleys of the curve.
     pub update_placement: bool,
     /// Peak-driven reinsertion local search with incremental scoring.
@@ -76,6 +79,7 @@ impl Default for SolverParams {
             dfs: true,
             sink_hoist: true,
             tidy: true,
+            chain_hoist: true,
             update_placement: true,
             reinsertion: true,
             window_exact: true,
@@ -109,6 +113,7 @@ impl SolverParams {
             ("dfs", self.dfs),
             ("sink_hoist", self.sink_hoist),
             ("tidy", self.tidy),
+            ("chain_hoist", self.chain_hoist),
             ("update_placement", self.update_placement),
             ("reinsertion", self.reinsertion),
             ("window_exact", self.window_exact),
@@ -130,6 +135,7 @@ impl SolverParams {
             "dfs" => &mut self.dfs,
             "sink_hoist" => &mut self.sink_hoist,
             "tidy" => &mut self.tidy,
+            "chain_hoist" => &mut self.chain_hoist,
             "update_placement" => &mut self.update_placement,
             "reinsertion" => &mut self.reinsertion,
             "window_exact" => &mut self.window_exact,
