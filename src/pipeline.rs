@@ -47,7 +47,8 @@ impl Default for Options {
 }
 
 /// Share of the time limit the ordering solver may use; the min-cut floor
-/// gets [`BOUND_SHARE`] and layouts the rest.
+/// gets [`BOUND_SHARE`]. Layouts are bounded by a work budget instead
+/// ([`layout_node_budget`]), so plans are deterministic.
 const ORDER_SHARE: f64 = 0.65;
 
 /// What a solve did, for `memplan plan --report`.
@@ -129,13 +130,10 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
             *best = Some(plan);
         }
     };
-    // Each laid-out candidate gets an equal share of what ordering and the
-    // floor leave as a backstop (1.5 to 4 s); the search normally stops
-    // earlier, on its node budget.
-    let layout_limit = opts
-        .time_limit
-        .mul_f64((1.0 - ORDER_SHARE - BOUND_SHARE) / opts.layouts.max(1) as f64)
-        .clamp(Duration::from_millis(1500), Duration::from_secs(4));
+    // Layouts are bounded by work, not time (see `layout_node_budget`), so
+    // that a plan does not depend on the machine's load; the time limit
+    // here is only a backstop for pathological inputs.
+    let layout_limit = LAYOUT_BACKSTOP;
     for (i, c) in cands.iter().enumerate() {
         let arena = if i < opts.layouts.max(1) {
             let plan = layout_within(g, &low, &c.order, &c.eval, c.source, layout_limit);
@@ -218,8 +216,22 @@ pub fn layout(
     layout_within(g, low, order, ev, source, Duration::from_secs(1))
 }
 
-/// Search nodes the allocator may spend on one candidate's layout.
-const LAYOUT_NODE_BUDGET: u64 = 100_000;
+/// Largest layout problem the pipeline runs the exact search on.
+const LAYOUT_EXACT_MAX_BUFFERS: usize = 3_000;
+
+/// Wall-clock backstop of one candidate's layout (normally far from
+/// reached: the node budget stops the search first).
+const LAYOUT_BACKSTOP: Duration = Duration::from_secs(30);
+
+/// Search nodes the allocator may spend on one candidate's layout of `n`
+/// buffers. A node's cost grows faster than linearly with the problem
+/// (more sections, deeper stacks), so the budget falls with `n²`: 100,000
+/// nodes up to 1,000 buffers, about 1,200 at 9,000; measured, that keeps a
+/// layout near a second or less on one core of a 2-core machine.
+fn layout_node_budget(n: usize) -> u64 {
+    let n = n.max(1) as u64;
+    (100_000_000_000 / n.saturating_mul(n)).clamp(1_000, 100_000)
+}
 
 /// [`layout`] with the allocator's time limit given.
 fn layout_within(
@@ -238,7 +250,11 @@ fn layout_within(
     // backstop for pathological cases.
     let params = alloc::SolverParams {
         time_limit: Some(limit),
-        node_budget: Some(LAYOUT_NODE_BUDGET),
+        node_budget: Some(layout_node_budget(lp.problem.buffers.len())),
+        // Past a few thousand buffers each exact decision's set-up costs
+        // more than the last fraction of a percent it can win: heuristics
+        // only (they reach max live within 0.001% on such step graphs).
+        exact_search: lp.problem.buffers.len() <= LAYOUT_EXACT_MAX_BUFFERS,
         ..Default::default()
     };
     let (sol, layout_source) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params) {
