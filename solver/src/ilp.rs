@@ -73,30 +73,11 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 /// words per op).
 fn anc_desc(p: &Problem) -> (Vec<usize>, Vec<usize>) {
     let n = p.num_ops();
-    let w = n.div_ceil(64).max(1);
-    let topo = p.topo_order();
-    let mut anc = vec![0u64; n * w];
-    for &v in topo {
-        for u in p.preds(v) {
-            let (a, b) = (u.index() * w, v.index() * w);
-            for k in 0..w {
-                let x = anc[a + k];
-                anc[b + k] |= x;
-            }
-            anc[b + u.index() / 64] |= 1 << (u.index() % 64);
-        }
-    }
-    let mut desc = vec![0u64; n * w];
-    for &v in topo.iter().rev() {
-        for s in p.succs(v) {
-            let (a, b) = (s.index() * w, v.index() * w);
-            for k in 0..w {
-                let x = desc[a + k];
-                desc[b + k] |= x;
-            }
-            desc[b + s.index() / 64] |= 1 << (s.index() % 64);
-        }
-    }
+    let crate::problem::Reach {
+        words: w,
+        anc,
+        desc,
+    } = p.reach();
     let count = |m: &[u64], v: usize| -> usize {
         m[v * w..(v + 1) * w]
             .iter()

@@ -53,30 +53,11 @@ pub fn part_bound(p: &Problem) -> u64 {
     if n > DETAILED_MAX_OPS {
         return resident + own.iter().copied().max().unwrap_or(0);
     }
-    let w = n.div_ceil(64);
-    let topo = p.topo_order();
-    let mut anc = vec![0u64; n * w];
-    for &v in topo {
-        for u in p.preds(v) {
-            let (a, b) = (u.index() * w, v.index() * w);
-            for k in 0..w {
-                let x = anc[a + k];
-                anc[b + k] |= x;
-            }
-            anc[b + u.index() / 64] |= 1 << (u.index() % 64);
-        }
-    }
-    let mut desc = vec![0u64; n * w];
-    for &v in topo.iter().rev() {
-        for s in p.succs(v) {
-            let (a, b) = (s.index() * w, v.index() * w);
-            for k in 0..w {
-                let x = desc[a + k];
-                desc[b + k] |= x;
-            }
-            desc[b + s.index() / 64] |= 1 << (s.index() % 64);
-        }
-    }
+    let crate::problem::Reach {
+        words: w,
+        anc,
+        desc,
+    } = p.reach();
     // extra[v]: bytes forced live at v that are not v's own inputs/outputs.
     let mut extra = vec![0u64; n];
     let mut mask = vec![0u64; w];

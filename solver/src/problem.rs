@@ -149,6 +149,19 @@ pub struct Problem {
     topo: Vec<OpIdx>,
 }
 
+/// Reachability of a [`Problem`]'s ops ([`Problem::reach`]): op `v`'s
+/// ancestors are the set bits of `anc[v * words..(v + 1) * words]`, its
+/// descendants those of `desc` (an op is in neither of its own sets).
+#[derive(Clone, Debug)]
+pub struct Reach {
+    /// `u64` words per op.
+    pub words: usize,
+    /// Ancestor bitsets, `words` per op.
+    pub anc: Vec<u64>,
+    /// Descendant bitsets, `words` per op.
+    pub desc: Vec<u64>,
+}
+
 impl Problem {
     /// Number of ops.
     pub fn num_ops(&self) -> usize {
@@ -217,6 +230,36 @@ impl Problem {
             .row(op.index())
             .iter()
             .map(|&i| &self.reuses[i as usize])
+    }
+    /// Transitive ancestors and descendants of every op as bitsets:
+    /// `O(n · m / 64)` time, `2 · n²/64` words.
+    pub fn reach(&self) -> Reach {
+        let n = self.num_ops();
+        let words = n.div_ceil(64).max(1);
+        let topo = self.topo_order();
+        let mut anc = vec![0u64; n * words];
+        for &v in topo {
+            for u in self.preds(v) {
+                let (a, b) = (u.index() * words, v.index() * words);
+                for k in 0..words {
+                    let x = anc[a + k];
+                    anc[b + k] |= x;
+                }
+                anc[b + u.index() / 64] |= 1 << (u.index() % 64);
+            }
+        }
+        let mut desc = vec![0u64; n * words];
+        for &v in topo.iter().rev() {
+            for q in self.succs(v) {
+                let (a, b) = (q.index() * words, v.index() * words);
+                for k in 0..words {
+                    let x = desc[a + k];
+                    desc[b + k] |= x;
+                }
+                desc[b + q.index() / 64] |= 1 << (q.index() % 64);
+            }
+        }
+        Reach { words, anc, desc }
     }
     /// One topological order (smallest index first among ready ops).
     pub fn topo_order(&self) -> &[OpIdx] {
