@@ -5,8 +5,9 @@
 //!
 //! ```text
 //! cargo run --release -p memplan-allocator --example minimalloc_bench -- \
-//!     [--time-limit S] [--minimize] [--disable LIST] [--node-limit N] \
-//!     [--preorders TWA,WAT,TAW,SW] FILE_OR_DIR...
+//!     [--time-limit S] [--minimize] [--capacity N] [--threads N] \
+//!     [--node-budget N] [--disable LIST] [--node-limit N] \
+//!     [--preorders TWA,TAW,WAT,SW] FILE_OR_DIR...
 //! ```
 //!
 //! Every layout goes through [`validate`] before it is counted.
@@ -30,6 +31,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut minimize = false;
     let mut disable: Vec<String> = Vec::new();
     let mut node_limit: Option<u64> = None;
+    let mut cap_override: Option<u64> = None;
+    let mut threads: Option<usize> = None;
+    let mut node_budget: Option<u64> = None;
     let mut preorders: Option<Vec<Preorder>> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -42,6 +46,30 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     .map_err(|_| "--time-limit: not a number")?
             }
             "--minimize" => minimize = true,
+            "--threads" => {
+                threads = Some(
+                    args.next()
+                        .ok_or("--threads needs a number")?
+                        .parse()
+                        .map_err(|_| "--threads: not a number")?,
+                )
+            }
+            "--node-budget" => {
+                node_budget = Some(
+                    args.next()
+                        .ok_or("--node-budget needs a number")?
+                        .parse()
+                        .map_err(|_| "--node-budget: not a number")?,
+                )
+            }
+            "--capacity" => {
+                cap_override = Some(
+                    args.next()
+                        .ok_or("--capacity needs bytes")?
+                        .parse()
+                        .map_err(|_| "--capacity: not a number")?,
+                )
+            }
             "--preorders" => {
                 let list = args.next().ok_or("--preorders needs a list")?;
                 let mut v = Vec::new();
@@ -93,6 +121,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         time_limit: Some(Duration::from_secs_f64(limit)),
         ..SolverParams::default()
     };
+    if let Some(t) = threads {
+        params.threads = t;
+    }
+    params.node_budget = node_budget;
     if let Some(list) = preorders {
         params.preorders = list;
     }
@@ -109,6 +141,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             "static-decomposition" => params.static_decomposition = false,
             "dynamic-decomposition" => params.dynamic_decomposition = false,
             "rerank" => params.rerank_parts = false,
+            "random-restarts" => params.random_restarts = false,
             "peel" => params.peel_full_span = false,
             "search" => params.exact_search = false,
             other => return Err(format!("--disable: unknown technique {other:?}").into()),
@@ -139,7 +172,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .file_stem()
             .and_then(|s| s.to_str())
             .and_then(|s| s.rsplit_once('.'))
-            .and_then(|(_, c)| c.parse().ok());
+            .and_then(|(_, c)| c.parse().ok())
+            .or(cap_override);
+        let cap = cap_override.or(cap);
         let ml = p.max_live();
         let heur = solve(
             &p,

@@ -47,6 +47,7 @@
 //! solutions, section inference, dominance, hatless pruning, dynamic
 //! decomposition, static preorders with restarts.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use crate::params::{Preorder, SolverParams};
@@ -276,6 +277,9 @@ struct Run<'m, 'a> {
     /// Units placed now, and the most at once (shown by `MEMPLAN_TRACE`).
     depth: usize,
     deepest: usize,
+    /// Set when this run is one of a parallel round: (the lowest index
+    /// that decided, this run's index). A lower index deciding stops it.
+    cancel: Option<(&'m AtomicUsize, usize)>,
 }
 
 impl<'m, 'a> Run<'m, 'a> {
@@ -332,6 +336,7 @@ impl<'m, 'a> Run<'m, 'a> {
             pool: Vec::new(),
             depth: 0,
             deepest: 0,
+            cancel: None,
         }
     }
 
@@ -399,11 +404,17 @@ impl<'m, 'a> Run<'m, 'a> {
         self.nodes += 1;
         if self.nodes > self.node_limit {
             self.aborted = true;
-        } else if self.nodes & 1023 == 0
-            && let Some(d) = self.deadline
-            && Instant::now() >= d
-        {
-            self.aborted = true;
+        } else if self.nodes & 1023 == 0 {
+            if let Some(d) = self.deadline
+                && Instant::now() >= d
+            {
+                self.aborted = true;
+            }
+            if let Some((decided, me)) = self.cancel
+                && decided.load(Ordering::Relaxed) < me
+            {
+                self.aborted = true;
+            }
         }
         self.aborted
     }
@@ -640,11 +651,133 @@ pub fn decide(
     decide_limited(units, cap, params, deadline, u64::MAX, stats)
 }
 
-/// [`decide`] with a total node limit across restarts.
+/// Below this node limit a batch of runs goes on the calling thread:
+/// threads would cost more than such short runs. (Unit tests use threads
+/// always, to check that they change nothing.)
+const PARALLEL_MIN_NODES: u64 = if cfg!(test) { 0 } else { 16_384 };
+
+/// How a decision restarts its search.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Restarts {
+    /// Rounds over the preorders as they are, the node limit doubling
+    /// every round. Best where one preorder solves the problem and the
+    /// others do not (MiniMalloc's challenging set at its capacity).
+    Doubling,
+    /// Many short runs, each on a preorder whose ranks are shuffled a
+    /// little (a different tree every run), with node limits following the
+    /// Luby sequence (1, 1, 2, 1, 1, 2, 4, ... times
+    /// [`LUBY_UNIT`] nodes), so a long run comes now and then. Best close
+    /// to the optimum, where every order tends to get stuck early: there
+    /// it finds layouts the doubling schedule does not. `seed` picks the
+    /// shuffles, so each attempt can differ from the last.
+    Randomized { seed: u64 },
+}
+
+/// Nodes per unit of the Luby sequence.
+pub const LUBY_UNIT: u64 = 2048;
+
+/// The `i`-th term (from 1) of the Luby sequence.
+fn luby(mut i: u64) -> u64 {
+    loop {
+        // The smallest k with i <= 2^k - 1.
+        let mut k = 1u32;
+        while (1u64 << k) - 1 < i {
+            k += 1;
+        }
+        if i == (1u64 << k) - 1 {
+            return 1u64 << (k - 1);
+        }
+        i -= (1u64 << (k - 1)) - 1;
+    }
+}
+
+/// Shuffle windows cycled over randomized runs: small ones keep the
+/// preorder nearly intact, large ones explore further from it.
+const WINDOWS: [u32; 3] = [3, 10, 30];
+
+/// A splitmix64 step: the generator behind shuffled preorders.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Ranks moved at random by up to about `window` places each: the units
+/// keep roughly their preorder, but ties and near-ties break differently.
+/// Any rank order keeps the search complete, so a shuffled run that ends
+/// without finding a layout is still a proof.
+fn perturb(rank: &[u32], window: u32, seed: u64) -> Vec<u32> {
+    let mut st = seed;
+    let mut keyed: Vec<(u64, usize)> = rank
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| **r != u32::MAX)
+        .map(|(i, &r)| (r as u64 + splitmix(&mut st) % (window as u64 + 1), i))
+        .collect();
+    keyed.sort_unstable();
+    let mut out = vec![u32::MAX; rank.len()];
+    for (r, &(_, i)) in keyed.iter().enumerate() {
+        out[i] = r as u32;
+    }
+    out
+}
+
+/// One run to make: which preorder, shuffled how, with what node limit.
+#[derive(Copy, Clone, Debug)]
+struct Spec {
+    pre: usize,
+    /// (window, seed) of the shuffle; `None`: the preorder as it is.
+    shuffle: Option<(u32, u64)>,
+    limit: u64,
+}
+
+/// What one run ended with.
+struct RunOutcome {
+    res: Res,
+    off: Vec<u64>,
+    nodes: u64,
+    deepest: usize,
+}
+
+/// [`decide`] with a total node limit across restarts and the doubling
+/// schedule.
 pub fn decide_limited(
     units: &[Unit],
     cap: u64,
     params: &SolverParams,
+    deadline: Option<Instant>,
+    max_nodes: u64,
+    stats: &mut SearchStats,
+) -> Decision {
+    decide_with(
+        units,
+        cap,
+        params,
+        Restarts::Doubling,
+        deadline,
+        max_nodes,
+        stats,
+    )
+}
+
+/// Decides whether `units` fit in `cap` bytes, restarting as `restarts`
+/// says, until a run decides, `max_nodes` nodes are spent over all runs,
+/// or `deadline` passes.
+///
+/// Runs go in batches (a round of the preorders when doubling). The first
+/// run in sequence that decides (finds a layout or exhausts its tree) ends
+/// the search. With [`SolverParams::threads`] above 1 the runs of a batch
+/// go to threads, but the result is the one the sequence gives: a run
+/// that decides cancels only the runs after it, and the runs before it
+/// finish. So the answer, the layout and the node count do not depend on
+/// the number of threads or the machine (only a deadline can change them).
+pub fn decide_with(
+    units: &[Unit],
+    cap: u64,
+    params: &SolverParams,
+    restarts: Restarts,
     deadline: Option<Instant>,
     max_nodes: u64,
     stats: &mut SearchStats,
@@ -662,36 +795,139 @@ pub fn decide_limited(
         params.preorders.clone()
     };
     let ranks: Vec<Vec<u32>> = pres.iter().map(|&p| m.ranks(p)).collect();
-    let mut limit = params.initial_node_limit.max(1);
+    let threads = params.thread_count().max(1);
+    let trace = std::env::var_os("MEMPLAN_TRACE").is_some();
     let mut spent = 0u64;
+    // Doubling: the round's limit. Randomized: runs made so far.
+    let mut limit = params.initial_node_limit.max(1);
+    let mut made = 0u64;
     loop {
-        for (&pre, rank) in pres.iter().zip(&ranks) {
-            let this_limit = limit.min(max_nodes.saturating_sub(spent));
-            if this_limit == 0 {
+        let mut batch: Vec<Spec> = match restarts {
+            Restarts::Doubling => {
+                let b = (0..pres.len())
+                    .map(|pre| Spec {
+                        pre,
+                        shuffle: None,
+                        limit,
+                    })
+                    .collect();
+                limit = limit.saturating_mul(2);
+                b
+            }
+            Restarts::Randomized { seed } => {
+                // Enough runs to keep the threads busy for a while.
+                let mut b = Vec::new();
+                let mut nodes = 0u64;
+                while b.is_empty() || (b.len() < 64 && nodes < PARALLEL_MIN_NODES * threads as u64)
+                {
+                    made += 1;
+                    let limit = luby(made).saturating_mul(LUBY_UNIT);
+                    let i = made - 1;
+                    let window = WINDOWS[(i / pres.len() as u64 % WINDOWS.len() as u64) as usize];
+                    let mut st = seed ^ i.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                    b.push(Spec {
+                        pre: (i % pres.len() as u64) as usize,
+                        shuffle: Some((window, splitmix(&mut st))),
+                        limit,
+                    });
+                    nodes += limit;
+                }
+                b
+            }
+        };
+        // Each run's limit, as if every run before it used its whole
+        // limit (it did, unless one of them decided).
+        let mut s = spent;
+        for sp in &mut batch {
+            sp.limit = sp.limit.min(max_nodes.saturating_sub(s));
+            s = s.saturating_add(sp.limit + 1);
+        }
+        let one = |sp: &Spec, cancel: Option<(&AtomicUsize, usize)>| -> RunOutcome {
+            let rank = match sp.shuffle {
+                Some((w, seed)) => perturb(&ranks[sp.pre], w, seed),
+                None => ranks[sp.pre].clone(),
+            };
+            let mut run = Run::new(&m, params, cap, pres[sp.pre], rank, sp.limit, deadline);
+            run.cancel = cancel;
+            let mut items: Vec<u32> = m.free.clone();
+            let res = if params.static_decomposition {
+                run.solve_parts(&mut items, 0, m.nsec, 0, 0)
+            } else {
+                run.dfs(&mut items, 0, m.nsec, 0, 0)
+            };
+            RunOutcome {
+                res,
+                off: run.off,
+                nodes: run.nodes,
+                deepest: run.deepest,
+            }
+        };
+        let total: u64 = batch.iter().map(|sp| sp.limit).sum();
+        let parallel = threads > 1 && batch.len() > 1 && total >= PARALLEL_MIN_NODES * 2;
+        let mut done: Vec<Option<RunOutcome>> = Vec::new();
+        if parallel {
+            // The lowest index that decided so far: runs after it stop.
+            let decided = AtomicUsize::new(usize::MAX);
+            let next = AtomicUsize::new(0);
+            let slots: Vec<std::sync::Mutex<Option<RunOutcome>>> =
+                batch.iter().map(|_| Default::default()).collect();
+            std::thread::scope(|sc| {
+                for _ in 0..threads.min(batch.len()) {
+                    sc.spawn(|| {
+                        loop {
+                            let k = next.fetch_add(1, Ordering::Relaxed);
+                            if k >= batch.len() {
+                                break;
+                            }
+                            if batch[k].limit == 0 || decided.load(Ordering::Relaxed) < k {
+                                continue;
+                            }
+                            let o = one(&batch[k], Some((&decided, k)));
+                            if o.res != Res::Abort {
+                                decided.fetch_min(k, Ordering::Relaxed);
+                            }
+                            *slots[k].lock().expect("no panics while held") = Some(o);
+                        }
+                    });
+                }
+            });
+            done = slots
+                .into_iter()
+                .map(|s| s.into_inner().expect("no panics while held"))
+                .collect();
+        }
+        let mut done = done.into_iter();
+        for sp in &batch {
+            if sp.limit == 0 {
                 return Decision::Unknown;
             }
-            let mut run = Run::new(&m, params, cap, pre, rank.clone(), this_limit, deadline);
-            let mut items: Vec<u32> = m.free.clone();
-            let nsec = m.nsec;
-            let res = if params.static_decomposition {
-                run.solve_parts(&mut items, 0, nsec, 0, 0)
+            let o = if parallel {
+                match done.next().flatten() {
+                    Some(o) => o,
+                    // Skipped only after an earlier run decided, which
+                    // returned below; never reached.
+                    None => return Decision::Unknown,
+                }
             } else {
-                run.dfs(&mut items, 0, nsec, 0, 0)
+                one(sp, None)
             };
-            stats.nodes += run.nodes;
+            stats.nodes += o.nodes;
             stats.runs += 1;
-            if std::env::var_os("MEMPLAN_TRACE").is_some() {
+            if trace {
                 eprintln!(
-                    "run cap {cap} limit {this_limit} nodes {} deepest {}/{} -> {:?}",
-                    run.nodes,
-                    run.deepest,
+                    "run cap {cap} {}{} limit {} nodes {} deepest {}/{} -> {:?}",
+                    pres[sp.pre].name(),
+                    sp.shuffle.map(|(w, _)| format!("~{w}")).unwrap_or_default(),
+                    sp.limit,
+                    o.nodes,
+                    o.deepest,
                     m.free.len(),
-                    res
+                    o.res
                 );
             }
-            spent += run.nodes;
-            match res {
-                Res::Found => return Decision::Fits(run.off),
+            spent += o.nodes;
+            match o.res {
+                Res::Found => return Decision::Fits(o.off),
                 Res::Fail => return Decision::Infeasible,
                 Res::Abort => {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -700,7 +936,6 @@ pub fn decide_limited(
                 }
             }
         }
-        limit = limit.saturating_mul(2);
     }
 }
 
@@ -822,6 +1057,57 @@ mod tests {
         match decide(&us, floor, &SolverParams::default(), None, &mut st) {
             Decision::Fits(o) => valid(&us, &o, floor),
             d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn luby_sequence() {
+        let first: Vec<u64> = (1..=15).map(luby).collect();
+        assert_eq!(first, [1, 1, 2, 1, 1, 2, 4, 1, 1, 2, 1, 1, 2, 4, 8]);
+    }
+
+    #[test]
+    fn perturbed_ranks_are_a_permutation_of_the_free_units() {
+        let rank = vec![0, u32::MAX, 1, 2, 3, 4, 5];
+        let p = perturb(&rank, 3, 7);
+        assert_eq!(p[1], u32::MAX);
+        let mut r: Vec<u32> = p.iter().copied().filter(|&r| r != u32::MAX).collect();
+        r.sort_unstable();
+        assert_eq!(r, [0, 1, 2, 3, 4, 5]);
+        // A window of 0 keeps the order.
+        assert_eq!(perturb(&rank, 0, 7), rank);
+    }
+
+    proptest::proptest! {
+        /// Shuffled restarts and doubling rounds reach the same verdict
+        /// (both are complete), every layout is valid, and the thread
+        /// count changes nothing, not even the node count.
+        #[test]
+        fn restart_policies_and_threads_agree(
+            raw in proptest::collection::vec((0u64..8, 1u64..5, 1u64..7), 1..12),
+            extra in 0u64..3,
+            seed in 0u64..1000,
+        ) {
+            let us: Vec<Unit> = raw.iter().map(|&(l, d, s)| u(l, l + d, s)).collect();
+            let cap = crate::units::max_live(&us) + extra;
+            let base = SolverParams { initial_node_limit: 1, ..SolverParams::default() };
+            let mut verdicts = Vec::new();
+            for restarts in [Restarts::Doubling, Restarts::Randomized { seed }] {
+                let mut runs = Vec::new();
+                for threads in [1, 3] {
+                    let p = SolverParams { threads, ..base.clone() };
+                    let mut st = SearchStats::default();
+                    let d = decide_with(&us, cap, &p, restarts, None, u64::MAX, &mut st);
+                    if let Decision::Fits(o) = &d {
+                        valid(&us, o, cap);
+                    }
+                    proptest::prop_assert!(d != Decision::Unknown);
+                    runs.push((d, st));
+                }
+                proptest::prop_assert_eq!(&runs[0], &runs[1]);
+                verdicts.push(matches!(runs[0].0, Decision::Fits(_)));
+            }
+            proptest::prop_assert_eq!(verdicts[0], verdicts[1]);
         }
     }
 }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crate::heuristics::{self, Heuristic};
 use crate::params::SolverParams;
 use crate::problem::{Problem, ProblemError, Solution};
-use crate::search::{self, Decision, SearchStats};
+use crate::search::{self, Decision, Restarts, SearchStats};
 use crate::sweep::Sweep;
 use crate::units::{self, Unit, Units, lcm};
 
@@ -414,7 +414,8 @@ fn share(deadline: Option<Instant>, parts: usize) -> Option<Instant> {
 /// a descent from the best layout: try `best - step`; a layout that fits
 /// becomes the best (often lower than asked), a proof that nothing fits
 /// raises the lower bound, and an attempt that runs out of its slice (a
-/// quarter of the time left) halves the step. Capacities are multiples of
+/// eighth of the time left) halves the step. Descent attempts use
+/// [`Restarts::Randomized`]. Capacities are multiples of
 /// the gcd of the leaf's sizes, alignments above 1 and pins, since every height
 /// is. Raises `lower` on proofs when the units are exact.
 fn minimise_leaf(
@@ -457,6 +458,7 @@ fn minimise_leaf(
     let mut lo = l.lower;
     let mut first = true;
     let mut step: Option<u64> = None;
+    let mut attempts = 0u64;
     while lo < l.height {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             break;
@@ -478,7 +480,7 @@ fn minimise_leaf(
         let dl = deadline.map(|d| {
             let now = Instant::now();
             let left = d.saturating_duration_since(now);
-            now + if first { left / 10 } else { left / 4 }.max(Duration::from_millis(1))
+            now + if first { left / 10 } else { left / 8 }.max(Duration::from_millis(1))
         });
         let was_first = std::mem::replace(&mut first, false);
         let budget = nodes_left(params, stats.nodes);
@@ -486,7 +488,16 @@ fn minimise_leaf(
             break;
         }
         let mut st = SearchStats::default();
-        let d = search::decide_limited(&l.local, cap, params, dl, budget, &mut st);
+        // The first attempt (at the goal) restarts over the preorders as
+        // they are; the descent shuffles them, with a new seed each time,
+        // so a capacity tried again searches new trees.
+        let restarts = if was_first || !params.random_restarts {
+            Restarts::Doubling
+        } else {
+            attempts += 1;
+            Restarts::Randomized { seed: attempts }
+        };
+        let d = search::decide_with(&l.local, cap, params, restarts, dl, budget, &mut st);
         if params.node_budget.is_some() && st.nodes == 0 {
             // Nothing was searched: with a budget, trying again cannot help.
             break;

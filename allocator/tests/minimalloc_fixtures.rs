@@ -98,3 +98,35 @@ fn a_bad_file_names_itself_and_the_line() {
     assert!(missing.contains("absent.csv"), "{missing}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn threads_change_neither_the_layout_nor_the_work() {
+    // F needs about 150k nodes at its capacity, so its later rounds of
+    // restarts run on threads; D's descent in minimise mode uses shuffled
+    // restarts. With a node budget and no deadline both are deterministic.
+    let run = |name: &str, mode: Mode, budget: u64, threads: usize| {
+        let p = minimalloc_csv::read(&fixture(name)).unwrap();
+        let params = SolverParams {
+            time_limit: None,
+            node_budget: Some(budget),
+            threads,
+            ..SolverParams::default()
+        };
+        let out = solve(&p, mode, &params).unwrap();
+        validate(&p, &out.solution, None).unwrap();
+        (out.solution.offsets, out.solution.height, out.stats.nodes)
+    };
+    // A decision may use an eighth of the budget: F's needs about 1M nodes
+    // (the rounds before TWA's 256k round, which finds the packing).
+    for (name, mode, budget) in [
+        ("F.1048576.csv", Mode::Capacity(1048576), 10_000_000),
+        ("D.1048576.csv", Mode::Minimize, 600_000),
+    ] {
+        let one = run(name, mode, budget, 1);
+        let two = run(name, mode, budget, 2);
+        assert_eq!(one, two, "{name}");
+        if name.starts_with('F') {
+            assert_eq!(one.1, 1048576, "F is packed perfectly");
+        }
+    }
+}
