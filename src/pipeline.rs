@@ -219,9 +219,15 @@ pub fn layout(
 /// Largest layout problem the pipeline runs the exact search on.
 const LAYOUT_EXACT_MAX_BUFFERS: usize = 3_000;
 
+/// A layout within this fraction of max live ends the layout search: on
+/// the HLO and PyTorch steps the heuristics land a few hundred bytes above
+/// max live (alignment), and closing that took most of a second per
+/// candidate on 1,500-2,000-buffer graphs for a millionth of the arena.
+const LAYOUT_TOLERANCE: f64 = 1e-5;
+
 /// Wall-clock backstop of one candidate's layout (normally far from
 /// reached: the node budget stops the search first).
-const LAYOUT_BACKSTOP: Duration = Duration::from_secs(30);
+pub const LAYOUT_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Search nodes the allocator may spend on one candidate's layout of `n`
 /// buffers. A node's cost grows faster than linearly with the problem
@@ -231,6 +237,27 @@ const LAYOUT_BACKSTOP: Duration = Duration::from_secs(30);
 fn layout_node_budget(n: usize) -> u64 {
     let n = n.max(1) as u64;
     (100_000_000_000 / n.saturating_mul(n)).clamp(1_000, 100_000)
+}
+
+/// The allocator's settings for a step graph's layout of `buffers`
+/// buffers, with `limit` as a wall-clock backstop.
+///
+/// The allocator's heuristics reach max live on almost every step graph
+/// at once; the exact search only runs when they miss it. It stops on a
+/// node budget, so plans (and the recorded peaks of fixtures/peaks.json)
+/// do not depend on the machine's speed or load; `limit` is only a
+/// backstop for pathological cases.
+pub fn layout_params(buffers: usize, limit: Duration) -> alloc::SolverParams {
+    alloc::SolverParams {
+        time_limit: Some(limit),
+        node_budget: Some(layout_node_budget(buffers)),
+        // Past a few thousand buffers each exact decision's set-up costs
+        // more than the last fraction of a percent it can win: heuristics
+        // only (they reach max live within 0.001% on such step graphs).
+        exact_search: buffers <= LAYOUT_EXACT_MAX_BUFFERS,
+        tolerance: LAYOUT_TOLERANCE,
+        ..Default::default()
+    }
 }
 
 /// [`layout`] with the allocator's time limit given.
@@ -243,20 +270,7 @@ fn layout_within(
     limit: Duration,
 ) -> Plan {
     let lp = lower::layout_problem(g, low, ev);
-    // The allocator's heuristics reach max live on almost every step graph
-    // at once; the exact search only runs when they miss it. It stops on a
-    // node budget, so plans (and the recorded peaks of fixtures/peaks.json)
-    // do not depend on the machine's speed or load; `limit` is only a
-    // backstop for pathological cases.
-    let params = alloc::SolverParams {
-        time_limit: Some(limit),
-        node_budget: Some(layout_node_budget(lp.problem.buffers.len())),
-        // Past a few thousand buffers each exact decision's set-up costs
-        // more than the last fraction of a percent it can win: heuristics
-        // only (they reach max live within 0.001% on such step graphs).
-        exact_search: lp.problem.buffers.len() <= LAYOUT_EXACT_MAX_BUFFERS,
-        ..Default::default()
-    };
+    let params = layout_params(lp.problem.buffers.len(), limit);
     let (sol, layout_source) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params) {
         Ok(out) => (out.solution, out.source),
         Err(_) => (alloc::greedy_by_size(&lp.problem), "size/best".into()),

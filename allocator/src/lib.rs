@@ -26,13 +26,21 @@
 //!    canonical layouts ([`search`]) with section inference, dominance,
 //!    hatless pruning, dynamic decomposition (each part re-ranked) and
 //!    restarts over static orders (the techniques of MiniMalloc, Moffitt,
-//!    ASPLOS 2023). It is
-//!    complete: given time, it finds a layout within a capacity or proves
-//!    there is none. In minimise mode, capacities are tried from the floor
-//!    up, bisecting, so a layout at the floor comes with a proof of
-//!    optimality. An ILP ([`ilp`], good_lp + HiGHS) is available for
-//!    small partitions; the search wins on every benchmark we ran (see
-//!    `docs/allocator.md`), so it is off by default.
+//!    ASPLOS 2023). It is complete: given time, it finds a layout within a
+//!    capacity or proves there is none. Restarts run in batches on threads,
+//!    with the result the sequential order would give, so the thread count
+//!    changes neither the layout nor the work. In minimise mode the floor
+//!    is tried first, so a layout there comes with a proof of optimality;
+//!    then capacities descend from the best layout, each attempt running
+//!    many short searches on slightly shuffled orders (Luby restarts),
+//!    which finds much lower layouts near the optimum than longer runs on
+//!    the fixed orders. An ILP ([`ilp`], good_lp + HiGHS) is available
+//!    for small partitions; it is off by default (see `docs/allocator.md`).
+//!
+//! The floor counts alignment ([`units::aligned_floor`]): when every
+//! offset must be a multiple of some `a`, every buffer but the top one of a
+//! time step takes its size rounded up to `a`, so a layout can be proven
+//! optimal above the raw max live.
 //!
 //! Every layout can be checked on its own with [`validate`], which shares
 //! no code with the planners. Every search technique is a switch in

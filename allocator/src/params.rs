@@ -85,6 +85,10 @@ pub struct SolverParams {
     /// limit stops the search). With a budget that runs out before the time
     /// limit, the result does not depend on the machine's speed.
     pub node_budget: Option<u64>,
+    /// Minimise mode: a layout within this fraction of the floor is good
+    /// enough and ends the search (0: only the floor does). The bound
+    /// reported stays the proven one.
+    pub tolerance: f64,
     /// Threads for the runs of a round of restarts (0: one per core). The
     /// result does not depend on it: see [`crate::search::decide_limited`].
     pub threads: usize,
@@ -130,6 +134,7 @@ impl Default for SolverParams {
             ilp_max_units: 0,
             node_budget: None,
             threads: 0,
+            tolerance: 0.0,
         }
     }
 }

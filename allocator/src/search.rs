@@ -47,6 +47,8 @@
 //! solutions, section inference, dominance, hatless pruning, dynamic
 //! decomposition, static preorders with restarts.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -273,7 +275,7 @@ struct Run<'m, 'a> {
     /// (`u32::MAX`: none yet).
     witness: Vec<u32>,
     /// Reusable candidate lists: (minimum offset << 32 | rank, position).
-    pool: Vec<Vec<(u128, u32)>>,
+    pool: Vec<Vec<Reverse<(u128, u32)>>>,
     /// Units placed now, and the most at once (shown by `MEMPLAN_TRACE`).
     depth: usize,
     deepest: usize,
@@ -495,7 +497,7 @@ impl<'m, 'a> Run<'m, 'a> {
             {
                 continue;
             }
-            cands.push(((mo as u128) << 32 | r as u128, pos as u32));
+            cands.push(Reverse(((mo as u128) << 32 | r as u128, pos as u32)));
         }
         if fail
             || (dom && bound <= x_last)
@@ -504,10 +506,14 @@ impl<'m, 'a> Run<'m, 'a> {
             self.pool.push(cands);
             return Res::Fail;
         }
-        cands.sort_unstable();
+        // A min-heap, not a sort: most nodes try one or two candidates
+        // (the first dives to a layout or the next fails fast), and with
+        // thousands of units sorting them all at every node dominated the
+        // search. Keys are unique (ranks are), so the order is the sort's.
+        let mut cands = BinaryHeap::from(cands);
         let mut res = Res::Fail;
         let last = items.len() - 1;
-        for &(key, pos) in cands.iter() {
+        while let Some(Reverse((key, pos))) = cands.pop() {
             let x = (key >> 32) as u64;
             if dom && x >= bound {
                 break;
@@ -547,7 +553,7 @@ impl<'m, 'a> Run<'m, 'a> {
                 break;
             }
         }
-        self.pool.push(cands);
+        self.pool.push(cands.into_vec());
         res
     }
 
@@ -654,7 +660,9 @@ pub fn decide(
 /// Below this node limit a batch of runs goes on the calling thread:
 /// threads would cost more than such short runs. (Unit tests use threads
 /// always, to check that they change nothing.)
-const PARALLEL_MIN_NODES: u64 = if cfg!(test) { 0 } else { 16_384 };
+fn parallel_min_nodes() -> u64 {
+    if cfg!(test) { 0 } else { 16_384 }
+}
 
 /// How a decision restarts its search.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -818,7 +826,8 @@ pub fn decide_with(
                 // Enough runs to keep the threads busy for a while.
                 let mut b = Vec::new();
                 let mut nodes = 0u64;
-                while b.is_empty() || (b.len() < 64 && nodes < PARALLEL_MIN_NODES * threads as u64)
+                while b.len() < 64
+                    && (b.len() < 2 * threads || nodes < parallel_min_nodes() * threads as u64)
                 {
                     made += 1;
                     let limit = luby(made).saturating_mul(LUBY_UNIT);
@@ -863,7 +872,7 @@ pub fn decide_with(
             }
         };
         let total: u64 = batch.iter().map(|sp| sp.limit).sum();
-        let parallel = threads > 1 && batch.len() > 1 && total >= PARALLEL_MIN_NODES * 2;
+        let parallel = threads > 1 && batch.len() > 1 && total >= parallel_min_nodes() * 2;
         let mut done: Vec<Option<RunOutcome>> = Vec::new();
         if parallel {
             // The lowest index that decided so far: runs after it stop.

@@ -28,7 +28,7 @@ use crate::params::SolverParams;
 use crate::problem::{Problem, ProblemError, Solution};
 use crate::search::{self, Decision, Restarts, SearchStats};
 use crate::sweep::Sweep;
-use crate::units::{self, Unit, Units, lcm};
+use crate::units::{self, Unit, Units, gcd, lcm};
 
 /// What to solve for.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -225,7 +225,7 @@ pub fn solve(
         .zip(bases)
         .map(|(idx, base)| {
             let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
-            let lower = units::max_live(&local);
+            let lower = units::aligned_floor(&local);
             let (h, offs, height) = heuristics::best_of(&local, &hs, lower);
             Leaf {
                 units: idx,
@@ -316,8 +316,10 @@ pub fn solve(
                     .max()
                     .unwrap_or(0)
                     .max(peak);
+                // Close enough: within the tolerance of the floor.
+                let good = goal.saturating_add((goal as f64 * params.tolerance.max(0.0)) as u64);
                 let mut order: Vec<usize> = (0..leaves.len())
-                    .filter(|&k| leaves[k].base + leaves[k].height > goal)
+                    .filter(|&k| leaves[k].base + leaves[k].height > good)
                     .collect();
                 order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].base + leaves[k].height));
                 let n = order.len();
@@ -328,7 +330,8 @@ pub fn solve(
                     stats.searched_leaves += 1;
                     let l = &mut leaves[k];
                     let t = target(l, goal).max(l.lower);
-                    minimise_leaf(l, t, params, dl, u.exact, &mut stats);
+                    let enough = target(l, good).max(t);
+                    minimise_leaf(l, t, enough, params, dl, u.exact, &mut stats);
                 }
             }
         }
@@ -354,7 +357,7 @@ pub fn solve(
     // Bounds: the floor, and every leaf's proven bound on its base.
     let mut lower_bound = max_live;
     if u.exact {
-        lower_bound = lower_bound.max(peak);
+        lower_bound = lower_bound.max(peak).max(units::aligned_floor(all));
         for l in &leaves {
             lower_bound = lower_bound.max(l.base + l.lower);
         }
@@ -409,7 +412,8 @@ fn share(deadline: Option<Instant>, parts: usize) -> Option<Instant> {
 }
 
 /// Brings a leaf's height down toward `goal` (its own floor or better)
-/// with capacity attempts. First the goal itself, with a tenth of the
+/// with capacity attempts, stopping once it is at most `enough` (`goal`
+/// plus the tolerance). First the goal itself, with a tenth of the
 /// time (step graphs and perfect packings end here, proven optimal). Then
 /// a descent from the best layout: try `best - step`; a layout that fits
 /// becomes the best (often lower than asked), a proof that nothing fits
@@ -421,6 +425,7 @@ fn share(deadline: Option<Instant>, parts: usize) -> Option<Instant> {
 fn minimise_leaf(
     l: &mut Leaf,
     goal: u64,
+    enough: u64,
     params: &SolverParams,
     deadline: Option<Instant>,
     exact: bool,
@@ -523,7 +528,7 @@ fn minimise_leaf(
                 }
             }
         }
-        if l.height <= goal {
+        if l.height <= enough {
             break;
         }
     }
@@ -536,11 +541,4 @@ fn nodes_left(params: &SolverParams, spent: u64) -> u64 {
     params
         .node_budget
         .map_or(u64::MAX, |b| b.saturating_sub(spent).min((b / 8).max(1)))
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
