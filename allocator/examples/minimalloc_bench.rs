@@ -6,7 +6,7 @@
 //! ```text
 //! cargo run --release -p memplan-allocator --example minimalloc_bench -- \
 //!     [--time-limit S] [--minimize] [--capacity N] [--threads N] \
-//!     [--node-budget N] [--disable LIST] [--node-limit N] \
+//!     [--node-budget N] [--seed N] [--disable LIST] [--node-limit N] \
 //!     [--preorders TWA,TAW,WAT,SW] FILE_OR_DIR...
 //! ```
 //!
@@ -34,6 +34,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut cap_override: Option<u64> = None;
     let mut threads: Option<usize> = None;
     let mut node_budget: Option<u64> = None;
+    let mut seed = 0u64;
     let mut preorders: Option<Vec<Preorder>> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -53,6 +54,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         .parse()
                         .map_err(|_| "--threads: not a number")?,
                 )
+            }
+            "--seed" => {
+                seed = args
+                    .next()
+                    .ok_or("--seed needs a number")?
+                    .parse()
+                    .map_err(|_| "--seed: not a number")?
             }
             "--node-budget" => {
                 node_budget = Some(
@@ -125,6 +133,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         params.threads = t;
     }
     params.node_budget = node_budget;
+    params.seed = seed;
     if let Some(list) = preorders {
         params.preorders = list;
     }

@@ -29,12 +29,13 @@
 //!    ASPLOS 2023). It is complete: given time, it finds a layout within a
 //!    capacity or proves there is none. Restarts run in batches on threads,
 //!    with the result the sequential order would give, so the thread count
-//!    changes neither the layout nor the work. In minimise mode the floor
-//!    is tried first, so a layout there comes with a proof of optimality;
-//!    then capacities descend from the best layout, each attempt running
-//!    many short searches on slightly shuffled orders (Luby restarts),
-//!    which finds much lower layouts near the optimum than longer runs on
-//!    the fixed orders. An ILP ([`ilp`], good_lp + HiGHS) is available
+//!    changes neither the layout nor the work. Rounds on the fixed orders
+//!    alternate with short runs on slightly shuffled orders (Luby
+//!    restarts): each solves quickly problems the other is slow on. In
+//!    minimise mode the floor is tried first, so a layout there comes with
+//!    a proof of optimality; then capacities descend from the best layout
+//!    with shuffled runs only, which find much lower layouts near the
+//!    optimum than longer runs on the fixed orders. An ILP ([`ilp`], good_lp + HiGHS) is available
 //!    for small partitions; it is off by default (see `docs/allocator.md`).
 //!
 //! The floor counts alignment ([`units::aligned_floor`]): when every

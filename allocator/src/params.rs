@@ -71,10 +71,13 @@ pub struct SolverParams {
     /// Static orders tried round-robin, each run with a node limit that
     /// doubles every round (restarts).
     pub preorders: Vec<Preorder>,
-    /// In minimise mode, search below the best layout with many short runs
-    /// on shuffled preorders ([`crate::search::Restarts::Randomized`])
-    /// instead of doubling rounds over the preorders as they are.
+    /// Shuffled preorders in the restarts: in capacity mode, in turn with
+    /// the doubling rounds ([`crate::search::Restarts::Mixed`]); in the
+    /// minimise descent, only them ([`crate::search::Restarts::Randomized`]).
+    /// Off: doubling rounds over the preorders as they are, everywhere.
     pub random_restarts: bool,
+    /// Seed of the shuffled preorders (same seed, same layouts).
+    pub seed: u64,
     /// Node limit of the first round of restarts.
     pub initial_node_limit: u64,
     /// In minimise mode, solve partitions up to this many units with the ILP
@@ -130,6 +133,7 @@ impl Default for SolverParams {
                 Preorder::WidthAreaTotal,
             ],
             random_restarts: true,
+            seed: 0,
             initial_node_limit: 2048,
             ilp_max_units: 0,
             node_budget: None,

@@ -279,10 +279,18 @@ pub fn solve(
                         }
                         let dl = share(deadline, n - done);
                         let mut st = SearchStats::default();
-                        let d = search::decide_limited(
+                        // Fixed and shuffled preorders in turn: see
+                        // `Restarts::Mixed`.
+                        let restarts = if params.random_restarts {
+                            Restarts::Mixed { seed: params.seed }
+                        } else {
+                            Restarts::Doubling
+                        };
+                        let d = search::decide_with(
                             &l.local,
                             t,
                             params,
+                            restarts,
                             dl,
                             nodes_left(params, stats.nodes),
                             &mut st,
@@ -493,14 +501,19 @@ fn minimise_leaf(
             break;
         }
         let mut st = SearchStats::default();
-        // The first attempt (at the goal) restarts over the preorders as
-        // they are; the descent shuffles them, with a new seed each time,
-        // so a capacity tried again searches new trees.
-        let restarts = if was_first || !params.random_restarts {
+        // The first attempt (at the goal) mixes the preorders as they are
+        // with shuffled ones, as capacity mode does; the descent only
+        // shuffles, with a new seed each time, so a capacity tried again
+        // searches new trees.
+        let restarts = if !params.random_restarts {
             Restarts::Doubling
+        } else if was_first {
+            Restarts::Mixed { seed: params.seed }
         } else {
             attempts += 1;
-            Restarts::Randomized { seed: attempts }
+            Restarts::Randomized {
+                seed: params.seed ^ attempts,
+            }
         };
         let d = search::decide_with(&l.local, cap, params, restarts, dl, budget, &mut st);
         if params.node_budget.is_some() && st.nodes == 0 {

@@ -36,17 +36,31 @@ fn the_example_packs_at_max_live() {
 }
 
 #[test]
-fn quick_challenging_problems_fit_their_capacity() {
-    // Max live of each, as recorded from the files (F and K: exactly the
-    // capacity, so only a perfect packing fits; J: below it).
+fn all_eleven_challenging_problems_fit_their_capacity() {
+    // Max live of each, as recorded from the files: eight are exactly the
+    // capacity, so only a perfect packing fits; C, D and J are below it.
+    // (Each takes well under 2 s in release builds; the limit is generous
+    // for loaded CI machines. Times are a benchmark, not a test.)
     for (name, max_live) in [
+        ("A.1048576.csv", 1048576),
+        ("B.1048576.csv", 1048576),
+        ("C.1048576.csv", 1039360),
+        ("D.1048576.csv", 986112),
+        ("E.1048576.csv", 1048576),
         ("F.1048576.csv", 1048576),
+        ("G.1048576.csv", 1048576),
+        ("H.1048576.csv", 1048576),
+        ("I.1048576.csv", 1048576),
         ("J.1048576.csv", 989184),
         ("K.1048576.csv", 1048576),
     ] {
         let p = minimalloc_csv::read(&fixture(name)).unwrap();
         assert_eq!(p.max_live(), max_live, "{name}");
-        let out = solve(&p, Mode::Capacity(1048576), &params()).unwrap();
+        let params = SolverParams {
+            time_limit: Some(Duration::from_secs(60)),
+            ..SolverParams::default()
+        };
+        let out = solve(&p, Mode::Capacity(1048576), &params).unwrap();
         assert!(
             matches!(out.status, Status::Feasible | Status::Optimal),
             "{name}: {:?}",
@@ -101,9 +115,8 @@ fn a_bad_file_names_itself_and_the_line() {
 
 #[test]
 fn threads_change_neither_the_layout_nor_the_work() {
-    // F needs about 150k nodes at its capacity, so its later rounds of
-    // restarts run on threads; D's descent in minimise mode uses shuffled
-    // restarts. With a node budget and no deadline both are deterministic.
+    // At its capacity F takes several batches of restarts, which run on
+    // threads; D's descent in minimise mode uses shuffled restarts. With a node budget and no deadline both are deterministic.
     let run = |name: &str, mode: Mode, budget: u64, threads: usize| {
         let p = minimalloc_csv::read(&fixture(name)).unwrap();
         let params = SolverParams {
@@ -116,8 +129,7 @@ fn threads_change_neither_the_layout_nor_the_work() {
         validate(&p, &out.solution, None).unwrap();
         (out.solution.offsets, out.solution.height, out.stats.nodes)
     };
-    // A decision may use an eighth of the budget: F's needs about 1M nodes
-    // (the rounds before TWA's 256k round, which finds the packing).
+    // A decision may use an eighth of the budget.
     for (name, mode, budget) in [
         ("F.1048576.csv", Mode::Capacity(1048576), 10_000_000),
         ("D.1048576.csv", Mode::Minimize, 600_000),
