@@ -48,13 +48,22 @@ pub struct AllocArgs {
     pub graphs: bool,
     /// Turn search techniques off (ablations), comma-separated: canonical,
     /// inference, unallocated-floor, dominance, hatless,
-    /// static-decomposition, dynamic-decomposition, rerank, peel, search.
+    /// static-decomposition, dynamic-decomposition, rerank, peel,
+    /// random-restarts, search.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub disable: Vec<String>,
     /// Solve partitions of up to N units with the ILP (HiGHS) when
     /// minimising.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub ilp: usize,
+    /// Threads for the search's restarts (0: one per core). The layout
+    /// does not depend on it.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+    /// Seed of the shuffled restarts (same seed, same layout unless the
+    /// time limit cuts a search short).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
 }
 
 fn params(a: &AllocArgs) -> Result<SolverParams> {
@@ -67,6 +76,8 @@ fn params(a: &AllocArgs) -> Result<SolverParams> {
     let mut p = SolverParams {
         time_limit: Some(Duration::from_secs_f64(a.time_limit)),
         ilp_max_units: a.ilp,
+        threads: a.threads,
+        seed: a.seed,
         ..SolverParams::default()
     };
     for d in &a.disable {
@@ -80,11 +91,12 @@ fn params(a: &AllocArgs) -> Result<SolverParams> {
             "dynamic-decomposition" => p.dynamic_decomposition = false,
             "rerank" => p.rerank_parts = false,
             "peel" => p.peel_full_span = false,
+            "random-restarts" => p.random_restarts = false,
             "search" => p.exact_search = false,
             other => bail!(
                 "--disable: unknown technique {other:?} (canonical, inference, unallocated-floor, \
                  dominance, hatless, static-decomposition, dynamic-decomposition, rerank, peel, \
-                 search)"
+                 random-restarts, search)"
             ),
         }
     }
