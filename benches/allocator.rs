@@ -115,7 +115,7 @@ fn file_name(p: &Path) -> String {
 fn solve_checked(p: &Problem, mode: Mode, params: &SolverParams) -> alloc::Outcome {
     let out = alloc::solve(p, mode, params).expect("valid problem");
     let cap = match mode {
-        Mode::Capacity(c) if out.status != Status::Unknown => Some(c),
+        Mode::Capacity(c) if matches!(out.status, Status::Feasible | Status::Optimal) => Some(c),
         _ => None,
     };
     alloc::validate(p, &out.solution, cap).expect("layout passes the checker");

@@ -28,7 +28,7 @@ for f in "$dir"/*.csv; do
   s=$(now)
   "$mm" --input="$f" --capacity="$cap" >/dev/null 2>&1 || echo "minimalloc failed on $name" >&2
   e=$(now)
-  printf '%-16s %12.3f' "$name" "$(echo "$e - $s" | bc)"
+  printf '%-16s %12.3f' "$name" "$(awk -v e="$e" -v s="$s" 'BEGIN { print e - s }')"
   for t in "${threads[@]}"; do
     row=$("$bench" --time-limit 60 --threads "$t" "$f" | tail -1)
     status=$(echo "$row" | awk '{print $6}')

@@ -93,7 +93,7 @@ pub struct SolverParams {
     /// reported stays the proven one.
     pub tolerance: f64,
     /// Threads for the runs of a round of restarts (0: one per core). The
-    /// result does not depend on it: see [`crate::search::decide_limited`].
+    /// result does not depend on it: see [`crate::search::decide_with`].
     pub threads: usize,
 }
 

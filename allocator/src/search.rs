@@ -826,18 +826,25 @@ pub fn decide_with(
     // the nodes the shuffled batch after it gets (the round's).
     let mut fixed_turn = true;
     let mut quota = 0u64;
-    // The next shuffled run.
-    let shuffled = |made: &mut u64, seed: u64| -> Spec {
-        *made += 1;
-        let limit = luby(*made).saturating_mul(LUBY_UNIT);
-        let i = *made - 1;
-        let window = WINDOWS[(i / pres.len() as u64 % WINDOWS.len() as u64) as usize];
-        let mut st = seed ^ i.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        Spec {
-            pre: (i % pres.len() as u64) as usize,
-            shuffle: Some((window, splitmix(&mut st))),
-            limit,
+    // The next shuffled runs: at least `min_runs` and until they hold
+    // `quota` nodes, at most `max_runs`.
+    let shuffled = |made: &mut u64, seed: u64, min_runs: usize, quota: u64, max_runs: usize| {
+        let mut b: Vec<Spec> = Vec::new();
+        let mut nodes = 0u64;
+        while b.len() < max_runs && (b.len() < min_runs || nodes < quota) {
+            *made += 1;
+            let limit = luby(*made).saturating_mul(LUBY_UNIT);
+            let i = *made - 1;
+            let window = WINDOWS[(i / pres.len() as u64 % WINDOWS.len() as u64) as usize];
+            let mut st = seed ^ i.wrapping_mul(0x2545_f491_4f6c_dd1d);
+            b.push(Spec {
+                pre: (i % pres.len() as u64) as usize,
+                shuffle: Some((window, splitmix(&mut st))),
+                limit,
+            });
+            nodes += limit;
         }
+        b
     };
     let fixed_round = |limit: u64| -> Vec<Spec> {
         (0..pres.len())
@@ -855,19 +862,14 @@ pub fn decide_with(
                 limit = limit.saturating_mul(2);
                 b
             }
-            Restarts::Randomized { seed } => {
-                // Enough runs to keep the threads busy for a while.
-                let mut b: Vec<Spec> = Vec::new();
-                let mut nodes = 0u64;
-                while b.len() < 64
-                    && (b.len() < 2 * threads || nodes < parallel_min_nodes() * threads as u64)
-                {
-                    let sp = shuffled(&mut made, seed);
-                    nodes += sp.limit;
-                    b.push(sp);
-                }
-                b
-            }
+            // Enough runs to keep the threads busy for a while.
+            Restarts::Randomized { seed } => shuffled(
+                &mut made,
+                seed,
+                2 * threads,
+                parallel_min_nodes() * threads as u64,
+                64,
+            ),
             Restarts::Mixed { seed } => {
                 let b = if fixed_turn {
                     let b = fixed_round(limit);
@@ -875,14 +877,7 @@ pub fn decide_with(
                     limit = limit.saturating_mul(2);
                     b
                 } else {
-                    let mut b: Vec<Spec> = Vec::new();
-                    let mut nodes = 0u64;
-                    while nodes < quota && b.len() < 4096 {
-                        let sp = shuffled(&mut made, seed);
-                        nodes += sp.limit;
-                        b.push(sp);
-                    }
-                    b
+                    shuffled(&mut made, seed, 1, quota, 4096)
                 };
                 fixed_turn = !fixed_turn;
                 b

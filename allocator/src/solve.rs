@@ -279,18 +279,11 @@ pub fn solve(
                         }
                         let dl = share(deadline, n - done);
                         let mut st = SearchStats::default();
-                        // Fixed and shuffled preorders in turn: see
-                        // `Restarts::Mixed`.
-                        let restarts = if params.random_restarts {
-                            Restarts::Mixed { seed: params.seed }
-                        } else {
-                            Restarts::Doubling
-                        };
                         let d = search::decide_with(
                             &l.local,
                             t,
                             params,
-                            restarts,
+                            decision_restarts(params),
                             dl,
                             nodes_left(params, stats.nodes),
                             &mut st,
@@ -505,10 +498,8 @@ fn minimise_leaf(
         // with shuffled ones, as capacity mode does; the descent only
         // shuffles, with a new seed each time, so a capacity tried again
         // searches new trees.
-        let restarts = if !params.random_restarts {
-            Restarts::Doubling
-        } else if was_first {
-            Restarts::Mixed { seed: params.seed }
+        let restarts = if !params.random_restarts || was_first {
+            decision_restarts(params)
         } else {
             attempts += 1;
             Restarts::Randomized {
@@ -546,6 +537,17 @@ fn minimise_leaf(
         }
     }
     l.done = l.height <= l.lower;
+}
+
+/// The restarts of a capacity decision: fixed and shuffled preorders in
+/// turn ([`Restarts::Mixed`]), or only the fixed ones when shuffling is
+/// off.
+fn decision_restarts(params: &SolverParams) -> Restarts {
+    if params.random_restarts {
+        Restarts::Mixed { seed: params.seed }
+    } else {
+        Restarts::Doubling
+    }
 }
 
 /// Nodes the next exact decision may use: an eighth of the solve's budget,

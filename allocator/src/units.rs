@@ -193,10 +193,9 @@ pub fn max_live(units: &[Unit]) -> u64 {
 /// rounding among them. With 64-byte alignment and many small tensors
 /// (scalars of a few bytes) this is well above the plain max live.
 pub fn aligned_floor(units: &[Unit]) -> u64 {
-    let ml = max_live(units);
     let a = units.iter().fold(0u64, |g, u| gcd(g, u.align.max(1)));
     if a <= 1 || units.iter().any(|u| u.pin.is_some_and(|p| p % a != 0)) {
-        return ml;
+        return max_live(units);
     }
     let mut ev: Vec<(u64, bool, u64, u64)> = Vec::with_capacity(units.len() * 2);
     for u in units.iter().filter(|u| u.upper > u.lower && u.size > 0) {
@@ -228,7 +227,9 @@ pub fn aligned_floor(units: &[Unit]) -> u64 {
             best = best.max(sum.saturating_sub(top));
         }
     }
-    (best as u64).max(ml)
+    // At least max live: at every step the roundings sum to at least the
+    // largest one.
+    best as u64
 }
 
 pub(crate) fn gcd(mut a: u64, mut b: u64) -> u64 {
