@@ -191,3 +191,125 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
         state: per_rank.into_iter().map(|r| r.1).collect(),
     })
 }
+
+/// How far one run's results are from another's (e.g. CUDA from CPU).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Agreement {
+    /// The largest |loss_a − loss_b| / max(|loss_b|, 1) over the steps.
+    pub loss_rel: f64,
+    /// ‖a − b‖ / ‖b‖ over every persistent f32 element of every rank.
+    pub state_rel_l2: f64,
+    /// The tensor with the largest ‖a − b‖ / ‖b‖ and that ratio.
+    pub worst_tensor: Option<(String, f64)>,
+    /// Elements compared.
+    pub elements: u64,
+}
+
+/// Compares run `a` with reference `b` of the same program (both with
+/// `keep_state`). An element that is NaN in either run counts as an
+/// infinite error.
+pub fn agreement(a: &RunReport, b: &RunReport) -> Result<Agreement> {
+    let mismatch = |why: String| RuntimeError::InvalidProgram(format!("comparing runs: {why}"));
+    if a.steps.len() != b.steps.len() || a.state.len() != b.state.len() {
+        return Err(mismatch("the runs have different steps or ranks".into()));
+    }
+    let mut loss_rel = 0.0f64;
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        let d = (x.loss as f64 - y.loss as f64).abs() / (y.loss as f64).abs().max(1.0);
+        loss_rel = loss_rel.max(if d.is_nan() { f64::INFINITY } else { d });
+    }
+    let (mut diff2, mut ref2, mut elements) = (0.0f64, 0.0f64, 0u64);
+    let mut worst: Option<(String, f64)> = None;
+    for (ra, rb) in a.state.iter().zip(&b.state) {
+        if ra.len() != rb.len() {
+            return Err(mismatch(format!(
+                "{} persistent tensors vs {}",
+                ra.len(),
+                rb.len()
+            )));
+        }
+        for ((na, va), (nb, vb)) in ra.iter().zip(rb) {
+            if na != nb || va.len() != vb.len() {
+                return Err(mismatch(format!("tensor {na:?} vs {nb:?}")));
+            }
+            let (mut d2, mut r2) = (0.0f64, 0.0f64);
+            for (&x, &y) in va.iter().zip(vb) {
+                let d = x as f64 - y as f64;
+                d2 += if d.is_nan() { f64::INFINITY } else { d * d };
+                r2 += y as f64 * y as f64;
+            }
+            let rel = if r2 > 0.0 {
+                (d2 / r2).sqrt()
+            } else if d2 > 0.0 {
+                f64::INFINITY
+            } else {
+                0.0
+            };
+            if worst.as_ref().is_none_or(|w| rel > w.1) {
+                worst = Some((na.clone(), rel));
+            }
+            diff2 += d2;
+            ref2 += r2;
+            elements += va.len() as u64;
+        }
+    }
+    let state_rel_l2 = if ref2 > 0.0 {
+        (diff2 / ref2).sqrt()
+    } else if diff2 > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    };
+    Ok(Agreement {
+        loss_rel,
+        state_rel_l2,
+        worst_tensor: worst,
+        elements,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(loss: f32, state: Vec<f32>) -> RunReport {
+        RunReport {
+            steps: vec![StepResult {
+                loss,
+                seconds: 0.0,
+                measured_bytes: 0,
+            }],
+            arena_bytes: 0,
+            allocated_bytes: 0,
+            workspace_bytes: 0,
+            state: vec![vec![("w".into(), state), ("b".into(), vec![0.0, 0.0])]],
+        }
+    }
+
+    #[test]
+    fn agreement_measures_relative_errors() {
+        let cpu = report(2.0, vec![3.0, 4.0]);
+        let same = agreement(&cpu, &cpu).unwrap();
+        assert_eq!(
+            (same.loss_rel, same.state_rel_l2, same.elements),
+            (0.0, 0.0, 4)
+        );
+        // ‖(0.3, 0.4)‖ / ‖(3, 4)‖ = 0.1; the loss differs by 0.5 / 2.
+        let g = agreement(&report(2.5, vec![3.3, 4.4]), &cpu).unwrap();
+        assert!((g.loss_rel - 0.25).abs() < 1e-6, "{g:?}");
+        assert!((g.state_rel_l2 - 0.1).abs() < 1e-6, "{g:?}");
+        assert_eq!(g.worst_tensor.as_ref().unwrap().0, "w");
+        // A NaN anywhere is an infinite error, never a pass.
+        let nan = agreement(&report(f32::NAN, vec![f32::NAN, 4.0]), &cpu).unwrap();
+        assert!(nan.loss_rel.is_infinite() && nan.state_rel_l2.is_infinite());
+        // Non-zero where the reference is all zeros is infinite too.
+        let mut z = report(2.0, vec![3.0, 4.0]);
+        z.state[0][1].1 = vec![1.0, 0.0];
+        let zb = agreement(&z, &cpu).unwrap();
+        assert_eq!(zb.worst_tensor.unwrap(), ("b".to_string(), f64::INFINITY));
+        // Different programs are an error.
+        let mut other = cpu.clone();
+        other.state[0].pop();
+        assert!(agreement(&other, &cpu).is_err());
+    }
+}

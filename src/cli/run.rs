@@ -9,7 +9,7 @@ use clap::ValueEnum;
 use serde_json::json;
 
 use memplan::exec;
-use memplan_runtime::runner::{RunConfig, RunReport};
+use memplan_runtime::runner::{Agreement, RunConfig, RunReport};
 
 use super::GraphArgs;
 use super::commands::{load, solve};
@@ -53,6 +53,11 @@ pub struct RunArgs {
     /// First CUDA device; rank r uses device FIRST + r.
     #[arg(long, value_name = "FIRST", default_value_t = 0)]
     pub gpu: usize,
+    /// With `--device cuda`: also run the same steps on the CPU executor
+    /// and report how far the CUDA losses and final parameters and
+    /// optimizer state are from the CPU's.
+    #[arg(long)]
+    pub compare_cpu: bool,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -70,13 +75,27 @@ pub fn run(a: RunArgs) -> Result<()> {
         steps: a.steps,
         init_seed: a.seed,
         data_seed: a.seed.wrapping_add(1),
-        keep_state: false,
+        keep_state: a.compare_cpu,
     };
     let report = match a.device {
         Device::Cpu => memplan_runtime::runner::run_cpu(&program, &cfg)?,
         Device::Cuda => run_cuda(&program, &cfg, a.gpu)?,
     };
-    print(&a, &g.name, &plan, program.world_size, &report)
+    let agreement = if a.compare_cpu && a.device != Device::Cpu {
+        let cpu = memplan_runtime::runner::run_cpu(&program, &cfg)
+            .context("running the CPU reference for --compare-cpu")?;
+        Some(memplan_runtime::runner::agreement(&report, &cpu)?)
+    } else {
+        None
+    };
+    print(
+        &a,
+        &g.name,
+        &plan,
+        program.world_size,
+        &report,
+        agreement.as_ref(),
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -104,7 +123,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn print(a: &RunArgs, name: &str, plan: &memplan::Plan, world: u32, r: &RunReport) -> Result<()> {
+fn print(
+    a: &RunArgs,
+    name: &str,
+    plan: &memplan::Plan,
+    world: u32,
+    r: &RunReport,
+    agree: Option<&Agreement>,
+) -> Result<()> {
     let device = match a.device {
         Device::Cpu => "cpu",
         Device::Cuda => "cuda",
@@ -146,6 +172,13 @@ fn print(a: &RunArgs, name: &str, plan: &memplan::Plan, world: u32, r: &RunRepor
             "layout_source": s.layout_source,
             "median_step_seconds": med,
             "steps": steps,
+            "compare_cpu": agree.map(|g| json!({
+                "loss_rel": g.loss_rel,
+                "state_rel_l2": g.state_rel_l2,
+                "worst_tensor": g.worst_tensor.as_ref().map(|w| &w.0),
+                "worst_tensor_rel_l2": g.worst_tensor.as_ref().map(|w| w.1),
+                "elements": g.elements,
+            })),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -192,5 +225,17 @@ fn print(a: &RunArgs, name: &str, plan: &memplan::Plan, world: u32, r: &RunRepor
             ""
         }
     );
+    if let Some(g) = agree {
+        println!(
+            "vs the CPU executor: largest loss difference {:.2e} (relative), parameters and optimizer state ‖Δ‖/‖cpu‖ = {:.2e} over {} elements{}",
+            g.loss_rel,
+            g.state_rel_l2,
+            grouped(g.elements),
+            g.worst_tensor
+                .as_ref()
+                .map(|w| format!(" (worst tensor {} at {:.2e})", w.0, w.1))
+                .unwrap_or_default()
+        );
+    }
     Ok(())
 }

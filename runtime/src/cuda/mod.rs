@@ -13,10 +13,12 @@
 //!
 //! Memory measured: `cuMemGetInfo`'s free bytes are read after the context,
 //! kernels, cuBLAS handles and NCCL communicator exist and before the one
-//! allocation (the baseline), and again after each step; the difference is
-//! what the step used — the arena, the workspace (staging, a 32 MiB cuBLAS
-//! workspace per computing stream, one error word), and anything a library
-//! allocated lazily during the step.
+//! allocation (the baseline); during each step a thread samples them every
+//! few microseconds and keeps the lowest. Baseline minus that low-water mark
+//! is the step's peak: the arena, the workspace (staging, a 32 MiB cuBLAS
+//! workspace per computing stream, one error word), the driver's rounding of
+//! the allocation to its page size, and anything a library allocated during
+//! the step, even if it freed it again before the step ended.
 
 pub mod nccl;
 
@@ -43,10 +45,72 @@ use crate::schedule::Schedule;
 pub use nccl::NcclComm;
 
 fn driver(call: &str, e: drv::DriverError) -> RuntimeError {
+    let why = if e.0 == drv_sys::cudaError_enum::CUDA_ERROR_STUB_LIBRARY {
+        "the libcuda.so that was loaded is the CUDA toolkit's stub (a stubs/ directory on \
+         LD_LIBRARY_PATH), not the driver's; remove that directory from LD_LIBRARY_PATH"
+            .to_string()
+    } else {
+        format!("{e:?}")
+    };
     RuntimeError::Device {
         library: "CUDA",
         call: call.to_string(),
-        why: format!("{e:?}"),
+        why,
+    }
+}
+
+/// The device's lowest free memory while a step runs: a thread samples
+/// `cuMemGetInfo` until stopped, so memory a library allocates and frees
+/// during the step is seen too (unless it lives less than one sampling
+/// interval, a few microseconds).
+struct Watermark {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<usize>>>,
+}
+
+impl Drop for Watermark {
+    /// A step that fails part-way still stops the sampler.
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Watermark {
+    fn start(ctx: &Arc<CudaContext>) -> Watermark {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ctx, flag) = (ctx.clone(), stop.clone());
+        let thread = std::thread::spawn(move || -> Result<usize> {
+            ctx.bind_to_thread()
+                .map_err(|e| driver("cuCtxSetCurrent (memory watermark)", e))?;
+            let mut low = usize::MAX;
+            loop {
+                let done = flag.load(std::sync::atomic::Ordering::Acquire);
+                let (free, _) = drv::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+                low = low.min(free);
+                if done {
+                    return Ok(low);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        });
+        Watermark {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops sampling (after one last sample) and returns the lowest free
+    /// bytes seen.
+    fn finish(mut self) -> Result<usize> {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        let thread = self.thread.take().expect("finish runs once");
+        thread.join().unwrap_or_else(|_| {
+            Err(RuntimeError::Device {
+                library: "CUDA",
+                call: "the memory watermark thread".into(),
+                why: "it panicked".into(),
+            })
+        })
     }
 }
 
@@ -524,6 +588,7 @@ impl CudaExecutor {
         // SAFETY: the error word lies in the allocation; the device is idle.
         unsafe { drv::memset_d8_sync(ew, 0, 4) }.map_err(|e| driver("cuMemsetD8", e))?;
         let step = self.steps_done + 1;
+        let watermark = Watermark::start(&self.ctx);
         let start = Instant::now();
         for (j, ops) in self.ops.iter().enumerate() {
             let s = self.program.instrs[j].stream.index();
@@ -589,7 +654,7 @@ impl CudaExecutor {
                 .map_err(|e| driver("cuStreamSynchronize (running the step)", e))?;
         }
         let seconds = start.elapsed().as_secs_f64();
-        let (free, _) = drv::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+        let free = watermark.finish()?;
         let mut code = [0i32; 1];
         // SAFETY: as above.
         unsafe { drv::memcpy_dtoh_sync(&mut code, ew) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
@@ -685,6 +750,18 @@ fn one_rank(
 fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunReport> {
     let world = p.world_size as usize;
     check_libraries(world > 1)?;
+    // Every rank needs its own GPU: a rank without one would leave the
+    // others waiting in NCCL's set-up forever.
+    let count = CudaContext::device_count().map_err(|e| driver("cuDeviceGetCount", e))? as usize;
+    if first_gpu + world > count {
+        return Err(RuntimeError::Unavailable(
+            "enough GPUs",
+            format!(
+                "world size {world} from GPU {first_gpu} needs GPUs {first_gpu}..{}, but this machine has {count}",
+                first_gpu + world - 1
+            ),
+        ));
+    }
     let per_rank: Vec<RankRun> = if world == 1 {
         vec![one_rank(p, cfg, first_gpu, 0, None)?]
     } else {
