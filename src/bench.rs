@@ -34,7 +34,8 @@ pub const EXAMPLE_PREFIX: &str = "example:";
 #[derive(Clone, Debug)]
 pub enum Source {
     /// A built-in example: `example:NAME[,key=value...]`, keys `batch`,
-    /// `seq`, `layers`, `dtype`, `clip` and the flag `checkpoint`.
+    /// `seq`, `layers`, `dtype`, `clip` and the flags `checkpoint` and
+    /// `fused` (fused attention).
     Example {
         /// The spec as written, e.g. `example:gpt2-small,batch=4`.
         spec: String,
@@ -86,6 +87,7 @@ impl Source {
                     );
                 }
                 "checkpoint" if value.is_none() => opts.checkpoint = true,
+                "fused" if value.is_none() => opts.fused_attention = true,
                 "clip" => {
                     let v = value.unwrap_or_default();
                     match v.parse::<f64>() {
@@ -95,7 +97,7 @@ impl Source {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, checkpoint)"
+                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, checkpoint, fused)"
                     )));
                 }
             }

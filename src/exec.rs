@@ -169,6 +169,8 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
         "causal_softmax_backward" => Kernel::CausalSoftmaxBackward(a.attention()?),
         "attention_values" => Kernel::AttentionValues(a.attention()?),
         "attention_values_backward" => Kernel::AttentionValuesBackward(a.attention()?),
+        "fused_attention" => Kernel::FusedAttention(a.attention()?),
+        "fused_attention_backward" => Kernel::FusedAttentionBackward(a.attention()?),
         "add" => Kernel::Add {
             elements: elements()?,
         },

@@ -140,3 +140,21 @@ fn mlp_lowered_for_the_gpu_matches_the_cpu_executor() {
     };
     matches_cpu(&mlp::build(&cfg).unwrap(), 2);
 }
+
+#[test]
+fn fused_attention_lowered_for_the_gpu_matches_the_cpu_executor() {
+    // Sequence 40: the kernels' 16-row blocks and 32-row tiles end part-way.
+    let mut cfg = Gpt2Config::small_config(1, 32, 2, 40, 2, 64);
+    cfg.fused_attention = true;
+    let p = matches_cpu(&gpt2::build(&cfg).unwrap(), 2);
+    let em = Emulator::new(p).unwrap();
+    let flash = em
+        .ops()
+        .iter()
+        .flatten()
+        .filter(|o| matches!(o, DevOp::Launch(l) if l.kernel.name().starts_with("flash_attn")))
+        .count();
+    assert_eq!(flash, 3, "one forward and two backward launches");
+    cfg.checkpoint = true;
+    matches_cpu(&fsdp::shard(&gpt2::build(&cfg).unwrap(), 2).unwrap(), 2);
+}

@@ -42,6 +42,10 @@ impl Attention {
     fn out(&self) -> u64 {
         self.batch * self.seq * self.width()
     }
+    /// Query rows over all heads: `B·H·T`.
+    fn rows(&self) -> u64 {
+        self.batch * self.heads * self.seq
+    }
 }
 
 /// Hyper-parameters of an Adam or AdamW update (PyTorch's single-tensor
@@ -120,6 +124,14 @@ pub enum Kernel {
     AttentionValues(Attention),
     /// in `[datt BTC, probs, qkv]`, out `[dprobs, dqkv]`.
     AttentionValuesBackward(Attention),
+    /// Fused (flash-style) causal attention: `[qkv] -> [out, lse]`, out
+    /// `[B, T, C]` as `attention_values` writes it, `lse` `[B, H, T]` (f32)
+    /// the log-sum-exp of each query row's scaled scores. No `[T, T]`
+    /// matrix is stored: extra memory is O(T) per head.
+    FusedAttention(Attention),
+    /// `[dout, qkv, out, lse] -> [dqkv]`: the gradient of all three parts
+    /// of `qkv`, recomputing the scores tile by tile.
+    FusedAttentionBackward(Attention),
     /// in `[a E, b E]`, out `[a + b]`.
     Add { elements: u64 },
     /// in `[x E]`, out `[gelu(x)]` (tanh approximation).
@@ -187,6 +199,8 @@ impl Kernel {
             Kernel::CausalSoftmaxBackward(_) => "causal_softmax_backward",
             Kernel::AttentionValues(_) => "attention_values",
             Kernel::AttentionValuesBackward(_) => "attention_values_backward",
+            Kernel::FusedAttention(_) => "fused_attention",
+            Kernel::FusedAttentionBackward(_) => "fused_attention_backward",
             Kernel::Add { .. } => "add",
             Kernel::Gelu { .. } => "gelu",
             Kernel::GeluBackward { .. } => "gelu_backward",
@@ -395,6 +409,27 @@ impl Kernel {
                 (
                     vec![Float(a.out()), Float(a.probs()), Float(a.qkv())],
                     vec![Float(a.probs()), Float(a.qkv())],
+                    vec![],
+                )
+            }
+            Kernel::FusedAttention(a) => {
+                check_attention(a)?;
+                (
+                    vec![Float(a.qkv())],
+                    vec![Float(a.out()), F32(a.rows())],
+                    vec![],
+                )
+            }
+            Kernel::FusedAttentionBackward(a) => {
+                check_attention(a)?;
+                (
+                    vec![
+                        Float(a.out()),
+                        Float(a.qkv()),
+                        Float(a.out()),
+                        F32(a.rows()),
+                    ],
+                    vec![Float(a.qkv())],
                     vec![],
                 )
             }

@@ -81,6 +81,7 @@ fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
                 dtype,
                 checkpoint: src.checkpoint,
                 clip_grad_norm: src.clip_grad_norm,
+                fused_attention: src.fused_attention,
             };
             Ok(memplan::models::example(name, &opts)?)
         }

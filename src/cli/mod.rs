@@ -51,6 +51,10 @@ pub struct GraphArgs {
     /// Clip the gradients' global norm before the updates (GPT-2 examples).
     #[arg(long, value_name = "MAX", requires = "example")]
     pub clip_grad_norm: Option<f64>,
+    /// Fused (flash-style) attention in every GPT-2 block: no [B, H, T, T]
+    /// scores or probabilities, the log-sum-exp saved for the backward.
+    #[arg(long, requires = "example")]
+    pub fused_attention: bool,
     /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one
     /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
     #[arg(long, value_name = "W")]

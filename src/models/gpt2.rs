@@ -53,6 +53,11 @@ pub struct Gpt2Config {
     pub align: u64,
     pub lr: f64,
     pub weight_decay: f64,
+    /// Fused (flash-style) attention: one `fused_attention` op per block
+    /// saves the output and the `[B, H, T]` log-sum-exp instead of the
+    /// `[B, H, T, T]` probabilities, and `fused_attention_backward`
+    /// recomputes the scores tile by tile.
+    pub fused_attention: bool,
 }
 
 impl Gpt2Config {
@@ -85,6 +90,7 @@ impl Gpt2Config {
             align: 256,
             lr: 1e-3,
             weight_decay: 0.01,
+            fused_attention: false,
         })
     }
 
@@ -139,6 +145,8 @@ struct BlockActs {
     mean1: TensorId,
     rstd1: TensorId,
     qkv: TensorId,
+    /// The softmax probabilities, or with fused attention the log-sum-exp
+    /// of each query row.
     probs: TensorId,
     att: TensorId,
     x2: TensorId,
@@ -552,34 +560,21 @@ fn block_forward(
     );
     let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
                       "scale": 1.0 / ((c / h) as f64).sqrt()});
-    let scores = net.tensor(&n("attn.scores"), &[bsz, h, t, t], Role::Temporary);
-    net.op(
-        &n("attn.scores"),
-        kind,
-        "attention_scores",
-        &[qkv],
-        &[scores],
-        rc(attn.clone()),
-    );
-    let probs = net.tensor(&n("attn.probs"), &[bsz, h, t, t], Role::Activation);
-    let op = net.op(
-        &n("attn.softmax"),
-        kind,
-        "causal_softmax",
-        &[scores],
-        &[probs],
-        rc(attn.clone()),
-    );
-    net.reuse(op, probs, scores);
     let att = net.tensor(&n("attn.out"), &[bsz, t, c], Role::Activation);
-    net.op(
-        &n("attn.values"),
-        kind,
-        "attention_values",
-        &[probs, qkv],
-        &[att],
-        rc(attn),
-    );
+    let probs = if cfg.fused_attention {
+        let lse = net.stats(&n("attn.lse"), bsz * h * t);
+        net.op(
+            &n("attn.fused"),
+            kind,
+            "fused_attention",
+            &[qkv],
+            &[att, lse],
+            rc(attn),
+        );
+        lse
+    } else {
+        explicit_attention(net, &n, qkv, att, rc(attn))
+    };
     let a = net.tensor(&n("attn.proj"), &[bsz, t, c], Role::Activation);
     let (wo, bo) = (net.w(bp.proj_w), net.w(bp.proj_b));
     net.op(
@@ -741,6 +736,90 @@ fn linear_backward(
     dx
 }
 
+/// Explicit causal attention as PyTorch eager runs it: the `[B, H, T, T]`
+/// scores, the softmax in place into the probabilities (saved for the
+/// backward), then the values into `att`. Returns the probabilities.
+fn explicit_attention(
+    net: &mut Net,
+    n: &dyn Fn(&str) -> String,
+    qkv: TensorId,
+    att: TensorId,
+    attn: Value,
+) -> TensorId {
+    let cfg = net.cfg.clone();
+    let (bsz, t, h) = (cfg.batch, cfg.seq, cfg.heads);
+    let kind = OpKind::Forward;
+    let scores = net.tensor(&n("attn.scores"), &[bsz, h, t, t], Role::Temporary);
+    net.op(
+        &n("attn.scores"),
+        kind,
+        "attention_scores",
+        &[qkv],
+        &[scores],
+        attn.clone(),
+    );
+    let probs = net.tensor(&n("attn.probs"), &[bsz, h, t, t], Role::Activation);
+    let op = net.op(
+        &n("attn.softmax"),
+        kind,
+        "causal_softmax",
+        &[scores],
+        &[probs],
+        attn.clone(),
+    );
+    net.reuse(op, probs, scores);
+    net.op(
+        &n("attn.values"),
+        kind,
+        "attention_values",
+        &[probs, qkv],
+        &[att],
+        attn,
+    );
+    probs
+}
+
+/// The explicit attention's backward: `dprobs = dAtt Vᵀ` and `dV`, the
+/// softmax backward, then `dQ`, `dK` added into `dqkv`.
+fn explicit_attention_backward(
+    net: &mut Net,
+    n: &dyn Fn(&str) -> String,
+    datt: TensorId,
+    a: &BlockActs,
+    dqkv: TensorId,
+    attn: Value,
+) {
+    let cfg = net.cfg.clone();
+    let (bsz, t, h) = (cfg.batch, cfg.seq, cfg.heads);
+    let kind = OpKind::Backward;
+    let dprobs = net.tensor(&n("attn.probs.grad"), &[bsz, h, t, t], Role::Temporary);
+    net.op(
+        &n("attn.values.backward"),
+        kind,
+        "attention_values_backward",
+        &[datt, a.probs, a.qkv],
+        &[dprobs, dqkv],
+        attn.clone(),
+    );
+    let dscores = net.tensor(&n("attn.scores.grad"), &[bsz, h, t, t], Role::Temporary);
+    let op = net.op(
+        &n("attn.softmax.backward"),
+        kind,
+        "causal_softmax_backward",
+        &[dprobs, a.probs],
+        &[dscores],
+        attn.clone(),
+    );
+    net.reuse(op, dscores, dprobs);
+    let spec = OpSpec::new(n("attn.scores.backward"), kind, "attention_scores_backward")
+        .inputs([dscores, a.qkv])
+        .updates([dqkv]);
+    let op = net.b.add_op(spec);
+    if let Value::Object(m) = attn {
+        net.b.op_spec_mut(op).attrs = m;
+    }
+}
+
 /// One block's backward from the gradient of its output; returns the
 /// gradient of its input.
 fn block_backward(
@@ -795,32 +874,18 @@ fn block_backward(
     let datt = linear_backward(net, &n("attn.c_proj"), dx2, a.att, bp.proj_w, bp.proj_b);
     let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
                       "scale": 1.0 / ((c / h) as f64).sqrt()});
-    let dprobs = net.tensor(&n("attn.probs.grad"), &[bsz, h, t, t], Role::Temporary);
     let dqkv = net.tensor(&n("attn.qkv.grad"), &[bsz, t, 3 * c], Role::Activation);
-    net.op(
-        &n("attn.values.backward"),
-        kind,
-        "attention_values_backward",
-        &[datt, a.probs, a.qkv],
-        &[dprobs, dqkv],
-        attn.clone(),
-    );
-    let dscores = net.tensor(&n("attn.scores.grad"), &[bsz, h, t, t], Role::Temporary);
-    let op = net.op(
-        &n("attn.softmax.backward"),
-        kind,
-        "causal_softmax_backward",
-        &[dprobs, a.probs],
-        &[dscores],
-        attn.clone(),
-    );
-    net.reuse(op, dscores, dprobs);
-    let spec = OpSpec::new(n("attn.scores.backward"), kind, "attention_scores_backward")
-        .inputs([dscores, a.qkv])
-        .updates([dqkv]);
-    let op = net.b.add_op(spec);
-    if let Value::Object(m) = attn {
-        net.b.op_spec_mut(op).attrs = m;
+    if cfg.fused_attention {
+        net.op(
+            &n("attn.fused.backward"),
+            kind,
+            "fused_attention_backward",
+            &[datt, a.qkv, a.att, a.probs],
+            &[dqkv],
+            attn,
+        );
+    } else {
+        explicit_attention_backward(net, &n, datt, a, dqkv, attn);
     }
     let dy1 = linear_backward(net, &n("attn.c_attn"), dqkv, a.y1, bp.qkv_w, bp.qkv_b);
     let dx_ln = layernorm_backward(

@@ -61,6 +61,9 @@ pub struct ExampleOptions {
     pub dtype: Option<DType>,
     pub checkpoint: bool,
     pub clip_grad_norm: Option<f64>,
+    /// GPT-2: fused (flash-style) attention instead of the explicit
+    /// scores and probabilities.
+    pub fused_attention: bool,
 }
 
 /// Builds a built-in example by name.
@@ -98,5 +101,6 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
     }
     c.checkpoint = opts.checkpoint;
     c.clip_grad_norm = opts.clip_grad_norm;
+    c.fused_attention = opts.fused_attention;
     gpt2::build(&c)
 }

@@ -10,6 +10,7 @@
 //! vocabulary entry). The in-process communicator copies each collective's
 //! send buffer once per rank.
 
+pub mod flash;
 pub mod gemm;
 pub mod kernels;
 
@@ -550,6 +551,17 @@ unsafe fn run_instr(
                 ops.input_ro(2),
                 ops.output(0),
                 ops.output(1),
+                a,
+            ),
+            Kernel::FusedAttention(a) => {
+                flash::fused_attention(ops.input_ro(0), ops.output(0), ops.output(1), a)
+            }
+            Kernel::FusedAttentionBackward(a) => flash::fused_attention_backward(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.input_ro(3),
+                ops.output(0),
                 a,
             ),
             Kernel::Add { .. } => k::add(ops.input(0), ops.input(1), ops.output(0)),

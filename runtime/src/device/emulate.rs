@@ -377,6 +377,9 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
             let v = m.f(out, 0) + s;
             m.set(out, 0, v);
         }
+        DevKernel::FlashAttnFwd => flash_fwd(m, &a),
+        DevKernel::FlashAttnBwdDq => flash_bwd(m, &a, false),
+        DevKernel::FlashAttnBwdDkv => flash_bwd(m, &a, true),
         DevKernel::SqrtInplace => {
             let x = a.p(0);
             let v = m.f(x, 0).sqrt();
@@ -415,6 +418,127 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 m.set(v, i, vi);
                 if let Some(dp) = denom {
                     m.set(dp, i, d);
+                }
+            }
+        }
+    }
+}
+
+/// Sizes of a flash-attention launch, from argument `first` on: batch,
+/// heads, seq, head dim, scale.
+struct Fa {
+    b: usize,
+    h: usize,
+    t: usize,
+    d: usize,
+    scale: f32,
+}
+
+impl Fa {
+    fn new(a: &Args<'_>, first: usize) -> Fa {
+        Fa {
+            b: a.n(first),
+            h: a.n(first + 1),
+            t: a.n(first + 2),
+            d: a.n(first + 3),
+            scale: a.f(first + 4),
+        }
+    }
+    fn c(&self) -> usize {
+        self.h * self.d
+    }
+    fn qkv(&self, b: usize, h: usize, part: usize, i: usize) -> usize {
+        (b * self.t + i) * 3 * self.c() + part * self.c() + h * self.d
+    }
+    fn out(&self, b: usize, h: usize, i: usize) -> usize {
+        (b * self.t + i) * self.c() + h * self.d
+    }
+    fn dot(&self, m: &Mem<'_>, x: (usize, usize), y: (usize, usize)) -> f32 {
+        (0..self.d).fold(0.0, |s, e| s + m.f(x.0, x.1 + e) * m.f(y.0, y.1 + e))
+    }
+}
+
+/// `flash_attn_fwd`: per query row, key tiles of 32 with the kernel's
+/// running maximum and sum.
+fn flash_fwd(m: &mut Mem<'_>, a: &Args<'_>) {
+    let (qkv, out, lse) = (a.p(0), a.p(1), a.p(2));
+    let f = Fa::new(a, 3);
+    for b in 0..f.b {
+        for h in 0..f.h {
+            for i in 0..f.t {
+                let (mut mx, mut l) = (f32::NEG_INFINITY, 0.0f32);
+                let mut acc = vec![0.0f32; f.d];
+                for j0 in (0..=i).step_by(32) {
+                    let keys = j0..(j0 + 32).min(i + 1);
+                    let s: Vec<f32> = keys
+                        .clone()
+                        .map(|j| {
+                            f.dot(m, (qkv, f.qkv(b, h, 0, i)), (qkv, f.qkv(b, h, 1, j))) * f.scale
+                        })
+                        .collect();
+                    let m_new = s.iter().copied().fold(mx, f32::max);
+                    let rescale = (mx - m_new).exp();
+                    let p: Vec<f32> = s.iter().map(|x| (x - m_new).exp()).collect();
+                    l = l * rescale + p.iter().sum::<f32>();
+                    mx = m_new;
+                    for (e, x) in acc.iter_mut().enumerate() {
+                        *x *= rescale;
+                        for (pj, j) in p.iter().zip(keys.clone()) {
+                            *x += pj * m.f(qkv, f.qkv(b, h, 2, j) + e);
+                        }
+                    }
+                }
+                for (e, x) in acc.iter().enumerate() {
+                    m.set(out, f.out(b, h, i) + e, x / l);
+                }
+                m.set(lse, (b * f.h + h) * f.t + i, mx + l.ln());
+            }
+        }
+    }
+}
+
+/// `flash_attn_bwd_dq` (`kv == false`: the query part of dqkv) and
+/// `flash_attn_bwd_dkv` (the key and value parts).
+fn flash_bwd(m: &mut Mem<'_>, a: &Args<'_>, kv: bool) {
+    let (dout, qkv, out, lse, dqkv) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4));
+    let f = Fa::new(a, 5);
+    for b in 0..f.b {
+        for h in 0..f.h {
+            let row = |i: usize| (b * f.h + h) * f.t + i;
+            let dd: Vec<f32> = (0..f.t)
+                .map(|i| f.dot(m, (dout, f.out(b, h, i)), (out, f.out(b, h, i))))
+                .collect();
+            // ds(i, j) = P ∘ (dP − D) · scale, P recomputed from lse.
+            let grad = |m: &Mem<'_>, i: usize, j: usize| {
+                let s = f.dot(m, (qkv, f.qkv(b, h, 0, i)), (qkv, f.qkv(b, h, 1, j))) * f.scale;
+                let p = (s - m.f(lse, row(i))).exp();
+                let dp = f.dot(m, (dout, f.out(b, h, i)), (qkv, f.qkv(b, h, 2, j)));
+                (p, p * (dp - dd[i]) * f.scale)
+            };
+            for r in 0..f.t {
+                let (mut g1, mut g2) = (vec![0.0f32; f.d], vec![0.0f32; f.d]);
+                if kv {
+                    for i in r..f.t {
+                        let (p, ds) = grad(m, i, r);
+                        for e in 0..f.d {
+                            g1[e] += ds * m.f(qkv, f.qkv(b, h, 0, i) + e);
+                            g2[e] += p * m.f(dout, f.out(b, h, i) + e);
+                        }
+                    }
+                    for e in 0..f.d {
+                        m.set(dqkv, f.qkv(b, h, 1, r) + e, g1[e]);
+                        m.set(dqkv, f.qkv(b, h, 2, r) + e, g2[e]);
+                    }
+                } else {
+                    for j in 0..=r {
+                        let (_, ds) = grad(m, r, j);
+                        for (e, x) in g1.iter_mut().enumerate() {
+                            *x += ds * m.f(qkv, f.qkv(b, h, 1, j) + e);
+                        }
+                    }
+                    for (e, x) in g1.iter().enumerate() {
+                        m.set(dqkv, f.qkv(b, h, 0, r) + e, *x);
+                    }
                 }
             }
         }

@@ -330,3 +330,286 @@ extern "C" __global__ void adam_step(const float* g, const float* norm, float* w
         if (denom) denom[i] = d;
     }
 }
+
+// ---- Fused causal attention (flash-style) -------------------------------
+// qkv is [B, T, 3C]: query, key, value of head h at columns hD, C + hD,
+// 2C + hD; out is [B, T, C]; lse is [B, H, T]. Head dimension D <= FA_DMAX.
+// A block is FA_WARPS warps; each warp owns FA_RPW rows (query rows in the
+// forward and dQ kernels, key rows in the dK/dV kernel) and keeps them in
+// registers, lane l holding dimensions l, l + 32, l + 64, l + 96. The other
+// side is staged through shared memory 32 rows at a time, lane j taking row
+// j of the tile: a score is one lane's dot product of a register row
+// (broadcast by shuffles) with its shared row, and a weighted sum of rows
+// is 32 shuffles of the weights against the shared tile. Tiles are
+// 32-aligned and blocks 16-aligned, so every key tile the forward pass
+// visits holds a key at or before each of its query rows.
+#define FA_DMAX 128
+#define FA_DP (FA_DMAX + 1)
+#define FA_RPW 4
+#define FA_WARPS 4
+#define FA_ROWS (FA_RPW * FA_WARPS)
+#define FA_U (FA_DMAX / 32)
+
+struct FaShape {
+    i64 batch, heads, seq, hd;
+    __device__ i64 c() const { return heads * hd; }
+    // Element (row i, dim 0) of part (0 q, 1 k, 2 v) of head h in batch b.
+    __device__ i64 qkv(i64 b, i64 h, int part, i64 i) const { return (b * seq + i) * 3 * c() + part * c() + h * hd; }
+    __device__ i64 out(i64 b, i64 h, i64 i) const { return (b * seq + i) * c() + h * hd; }
+};
+
+// Loads 32 rows (row r from src + r * stride) into tile[32][FA_DP]: the
+// first `units` * 32 columns, zero beyond `valid` rows and beyond hd columns
+// (so padded lanes add 0). Each thread issues FA_BATCH loads before it
+// stores any, so a tile costs a few memory latencies, not one per element.
+#define FA_BATCH 8
+__device__ void fa_load(float (*tile)[FA_DP], const float* src, i64 stride, i64 valid, i64 hd, int units) {
+    int cols = 32 * units, n = 32 * cols;
+    for (int base = threadIdx.x; base < n; base += FA_BATCH * blockDim.x) {
+        float v[FA_BATCH];
+#pragma unroll
+        for (int e = 0; e < FA_BATCH; ++e) {
+            int k = base + e * blockDim.x, r = k / cols, d = k % cols;
+            v[e] = (k < n && r < valid && d < hd) ? src[r * stride + d] : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < FA_BATCH; ++e) {
+            int k = base + e * blockDim.x;
+            if (k < n) tile[k / cols][k % cols] = v[e];
+        }
+    }
+}
+
+// Lane `lane` of a row held across the warp (dims lane + 32u) into regs.
+__device__ __forceinline__ void fa_row(float* reg, const float* src, i64 hd, int lane) {
+#pragma unroll
+    for (int u = 0; u < FA_U; ++u) {
+        int d = lane + 32 * u;
+        reg[u] = d < hd ? src[d] : 0.f;
+    }
+}
+
+// dot(register row, tile row `lane`), the register row broadcast by shuffles.
+// One partial sum per 32 dimensions, so the additions form FA_U short
+// chains instead of one long one.
+__device__ __forceinline__ float fa_dot(const float* reg, const float (*tile)[FA_DP], int lane, int units) {
+    float s[FA_U];
+#pragma unroll
+    for (int u = 0; u < FA_U; ++u) {
+        s[u] = 0.f;
+        if (u < units) {
+#pragma unroll
+            for (int src = 0; src < 32; ++src)
+                s[u] += __shfl_sync(0xffffffffu, reg[u], src) * tile[lane][32 * u + src];
+        }
+    }
+    float t = 0.f;
+#pragma unroll
+    for (int u = 0; u < FA_U; ++u) t += s[u];
+    return t;
+}
+
+// acc[u] += sum_j w_j * tile[j][lane + 32u], w_j held by lane j.
+__device__ __forceinline__ void fa_axpy(float* acc, float w, const float (*tile)[FA_DP], int lane, int units) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        float wj = __shfl_sync(0xffffffffu, w, j);
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u)
+            if (u < units) acc[u] += wj * tile[j][lane + 32 * u];
+    }
+}
+
+// Grid: B * H * ceil(T / FA_ROWS) blocks of 32 * FA_WARPS threads.
+extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* lse, i64 batch, i64 heads, i64 seq,
+                                          i64 hd, float scale) {
+    __shared__ float ks[32][FA_DP];
+    __shared__ float vs[32][FA_DP];
+    FaShape sh = {batch, heads, seq, hd};
+    i64 tiles = (seq + FA_ROWS - 1) / FA_ROWS;
+    i64 bh = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * FA_ROWS;
+    i64 b = bh / heads, h = bh % heads;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, units = (int)((hd + 31) / 32);
+    float q[FA_RPW][FA_U], acc[FA_RPW][FA_U], m[FA_RPW], l[FA_RPW];
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r) {
+        i64 i = i0 + w * FA_RPW + r;
+        fa_row(q[r], qkv + sh.qkv(b, h, 0, i < seq ? i : 0), hd, lane);
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) acc[r][u] = 0.f;
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+    }
+    i64 last = i0 + FA_ROWS - 1 < seq ? i0 + FA_ROWS - 1 : seq - 1;
+    for (i64 j0 = 0; j0 <= last; j0 += 32) {
+        __syncthreads();
+        fa_load(ks, qkv + sh.qkv(b, h, 1, j0), 3 * sh.c(), seq - j0, hd, units);
+        fa_load(vs, qkv + sh.qkv(b, h, 2, j0), 3 * sh.c(), seq - j0, hd, units);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < FA_RPW; ++r) {
+            i64 i = i0 + w * FA_RPW + r;
+            if (i >= seq) continue;  // uniform over the warp
+            i64 j = j0 + lane;
+            float s = fa_dot(q[r], ks, lane, units) * scale;
+            bool on = j <= i;
+            float top = warp_max(on ? s : NEG_INF);
+            float m_new = fmaxf(m[r], top);
+            float p = on ? expf(s - m_new) : 0.f;
+            float rescale = expf(m[r] - m_new);
+            l[r] = l[r] * rescale + warp_sum(p);
+            m[r] = m_new;
+#pragma unroll
+            for (int u = 0; u < FA_U; ++u) acc[r][u] *= rescale;
+            fa_axpy(acc[r], p, vs, lane, units);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r) {
+        i64 i = i0 + w * FA_RPW + r;
+        if (i >= seq) continue;
+        float inv = 1.f / l[r];
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) {
+            int d = lane + 32 * u;
+            if (d < hd) out[sh.out(b, h, i) + d] = acc[r][u] * inv;
+        }
+        if (lane == 0) lse[bh * seq + i] = m[r] + logf(l[r]);
+    }
+}
+
+// dQ (the query part of dqkv). Grid and block as flash_attn_fwd.
+extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv, const float* out, const float* lse,
+                                             float* dqkv, i64 batch, i64 heads, i64 seq, i64 hd, float scale) {
+    __shared__ float ks[32][FA_DP];
+    __shared__ float vs[32][FA_DP];
+    FaShape sh = {batch, heads, seq, hd};
+    i64 tiles = (seq + FA_ROWS - 1) / FA_ROWS;
+    i64 bh = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * FA_ROWS;
+    i64 b = bh / heads, h = bh % heads;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, units = (int)((hd + 31) / 32);
+    float q[FA_RPW][FA_U], go[FA_RPW][FA_U], dq[FA_RPW][FA_U], dd[FA_RPW], ls[FA_RPW];
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r) {
+        i64 i = i0 + w * FA_RPW + r;
+        i64 ii = i < seq ? i : 0;
+        float o[FA_U];
+        fa_row(q[r], qkv + sh.qkv(b, h, 0, ii), hd, lane);
+        fa_row(go[r], dout + sh.out(b, h, ii), hd, lane);
+        fa_row(o, out + sh.out(b, h, ii), hd, lane);
+        float part = 0.f;
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) {
+            part += go[r][u] * o[u];
+            dq[r][u] = 0.f;
+        }
+        dd[r] = warp_sum(part);
+        ls[r] = lse[bh * seq + ii];
+    }
+    i64 last = i0 + FA_ROWS - 1 < seq ? i0 + FA_ROWS - 1 : seq - 1;
+    for (i64 j0 = 0; j0 <= last; j0 += 32) {
+        __syncthreads();
+        fa_load(ks, qkv + sh.qkv(b, h, 1, j0), 3 * sh.c(), seq - j0, hd, units);
+        fa_load(vs, qkv + sh.qkv(b, h, 2, j0), 3 * sh.c(), seq - j0, hd, units);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < FA_RPW; ++r) {
+            i64 i = i0 + w * FA_RPW + r;
+            if (i >= seq) continue;
+            i64 j = j0 + lane;
+            float s = fa_dot(q[r], ks, lane, units) * scale;
+            float p = j <= i ? expf(s - ls[r]) : 0.f;
+            float dp = fa_dot(go[r], vs, lane, units);
+            float ds = p * (dp - dd[r]) * scale;
+            fa_axpy(dq[r], ds, ks, lane, units);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r) {
+        i64 i = i0 + w * FA_RPW + r;
+        if (i >= seq) continue;
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) {
+            int d = lane + 32 * u;
+            if (d < hd) dqkv[sh.qkv(b, h, 0, i) + d] = dq[r][u];
+        }
+    }
+}
+
+// dK and dV (the key and value parts of dqkv). Each warp owns FA_RPW key
+// rows; query tiles of 32 (with their lse and D = dO . O) are staged.
+extern "C" __global__ void flash_attn_bwd_dkv(const float* dout, const float* qkv, const float* out, const float* lse,
+                                              float* dqkv, i64 batch, i64 heads, i64 seq, i64 hd, float scale) {
+    __shared__ float qs[32][FA_DP];
+    __shared__ float gs[32][FA_DP];
+    __shared__ float lse_s[32], dd_s[32];
+    FaShape sh = {batch, heads, seq, hd};
+    i64 tiles = (seq + FA_ROWS - 1) / FA_ROWS;
+    i64 bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * FA_ROWS;
+    i64 b = bh / heads, h = bh % heads;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, units = (int)((hd + 31) / 32);
+    float k[FA_RPW][FA_U], v[FA_RPW][FA_U], dk[FA_RPW][FA_U], dv[FA_RPW][FA_U];
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r) {
+        i64 j = j0 + w * FA_RPW + r;
+        i64 jj = j < seq ? j : 0;
+        fa_row(k[r], qkv + sh.qkv(b, h, 1, jj), hd, lane);
+        fa_row(v[r], qkv + sh.qkv(b, h, 2, jj), hd, lane);
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) dk[r][u] = dv[r][u] = 0.f;
+    }
+    for (i64 i0 = (j0 / 32) * 32; i0 < seq; i0 += 32) {
+        __syncthreads();
+        fa_load(qs, qkv + sh.qkv(b, h, 0, i0), 3 * sh.c(), seq - i0, hd, units);
+        fa_load(gs, dout + sh.out(b, h, i0), sh.c(), seq - i0, hd, units);
+        // D for the tile's query rows: warp w computes rows w, w + 4, ...,
+        // all loads first, then the reductions.
+        float part[32 / FA_WARPS];
+#pragma unroll
+        for (int q = 0; q < 32 / FA_WARPS; ++q) {
+            i64 i = i0 + w + q * FA_WARPS;
+            part[q] = 0.f;
+#pragma unroll
+            for (int u = 0; u < FA_U; ++u) {
+                int d = lane + 32 * u;
+                if (i < seq && d < hd) part[q] += dout[sh.out(b, h, i) + d] * out[sh.out(b, h, i) + d];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 32 / FA_WARPS; ++q) {
+            int t = w + q * FA_WARPS;
+            float x = warp_sum(part[q]);
+            if (lane == 0) {
+                dd_s[t] = x;
+                lse_s[t] = i0 + t < seq ? lse[bh * seq + i0 + t] : 0.f;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < FA_RPW; ++r) {
+            i64 j = j0 + w * FA_RPW + r;
+            if (j >= seq) continue;
+            i64 i = i0 + lane;
+            bool on = i < seq && i >= j;
+            float s = fa_dot(k[r], qs, lane, units) * scale;
+            float p = on ? expf(s - lse_s[lane]) : 0.f;
+            float dp = fa_dot(v[r], gs, lane, units);
+            float ds = p * (dp - dd_s[lane]) * scale;
+            fa_axpy(dv[r], p, gs, lane, units);
+            fa_axpy(dk[r], ds, qs, lane, units);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r) {
+        i64 j = j0 + w * FA_RPW + r;
+        if (j >= seq) continue;
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) {
+            int d = lane + 32 * u;
+            if (d < hd) {
+                dqkv[sh.qkv(b, h, 1, j) + d] = dk[r][u];
+                dqkv[sh.qkv(b, h, 2, j) + d] = dv[r][u];
+            }
+        }
+    }
+}

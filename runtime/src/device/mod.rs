@@ -127,10 +127,13 @@ pub enum DevKernel {
     SumSquares,
     SqrtInplace,
     AdamStep,
+    FlashAttnFwd,
+    FlashAttnBwdDq,
+    FlashAttnBwdDkv,
 }
 
 impl DevKernel {
-    pub const ALL: [DevKernel; 22] = [
+    pub const ALL: [DevKernel; 25] = [
         DevKernel::FillRows,
         DevKernel::ColSum,
         DevKernel::Add,
@@ -153,6 +156,9 @@ impl DevKernel {
         DevKernel::SumSquares,
         DevKernel::SqrtInplace,
         DevKernel::AdamStep,
+        DevKernel::FlashAttnFwd,
+        DevKernel::FlashAttnBwdDq,
+        DevKernel::FlashAttnBwdDkv,
     ];
     /// The `extern "C"` name in `kernels.cu`.
     pub fn name(self) -> &'static str {
@@ -179,6 +185,9 @@ impl DevKernel {
             DevKernel::SumSquares => "sum_squares",
             DevKernel::SqrtInplace => "sqrt_inplace",
             DevKernel::AdamStep => "adam_step",
+            DevKernel::FlashAttnFwd => "flash_attn_fwd",
+            DevKernel::FlashAttnBwdDq => "flash_attn_bwd_dq",
+            DevKernel::FlashAttnBwdDkv => "flash_attn_bwd_dkv",
         }
     }
 }
@@ -373,6 +382,42 @@ pub fn per_row(kernel: DevKernel, rows: u64, cols: u64, args: Vec<Arg>) -> Resul
         kernel,
         grid,
         block,
+        args,
+    }))
+}
+
+/// Largest head dimension of the flash-attention kernels (`FA_DMAX`).
+pub const FLASH_MAX_HEAD_DIM: u64 = 128;
+/// Rows per block of the flash-attention kernels (`FA_ROWS`).
+const FLASH_ROWS: u64 = 16;
+
+/// A launch of one of the flash-attention kernels: one block of 4 warps per
+/// 16 rows of each head; `args` are the pointers, the sizes follow.
+fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp> {
+    if at.head_dim > FLASH_MAX_HEAD_DIM {
+        return Err(RuntimeError::Unavailable(
+            "fused attention on CUDA",
+            format!(
+                "head_dim {} exceeds the kernels' {FLASH_MAX_HEAD_DIM}",
+                at.head_dim
+            ),
+        ));
+    }
+    let blocks = at.batch * at.heads * at.seq.div_ceil(FLASH_ROWS);
+    let grid = u32::try_from(blocks).map_err(|_| {
+        RuntimeError::Unavailable("CUDA", format!("{blocks} blocks exceed the grid limit"))
+    })?;
+    args.extend([
+        n(at.batch),
+        n(at.heads),
+        n(at.seq),
+        n(at.head_dim),
+        Arg::F32(at.scale),
+    ]);
+    Ok(DevOp::Launch(Launch {
+        kernel,
+        grid,
+        block: 128,
         args,
     }))
 }
@@ -756,6 +801,16 @@ pub fn lower(
                     at.heads,
                 )?));
             }
+        }
+        Kernel::FusedAttention(at) => ops.push(flash(
+            DevKernel::FlashAttnFwd,
+            at,
+            vec![p(a.i(0)), p(a.o(0)), p(a.o(1))],
+        )?),
+        Kernel::FusedAttentionBackward(at) => {
+            let args = vec![p(a.i(0)), p(a.i(1)), p(a.i(2)), p(a.i(3)), p(a.o(0))];
+            ops.push(flash(DevKernel::FlashAttnBwdDq, at, args.clone())?);
+            ops.push(flash(DevKernel::FlashAttnBwdDkv, at, args)?);
         }
         Kernel::Add { elements } => ops.push(elementwise(
             DevKernel::Add,

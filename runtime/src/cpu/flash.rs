@@ -1,0 +1,390 @@
+//! Fused causal attention on the CPU, flash-style: the scores of one head
+//! are computed a `TILE × TILE` block at a time and never stored whole.
+//!
+//! Forward, per (batch, head, query tile): for each key tile at or before
+//! the diagonal, `S = scale·Q Kᵀ`, masked above the diagonal; each query
+//! row keeps a running maximum `m`, a running sum `l` of `exp(S − m)` and an
+//! accumulator of `exp(S − m) V`, rescaled by `exp(m_old − m_new)` when the
+//! maximum grows. At the end `out = acc / l` and `lse = m + ln l`, the
+//! log-sum-exp that the backward pass needs to recompute the probabilities
+//! `P = exp(S − lse)` exactly.
+//!
+//! Backward, per (batch, head): `Dᵢ = Σ dOᵢ·Oᵢ` for every query row, then
+//! for each key tile `j` and each query tile `i ≥ j`: recompute `P`,
+//! `dP = dO Vᵀ`, `dS = P ∘ (dP − D)`; accumulate `dV_j += Pᵀ dO`,
+//! `dK_j += scale·dSᵀ Q` in the tile's own buffers and
+//! `dQ_i += scale·dS K` directly in the output. A task owns one head's
+//! columns, so tasks write disjoint bytes and the sums run in a fixed
+//! order: results do not depend on the thread count.
+//!
+//! Scratch memory per task is a few `TILE × max(TILE, D)` blocks (plus `T`
+//! floats for `D` in the backward pass), independent of the batch and of
+//! the number of heads.
+
+use rayon::prelude::*;
+
+use super::gemm::{MatMut, MatPtr, gemm_serial};
+use crate::kernel::Attention;
+
+/// Query and key rows per tile.
+const TILE: usize = 64;
+
+#[derive(Copy, Clone)]
+struct Dims {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    d: usize,
+}
+
+impl Dims {
+    fn new(a: &Attention) -> Dims {
+        Dims {
+            batch: a.batch as usize,
+            seq: a.seq as usize,
+            heads: a.heads as usize,
+            d: a.head_dim as usize,
+        }
+    }
+    fn width(self) -> usize {
+        self.heads * self.d
+    }
+    /// Offset in `qkv` of row `i` of part `part` (0 query, 1 key, 2 value)
+    /// of head `h` in batch `b`; rows are `3C` apart.
+    fn qkv_at(self, b: usize, h: usize, part: usize, i: usize) -> usize {
+        let c = self.width();
+        (b * self.seq + i) * 3 * c + part * c + h * self.d
+    }
+    /// Offset in `out` (`[B, T, C]`) of row `i` of head `h`.
+    fn out_at(self, b: usize, h: usize, i: usize) -> usize {
+        (b * self.seq + i) * self.width() + h * self.d
+    }
+}
+
+/// A raw pointer shared by tasks that write disjoint elements.
+#[derive(Copy, Clone)]
+struct Shared(*mut f32);
+// SAFETY: every task writes only the columns of its own head (see callers).
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+fn rows_of(x: &[f32], at: usize, row_stride: usize) -> MatPtr {
+    MatPtr {
+        ptr: x[at..].as_ptr(),
+        rs: row_stride as isize,
+        cs: 1,
+    }
+}
+
+fn transposed(m: MatPtr) -> MatPtr {
+    MatPtr {
+        ptr: m.ptr,
+        rs: m.cs,
+        cs: m.rs,
+    }
+}
+
+fn block(s: &mut [f32], cols: usize) -> MatMut {
+    MatMut {
+        ptr: s.as_mut_ptr(),
+        rs: cols as isize,
+        cs: 1,
+    }
+}
+
+/// Keys `j0 .. j0 + valid` of a tile are at or before query `i`.
+fn visible(i: usize, j0: usize, cols: usize) -> usize {
+    (i + 1).saturating_sub(j0).min(cols)
+}
+
+/// `out = softmax(scale·Q Kᵀ, causal) V` per head, and `lse` per query row.
+pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attention) {
+    let dm = Dims::new(a);
+    let (t, d, stride) = (dm.seq, dm.d, 3 * dm.width());
+    let tiles = t.div_ceil(TILE);
+    let (out_p, lse_p) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+    (0..dm.batch * dm.heads * tiles)
+        .into_par_iter()
+        .for_each(|task| {
+            let (bh, qt) = (task / tiles, task % tiles);
+            let (b, h) = (bh / dm.heads, bh % dm.heads);
+            let i0 = qt * TILE;
+            let rows = TILE.min(t - i0);
+            let mut s = vec![0.0f32; TILE * TILE];
+            let mut acc = vec![0.0f32; TILE * d];
+            let mut m = [f32::NEG_INFINITY; TILE];
+            let mut l = [0.0f32; TILE];
+            let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
+            for j0 in (0..i0 + rows).step_by(TILE) {
+                let cols = TILE.min(t - j0);
+                let k = rows_of(qkv, dm.qkv_at(b, h, 1, j0), stride);
+                let v = rows_of(qkv, dm.qkv_at(b, h, 2, j0), stride);
+                // SAFETY: `s` is this task's own buffer; q, k lie in qkv.
+                unsafe {
+                    gemm_serial(
+                        rows,
+                        d,
+                        cols,
+                        a.scale,
+                        q,
+                        transposed(k),
+                        0.0,
+                        block(&mut s, TILE),
+                    )
+                };
+                for r in 0..rows {
+                    let row = &mut s[r * TILE..r * TILE + cols];
+                    let valid = visible(i0 + r, j0, cols);
+                    if valid == 0 {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let top = row[..valid]
+                        .iter()
+                        .copied()
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let m_new = m[r].max(top);
+                    let rescale = (m[r] - m_new).exp();
+                    let mut sum = 0.0f32;
+                    for x in &mut row[..valid] {
+                        *x = (*x - m_new).exp();
+                        sum += *x;
+                    }
+                    row[valid..].fill(0.0);
+                    l[r] = l[r] * rescale + sum;
+                    m[r] = m_new;
+                    for x in &mut acc[r * d..(r + 1) * d] {
+                        *x *= rescale;
+                    }
+                }
+                let p = MatPtr::row_major(&s, TILE, false);
+                // SAFETY: `acc` is this task's own buffer.
+                unsafe { gemm_serial(rows, cols, d, 1.0, p, v, 1.0, block(&mut acc, d)) };
+            }
+            for r in 0..rows {
+                let inv = 1.0 / l[r];
+                let o = out_p.at(dm.out_at(b, h, i0 + r));
+                for (e, &x) in acc[r * d..(r + 1) * d].iter().enumerate() {
+                    // SAFETY: row i0 + r of head h: only this task writes it.
+                    unsafe { *o.add(e) = x * inv };
+                }
+                // SAFETY: as above, one element per query row.
+                unsafe { *lse_p.at(bh * t + i0 + r) = m[r] + l[r].ln() };
+            }
+        });
+}
+
+/// The gradient of [`fused_attention`] with respect to all of `qkv`.
+pub fn fused_attention_backward(
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dqkv: &mut [f32],
+    a: &Attention,
+) {
+    let dm = Dims::new(a);
+    let (t, d, c, stride) = (dm.seq, dm.d, dm.width(), 3 * dm.width());
+    let dq_p = Shared(dqkv.as_mut_ptr());
+    (0..dm.batch * dm.heads).into_par_iter().for_each(|bh| {
+        let (b, h) = (bh / dm.heads, bh % dm.heads);
+        let lse = &lse[bh * t..(bh + 1) * t];
+        // D_i = dO_i · O_i, and dQ starts at zero.
+        let dd: Vec<f32> = (0..t)
+            .map(|i| {
+                let at = dm.out_at(b, h, i);
+                dout[at..at + d]
+                    .iter()
+                    .zip(&out[at..at + d])
+                    .map(|(x, y)| x * y)
+                    .sum()
+            })
+            .collect();
+        for i in 0..t {
+            let at = dm.qkv_at(b, h, 0, i);
+            for e in 0..d {
+                // SAFETY: head h's query columns belong to this task.
+                unsafe { *dq_p.at(at + e) = 0.0 };
+            }
+        }
+        let mut p = vec![0.0f32; TILE * TILE];
+        let mut ds = vec![0.0f32; TILE * TILE];
+        let mut dk = vec![0.0f32; TILE * d];
+        let mut dv = vec![0.0f32; TILE * d];
+        for j0 in (0..t).step_by(TILE) {
+            let cols = TILE.min(t - j0);
+            let k = rows_of(qkv, dm.qkv_at(b, h, 1, j0), stride);
+            let v = rows_of(qkv, dm.qkv_at(b, h, 2, j0), stride);
+            dk.fill(0.0);
+            dv.fill(0.0);
+            for i0 in (j0..t).step_by(TILE) {
+                let rows = TILE.min(t - i0);
+                let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
+                let go = rows_of(dout, dm.out_at(b, h, i0), c);
+                // SAFETY (every product below): the destinations are this
+                // task's buffers or its own head's dQ rows; the sources lie
+                // in the inputs.
+                unsafe {
+                    gemm_serial(
+                        rows,
+                        d,
+                        cols,
+                        a.scale,
+                        q,
+                        transposed(k),
+                        0.0,
+                        block(&mut p, TILE),
+                    );
+                    gemm_serial(
+                        rows,
+                        d,
+                        cols,
+                        1.0,
+                        go,
+                        transposed(v),
+                        0.0,
+                        block(&mut ds, TILE),
+                    );
+                }
+                for r in 0..rows {
+                    let i = i0 + r;
+                    let valid = visible(i, j0, cols);
+                    let (pr, dr) = (
+                        &mut p[r * TILE..r * TILE + cols],
+                        &mut ds[r * TILE..r * TILE + cols],
+                    );
+                    for e in 0..cols {
+                        if e < valid {
+                            pr[e] = (pr[e] - lse[i]).exp();
+                            dr[e] = pr[e] * (dr[e] - dd[i]);
+                        } else {
+                            pr[e] = 0.0;
+                            dr[e] = 0.0;
+                        }
+                    }
+                }
+                let pm = MatPtr::row_major(&p, TILE, false);
+                let dsm = MatPtr::row_major(&ds, TILE, false);
+                let dq = MatMut {
+                    ptr: dq_p.at(dm.qkv_at(b, h, 0, i0)),
+                    rs: stride as isize,
+                    cs: 1,
+                };
+                unsafe {
+                    gemm_serial(
+                        cols,
+                        rows,
+                        d,
+                        1.0,
+                        transposed(pm),
+                        go,
+                        1.0,
+                        block(&mut dv, d),
+                    );
+                    gemm_serial(
+                        cols,
+                        rows,
+                        d,
+                        a.scale,
+                        transposed(dsm),
+                        q,
+                        1.0,
+                        block(&mut dk, d),
+                    );
+                    gemm_serial(rows, cols, d, a.scale, dsm, k, 1.0, dq);
+                }
+            }
+            for r in 0..cols {
+                let (ka, va) = (dm.qkv_at(b, h, 1, j0 + r), dm.qkv_at(b, h, 2, j0 + r));
+                for e in 0..d {
+                    // SAFETY: head h's key and value columns belong to this task.
+                    unsafe {
+                        *dq_p.at(ka + e) = dk[r * d + e];
+                        *dq_p.at(va + e) = dv[r * d + e];
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::kernels as k;
+    use crate::init::{hash_key, normal};
+
+    fn random(seed: &str, n: usize, scale: f32) -> Vec<f32> {
+        let key = hash_key(7, seed);
+        (0..n as u64).map(|i| scale * normal(key, i)).collect()
+    }
+
+    fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+        let (mut d, mut r) = (0.0f64, 0.0f64);
+        for (&x, &y) in a.iter().zip(b) {
+            d += (x as f64 - y as f64).powi(2);
+            r += (y as f64).powi(2);
+        }
+        (d / r).sqrt()
+    }
+
+    /// The fused kernels against the explicit scores / softmax / values
+    /// chain, forward and backward, on shapes whose sequence is not a
+    /// multiple of the tile (and shorter than one).
+    #[test]
+    fn fused_attention_equals_the_explicit_chain() {
+        for &(batch, heads, seq, d) in &[(2, 3, 70, 8), (1, 2, 5, 16), (1, 1, 129, 4)] {
+            let a = Attention {
+                batch,
+                heads,
+                seq,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            };
+            let (b, h, t, d) = (batch as usize, heads as usize, seq as usize, d as usize);
+            let c = h * d;
+            // Large scores test the running maximum.
+            let qkv = random("qkv", b * t * 3 * c, 3.0);
+            let dout = random("dout", b * t * c, 1.0);
+
+            let mut probs = vec![0.0f32; b * h * t * t];
+            let mut scores = vec![0.0f32; b * h * t * t];
+            k::attention_scores(&qkv, &mut scores, &a);
+            k::causal_softmax(Some(&scores), &mut probs, &a);
+            let mut want = vec![0.0f32; b * t * c];
+            k::attention_values(&probs, &qkv, &mut want, &a);
+
+            let mut out = vec![f32::NAN; b * t * c];
+            let mut lse = vec![f32::NAN; b * h * t];
+            fused_attention(&qkv, &mut out, &mut lse, &a);
+            assert!(rel_err(&out, &want) < 1e-5, "out: {}", rel_err(&out, &want));
+            // lse reproduces the probabilities of each row's first key.
+            for (r, &l) in lse.iter().enumerate() {
+                let p0 = (scores[r * t] - l).exp();
+                assert!(
+                    (p0 - probs[r * t]).abs() <= 1e-5 * (1.0 + probs[r * t]),
+                    "row {r}"
+                );
+            }
+
+            let mut dprobs = vec![0.0f32; b * h * t * t];
+            let mut want_d = vec![0.0f32; b * t * 3 * c];
+            k::attention_values_backward(&dout, &probs, &qkv, &mut dprobs, &mut want_d, &a);
+            let mut dscores = vec![0.0f32; b * h * t * t];
+            k::causal_softmax_backward(Some(&dprobs), &probs, &mut dscores, &a);
+            k::attention_scores_backward(&dscores, &qkv, &mut want_d, &a);
+
+            let mut got_d = vec![f32::NAN; b * t * 3 * c];
+            fused_attention_backward(&dout, &qkv, &out, &lse, &mut got_d, &a);
+            assert!(got_d.iter().all(|x| x.is_finite()), "every element written");
+            let e = rel_err(&got_d, &want_d);
+            assert!(e < 1e-4, "dqkv ({b}, {h}, {t}, {d}): {e}");
+        }
+    }
+}

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU checks of `memplan run --device cuda` on a machine with an NVIDIA GPU
+# (issue 15's GPU targets). Usage, from the repository root:
+#
+#   cargo build --release --features cuda --bin memplan
+#   scripts/gpu_check.sh [MEMPLAN_BINARY] [OUT_DIR]
+#
+# It finds cuBLAS/NVRTC (a CUDA toolkit, or the nvidia-* wheels PyTorch
+# installs) for LD_LIBRARY_PATH, runs the built-in GPT-2 tiny and small steps
+# on CUDA with --compare-cpu (CUDA losses and final parameters against the
+# CPU executor), and, when python3 has torch with CUDA, the same GPT-2 small
+# step in PyTorch eager (tools/torch_eager_gpt2.py) for peak memory and step
+# time side by side. Logs and JSON go to OUT_DIR (default gpu-check/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:-target/release/memplan}
+OUT=${2:-gpu-check}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+# Library directories (never a toolkit's stubs/: its libcuda.so is a stub
+# that fails every call with CUDA_ERROR_STUB_LIBRARY).
+libdirs=$(find / \( -path /proc -o -path /sys \) -prune -o \
+  \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libnccl.so*' -o -name 'libcublasLt.so*' \) \
+  -print 2>/dev/null | grep -v /stubs/ | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+
+run() { # name, then memplan arguments
+  local name=$1; shift
+  echo "== memplan $*"
+  /usr/bin/time -v "$BIN" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+  local rc=$?
+  case "$*" in
+    *--json*) grep -E '"(arena_bytes|workspace_bytes|lower_bound_bytes|median_step_seconds|measured_peak_bytes)"' "$OUT/$name.out" | sort | uniq -c ;;
+    *) cat "$OUT/$name.out" ;;
+  esac
+  grep -v "^\s" "$OUT/$name.err" | tail -5
+  grep "Maximum resident" "$OUT/$name.err"
+  echo "exit $rc"
+}
+
+
+explicit() {
+  # Correctness against the CPU executor, planned and unplanned, with
+  # checkpointing and gradient clipping.
+  run tiny_cuda run --example gpt2-tiny --device cuda --steps 3 --compare-cpu
+  run tiny_cuda_unplanned run --example gpt2-tiny --device cuda --steps 3 --compare-cpu --unplanned
+  run tiny_cuda_ckpt run --example gpt2-tiny --device cuda --steps 3 --compare-cpu --checkpoint
+  run tiny_cuda_clip run --example gpt2-tiny --device cuda --steps 3 --compare-cpu --clip-grad-norm 1.0
+  run small_cuda_cmp run --example gpt2-small --device cuda --steps 2 --compare-cpu
+  # A world larger than the machine's GPUs must fail at once, naming why.
+  run tiny_cuda_w2 run --example gpt2-tiny --device cuda --world-size 2 --steps 1
+  # Peak and step time next to PyTorch eager on the same configuration.
+  run small_cuda run --example gpt2-small --device cuda --steps 10 --json
+  run xl_cuda run --example gpt2-xl --device cuda --steps 5 --json
+}
+
+fused() {
+  # The flash-attention kernels against the CPU executor (sequence 100:
+  # blocks and tiles end part-way), then peak and time.
+  run tiny_fused_cmp run --example gpt2-tiny --fused-attention --seq 100 --device cuda --steps 3 --compare-cpu --checkpoint
+  run small_fused_cmp run --example gpt2-small --fused-attention --device cuda --steps 2 --compare-cpu
+  run small_fused_cuda run --example gpt2-small --fused-attention --device cuda --steps 10 --json
+  run xl_fused_cuda run --example gpt2-xl --fused-attention --device cuda --steps 5 --json
+}
+
+torch_side() {
+  if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    for cfg in small xl; do
+      if [ -s "$OUT/${cfg}_cuda.out" ]; then
+        echo "== PyTorch eager, gpt2-$cfg"
+        python3 tools/torch_eager_gpt2.py --config gpt2-$cfg --steps 10 --memplan "$OUT/${cfg}_cuda.out" 2>&1 | tee "$OUT/torch_$cfg.out"
+      fi
+      if [ -s "$OUT/${cfg}_fused_cuda.out" ]; then
+        echo "== PyTorch eager, gpt2-$cfg, fused attention (sdpa) vs memplan --fused-attention"
+        python3 tools/torch_eager_gpt2.py --config gpt2-$cfg --steps 10 --sdpa --memplan "$OUT/${cfg}_fused_cuda.out" 2>&1 | tee "$OUT/torch_${cfg}_sdpa.out"
+      fi
+    done
+  else
+    echo "python3 has no CUDA torch: skipping the PyTorch eager side"
+  fi
+}
+
+# SECTIONS picks what runs (default: all).
+for section in ${SECTIONS:-explicit fused torch_side}; do
+  "$section"
+done
