@@ -390,33 +390,53 @@ __device__ __forceinline__ void fa_row(float* reg, const float* src, i64 hd, int
 }
 
 // dot(register row, tile row `lane`), the register row broadcast by shuffles.
-// One partial sum per 32 dimensions, so the additions form FA_U short
-// chains instead of one long one.
-__device__ __forceinline__ float fa_dot(const float* reg, const float (*tile)[FA_DP], int lane, int units) {
-    float s[FA_U];
+// s[r] = dot(register row r, tile row `lane`) for the warp's FA_RPW rows:
+// each tile element is read from shared memory once for all rows, the
+// register rows are broadcast by shuffles, and each (row, 32 dimensions)
+// pair is its own chain of additions.
+__device__ __forceinline__ void fa_dots(const float (*reg)[FA_U], const float (*tile)[FA_DP], int lane, int units,
+                                        float* s) {
+    float part[FA_RPW][FA_U];
+#pragma unroll
+    for (int r = 0; r < FA_RPW; ++r)
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) part[r][u] = 0.f;
 #pragma unroll
     for (int u = 0; u < FA_U; ++u) {
-        s[u] = 0.f;
         if (u < units) {
 #pragma unroll
-            for (int src = 0; src < 32; ++src)
-                s[u] += __shfl_sync(0xffffffffu, reg[u], src) * tile[lane][32 * u + src];
+            for (int src = 0; src < 32; ++src) {
+                float t = tile[lane][32 * u + src];
+#pragma unroll
+                for (int r = 0; r < FA_RPW; ++r) part[r][u] += __shfl_sync(0xffffffffu, reg[r][u], src) * t;
+            }
         }
     }
-    float t = 0.f;
 #pragma unroll
-    for (int u = 0; u < FA_U; ++u) t += s[u];
-    return t;
+    for (int r = 0; r < FA_RPW; ++r) {
+        s[r] = 0.f;
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) s[r] += part[r][u];
+    }
 }
 
-// acc[u] += sum_j w_j * tile[j][lane + 32u], w_j held by lane j.
-__device__ __forceinline__ void fa_axpy(float* acc, float w, const float (*tile)[FA_DP], int lane, int units) {
+// acc[r][u] += sum_j w[r]_j * tile[j][lane + 32u] for the warp's rows, the
+// weight w[r]_j held by lane j.
+__device__ __forceinline__ void fa_axpys(float (*acc)[FA_U], const float* w, const float (*tile)[FA_DP], int lane,
+                                         int units) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-        float wj = __shfl_sync(0xffffffffu, w, j);
+        float wj[FA_RPW];
 #pragma unroll
-        for (int u = 0; u < FA_U; ++u)
-            if (u < units) acc[u] += wj * tile[j][lane + 32 * u];
+        for (int r = 0; r < FA_RPW; ++r) wj[r] = __shfl_sync(0xffffffffu, w[r], j);
+#pragma unroll
+        for (int u = 0; u < FA_U; ++u) {
+            if (u < units) {
+                float t = tile[j][lane + 32 * u];
+#pragma unroll
+                for (int r = 0; r < FA_RPW; ++r) acc[r][u] += wj[r] * t;
+            }
+        }
     }
 }
 
@@ -446,23 +466,25 @@ extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* l
         fa_load(ks, qkv + sh.qkv(b, h, 1, j0), 3 * sh.c(), seq - j0, hd, units);
         fa_load(vs, qkv + sh.qkv(b, h, 2, j0), 3 * sh.c(), seq - j0, hd, units);
         __syncthreads();
+        // Rows past the sequence compute on row 0's query and are not
+        // written; every row has a visible key (j0 <= i0).
+        float s[FA_RPW], p[FA_RPW];
+        fa_dots(q, ks, lane, units, s);
+        i64 j = j0 + lane;
 #pragma unroll
         for (int r = 0; r < FA_RPW; ++r) {
             i64 i = i0 + w * FA_RPW + r;
-            if (i >= seq) continue;  // uniform over the warp
-            i64 j = j0 + lane;
-            float s = fa_dot(q[r], ks, lane, units) * scale;
-            bool on = j <= i;
-            float top = warp_max(on ? s : NEG_INF);
-            float m_new = fmaxf(m[r], top);
-            float p = on ? expf(s - m_new) : 0.f;
+            bool on = j <= i && j < seq;
+            float x = s[r] * scale;
+            float m_new = fmaxf(m[r], warp_max(on ? x : NEG_INF));
+            p[r] = on ? expf(x - m_new) : 0.f;
             float rescale = expf(m[r] - m_new);
-            l[r] = l[r] * rescale + warp_sum(p);
+            l[r] = l[r] * rescale + warp_sum(p[r]);
             m[r] = m_new;
 #pragma unroll
             for (int u = 0; u < FA_U; ++u) acc[r][u] *= rescale;
-            fa_axpy(acc[r], p, vs, lane, units);
         }
+        fa_axpys(acc, p, vs, lane, units);
     }
 #pragma unroll
     for (int r = 0; r < FA_RPW; ++r) {
@@ -512,17 +534,17 @@ extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv
         fa_load(ks, qkv + sh.qkv(b, h, 1, j0), 3 * sh.c(), seq - j0, hd, units);
         fa_load(vs, qkv + sh.qkv(b, h, 2, j0), 3 * sh.c(), seq - j0, hd, units);
         __syncthreads();
+        float s[FA_RPW], dp[FA_RPW], ds[FA_RPW];
+        fa_dots(q, ks, lane, units, s);
+        fa_dots(go, vs, lane, units, dp);
+        i64 j = j0 + lane;
 #pragma unroll
         for (int r = 0; r < FA_RPW; ++r) {
             i64 i = i0 + w * FA_RPW + r;
-            if (i >= seq) continue;
-            i64 j = j0 + lane;
-            float s = fa_dot(q[r], ks, lane, units) * scale;
-            float p = j <= i ? expf(s - ls[r]) : 0.f;
-            float dp = fa_dot(go[r], vs, lane, units);
-            float ds = p * (dp - dd[r]) * scale;
-            fa_axpy(dq[r], ds, ks, lane, units);
+            float p = i < seq && j <= i ? expf(s[r] * scale - ls[r]) : 0.f;
+            ds[r] = p * (dp[r] - dd[r]) * scale;
         }
+        fa_axpys(dq, ds, ks, lane, units);
     }
 #pragma unroll
     for (int r = 0; r < FA_RPW; ++r) {
@@ -585,19 +607,19 @@ extern "C" __global__ void flash_attn_bwd_dkv(const float* dout, const float* qk
             }
         }
         __syncthreads();
+        float s[FA_RPW], dp[FA_RPW], p[FA_RPW], ds[FA_RPW];
+        fa_dots(k, qs, lane, units, s);
+        fa_dots(v, gs, lane, units, dp);
+        i64 i = i0 + lane;
 #pragma unroll
         for (int r = 0; r < FA_RPW; ++r) {
             i64 j = j0 + w * FA_RPW + r;
-            if (j >= seq) continue;
-            i64 i = i0 + lane;
-            bool on = i < seq && i >= j;
-            float s = fa_dot(k[r], qs, lane, units) * scale;
-            float p = on ? expf(s - lse_s[lane]) : 0.f;
-            float dp = fa_dot(v[r], gs, lane, units);
-            float ds = p * (dp - dd_s[lane]) * scale;
-            fa_axpy(dv[r], p, gs, lane, units);
-            fa_axpy(dk[r], ds, qs, lane, units);
+            bool on = i < seq && j < seq && i >= j;
+            p[r] = on ? expf(s[r] * scale - lse_s[lane]) : 0.f;
+            ds[r] = p[r] * (dp[r] - dd_s[lane]) * scale;
         }
+        fa_axpys(dv, p, gs, lane, units);
+        fa_axpys(dk, ds, qs, lane, units);
     }
 #pragma unroll
     for (int r = 0; r < FA_RPW; ++r) {
