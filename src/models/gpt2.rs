@@ -277,6 +277,9 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     if cfg.checkpoint {
         name.push_str("-ckpt");
     }
+    if cfg.fused_attention {
+        name.push_str("-fused");
+    }
     let mut net = Net {
         b: GraphBuilder::new(name),
         cfg: cfg.clone(),
