@@ -1,8 +1,10 @@
 //! A host emulator of device operations: runs the [`DevOp`]s a program
 //! lowers to on a byte buffer laid out like the device allocation, with
 //! each CUDA kernel of `kernels.cu` mirrored in Rust (same loops, same
-//! order of reads and writes for in-place operands) and cuBLAS products
-//! computed from their column-major definition.
+//! order of reads and writes for in-place operands; the flash-attention
+//! kernels by their formulas, the forward with the same 32-key tiles and
+//! running maximum) and cuBLAS products computed from their column-major
+//! definition.
 //!
 //! It is slow and exists to test the GPU lowering ([`super::lower`]) —
 //! addresses, product shapes and transposes, launch arguments, staging and

@@ -1,0 +1,752 @@
+//! Lowering one instruction to device operations, by kernel family: each
+//! family's function turns its kernels into launches of `kernels.cu`,
+//! cuBLAS calls, memsets, copies and collectives over byte offsets of the
+//! device allocation ([`DeviceLayout`]).
+
+use super::{
+    Arg, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM, FLASH_ROWS, Launch,
+    RowMajor, elementwise, gemm_row_major, per_row,
+};
+use crate::binding::{Bindings, InstrBinding};
+use crate::error::{Result, RuntimeError};
+use crate::kernel::{Attention, Kernel};
+use crate::program::{Instr, Program, TensorIdx};
+
+/// The device operations of instruction `index` of `prog`, in order: the
+/// copies of staged inputs, then the operations of its kernel's family.
+pub fn lower(
+    prog: &Program,
+    b: &Bindings,
+    layout: &DeviceLayout,
+    index: usize,
+) -> Result<Vec<DevOp>> {
+    let ins = &prog.instrs[index];
+    let a = Addr {
+        p: prog,
+        ins,
+        bind: &b.instrs[index],
+        layout,
+        index,
+    };
+    let mut ops = Vec::new();
+    for &(pos, w) in &a.bind.staged {
+        let x = prog.tensor(ins.inputs[pos]);
+        ops.push(DevOp::Copy {
+            src: x.offset,
+            dst: layout.staging + w,
+            bytes: x.bytes(),
+        });
+    }
+    match &ins.kernel {
+        Kernel::Embedding { .. } | Kernel::EmbeddingBackward { .. } => embedding(&a, &mut ops)?,
+        Kernel::LayerNorm { .. } | Kernel::LayerNormBackward { .. } => layernorm(&a, &mut ops)?,
+        Kernel::Linear(_)
+        | Kernel::LinearBackwardData(_)
+        | Kernel::LinearBackwardWeight(_)
+        | Kernel::MatmulNt(_)
+        | Kernel::MatmulNn(_)
+        | Kernel::MatmulTn(_) => products(&a, &mut ops)?,
+        Kernel::AttentionScores(_)
+        | Kernel::CausalSoftmax(_)
+        | Kernel::AttentionValues(_)
+        | Kernel::AttentionValuesBackward(_)
+        | Kernel::CausalSoftmaxBackward(_)
+        | Kernel::AttentionScoresBackward(_) => attention(&a, &mut ops)?,
+        Kernel::FusedAttention(_) | Kernel::FusedAttentionBackward(_) => {
+            fused_attention(&a, &mut ops)?
+        }
+        Kernel::Add { .. }
+        | Kernel::Gelu { .. }
+        | Kernel::GeluBackward { .. }
+        | Kernel::Relu { .. }
+        | Kernel::ReluBackward { .. } => pointwise(&a, &mut ops)?,
+        Kernel::CrossEntropy { .. } | Kernel::CrossEntropyBackward { .. } => loss(&a, &mut ops)?,
+        Kernel::GradNorm { .. } | Kernel::Adam(_) => optimizer(&a, &mut ops)?,
+        Kernel::View
+        | Kernel::Pack { .. }
+        | Kernel::AllGather { .. }
+        | Kernel::ReduceScatter { .. }
+        | Kernel::AllReduce { .. } => layout_and_collectives(&a, &mut ops)?,
+    }
+    Ok(ops)
+}
+
+/// A kernel handed to the wrong family's lowering (a bug in [`lower`]).
+fn misrouted(k: &Kernel, family: &str) -> RuntimeError {
+    RuntimeError::InvalidProgram(format!(
+        "internal error: kernel {} lowered as {family}",
+        k.name()
+    ))
+}
+
+/// Token and position embedding, forward and backward.
+fn embedding(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    let err = Arg::Ptr(a.layout.error_word);
+    let code = Arg::I32(a.index as i32 + 1);
+    match &a.ins.kernel {
+        Kernel::Embedding {
+            batch,
+            seq,
+            width,
+            vocab,
+        } => {
+            let bt = batch * seq;
+            ops.push(elementwise(
+                DevKernel::EmbeddingFwd,
+                bt * width,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.i(2)),
+                    p(a.o(0)),
+                    n(bt),
+                    n(*seq),
+                    n(*width),
+                    n(*vocab),
+                    err,
+                    code,
+                ],
+            ));
+        }
+        Kernel::EmbeddingBackward {
+            batch,
+            seq,
+            width,
+            vocab,
+            accumulate,
+        } => {
+            let bt = batch * seq;
+            let bytes = vocab * width * 4;
+            if *accumulate {
+                if a.i(2) != a.o(0) {
+                    ops.push(DevOp::Copy {
+                        src: a.i(2),
+                        dst: a.o(0),
+                        bytes,
+                    });
+                }
+            } else {
+                ops.push(DevOp::Memset { at: a.o(0), bytes });
+            }
+            ops.push(elementwise(
+                DevKernel::EmbeddingBwdTokens,
+                bt * width,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.o(0)),
+                    n(bt),
+                    n(*width),
+                    n(*vocab),
+                    err,
+                    code,
+                ],
+            ));
+            ops.push(elementwise(
+                DevKernel::EmbeddingBwdPositions,
+                seq * width,
+                vec![p(a.i(0)), p(a.o(1)), n(*batch), n(*seq), n(*width)],
+            ));
+        }
+        other => return Err(misrouted(other, "embedding")),
+    }
+    Ok(())
+}
+
+/// LayerNorm, forward and backward.
+fn layernorm(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
+        Kernel::LayerNorm { rows, cols, eps } => ops.push(per_row(
+            DevKernel::LayernormFwd,
+            *rows,
+            *cols,
+            vec![
+                p(a.i(0)),
+                p(a.i(1)),
+                p(a.i(2)),
+                p(a.o(0)),
+                p(a.o(1)),
+                p(a.o(2)),
+                n(*rows),
+                n(*cols),
+                Arg::F32(*eps),
+            ],
+        )?),
+        Kernel::LayerNormBackward { rows, cols } => {
+            // Parameter gradients first: the data kernel may overwrite dy.
+            ops.push(elementwise(
+                DevKernel::LayernormBwdParams,
+                *cols,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.i(2)),
+                    p(a.i(3)),
+                    p(a.o(1)),
+                    p(a.o(2)),
+                    n(*rows),
+                    n(*cols),
+                ],
+            ));
+            ops.push(per_row(
+                DevKernel::LayernormBwdData,
+                *rows,
+                *cols,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.i(2)),
+                    p(a.i(3)),
+                    p(a.i(4)),
+                    p(a.o(0)),
+                    n(*rows),
+                    n(*cols),
+                ],
+            )?);
+        }
+        other => return Err(misrouted(other, "layernorm")),
+    }
+    Ok(())
+}
+
+/// Linear layers and plain matrix products: cuBLAS calls (plus the bias).
+fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
+        Kernel::Linear(mm) => {
+            ops.push(elementwise(
+                DevKernel::FillRows,
+                mm.m * mm.n,
+                vec![p(a.o(0)), p(a.i(2)), n(mm.m), n(mm.n)],
+            ));
+            ops.push(DevOp::Gemm(gemm_row_major(
+                mm.m,
+                mm.n,
+                mm.k,
+                1.0,
+                RowMajor::new(a.i(0), mm.k),
+                RowMajor::new(a.i(1), mm.n),
+                1.0,
+                RowMajor::new(a.o(0), mm.n),
+                1,
+            )?));
+        }
+        Kernel::LinearBackwardData(mm) => ops.push(DevOp::Gemm(gemm_row_major(
+            mm.m,
+            mm.k,
+            mm.n,
+            1.0,
+            RowMajor::new(a.i(0), mm.n),
+            RowMajor::new(a.i(1), mm.n).t(),
+            0.0,
+            RowMajor::new(a.o(0), mm.k),
+            1,
+        )?)),
+        Kernel::LinearBackwardWeight(mm) => {
+            ops.push(DevOp::Gemm(gemm_row_major(
+                mm.k,
+                mm.n,
+                mm.m,
+                1.0,
+                RowMajor::new(a.i(1), mm.k).t(),
+                RowMajor::new(a.i(0), mm.n),
+                0.0,
+                RowMajor::new(a.o(0), mm.n),
+                1,
+            )?));
+            ops.push(elementwise(
+                DevKernel::ColSum,
+                mm.n,
+                vec![p(a.i(0)), p(a.o(1)), n(mm.m), n(mm.n)],
+            ));
+        }
+        Kernel::MatmulNt(mm) => ops.push(DevOp::Gemm(gemm_row_major(
+            mm.m,
+            mm.n,
+            mm.k,
+            1.0,
+            RowMajor::new(a.i(0), mm.k),
+            RowMajor::new(a.i(1), mm.k).t(),
+            0.0,
+            RowMajor::new(a.o(0), mm.n),
+            1,
+        )?)),
+        Kernel::MatmulNn(mm) => ops.push(DevOp::Gemm(gemm_row_major(
+            mm.m,
+            mm.n,
+            mm.k,
+            1.0,
+            RowMajor::new(a.i(0), mm.k),
+            RowMajor::new(a.i(1), mm.n),
+            0.0,
+            RowMajor::new(a.o(0), mm.n),
+            1,
+        )?)),
+        Kernel::MatmulTn(mm) => ops.push(DevOp::Gemm(gemm_row_major(
+            mm.m,
+            mm.n,
+            mm.k,
+            1.0,
+            RowMajor::new(a.i(0), mm.m).t(),
+            RowMajor::new(a.i(1), mm.n),
+            0.0,
+            RowMajor::new(a.o(0), mm.n),
+            1,
+        )?)),
+        other => return Err(misrouted(other, "products")),
+    }
+    Ok(())
+}
+
+/// Explicit attention: batched cuBLAS products (one matrix per head) and
+/// row kernels.
+fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
+        Kernel::AttentionScores(at) => {
+            let g = Geometry::new(at);
+            for bi in 0..at.batch {
+                // scores_h = scale · Q_h K_hᵀ
+                ops.push(DevOp::Gemm(gemm_row_major(
+                    g.t,
+                    g.t,
+                    g.d,
+                    at.scale,
+                    g.qkv(a.i(0), bi, 0),
+                    g.qkv(a.i(0), bi, 1).t(),
+                    0.0,
+                    g.square(a.o(0), bi),
+                    at.heads,
+                )?));
+            }
+            ops.push(elementwise(
+                DevKernel::ZeroUpper,
+                at.batch * at.heads * g.t * g.t,
+                vec![p(a.o(0)), n(at.batch * at.heads), n(g.t)],
+            ));
+        }
+        Kernel::CausalSoftmax(at) => {
+            let rows = at.batch * at.heads * at.seq;
+            ops.push(per_row(
+                DevKernel::CausalSoftmaxFwd,
+                rows,
+                at.seq,
+                vec![p(a.i(0)), p(a.o(0)), n(rows), n(at.seq)],
+            )?);
+        }
+        Kernel::AttentionValues(at) => {
+            let g = Geometry::new(at);
+            for bi in 0..at.batch {
+                ops.push(DevOp::Gemm(gemm_row_major(
+                    g.t,
+                    g.d,
+                    g.t,
+                    1.0,
+                    g.square(a.i(0), bi),
+                    g.qkv(a.i(1), bi, 2),
+                    0.0,
+                    g.heads_out(a.o(0), bi),
+                    at.heads,
+                )?));
+            }
+        }
+        Kernel::AttentionValuesBackward(at) => {
+            let g = Geometry::new(at);
+            for bi in 0..at.batch {
+                // dprobs_h = dAtt_h V_hᵀ
+                ops.push(DevOp::Gemm(gemm_row_major(
+                    g.t,
+                    g.t,
+                    g.d,
+                    1.0,
+                    g.heads_out(a.i(0), bi),
+                    g.qkv(a.i(2), bi, 2).t(),
+                    0.0,
+                    g.square(a.o(0), bi),
+                    at.heads,
+                )?));
+            }
+            ops.push(elementwise(
+                DevKernel::ZeroUpper,
+                at.batch * at.heads * g.t * g.t,
+                vec![p(a.o(0)), n(at.batch * at.heads), n(g.t)],
+            ));
+            ops.push(elementwise(
+                DevKernel::ZeroQk,
+                at.batch * g.t * 2 * g.c,
+                vec![p(a.o(1)), n(at.batch * g.t), n(g.c)],
+            ));
+            for bi in 0..at.batch {
+                // dV_h = P_hᵀ dAtt_h
+                ops.push(DevOp::Gemm(gemm_row_major(
+                    g.t,
+                    g.d,
+                    g.t,
+                    1.0,
+                    g.square(a.i(1), bi).t(),
+                    g.heads_out(a.i(0), bi),
+                    0.0,
+                    g.qkv(a.o(1), bi, 2),
+                    at.heads,
+                )?));
+            }
+        }
+        Kernel::CausalSoftmaxBackward(at) => {
+            let rows = at.batch * at.heads * at.seq;
+            ops.push(per_row(
+                DevKernel::CausalSoftmaxBwd,
+                rows,
+                at.seq,
+                vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(rows), n(at.seq)],
+            )?);
+        }
+        Kernel::AttentionScoresBackward(at) => {
+            let g = Geometry::new(at);
+            for bi in 0..at.batch {
+                // dQ_h += scale · dS_h K_h
+                ops.push(DevOp::Gemm(gemm_row_major(
+                    g.t,
+                    g.d,
+                    g.t,
+                    at.scale,
+                    g.square(a.i(0), bi),
+                    g.qkv(a.i(1), bi, 1),
+                    1.0,
+                    g.qkv(a.u(0), bi, 0),
+                    at.heads,
+                )?));
+                // dK_h += scale · dS_hᵀ Q_h
+                ops.push(DevOp::Gemm(gemm_row_major(
+                    g.t,
+                    g.d,
+                    g.t,
+                    at.scale,
+                    g.square(a.i(0), bi).t(),
+                    g.qkv(a.i(1), bi, 0),
+                    1.0,
+                    g.qkv(a.u(0), bi, 1),
+                    at.heads,
+                )?));
+            }
+        }
+        other => return Err(misrouted(other, "attention")),
+    }
+    Ok(())
+}
+
+/// Fused attention: the flash kernels of `kernels.cu` (the backward is two
+/// launches, queries then keys and values).
+fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
+        Kernel::FusedAttention(at) => ops.push(flash(
+            DevKernel::FlashAttnFwd,
+            at,
+            vec![p(a.i(0)), p(a.o(0)), p(a.o(1))],
+        )?),
+        Kernel::FusedAttentionBackward(at) => {
+            let args = vec![p(a.i(0)), p(a.i(1)), p(a.i(2)), p(a.i(3)), p(a.o(0))];
+            ops.push(flash(DevKernel::FlashAttnBwdDq, at, args.clone())?);
+            ops.push(flash(DevKernel::FlashAttnBwdDkv, at, args)?);
+        }
+        other => return Err(misrouted(other, "fused_attention")),
+    }
+    Ok(())
+}
+
+/// Elementwise kernels.
+fn pointwise(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
+        Kernel::Add { elements } => ops.push(elementwise(
+            DevKernel::Add,
+            *elements,
+            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*elements)],
+        )),
+        Kernel::Gelu { elements } => ops.push(elementwise(
+            DevKernel::GeluFwd,
+            *elements,
+            vec![p(a.i(0)), p(a.o(0)), n(*elements)],
+        )),
+        Kernel::GeluBackward { elements } => ops.push(elementwise(
+            DevKernel::GeluBwd,
+            *elements,
+            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*elements)],
+        )),
+        Kernel::Relu { elements } => ops.push(elementwise(
+            DevKernel::ReluFwd,
+            *elements,
+            vec![p(a.i(0)), p(a.o(0)), n(*elements)],
+        )),
+        Kernel::ReluBackward { elements } => ops.push(elementwise(
+            DevKernel::ReluBwd,
+            *elements,
+            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*elements)],
+        )),
+        other => return Err(misrouted(other, "pointwise")),
+    }
+    Ok(())
+}
+
+/// Cross-entropy, forward and backward (token ids checked on the device).
+fn loss(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    let err = Arg::Ptr(a.layout.error_word);
+    let code = Arg::I32(a.index as i32 + 1);
+    match &a.ins.kernel {
+        Kernel::CrossEntropy { rows, classes } => {
+            ops.push(DevOp::Memset {
+                at: a.o(0),
+                bytes: 4,
+            });
+            ops.push(per_row(
+                DevKernel::CrossEntropyFwd,
+                *rows,
+                *classes,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.o(0)),
+                    n(*rows),
+                    n(*classes),
+                    err,
+                    code,
+                ],
+            )?);
+        }
+        Kernel::CrossEntropyBackward {
+            rows,
+            classes,
+            scale,
+        } => ops.push(per_row(
+            DevKernel::CrossEntropyBwd,
+            *rows,
+            *classes,
+            vec![
+                p(a.i(0)),
+                p(a.i(1)),
+                p(a.o(0)),
+                n(*rows),
+                n(*classes),
+                Arg::F32(*scale),
+                err,
+                code,
+            ],
+        )?),
+        other => return Err(misrouted(other, "loss")),
+    }
+    Ok(())
+}
+
+/// Gradient norm and Adam updates.
+fn optimizer(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    let ins = a.ins;
+    let elems = |t: TensorIdx| a.p.tensor(t).elements();
+    match &a.ins.kernel {
+        Kernel::GradNorm { squared } => {
+            ops.push(DevOp::Memset {
+                at: a.o(0),
+                bytes: 4,
+            });
+            for (pos, &t) in ins.inputs.iter().enumerate() {
+                ops.push(elementwise(
+                    DevKernel::SumSquares,
+                    elems(t),
+                    vec![p(a.i(pos)), p(a.o(0)), n(elems(t))],
+                ));
+            }
+            if !squared {
+                ops.push(DevOp::Launch(Launch {
+                    kernel: DevKernel::SqrtInplace,
+                    grid: 1,
+                    block: 1,
+                    args: vec![p(a.o(0))],
+                }));
+            }
+        }
+        Kernel::Adam(ad) => {
+            let norm = if ad.max_norm.is_some() {
+                p(a.i(1))
+            } else {
+                Arg::Null
+            };
+            let denom = if ins.outputs.len() == 1 {
+                p(a.o(0))
+            } else {
+                Arg::Null
+            };
+            ops.push(elementwise(
+                DevKernel::AdamStep,
+                ad.elements,
+                vec![
+                    p(a.i(0)),
+                    norm,
+                    p(a.u(0)),
+                    p(a.u(1)),
+                    p(a.u(2)),
+                    denom,
+                    n(ad.elements),
+                    Arg::F32(ad.lr),
+                    Arg::F32(ad.beta1),
+                    Arg::F32(ad.beta2),
+                    Arg::F32(ad.eps),
+                    Arg::F32(ad.weight_decay),
+                    Arg::I32(ad.decoupled as i32),
+                    Arg::Step(ad.first_step),
+                    Arg::F32(ad.max_norm.unwrap_or(0.0)),
+                    Arg::I32(ad.norm_squared as i32),
+                ],
+            ));
+        }
+        other => return Err(misrouted(other, "optimizer")),
+    }
+    Ok(())
+}
+
+/// Views, packing and collectives.
+fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    let prog = a.p;
+    let ins = a.ins;
+    let elems = |t: TensorIdx| a.p.tensor(t).elements();
+    match &a.ins.kernel {
+        Kernel::View => {}
+        Kernel::Pack { offsets, .. } => {
+            let out = prog.tensor(ins.outputs[0]);
+            ops.push(DevOp::Memset {
+                at: out.offset,
+                bytes: out.bytes(),
+            });
+            for (pos, (&t, &off)) in ins.inputs.iter().zip(offsets).enumerate() {
+                let x = prog.tensor(t);
+                ops.push(DevOp::Copy {
+                    src: a.i(pos),
+                    dst: out.offset + off * x.dtype.size(),
+                    bytes: x.bytes(),
+                });
+            }
+        }
+        Kernel::AllGather { .. } => ops.push(DevOp::Collective(CollectiveOp::AllGather {
+            send: a.i(0),
+            recv: a.o(0),
+            count: elems(ins.inputs[0]),
+        })),
+        Kernel::ReduceScatter { op, .. } => {
+            ops.push(DevOp::Collective(CollectiveOp::ReduceScatter {
+                send: a.i(0),
+                recv: a.o(0),
+                count: elems(ins.outputs[0]),
+                op: *op,
+            }))
+        }
+        Kernel::AllReduce { op, .. } => ops.push(DevOp::Collective(CollectiveOp::AllReduce {
+            buf: a.u(0),
+            count: elems(ins.updates[0]),
+            op: *op,
+        })),
+        other => return Err(misrouted(other, "layout_and_collectives")),
+    }
+    Ok(())
+}
+
+/// A launch of one of the flash-attention kernels: one block of 4 warps per
+/// 16 rows of each head; `args` are the pointers, the sizes follow.
+fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp> {
+    if at.head_dim > FLASH_MAX_HEAD_DIM {
+        return Err(RuntimeError::Unavailable(
+            "fused attention on CUDA",
+            format!(
+                "head_dim {} exceeds the kernels' {FLASH_MAX_HEAD_DIM}",
+                at.head_dim
+            ),
+        ));
+    }
+    let blocks = at.batch * at.heads * at.seq.div_ceil(FLASH_ROWS);
+    let grid = u32::try_from(blocks).map_err(|_| {
+        RuntimeError::Unavailable("CUDA", format!("{blocks} blocks exceed the grid limit"))
+    })?;
+    args.extend([
+        n(at.batch),
+        n(at.heads),
+        n(at.seq),
+        n(at.head_dim),
+        Arg::F32(at.scale),
+    ]);
+    Ok(DevOp::Launch(Launch {
+        kernel,
+        grid,
+        block: 128,
+        args,
+    }))
+}
+
+/// Where one instruction's operands are.
+struct Addr<'a> {
+    p: &'a Program,
+    ins: &'a Instr,
+    bind: &'a InstrBinding,
+    layout: &'a DeviceLayout,
+    /// The instruction's index (kernels report `index + 1` on failure).
+    index: usize,
+}
+
+impl Addr<'_> {
+    fn off(&self, t: TensorIdx) -> u64 {
+        self.p.tensor(t).offset
+    }
+    /// Input `pos` (its staged copy if staged; an aliased input is at its
+    /// output's bytes, which are its own).
+    fn i(&self, pos: usize) -> u64 {
+        match self.bind.staged_input(pos) {
+            Some(w) => self.layout.staging + w,
+            None => self.off(self.ins.inputs[pos]),
+        }
+    }
+    fn o(&self, pos: usize) -> u64 {
+        self.off(self.ins.outputs[pos])
+    }
+    fn u(&self, pos: usize) -> u64 {
+        self.off(self.ins.updates[pos])
+    }
+}
+
+fn p(x: u64) -> Arg {
+    Arg::Ptr(x)
+}
+fn n(x: u64) -> Arg {
+    Arg::I64(x as i64)
+}
+
+/// Strides of attention operands, in elements.
+struct Geometry {
+    t: u64,
+    d: u64,
+    c: u64,
+    h: u64,
+}
+
+impl Geometry {
+    fn new(a: &Attention) -> Self {
+        Geometry {
+            t: a.seq,
+            d: a.head_dim,
+            c: a.heads * a.head_dim,
+            h: a.heads,
+        }
+    }
+    /// Part `part` (0 query, 1 key, 2 value) of batch `b` of a `[B,T,3C]`
+    /// tensor at `base`, one `T × D` matrix per head.
+    fn qkv(&self, base: u64, b: u64, part: u64) -> RowMajor {
+        let off = b * self.t * 3 * self.c + part * self.c;
+        RowMajor::new(base + 4 * off, 3 * self.c).stride(self.d)
+    }
+    /// Batch `b` of a `[B,H,T,T]` tensor, one `T × T` matrix per head.
+    fn square(&self, base: u64, b: u64) -> RowMajor {
+        RowMajor::new(base + 4 * b * self.h * self.t * self.t, self.t).stride(self.t * self.t)
+    }
+    /// Batch `b` of a `[B,T,C]` tensor, one `T × D` matrix per head.
+    fn heads_out(&self, base: u64, b: u64) -> RowMajor {
+        RowMajor::new(base + 4 * b * self.t * self.c, self.c).stride(self.d)
+    }
+}
+
+/// Every instruction's device operations.
+pub fn lower_all(p: &Program, b: &Bindings, layout: &DeviceLayout) -> Result<Vec<Vec<DevOp>>> {
+    (0..p.instrs.len())
+        .map(|i| lower(p, b, layout, i))
+        .collect()
+}
