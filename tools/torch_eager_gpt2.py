@@ -14,7 +14,8 @@ output of `memplan run ... --json`) it prints a side-by-side table.
 
 The model follows src/models/gpt2.rs op for op: attention materializes the
 scores and probabilities (no fused kernel; --sdpa uses PyTorch's fused
-scaled_dot_product_attention instead, a stronger baseline). TF32 is off in
+scaled_dot_product_attention instead, the counterpart of
+`memplan run --fused-attention`). TF32 is off in
 both (memplan's cuBLAS calls are full f32). Token ids are random: values do
 not change memory or time.
 """
