@@ -47,6 +47,26 @@ pub enum RuntimeError {
     },
     #[error("{0} is not available: {1}")]
     Unavailable(&'static str, String),
+    /// A setting (an environment variable) has a value that cannot be used.
+    #[error("invalid setting: {0}")]
+    InvalidSetting(String),
+    /// A rank's NCCL communicator was not ready in time: another rank
+    /// probably failed before joining, or never joined.
+    #[error(
+        "rank {rank} of {world}: NCCL set-up did not finish within {timeout:?}; another rank \
+         probably failed or never joined (MEMPLAN_NCCL_INIT_TIMEOUT_S sets the limit in seconds)"
+    )]
+    CommInitTimeout {
+        rank: usize,
+        world: usize,
+        timeout: std::time::Duration,
+    },
+    /// The error of one rank of a run with several.
+    #[error("rank {rank}: {error}")]
+    Rank {
+        rank: usize,
+        error: Box<RuntimeError>,
+    },
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

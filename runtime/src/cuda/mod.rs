@@ -25,7 +25,7 @@ pub mod nccl;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{
@@ -683,21 +683,25 @@ impl Drop for CudaExecutor {
 /// Runs `cfg.steps` steps of `p` on GPUs `first_gpu ..` (one thread per
 /// rank, NCCL between them when there are several).
 pub fn run_cuda(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunReport> {
-    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run_cuda_inner(p, cfg, first_gpu)
-    }));
-    caught.unwrap_or_else(|payload| {
-        let msg = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        Err(RuntimeError::Device {
-            library: "cudarc",
-            call: "a CUDA library call".into(),
-            why: format!("it panicked: {msg}"),
-        })
-    })
+    caught(|| run_cuda_inner(p, cfg, first_gpu))
+}
+
+/// Runs `f`, turning a panic into an error.
+fn caught<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| Err(panicked(p)))
+}
+
+fn panicked(payload: Box<dyn std::any::Any + Send>) -> RuntimeError {
+    let msg = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    RuntimeError::Device {
+        library: "cudarc",
+        call: "a CUDA library call".into(),
+        why: format!("it panicked: {msg}"),
+    }
 }
 
 type RankRun = (Vec<(f32, f64, u64)>, Vec<(String, Vec<f32>)>, u64);
@@ -707,13 +711,13 @@ fn one_rank(
     cfg: &RunConfig,
     gpu: usize,
     rank: usize,
-    id: Option<cudarc::nccl::sys::ncclUniqueId>,
+    nccl: Option<(cudarc::nccl::sys::ncclUniqueId, Duration)>,
 ) -> Result<RankRun> {
     let mut ex = CudaExecutor::new(p.clone(), gpu, rank)?;
     let world = p.world_size as usize;
-    let comm: Box<dyn Communicator<DeviceSlice>> = match id {
+    let comm: Box<dyn Communicator<DeviceSlice>> = match nccl {
         None => Box::new(crate::comm::SingleRank),
-        Some(id) => Box::new(NcclComm::new(ex.context(), rank, world, id)?),
+        Some((id, timeout)) => Box::new(NcclComm::new(ex.context(), rank, world, id, timeout)?),
     };
     ex.allocate()?;
     ex.initialize(cfg.init_seed)?;
@@ -747,6 +751,62 @@ fn one_rank(
     Ok((steps, state, total))
 }
 
+/// Runs every rank on its own thread and GPU, NCCL between them.
+fn run_ranks(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<Vec<RankRun>> {
+    let timeout = nccl::init_timeout()?;
+    let id = cudarc::nccl::result::get_uniqueid().map_err(|e| nccl::error("ncclGetUniqueId", e))?;
+    let nccl = Some((id, timeout));
+    let outcomes = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..p.world_size as usize)
+            .map(|r| {
+                s.spawn(move || {
+                    let run = caught(|| one_rank(p, cfg, first_gpu + r, r, nccl));
+                    (Instant::now(), run)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|e| (Instant::now(), Err(panicked(e))))
+            })
+            .collect()
+    });
+    first_failure(outcomes)
+}
+
+/// Every rank's run, or the error to report, named by rank: the earliest
+/// failure other than an NCCL set-up timeout (a timeout follows another
+/// rank's failure), else the earliest timeout. `outcomes[r]` is when rank
+/// `r`'s thread finished and how.
+fn first_failure<T>(outcomes: Vec<(Instant, Result<T>)>) -> Result<Vec<T>> {
+    let (runs, mut failed): (Vec<_>, Vec<_>) = outcomes
+        .into_iter()
+        .enumerate()
+        .partition(|(_, (_, r))| r.is_ok());
+    failed.sort_by_key(|(rank, (at, r))| {
+        let timeout = matches!(r, Err(RuntimeError::CommInitTimeout { .. }));
+        (timeout, *at, *rank)
+    });
+    if let Some((rank, (_, Err(e)))) = failed.into_iter().next() {
+        return Err(in_rank(rank, e));
+    }
+    Ok(runs.into_iter().filter_map(|(_, (_, r))| r.ok()).collect())
+}
+
+/// `e` as rank `rank`'s error, unless it names its rank already.
+fn in_rank(rank: usize, e: RuntimeError) -> RuntimeError {
+    match e {
+        RuntimeError::Comm { .. }
+        | RuntimeError::CommInitTimeout { .. }
+        | RuntimeError::Rank { .. } => e,
+        e => RuntimeError::Rank {
+            rank,
+            error: Box::new(e),
+        },
+    }
+}
+
 fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunReport> {
     let world = p.world_size as usize;
     check_libraries(world > 1)?;
@@ -765,25 +825,7 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     let per_rank: Vec<RankRun> = if world == 1 {
         vec![one_rank(p, cfg, first_gpu, 0, None)?]
     } else {
-        let id =
-            cudarc::nccl::result::get_uniqueid().map_err(|e| nccl::error("ncclGetUniqueId", e))?;
-        let results: Vec<Result<RankRun>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..world)
-                .map(|r| s.spawn(move || one_rank(p, cfg, first_gpu + r, r, Some(id))))
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(RuntimeError::Device {
-                            library: "cudarc",
-                            call: "a rank's thread".into(),
-                            why: "it panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
-        results.into_iter().collect::<Result<Vec<_>>>()?
+        run_ranks(p, cfg, first_gpu)?
     };
     let steps = (0..cfg.steps)
         .map(|s| StepResult {
@@ -800,4 +842,98 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
         workspace_bytes: total - p.arena_bytes,
         state: per_rank.into_iter().map(|r| r.1).collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeout(rank: usize) -> RuntimeError {
+        RuntimeError::CommInitTimeout {
+            rank,
+            world: 3,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn oom() -> RuntimeError {
+        RuntimeError::OutOfMemory {
+            device: "GPU 1".into(),
+            bytes: 8,
+            what: "the arena".into(),
+        }
+    }
+
+    #[test]
+    fn all_ranks_ok_gives_runs_in_rank_order() {
+        let t = Instant::now();
+        let runs = first_failure(vec![(t, Ok(0)), (t, Ok(1)), (t, Ok(2))]);
+        assert_eq!(runs, Ok(vec![0, 1, 2]));
+    }
+
+    #[test]
+    fn a_real_failure_wins_over_earlier_timeouts() {
+        let t = Instant::now();
+        let later = t + Duration::from_secs(5);
+        let outcomes: Vec<(Instant, Result<u8>)> = vec![
+            (t, Err(timeout(0))),
+            (later, Err(oom())),
+            (t, Err(timeout(2))),
+        ];
+        let e = first_failure(outcomes).unwrap_err();
+        assert_eq!(
+            e,
+            RuntimeError::Rank {
+                rank: 1,
+                error: Box::new(oom())
+            }
+        );
+        assert!(
+            e.to_string().starts_with("rank 1: out of GPU 1 memory"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_earliest_real_failure_is_reported() {
+        let t = Instant::now();
+        let later = t + Duration::from_secs(1);
+        let outcomes: Vec<(Instant, Result<u8>)> = vec![
+            (later, Err(RuntimeError::InvalidProgram("late".into()))),
+            (t, Err(RuntimeError::InvalidProgram("first".into()))),
+            (t, Ok(2)),
+        ];
+        let e = first_failure(outcomes).unwrap_err();
+        assert_eq!(e.to_string(), "rank 1: invalid program: first");
+    }
+
+    #[test]
+    fn only_timeouts_report_the_earliest_unwrapped() {
+        let t = Instant::now();
+        let outcomes: Vec<(Instant, Result<u8>)> = vec![
+            (t + Duration::from_millis(3), Err(timeout(0))),
+            (t, Err(timeout(1))),
+        ];
+        assert_eq!(first_failure(outcomes), Err(timeout(1)));
+    }
+
+    #[test]
+    fn errors_naming_their_rank_are_not_wrapped() {
+        let comm = RuntimeError::Comm {
+            op: "all_gather",
+            rank: 2,
+            why: "x".into(),
+        };
+        assert_eq!(in_rank(2, comm.clone()), comm);
+        assert!(matches!(
+            in_rank(0, oom()),
+            RuntimeError::Rank { rank: 0, .. }
+        ));
+    }
+
+    #[test]
+    fn panics_become_errors() {
+        let r: Result<()> = caught(|| panic!("boom"));
+        assert!(r.unwrap_err().to_string().contains("it panicked: boom"));
+    }
 }
