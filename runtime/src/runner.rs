@@ -205,6 +205,18 @@ pub struct Agreement {
     pub elements: u64,
 }
 
+/// `√(diff² / ref²)`; infinite where the reference is zero and the
+/// difference is not.
+fn rel_l2(diff2: f64, ref2: f64) -> f64 {
+    if ref2 > 0.0 {
+        (diff2 / ref2).sqrt()
+    } else if diff2 > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    }
+}
+
 /// Compares run `a` with reference `b` of the same program (both with
 /// `keep_state`). An element that is NaN in either run counts as an
 /// infinite error.
@@ -238,13 +250,7 @@ pub fn agreement(a: &RunReport, b: &RunReport) -> Result<Agreement> {
                 d2 += if d.is_nan() { f64::INFINITY } else { d * d };
                 r2 += y as f64 * y as f64;
             }
-            let rel = if r2 > 0.0 {
-                (d2 / r2).sqrt()
-            } else if d2 > 0.0 {
-                f64::INFINITY
-            } else {
-                0.0
-            };
+            let rel = rel_l2(d2, r2);
             if worst.as_ref().is_none_or(|w| rel > w.1) {
                 worst = Some((na.clone(), rel));
             }
@@ -253,13 +259,7 @@ pub fn agreement(a: &RunReport, b: &RunReport) -> Result<Agreement> {
             elements += va.len() as u64;
         }
     }
-    let state_rel_l2 = if ref2 > 0.0 {
-        (diff2 / ref2).sqrt()
-    } else if diff2 > 0.0 {
-        f64::INFINITY
-    } else {
-        0.0
-    };
+    let state_rel_l2 = rel_l2(diff2, ref2);
     Ok(Agreement {
         loss_rel,
         state_rel_l2,

@@ -24,6 +24,7 @@
 use rayon::prelude::*;
 
 use super::gemm::{MatMut, MatPtr, gemm_serial};
+use super::kernels::Ptr;
 use crate::kernel::Attention;
 
 /// Query and key rows per tile.
@@ -61,19 +62,6 @@ impl Dims {
     }
 }
 
-/// A raw pointer shared by tasks that write disjoint elements.
-#[derive(Copy, Clone)]
-struct Shared(*mut f32);
-// SAFETY: every task writes only the columns of its own head (see callers).
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 fn rows_of(x: &[f32], at: usize, row_stride: usize) -> MatPtr {
     MatPtr {
         ptr: x[at..].as_ptr(),
@@ -108,7 +96,7 @@ pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attent
     let dm = Dims::new(a);
     let (t, d, stride) = (dm.seq, dm.d, 3 * dm.width());
     let tiles = t.div_ceil(TILE);
-    let (out_p, lse_p) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+    let (out_p, lse_p) = (Ptr(out.as_mut_ptr()), Ptr(lse.as_mut_ptr()));
     (0..dm.batch * dm.heads * tiles)
         .into_par_iter()
         .for_each(|task| {
@@ -191,7 +179,7 @@ pub fn fused_attention_backward(
 ) {
     let dm = Dims::new(a);
     let (t, d, c, stride) = (dm.seq, dm.d, dm.width(), 3 * dm.width());
-    let dq_p = Shared(dqkv.as_mut_ptr());
+    let dq_p = Ptr(dqkv.as_mut_ptr());
     (0..dm.batch * dm.heads).into_par_iter().for_each(|bh| {
         let (b, h) = (bh / dm.heads, bh % dm.heads);
         let lse = &lse[bh * t..(bh + 1) * t];

@@ -240,14 +240,14 @@ pub fn linear_backward_weight(
 
 /// Raw pointers handed to parallel attention tasks.
 #[derive(Clone, Copy)]
-struct Ptr(*mut f32);
+pub(super) struct Ptr(pub(super) *mut f32);
 // SAFETY: each task touches a disjoint part of the buffer (see callers).
 unsafe impl Send for Ptr {}
 unsafe impl Sync for Ptr {}
 
 impl Ptr {
     /// The address (a method, so closures capture the whole `Ptr`).
-    fn at(self, offset: usize) -> *mut f32 {
+    pub(super) fn at(self, offset: usize) -> *mut f32 {
         self.0.wrapping_add(offset)
     }
 }
