@@ -190,3 +190,48 @@ fn export_needs_an_example() {
     assert_ne!(o.status.code(), Some(0));
     assert!(!Path::new("/tmp/never-written.json").exists());
 }
+
+#[test]
+fn run_options_are_checked_and_cuda_failures_are_errors() {
+    let o = memplan(&["run", "--example", "gpt2-tiny", "--compare-cpu"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
+    // Without a GPU (CI) this fails with an error naming what is missing;
+    // with one it runs. Either way it never panics.
+    let o = memplan(&[
+        "run",
+        "--example",
+        "gpt2-tiny",
+        "--device",
+        "cuda",
+        "--steps",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert!(matches!(o.status.code(), Some(0 | 1)), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    if o.status.code() == Some(1) {
+        assert!(err.contains("CUDA") || err.contains("cuda"), "{err}");
+    }
+}
+
+#[test]
+fn fused_attention_is_an_example_option() {
+    let v = json(&[
+        "plan",
+        "--example",
+        "gpt2-tiny",
+        "--fused-attention",
+        "--json",
+    ]);
+    assert!(
+        v["graph"].as_str().unwrap_or_default().ends_with("-fused"),
+        "{v}"
+    );
+    let o = memplan(&["plan", "--fused-attention"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "--fused-attention needs --example"
+    );
+}

@@ -64,6 +64,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    if a.compare_cpu && a.device == Device::Cpu {
+        bail!("--compare-cpu compares a CUDA run with the CPU executor: add --device cuda");
+    }
     let g = load(a.graph.as_deref(), &a.source)?;
     let plan = if a.unplanned {
         exec::unplanned_plan(&g)
