@@ -25,6 +25,7 @@ pub mod nccl;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -711,13 +712,20 @@ fn one_rank(
     cfg: &RunConfig,
     gpu: usize,
     rank: usize,
-    nccl: Option<(cudarc::nccl::sys::ncclUniqueId, Duration)>,
+    nccl: Option<(cudarc::nccl::sys::ncclUniqueId, Duration, &AtomicBool)>,
 ) -> Result<RankRun> {
     let mut ex = CudaExecutor::new(p.clone(), gpu, rank)?;
     let world = p.world_size as usize;
     let comm: Box<dyn Communicator<DeviceSlice>> = match nccl {
         None => Box::new(crate::comm::SingleRank),
-        Some((id, timeout)) => Box::new(NcclComm::new(ex.context(), rank, world, id, timeout)?),
+        Some((id, timeout, failed)) => Box::new(NcclComm::new(
+            ex.context(),
+            rank,
+            world,
+            id,
+            timeout,
+            failed,
+        )?),
     };
     ex.allocate()?;
     ex.initialize(cfg.init_seed)?;
@@ -755,12 +763,18 @@ fn one_rank(
 fn run_ranks(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<Vec<RankRun>> {
     let timeout = nccl::init_timeout()?;
     let id = cudarc::nccl::result::get_uniqueid().map_err(|e| nccl::error("ncclGetUniqueId", e))?;
-    let nccl = Some((id, timeout));
+    // Set by a rank that fails, so the others stop waiting for it in
+    // NCCL's set-up.
+    let failed = &AtomicBool::new(false);
+    let nccl = Some((id, timeout, failed));
     let outcomes = std::thread::scope(|s| {
         let hs: Vec<_> = (0..p.world_size as usize)
             .map(|r| {
                 s.spawn(move || {
                     let run = caught(|| one_rank(p, cfg, first_gpu + r, r, nccl));
+                    if run.is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                    }
                     (Instant::now(), run)
                 })
             })

@@ -5,10 +5,12 @@
 //! (`ncclCommInitRankConfig` with `blocking = 0`) and polls
 //! `ncclCommGetAsyncError` every millisecond until it is ready, has failed,
 //! or [`DEFAULT_INIT_TIMEOUT`] (120 s; `MEMPLAN_NCCL_INIT_TIMEOUT_S` sets
-//! another, in seconds) has passed. On a timeout the communicator is aborted
-//! and the error names the rank, the world size and the limit: another rank
-//! probably failed before joining or never joined, and [`super::run_cuda`]
-//! reports that rank's own error rather than the timeouts it caused.
+//! another, in seconds) has passed, or until another rank of the run has
+//! failed (a flag the ranks share: a rank that fails before joining stops
+//! the others' wait at once). Then the communicator is aborted and the error
+//! names the rank, the world size and the time waited, and
+//! [`super::run_cuda`] reports the failed rank's own error rather than the
+//! waits it cut short.
 //!
 //! On a non-blocking communicator every NCCL call may return before its
 //! work is on the stream, so each collective then polls (within the same
@@ -17,6 +19,7 @@
 
 use std::ffi::{OsStr, c_int};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
@@ -116,15 +119,24 @@ fn state(comm: sys::ncclComm_t) -> State {
     }
 }
 
-/// Polls `comm` until it is not busy or `limit` has passed since `since`,
-/// sleeping `pause` between polls (yielding if `None`).
-fn wait(comm: sys::ncclComm_t, since: Instant, limit: Duration, pause: Option<Duration>) -> State {
+/// Polls `comm` until it is not busy, `limit` has passed since `since`, or
+/// `give_up` is set (then it stays busy), sleeping `pause` between polls
+/// (yielding if `None`).
+fn wait(
+    comm: sys::ncclComm_t,
+    since: Instant,
+    limit: Duration,
+    pause: Option<Duration>,
+    give_up: &AtomicBool,
+) -> State {
     loop {
         match state(comm) {
-            State::Busy if since.elapsed() < limit => match pause {
-                Some(p) => std::thread::sleep(p),
-                None => std::thread::yield_now(),
-            },
+            State::Busy if since.elapsed() < limit && !give_up.load(Ordering::Relaxed) => {
+                match pause {
+                    Some(p) => std::thread::sleep(p),
+                    None => std::thread::yield_now(),
+                }
+            }
             s => return s,
         }
     }
@@ -149,13 +161,15 @@ unsafe impl Send for NcclComm {}
 
 impl NcclComm {
     /// Joins the group `id` as `rank` of `world` on `ctx`'s device. Returns
-    /// when every rank has joined, or fails after `timeout`.
+    /// when every rank has joined, or fails after `timeout` or as soon as
+    /// `another_failed` is set (a rank that failed before joining).
     pub fn new(
         ctx: &Arc<CudaContext>,
         rank: usize,
         world: usize,
         id: sys::ncclUniqueId,
         timeout: Duration,
+        another_failed: &AtomicBool,
     ) -> Result<NcclComm> {
         ctx.bind_to_thread().map_err(|e| RuntimeError::Device {
             library: "CUDA",
@@ -183,13 +197,13 @@ impl NcclComm {
             world,
             timeout,
         };
-        match wait(comm.comm, since, timeout, Some(INIT_POLL)) {
+        match wait(comm.comm, since, timeout, Some(INIT_POLL), another_failed) {
             State::Ready => Ok(comm),
             State::Failed(e) => Err(error("ncclCommInitRankConfig", nccl::NcclError(e))),
             State::Busy => Err(RuntimeError::CommInitTimeout {
                 rank,
                 world,
-                timeout,
+                timeout: since.elapsed().min(timeout),
             }),
         }
     }
@@ -199,9 +213,13 @@ impl NcclComm {
     fn enqueued(&self, op: &'static str, call: &str, r: sys::ncclResult_t) -> Result<()> {
         let since = Instant::now();
         let state = match r {
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {
-                wait(self.comm, since, self.timeout, None)
-            }
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => wait(
+                self.comm,
+                since,
+                self.timeout,
+                None,
+                &AtomicBool::new(false),
+            ),
             e => State::Failed(e),
         };
         match state {
