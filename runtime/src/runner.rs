@@ -122,8 +122,9 @@ pub struct StepResult {
     /// The slowest rank's seconds.
     pub seconds: f64,
     /// Memory the step used on the most loaded rank: on CPU the one host
-    /// allocation (arena + workspace); on CUDA the device memory measured
-    /// with `cuMemGetInfo` around the step.
+    /// allocation (arena + workspace); on CUDA the device's peak during the
+    /// step (free memory before the allocation minus the low-water mark
+    /// sampled while the step ran).
     pub measured_bytes: u64,
 }
 

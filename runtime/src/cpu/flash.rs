@@ -86,6 +86,23 @@ fn block(s: &mut [f32], cols: usize) -> MatMut {
     }
 }
 
+/// `s[r, e] = scale · q_r · k_e` for a `rows × cols` tile (row stride
+/// `TILE`).
+fn scaled_scores(
+    q: MatPtr,
+    k: MatPtr,
+    s: &mut [f32],
+    rows: usize,
+    cols: usize,
+    d: usize,
+    scale: f32,
+) {
+    debug_assert!(rows <= TILE && cols <= TILE && s.len() >= TILE * TILE);
+    // SAFETY: `s` is the caller's own buffer of a whole tile; q and k reach
+    // `rows` and `cols` rows of `d` elements inside the inputs.
+    unsafe { gemm_serial(rows, d, cols, scale, q, transposed(k), 0.0, block(s, TILE)) };
+}
+
 /// Keys `j0 .. j0 + valid` of a tile are at or before query `i`.
 fn visible(i: usize, j0: usize, cols: usize) -> usize {
     (i + 1).saturating_sub(j0).min(cols)
@@ -113,19 +130,7 @@ pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attent
                 let cols = TILE.min(t - j0);
                 let k = rows_of(qkv, dm.qkv_at(b, h, 1, j0), stride);
                 let v = rows_of(qkv, dm.qkv_at(b, h, 2, j0), stride);
-                // SAFETY: `s` is this task's own buffer; q, k lie in qkv.
-                unsafe {
-                    gemm_serial(
-                        rows,
-                        d,
-                        cols,
-                        a.scale,
-                        q,
-                        transposed(k),
-                        0.0,
-                        block(&mut s, TILE),
-                    )
-                };
+                scaled_scores(q, k, &mut s, rows, cols, d, a.scale);
                 for r in 0..rows {
                     let row = &mut s[r * TILE..r * TILE + cols];
                     let valid = visible(i0 + r, j0, cols);
@@ -215,20 +220,11 @@ pub fn fused_attention_backward(
                 let rows = TILE.min(t - i0);
                 let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
                 let go = rows_of(dout, dm.out_at(b, h, i0), c);
+                scaled_scores(q, k, &mut p, rows, cols, d, a.scale);
                 // SAFETY (every product below): the destinations are this
                 // task's buffers or its own head's dQ rows; the sources lie
                 // in the inputs.
                 unsafe {
-                    gemm_serial(
-                        rows,
-                        d,
-                        cols,
-                        a.scale,
-                        q,
-                        transposed(k),
-                        0.0,
-                        block(&mut p, TILE),
-                    );
                     gemm_serial(
                         rows,
                         d,
