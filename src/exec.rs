@@ -20,6 +20,7 @@ use serde_json::{Map, Value};
 
 use memplan_runtime::{
     self as rt, AdamParams, Attention, DType, Fill, Init, InitSegment, Kernel, Matmul, ReduceOp,
+    Rope,
 };
 
 use crate::checker;
@@ -105,13 +106,37 @@ impl<'a> Attrs<'a> {
             n: self.u64("n")?,
         })
     }
+    fn u64_or(&self, key: &str, default: u64) -> Result<u64, Error> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(_) => self.u64(key),
+        }
+    }
     fn attention(&self) -> Result<Attention, Error> {
+        let heads = self.u64("heads")?;
         Ok(Attention {
             batch: self.u64("batch")?,
-            heads: self.u64("heads")?,
+            heads,
+            kv_heads: self.u64_or("kv_heads", heads)?,
             seq: self.u64("seq")?,
             head_dim: self.u64("head_dim")?,
             scale: self.f32("scale")?,
+        })
+    }
+    fn rope(&self, inverse: bool) -> Result<Rope, Error> {
+        let heads = self.u64("heads")?;
+        let theta = self
+            .get("theta")?
+            .as_f64()
+            .ok_or_else(|| bad_op(self.op, "attribute \"theta\" must be a number".to_string()))?;
+        Ok(Rope {
+            batch: self.u64("batch")?,
+            seq: self.u64("seq")?,
+            heads,
+            kv_heads: self.u64_or("kv_heads", heads)?,
+            head_dim: self.u64("head_dim")?,
+            theta,
+            inverse,
         })
     }
     fn reduce_op(&self) -> Result<ReduceOp, Error> {
@@ -140,6 +165,7 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
             seq: a.u64("seq")?,
             width: a.u64("width")?,
             vocab: a.u64("vocab")?,
+            positions: a.bool_or("positions", true)?,
         },
         "embedding_backward" => Kernel::EmbeddingBackward {
             batch: a.u64("batch")?,
@@ -147,6 +173,26 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
             width: a.u64("width")?,
             vocab: a.u64("vocab")?,
             accumulate: a.bool_or("accumulate", false)?,
+            positions: a.bool_or("positions", true)?,
+        },
+        "rmsnorm" => Kernel::RmsNorm {
+            rows: a.u64("rows")?,
+            cols: a.u64("cols")?,
+            eps: a.opt_f32("eps")?.unwrap_or(1e-6),
+        },
+        "rmsnorm_backward" => Kernel::RmsNormBackward {
+            rows: a.u64("rows")?,
+            cols: a.u64("cols")?,
+        },
+        "rope" => Kernel::Rope(a.rope(false)?),
+        "rope_backward" => Kernel::Rope(a.rope(true)?),
+        "swiglu" => Kernel::SwiGlu {
+            rows: a.u64("rows")?,
+            hidden: a.u64("hidden")?,
+        },
+        "swiglu_backward" => Kernel::SwiGluBackward {
+            rows: a.u64("rows")?,
+            hidden: a.u64("hidden")?,
         },
         "layernorm" => Kernel::LayerNorm {
             rows: a.u64("rows")?,

@@ -9,6 +9,7 @@ use memplan::exec;
 use memplan::graph::Graph;
 use memplan::models::fsdp;
 use memplan::models::gpt2::{self, Gpt2Config};
+use memplan::models::llama::{self, LlamaConfig};
 use memplan::models::mlp::{self, MlpConfig};
 use memplan::{Options, checker};
 use memplan_runtime::device::emulate::Emulator;
@@ -157,4 +158,47 @@ fn fused_attention_lowered_for_the_gpu_matches_the_cpu_executor() {
     assert_eq!(flash, 3, "one forward and two backward launches");
     cfg.checkpoint = true;
     matches_cpu(&fsdp::shard(&gpt2::build(&cfg).unwrap(), 2).unwrap(), 2);
+}
+
+/// The Llama step's kernels (embedding without positions, RMSNorm, RoPE in
+/// place, grouped-query flash attention, SwiGLU) lowered for the GPU.
+#[test]
+fn llama_lowered_for_the_gpu_matches_the_cpu_executor() {
+    let cfg = LlamaConfig {
+        layers: 1,
+        width: 32,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 40,
+        vocab: 64,
+        seq: 40,
+        batch: 2,
+        ..LlamaConfig::preset("llama-tiny").unwrap()
+    };
+    let p = matches_cpu(&llama::build(&cfg).unwrap(), 2);
+    let em = Emulator::new(p).unwrap();
+    let launched: Vec<&str> = em
+        .ops()
+        .iter()
+        .flatten()
+        .filter_map(|o| match o {
+            DevOp::Launch(l) => Some(l.kernel.name()),
+            _ => None,
+        })
+        .collect();
+    for k in [
+        "rmsnorm_fwd",
+        "rope_fwd",
+        "swiglu_bwd",
+        "flash_attn_bwd_dkv",
+    ] {
+        assert!(launched.contains(&k), "{k} not launched");
+    }
+    let mut sharded = cfg.clone();
+    sharded.checkpoint = true;
+    sharded.tied = true;
+    matches_cpu(
+        &fsdp::shard(&llama::build(&sharded).unwrap(), 2).unwrap(),
+        2,
+    );
 }

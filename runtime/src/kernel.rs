@@ -17,12 +17,17 @@ pub struct Matmul {
 }
 
 /// Sizes of causal multi-head attention over a packed `qkv` tensor
-/// `[B, T, 3C]` (query, key, value of head `h` at columns `hD`, `C + hD`,
-/// `2C + hD`).
+/// `[B, T, (H + 2·Hkv)·D]`: the query of head `h` at columns `hD`, the key
+/// and value of key/value head `g` at `C + gD` and `C + Hkv·D + gD`
+/// (`C = H·D`). Query head `h` reads key/value head `h / (H / Hkv)`
+/// (grouped-query attention); with `Hkv = H` this is the plain `[B, T, 3C]`
+/// layout.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct Attention {
     pub batch: u64,
     pub heads: u64,
+    /// Key/value heads (`Hkv`, a divisor of `heads`).
+    pub kv_heads: u64,
     pub seq: u64,
     pub head_dim: u64,
     /// Multiplies `q·k` (usually `1/√D`).
@@ -30,11 +35,26 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Multi-head attention (as many key/value heads as query heads).
+    pub fn mha(batch: u64, heads: u64, seq: u64, head_dim: u64, scale: f32) -> Attention {
+        Attention {
+            batch,
+            heads,
+            kv_heads: heads,
+            seq,
+            head_dim,
+            scale,
+        }
+    }
     pub fn width(&self) -> u64 {
         self.heads * self.head_dim
     }
+    /// Elements of one row of `qkv`: `(H + 2·Hkv)·D`.
+    pub fn qkv_width(&self) -> u64 {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
     fn qkv(&self) -> u64 {
-        self.batch * self.seq * 3 * self.width()
+        self.batch * self.seq * self.qkv_width()
     }
     fn probs(&self) -> u64 {
         self.batch * self.heads * self.seq * self.seq
@@ -45,6 +65,32 @@ impl Attention {
     /// Query rows over all heads: `B·H·T`.
     fn rows(&self) -> u64 {
         self.batch * self.heads * self.seq
+    }
+}
+
+/// Rotary position embedding (RoPE, the "rotate half" convention of
+/// Hugging Face's Llama) applied to the query and key parts of a packed
+/// `qkv` tensor laid out as in [`Attention`]; the value part is copied.
+/// Dimension `i < D/2` of a head pairs with `i + D/2` and turns by the
+/// angle `pos · theta^(−2i/D)` (`pos` the row's position in its sequence).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Rope {
+    pub batch: u64,
+    pub seq: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    /// Base of the frequencies (10000 in Llama 2, 500000 in Llama 3).
+    pub theta: f64,
+    /// Turn by the opposite angle: the backward pass (a rotation's
+    /// transpose is its inverse).
+    pub inverse: bool,
+}
+
+impl Rope {
+    /// Elements of `qkv`.
+    pub fn elements(&self) -> u64 {
+        self.batch * self.seq * (self.heads + 2 * self.kv_heads) * self.head_dim
     }
 }
 
@@ -81,25 +127,41 @@ pub enum ReduceOp {
 /// What an instruction computes; see `docs/ops.md` for each formula.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Kernel {
-    /// in `[tokens i32 BT, wte VC, wpe TC]`, out `[x BTC]`.
+    /// in `[tokens i32 BT, wte VC, (wpe TC if positions)]`, out `[x BTC]`.
     Embedding {
         batch: u64,
         seq: u64,
         width: u64,
         vocab: u64,
+        /// Add a learned position embedding (GPT-2; Llama has none).
+        positions: bool,
     },
-    /// in `[dx BTC, tokens i32 BT, (dhead VC if accumulate)]`, out `[dwte VC, dwpe TC]`.
+    /// in `[dx BTC, tokens i32 BT, (dhead VC if accumulate)]`, out
+    /// `[dwte VC, (dwpe TC if positions)]`.
     EmbeddingBackward {
         batch: u64,
         seq: u64,
         width: u64,
         vocab: u64,
         accumulate: bool,
+        positions: bool,
     },
     /// in `[x RC, gamma C, beta C]`, out `[y RC, mean f32 R, rstd f32 R]`.
     LayerNorm { rows: u64, cols: u64, eps: f32 },
     /// in `[dy RC, x RC, mean R, rstd R, gamma C]`, out `[dx RC, dgamma C, dbeta C]`.
     LayerNormBackward { rows: u64, cols: u64 },
+    /// in `[x RC, gamma C]`, out `[y RC, rstd f32 R]` (RMSNorm).
+    RmsNorm { rows: u64, cols: u64, eps: f32 },
+    /// in `[dy RC, x RC, rstd R, gamma C]`, out `[dx RC, dgamma C]`.
+    RmsNormBackward { rows: u64, cols: u64 },
+    /// in `[qkv]`, out `[qkv rotated]` (`rope`, or `rope_backward` when
+    /// `inverse`).
+    Rope(Rope),
+    /// in `[gate|up R·2F]`, out `[silu(gate)·up R·F]` (SwiGLU; each row
+    /// holds the gate's `F` elements, then the up projection's).
+    SwiGlu { rows: u64, hidden: u64 },
+    /// in `[dh R·F, gate|up R·2F]`, out `[d(gate|up) R·2F]`.
+    SwiGluBackward { rows: u64, hidden: u64 },
     /// in `[x MK, w KN, b N]`, out `[y MN]`.
     Linear(Matmul),
     /// in `[dy MN, w KN]`, out `[dx MK]`.
@@ -187,6 +249,12 @@ impl Kernel {
             Kernel::EmbeddingBackward { .. } => "embedding_backward",
             Kernel::LayerNorm { .. } => "layernorm",
             Kernel::LayerNormBackward { .. } => "layernorm_backward",
+            Kernel::RmsNorm { .. } => "rmsnorm",
+            Kernel::RmsNormBackward { .. } => "rmsnorm_backward",
+            Kernel::Rope(r) if r.inverse => "rope_backward",
+            Kernel::Rope(_) => "rope",
+            Kernel::SwiGlu { .. } => "swiglu",
+            Kernel::SwiGluBackward { .. } => "swiglu_backward",
             Kernel::Linear(_) => "linear",
             Kernel::LinearBackwardData(_) => "linear_backward_data",
             Kernel::LinearBackwardWeight(_) => "linear_backward_weight",
@@ -251,7 +319,9 @@ impl Kernel {
             | Kernel::CausalSoftmax(_)
             | Kernel::CausalSoftmaxBackward(_)
             | Kernel::CrossEntropyBackward { .. }
-            | Kernel::LayerNormBackward { .. } => &[0],
+            | Kernel::LayerNormBackward { .. }
+            | Kernel::RmsNormBackward { .. }
+            | Kernel::Rope(_) => &[0],
             Kernel::EmbeddingBackward {
                 accumulate: true, ..
             } => &[2],
@@ -269,6 +339,7 @@ impl Kernel {
                 seq,
                 width,
                 vocab,
+                ..
             }
             | Kernel::EmbeddingBackward {
                 batch,
@@ -282,9 +353,20 @@ impl Kernel {
                 ("width", *width),
                 ("vocab", *vocab),
             ],
-            Kernel::LayerNorm { rows, cols, .. } | Kernel::LayerNormBackward { rows, cols } => {
-                &[("rows", *rows), ("cols", *cols)]
+            Kernel::LayerNorm { rows, cols, .. }
+            | Kernel::LayerNormBackward { rows, cols }
+            | Kernel::RmsNorm { rows, cols, .. }
+            | Kernel::RmsNormBackward { rows, cols } => &[("rows", *rows), ("cols", *cols)],
+            Kernel::SwiGlu { rows, hidden } | Kernel::SwiGluBackward { rows, hidden } => {
+                &[("rows", *rows), ("hidden", *hidden)]
             }
+            Kernel::Rope(r) => &[
+                ("batch", r.batch),
+                ("seq", r.seq),
+                ("heads", r.heads),
+                ("kv_heads", r.kv_heads),
+                ("head_dim", r.head_dim),
+            ],
             Kernel::Linear(Matmul { m, k, n })
             | Kernel::LinearBackwardData(Matmul { m, k, n })
             | Kernel::LinearBackwardWeight(Matmul { m, k, n })
@@ -311,13 +393,14 @@ impl Kernel {
                 seq,
                 width,
                 vocab,
+                positions,
             } => {
                 let bt = batch * seq;
-                (
-                    vec![I32(bt), Float(vocab * width), Float(seq * width)],
-                    vec![Float(bt * width)],
-                    vec![],
-                )
+                let mut i = vec![I32(bt), Float(vocab * width)];
+                if *positions {
+                    i.push(Float(seq * width));
+                }
+                (i, vec![Float(bt * width)], vec![])
             }
             Kernel::EmbeddingBackward {
                 batch,
@@ -325,14 +408,65 @@ impl Kernel {
                 width,
                 vocab,
                 accumulate,
+                positions,
             } => {
                 let bt = batch * seq;
                 let mut i = vec![Float(bt * width), I32(bt)];
                 if *accumulate {
                     i.push(Float(vocab * width));
                 }
-                (i, vec![Float(vocab * width), Float(seq * width)], vec![])
+                let mut o = vec![Float(vocab * width)];
+                if *positions {
+                    o.push(Float(seq * width));
+                }
+                (i, o, vec![])
             }
+            Kernel::RmsNorm { rows, cols, eps } => {
+                if !(eps.is_finite() && *eps >= 0.0) {
+                    return Err(format!("eps must be a non-negative number, got {eps}"));
+                }
+                (
+                    vec![Float(rows * cols), Float(*cols)],
+                    vec![Float(rows * cols), F32(*rows)],
+                    vec![],
+                )
+            }
+            Kernel::RmsNormBackward { rows, cols } => (
+                vec![
+                    Float(rows * cols),
+                    Float(rows * cols),
+                    F32(*rows),
+                    Float(*cols),
+                ],
+                vec![Float(rows * cols), Float(*cols)],
+                vec![],
+            ),
+            Kernel::Rope(r) => {
+                if r.kv_heads == 0 || r.heads % r.kv_heads != 0 {
+                    return Err(format!(
+                        "heads {} is not a multiple of kv_heads {}",
+                        r.heads, r.kv_heads
+                    ));
+                }
+                if r.head_dim % 2 != 0 {
+                    return Err(format!("head_dim {} must be even", r.head_dim));
+                }
+                if !(r.theta.is_finite() && r.theta > 0.0) {
+                    return Err(format!("theta must be positive, got {}", r.theta));
+                }
+                let e = r.elements();
+                (vec![Float(e)], vec![Float(e)], vec![])
+            }
+            Kernel::SwiGlu { rows, hidden } => (
+                vec![Float(2 * rows * hidden)],
+                vec![Float(rows * hidden)],
+                vec![],
+            ),
+            Kernel::SwiGluBackward { rows, hidden } => (
+                vec![Float(rows * hidden), Float(2 * rows * hidden)],
+                vec![Float(2 * rows * hidden)],
+                vec![],
+            ),
             Kernel::LayerNorm { rows, cols, eps } => {
                 if !(eps.is_finite() && *eps >= 0.0) {
                     return Err(format!("eps must be a non-negative number, got {eps}"));
@@ -373,11 +507,11 @@ impl Kernel {
                 (vec![Float(m * k), Float(k * n)], vec![Float(m * n)], vec![])
             }
             Kernel::AttentionScores(a) => {
-                check_attention(a)?;
+                check_attention(a, false)?;
                 (vec![Float(a.qkv())], vec![Float(a.probs())], vec![])
             }
             Kernel::AttentionScoresBackward(a) => {
-                check_attention(a)?;
+                check_attention(a, false)?;
                 (
                     vec![Float(a.probs()), Float(a.qkv())],
                     vec![],
@@ -385,11 +519,11 @@ impl Kernel {
                 )
             }
             Kernel::CausalSoftmax(a) => {
-                check_attention(a)?;
+                check_attention(a, false)?;
                 (vec![Float(a.probs())], vec![Float(a.probs())], vec![])
             }
             Kernel::CausalSoftmaxBackward(a) => {
-                check_attention(a)?;
+                check_attention(a, false)?;
                 (
                     vec![Float(a.probs()), Float(a.probs())],
                     vec![Float(a.probs())],
@@ -397,7 +531,7 @@ impl Kernel {
                 )
             }
             Kernel::AttentionValues(a) => {
-                check_attention(a)?;
+                check_attention(a, false)?;
                 (
                     vec![Float(a.probs()), Float(a.qkv())],
                     vec![Float(a.out())],
@@ -405,7 +539,7 @@ impl Kernel {
                 )
             }
             Kernel::AttentionValuesBackward(a) => {
-                check_attention(a)?;
+                check_attention(a, false)?;
                 (
                     vec![Float(a.out()), Float(a.probs()), Float(a.qkv())],
                     vec![Float(a.probs()), Float(a.qkv())],
@@ -413,7 +547,7 @@ impl Kernel {
                 )
             }
             Kernel::FusedAttention(a) => {
-                check_attention(a)?;
+                check_attention(a, true)?;
                 (
                     vec![Float(a.qkv())],
                     vec![Float(a.out()), F32(a.rows())],
@@ -421,7 +555,7 @@ impl Kernel {
                 )
             }
             Kernel::FusedAttentionBackward(a) => {
-                check_attention(a)?;
+                check_attention(a, true)?;
                 (
                     vec![
                         Float(a.out()),
@@ -590,9 +724,23 @@ impl Kernel {
     }
 }
 
-fn check_attention(a: &Attention) -> Result<(), String> {
+/// `grouped`: the kernel supports fewer key/value heads than query heads.
+fn check_attention(a: &Attention, grouped: bool) -> Result<(), String> {
     if a.heads == 0 || a.head_dim == 0 || a.seq == 0 {
         return Err("heads, head_dim and seq must be positive".into());
+    }
+    if a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
+        return Err(format!(
+            "heads {} is not a multiple of kv_heads {}",
+            a.heads, a.kv_heads
+        ));
+    }
+    if !grouped && a.kv_heads != a.heads {
+        return Err(format!(
+            "explicit attention needs as many key/value heads as query heads \
+             (got {} and {}); grouped-query attention runs as fused_attention",
+            a.kv_heads, a.heads
+        ));
     }
     if !a.scale.is_finite() {
         return Err(format!("scale must be finite, got {}", a.scale));

@@ -30,13 +30,13 @@ pub struct Cli {
 #[derive(Args, Debug, Clone, Default)]
 pub struct GraphArgs {
     /// Built-in example instead of a file: gpt2-tiny, gpt2-small, gpt2-medium,
-    /// gpt2-large, gpt2-xl, mlp.
+    /// gpt2-large, gpt2-xl, llama-tiny, llama3-1b, llama3-8b, llama2-7b, mlp.
     #[arg(long, value_name = "NAME")]
     pub example: Option<String>,
     /// Batch size of the example.
     #[arg(long, value_name = "N", requires = "example")]
     pub batch: Option<u64>,
-    /// Sequence length of a GPT-2 example.
+    /// Sequence length of a GPT-2 or Llama example.
     #[arg(long, value_name = "N", requires = "example")]
     pub seq: Option<u64>,
     /// Number of layers of the example.
@@ -45,14 +45,16 @@ pub struct GraphArgs {
     /// Element type of the example: f32, bf16, f16.
     #[arg(long, value_name = "TYPE", requires = "example")]
     pub dtype: Option<String>,
-    /// Activation checkpointing in every GPT-2 block.
+    /// Activation checkpointing in every GPT-2 or Llama block.
     #[arg(long, requires = "example")]
     pub checkpoint: bool,
-    /// Clip the gradients' global norm before the updates (GPT-2 examples).
+    /// Clip the gradients' global norm before the updates (GPT-2 and Llama
+    /// examples).
     #[arg(long, value_name = "MAX", requires = "example")]
     pub clip_grad_norm: Option<f64>,
     /// Fused (flash-style) attention in every GPT-2 block: no [B, H, T, T]
-    /// scores or probabilities, the log-sum-exp saved for the backward.
+    /// scores or probabilities, the log-sum-exp saved for the backward
+    /// (Llama examples always use it).
     #[arg(long, requires = "example")]
     pub fused_attention: bool,
     /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one

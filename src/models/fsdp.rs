@@ -6,8 +6,9 @@
 //! make) into the step every rank runs, data parallel, on its own batch:
 //!
 //! - Parameters are grouped into *units* (by default the first dotted
-//!   component of the name: `h3.attn.c_attn.weight` → `h3`, `wte` → `wte`),
-//!   as PyTorch FSDP wraps modules. A unit's parameters are laid end to end
+//!   component of the name, with the next one when it is a list index:
+//!   `h3.attn.c_attn.weight` → `h3`, `layers.3.attention.wo` → `layers.3`,
+//!   `wte` → `wte`), as PyTorch FSDP wraps modules. A unit's parameters are laid end to end
 //!   in one flat buffer (each segment starting on a 256-byte boundary),
 //!   padded to a multiple of `W`; each rank holds one shard of `S` elements
 //!   of the flat parameter and of its Adam moments (persistent).
@@ -45,9 +46,16 @@ pub const SEGMENT_ALIGN_BYTES: u64 = 256;
 /// The stream collectives are issued on.
 pub const COMM_STREAM: u32 = 1;
 
-/// The default unit of a parameter: the first dotted component of its name.
+/// The default unit of a parameter: the first dotted component of its
+/// name, with the second when that is a number (a module list's index, as
+/// in `layers.3.attention.wo` → `layers.3`).
 pub fn default_unit(name: &str) -> String {
-    name.split('.').next().unwrap_or(name).to_string()
+    let mut parts = name.split('.');
+    let first = parts.next().unwrap_or(name);
+    match parts.next() {
+        Some(i) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => format!("{first}.{i}"),
+        _ => first.to_string(),
+    }
 }
 
 fn invalid(why: impl Into<String>) -> Error {

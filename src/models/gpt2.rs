@@ -17,15 +17,11 @@
 use serde_json::{Value, json};
 
 use super::DType;
+use super::step::{self, StepConfig, Update};
 use crate::error::Error;
-use crate::graph::{Graph, GraphBuilder, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec};
+use crate::graph::{Graph, OpKind, OpSpec, Role, TensorId};
 
-/// Which optimizer updates the parameters.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Optimizer {
-    Adam,
-    AdamW,
-}
+pub use super::step::Optimizer;
 
 /// Configuration of the GPT-2 training step.
 #[derive(Clone, Debug, PartialEq)]
@@ -129,15 +125,6 @@ impl Gpt2Config {
     }
 }
 
-/// A trainable parameter with its gradient and optimizer state.
-struct Param {
-    w: TensorId,
-    grad: Option<TensorId>,
-    m: TensorId,
-    v: TensorId,
-    init: &'static str,
-}
-
 /// What one block's backward needs from its forward.
 struct BlockActs {
     x: TensorId,
@@ -173,89 +160,16 @@ struct BlockParams {
     fc2_b: usize,
 }
 
-struct Net {
-    b: GraphBuilder,
-    cfg: Gpt2Config,
-    params: Vec<Param>,
+impl StepConfig for Gpt2Config {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn align(&self) -> u64 {
+        self.align
+    }
 }
 
-impl Net {
-    fn tensor(&mut self, name: &str, shape: &[u64], role: Role) -> TensorId {
-        let dt = self.cfg.dtype;
-        self.typed(name, shape, role, dt.as_str(), dt.bytes())
-    }
-    fn typed(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        role: Role,
-        dtype: &str,
-        bytes: u64,
-    ) -> TensorId {
-        let elems: u64 = shape.iter().product();
-        self.b.add_tensor(
-            TensorSpec::new(name, elems * bytes)
-                .role(role)
-                .align(self.cfg.align)
-                .dtype(dtype)
-                .shape(shape.to_vec()),
-        )
-    }
-    /// Per-row statistics (LayerNorm mean and 1/std) stay in f32.
-    fn stats(&mut self, name: &str, rows: u64) -> TensorId {
-        self.typed(name, &[rows], Role::Activation, "f32", 4)
-    }
-    fn param(&mut self, name: &str, shape: &[u64], init: &'static str) -> usize {
-        let w = self.tensor(name, shape, Role::Parameter);
-        let m = self.tensor(&format!("{name}.adam_m"), shape, Role::OptimizerState);
-        let v = self.tensor(&format!("{name}.adam_v"), shape, Role::OptimizerState);
-        for t in [w, m, v] {
-            self.b.tensor_spec_mut(t).lifetime = crate::graph::Lifetime::Persistent;
-        }
-        self.params.push(Param {
-            w,
-            grad: None,
-            m,
-            v,
-            init,
-        });
-        self.params.len() - 1
-    }
-    fn w(&self, p: usize) -> TensorId {
-        self.params[p].w
-    }
-    fn grad(&mut self, p: usize) -> TensorId {
-        let name = format!("{}.grad", self.b.tensor_spec(self.params[p].w).name);
-        let shape = self.shape(self.params[p].w);
-        let g = self.tensor(&name, &shape, Role::Gradient);
-        self.params[p].grad = Some(g);
-        g
-    }
-    fn shape(&self, t: TensorId) -> Vec<u64> {
-        self.b.tensor_spec(t).shape.clone().unwrap_or_default()
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn op(
-        &mut self,
-        name: &str,
-        kind: OpKind,
-        ty: &str,
-        inputs: &[TensorId],
-        outputs: &[TensorId],
-        attrs: Value,
-    ) -> OpId {
-        let mut spec = OpSpec::new(name, kind, ty)
-            .inputs(inputs.iter().copied())
-            .outputs(outputs.iter().copied());
-        if let Value::Object(m) = attrs {
-            spec.attrs = m;
-        }
-        self.b.add_op(spec)
-    }
-    fn reuse(&mut self, op: OpId, out: TensorId, inp: TensorId) {
-        self.b.op_spec_mut(op).reuse.push((out, inp));
-    }
-}
+type Net = step::Net<Gpt2Config>;
 
 /// Builds the GPT-2 training-step graph for `cfg`.
 pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
@@ -280,11 +194,7 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     if cfg.fused_attention {
         name.push_str("-fused");
     }
-    let mut net = Net {
-        b: GraphBuilder::new(name),
-        cfg: cfg.clone(),
-        params: Vec::new(),
-    };
+    let mut net = Net::new(name, cfg.clone());
     let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
     let rows = bsz * t;
 
@@ -318,11 +228,8 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         net.param("lm_head.weight", &[v, c], "normal:0.02")
     };
 
-    let tokens = net.typed("tokens", &[bsz, t], Role::Input, "i32", 4);
-    let targets = net.typed("targets", &[bsz, t], Role::Input, "i32", 4);
-    for x in [tokens, targets] {
-        net.b.tensor_spec_mut(x).lifetime = crate::graph::Lifetime::Persistent;
-    }
+    let tokens = net.input("tokens", &[bsz, t], "i32", 4);
+    let targets = net.input("targets", &[bsz, t], "i32", 4);
 
     // Forward.
     let x0 = net.tensor("embed.out", &[bsz, t, c], Role::Activation);
@@ -437,58 +344,14 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         net.reuse(op, dwte, dhead);
     }
 
-    // Optimizer step.
-    let grads: Vec<TensorId> = net
-        .params
-        .iter()
-        .map(|p| p.grad.expect("every parameter has a gradient"))
-        .collect();
-    let norm = cfg.clip_grad_norm.map(|max_norm| {
-        let norm = net.typed("grad_norm", &[1], Role::Temporary, "f32", 4);
-        net.op(
-            "clip_grad_norm",
-            OpKind::Optimizer,
-            "grad_norm",
-            &grads,
-            &[norm],
-            json!({"max_norm": max_norm}),
-        );
-        norm
+    net.optimizer_step(&Update {
+        optimizer: cfg.optimizer,
+        lr: cfg.lr,
+        weight_decay: cfg.weight_decay,
+        clip_grad_norm: cfg.clip_grad_norm,
+        adam_workspace: cfg.adam_workspace,
+        layers: cfg.layers,
     });
-    let opt = match cfg.optimizer {
-        Optimizer::Adam => "adam",
-        Optimizer::AdamW => "adamw",
-    };
-    for (i, &g) in grads.iter().enumerate() {
-        let p = &net.params[i];
-        let (w, m, vv, init) = (p.w, p.m, p.v, p.init);
-        let pname = net.b.tensor_spec(w).name.clone();
-        let shape = net.shape(w);
-        let elems: u64 = shape.iter().product();
-        let mut inputs = vec![g];
-        inputs.extend(norm);
-        let mut outputs = Vec::new();
-        if cfg.adam_workspace {
-            outputs.push(net.tensor(&format!("{pname}.adam_denom"), &shape, Role::Temporary));
-        }
-        let wd = if cfg.optimizer == Optimizer::AdamW {
-            cfg.weight_decay
-        } else {
-            0.0
-        };
-        let mut spec = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, opt)
-            .inputs(inputs)
-            .outputs(outputs)
-            .updates([w, m, vv]);
-        if let Value::Object(a) = json!({
-            "elements": elems, "lr": cfg.lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
-            "weight_decay": wd, "step": 1, "init": init, "clip": cfg.clip_grad_norm,
-            "layers": cfg.layers,
-        }) {
-            spec.attrs = a;
-        }
-        net.b.add_op(spec);
-    }
     Ok(net.b.build()?)
 }
 

@@ -1,10 +1,12 @@
-//! Built-in example graphs, generated in code: a GPT-2 style decoder training
-//! step and an MLP. Ops carry their type, shapes and hyper-parameters so an
+//! Built-in example graphs, generated in code: GPT-2 and Llama style decoder
+//! training steps and an MLP. Ops carry their type, shapes and hyper-parameters so an
 //! executor can run them (op types are listed in `docs/ops.md`).
 
 pub mod fsdp;
 pub mod gpt2;
+pub mod llama;
 pub mod mlp;
+mod step;
 
 use crate::error::Error;
 use crate::graph::Graph;
@@ -49,6 +51,10 @@ pub const EXAMPLES: &[&str] = &[
     "gpt2-medium",
     "gpt2-large",
     "gpt2-xl",
+    "llama-tiny",
+    "llama3-1b",
+    "llama3-8b",
+    "llama2-7b",
     "mlp",
 ];
 
@@ -62,7 +68,7 @@ pub struct ExampleOptions {
     pub checkpoint: bool,
     pub clip_grad_norm: Option<f64>,
     /// GPT-2: fused (flash-style) attention instead of the explicit
-    /// scores and probabilities.
+    /// scores and probabilities. Llama steps always use fused attention.
     pub fused_attention: bool,
 }
 
@@ -80,6 +86,23 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
             c.dtype = d;
         }
         return mlp::build(&c);
+    }
+    if let Some(mut c) = llama::LlamaConfig::preset(name) {
+        if let Some(b) = opts.batch {
+            c.batch = b;
+        }
+        if let Some(s) = opts.seq {
+            c.seq = s;
+        }
+        if let Some(l) = opts.layers {
+            c.layers = l;
+        }
+        if let Some(d) = opts.dtype {
+            c.dtype = d;
+        }
+        c.checkpoint = opts.checkpoint;
+        c.clip_grad_norm = opts.clip_grad_norm;
+        return llama::build(&c);
     }
     let Some(mut c) = gpt2::Gpt2Config::preset(name) else {
         return Err(Error::UnknownExample {

@@ -9,13 +9,16 @@
 //! log-sum-exp that the backward pass needs to recompute the probabilities
 //! `P = exp(S − lse)` exactly.
 //!
-//! Backward, per (batch, head): `Dᵢ = Σ dOᵢ·Oᵢ` for every query row, then
-//! for each key tile `j` and each query tile `i ≥ j`: recompute `P`,
-//! `dP = dO Vᵀ`, `dS = P ∘ (dP − D)`; accumulate `dV_j += Pᵀ dO`,
-//! `dK_j += scale·dSᵀ Q` in the tile's own buffers and
-//! `dQ_i += scale·dS K` directly in the output. A task owns one head's
-//! columns, so tasks write disjoint bytes and the sums run in a fixed
-//! order: results do not depend on the thread count.
+//! Backward, per (batch, key/value head): `Dᵢ = Σ dOᵢ·Oᵢ` for every query
+//! row of the query heads that share this key/value head, then for each
+//! key tile `j`, each of those query heads and each query tile `i ≥ j`:
+//! recompute `P`, `dP = dO Vᵀ`, `dS = P ∘ (dP − D)`; accumulate
+//! `dV_j += Pᵀ dO`, `dK_j += scale·dSᵀ Q` in the tile's own buffers (summed
+//! over the group's query heads: grouped-query attention) and
+//! `dQ_i += scale·dS K` directly in the output. A task owns one key/value
+//! head's columns and its query heads' columns, so tasks write disjoint
+//! bytes and the sums run in a fixed order: results do not depend on the
+//! thread count.
 //!
 //! Scratch memory per task is a few `TILE × max(TILE, D)` blocks (plus `T`
 //! floats for `D` in the backward pass), independent of the batch and of
@@ -35,6 +38,7 @@ struct Dims {
     batch: usize,
     seq: usize,
     heads: usize,
+    kv_heads: usize,
     d: usize,
 }
 
@@ -44,17 +48,31 @@ impl Dims {
             batch: a.batch as usize,
             seq: a.seq as usize,
             heads: a.heads as usize,
+            kv_heads: a.kv_heads as usize,
             d: a.head_dim as usize,
         }
     }
     fn width(self) -> usize {
         self.heads * self.d
     }
+    /// Elements between consecutive rows of `qkv`.
+    fn stride(self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.d
+    }
+    /// Query heads per key/value head.
+    fn group(self) -> usize {
+        self.heads / self.kv_heads
+    }
     /// Offset in `qkv` of row `i` of part `part` (0 query, 1 key, 2 value)
-    /// of head `h` in batch `b`; rows are `3C` apart.
+    /// of head `h` in batch `b` (a query head for part 0, a key/value head
+    /// otherwise).
     fn qkv_at(self, b: usize, h: usize, part: usize, i: usize) -> usize {
-        let c = self.width();
-        (b * self.seq + i) * 3 * c + part * c + h * self.d
+        let col = match part {
+            0 => h * self.d,
+            1 => self.width() + h * self.d,
+            _ => self.width() + (self.kv_heads + h) * self.d,
+        };
+        (b * self.seq + i) * self.stride() + col
     }
     /// Offset in `out` (`[B, T, C]`) of row `i` of head `h`.
     fn out_at(self, b: usize, h: usize, i: usize) -> usize {
@@ -111,7 +129,7 @@ fn visible(i: usize, j0: usize, cols: usize) -> usize {
 /// `out = softmax(scale·Q Kᵀ, causal) V` per head, and `lse` per query row.
 pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attention) {
     let dm = Dims::new(a);
-    let (t, d, stride) = (dm.seq, dm.d, 3 * dm.width());
+    let (t, d, stride) = (dm.seq, dm.d, dm.stride());
     let tiles = t.div_ceil(TILE);
     let (out_p, lse_p) = (Ptr(out.as_mut_ptr()), Ptr(lse.as_mut_ptr()));
     (0..dm.batch * dm.heads * tiles)
@@ -119,6 +137,7 @@ pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attent
         .for_each(|task| {
             let (bh, qt) = (task / tiles, task % tiles);
             let (b, h) = (bh / dm.heads, bh % dm.heads);
+            let g = h / dm.group();
             let i0 = qt * TILE;
             let rows = TILE.min(t - i0);
             let mut s = vec![0.0f32; TILE * TILE];
@@ -128,8 +147,8 @@ pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attent
             let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
             for j0 in (0..i0 + rows).step_by(TILE) {
                 let cols = TILE.min(t - j0);
-                let k = rows_of(qkv, dm.qkv_at(b, h, 1, j0), stride);
-                let v = rows_of(qkv, dm.qkv_at(b, h, 2, j0), stride);
+                let k = rows_of(qkv, dm.qkv_at(b, g, 1, j0), stride);
+                let v = rows_of(qkv, dm.qkv_at(b, g, 2, j0), stride);
                 scaled_scores(q, k, &mut s, rows, cols, d, a.scale);
                 for r in 0..rows {
                     let row = &mut s[r * TILE..r * TILE + cols];
@@ -183,27 +202,34 @@ pub fn fused_attention_backward(
     a: &Attention,
 ) {
     let dm = Dims::new(a);
-    let (t, d, c, stride) = (dm.seq, dm.d, dm.width(), 3 * dm.width());
+    let (t, d, c, stride, group) = (dm.seq, dm.d, dm.width(), dm.stride(), dm.group());
     let dq_p = Ptr(dqkv.as_mut_ptr());
-    (0..dm.batch * dm.heads).into_par_iter().for_each(|bh| {
-        let (b, h) = (bh / dm.heads, bh % dm.heads);
-        let lse = &lse[bh * t..(bh + 1) * t];
-        // D_i = dO_i · O_i, and dQ starts at zero.
-        let dd: Vec<f32> = (0..t)
-            .map(|i| {
-                let at = dm.out_at(b, h, i);
-                dout[at..at + d]
-                    .iter()
-                    .zip(&out[at..at + d])
-                    .map(|(x, y)| x * y)
-                    .sum()
+    (0..dm.batch * dm.kv_heads).into_par_iter().for_each(|bg| {
+        let (b, g) = (bg / dm.kv_heads, bg % dm.kv_heads);
+        let heads = g * group..(g + 1) * group;
+        // D_i = dO_i · O_i per query head of the group, and dQ starts at zero.
+        let dd: Vec<Vec<f32>> = heads
+            .clone()
+            .map(|h| {
+                (0..t)
+                    .map(|i| {
+                        let at = dm.out_at(b, h, i);
+                        dout[at..at + d]
+                            .iter()
+                            .zip(&out[at..at + d])
+                            .map(|(x, y)| x * y)
+                            .sum()
+                    })
+                    .collect()
             })
             .collect();
-        for i in 0..t {
-            let at = dm.qkv_at(b, h, 0, i);
-            for e in 0..d {
-                // SAFETY: head h's query columns belong to this task.
-                unsafe { *dq_p.at(at + e) = 0.0 };
+        for h in heads.clone() {
+            for i in 0..t {
+                let at = dm.qkv_at(b, h, 0, i);
+                for e in 0..d {
+                    // SAFETY: the group's query columns belong to this task.
+                    unsafe { *dq_p.at(at + e) = 0.0 };
+                }
             }
         }
         let mut p = vec![0.0f32; TILE * TILE];
@@ -212,82 +238,86 @@ pub fn fused_attention_backward(
         let mut dv = vec![0.0f32; TILE * d];
         for j0 in (0..t).step_by(TILE) {
             let cols = TILE.min(t - j0);
-            let k = rows_of(qkv, dm.qkv_at(b, h, 1, j0), stride);
-            let v = rows_of(qkv, dm.qkv_at(b, h, 2, j0), stride);
+            let k = rows_of(qkv, dm.qkv_at(b, g, 1, j0), stride);
+            let v = rows_of(qkv, dm.qkv_at(b, g, 2, j0), stride);
             dk.fill(0.0);
             dv.fill(0.0);
-            for i0 in (j0..t).step_by(TILE) {
-                let rows = TILE.min(t - i0);
-                let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
-                let go = rows_of(dout, dm.out_at(b, h, i0), c);
-                scaled_scores(q, k, &mut p, rows, cols, d, a.scale);
-                // SAFETY (every product below): the destinations are this
-                // task's buffers or its own head's dQ rows; the sources lie
-                // in the inputs.
-                unsafe {
-                    gemm_serial(
-                        rows,
-                        d,
-                        cols,
-                        1.0,
-                        go,
-                        transposed(v),
-                        0.0,
-                        block(&mut ds, TILE),
-                    );
-                }
-                for r in 0..rows {
-                    let i = i0 + r;
-                    let valid = visible(i, j0, cols);
-                    let (pr, dr) = (
-                        &mut p[r * TILE..r * TILE + cols],
-                        &mut ds[r * TILE..r * TILE + cols],
-                    );
-                    for e in 0..cols {
-                        if e < valid {
-                            pr[e] = (pr[e] - lse[i]).exp();
-                            dr[e] = pr[e] * (dr[e] - dd[i]);
-                        } else {
-                            pr[e] = 0.0;
-                            dr[e] = 0.0;
+            for (hi, h) in heads.clone().enumerate() {
+                let lse = &lse[(b * dm.heads + h) * t..(b * dm.heads + h + 1) * t];
+                let dd = &dd[hi];
+                for i0 in (j0..t).step_by(TILE) {
+                    let rows = TILE.min(t - i0);
+                    let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
+                    let go = rows_of(dout, dm.out_at(b, h, i0), c);
+                    scaled_scores(q, k, &mut p, rows, cols, d, a.scale);
+                    // SAFETY (every product below): the destinations are this
+                    // task's buffers or its own heads' dQ rows; the sources
+                    // lie in the inputs.
+                    unsafe {
+                        gemm_serial(
+                            rows,
+                            d,
+                            cols,
+                            1.0,
+                            go,
+                            transposed(v),
+                            0.0,
+                            block(&mut ds, TILE),
+                        );
+                    }
+                    for r in 0..rows {
+                        let i = i0 + r;
+                        let valid = visible(i, j0, cols);
+                        let (pr, dr) = (
+                            &mut p[r * TILE..r * TILE + cols],
+                            &mut ds[r * TILE..r * TILE + cols],
+                        );
+                        for e in 0..cols {
+                            if e < valid {
+                                pr[e] = (pr[e] - lse[i]).exp();
+                                dr[e] = pr[e] * (dr[e] - dd[i]);
+                            } else {
+                                pr[e] = 0.0;
+                                dr[e] = 0.0;
+                            }
                         }
                     }
-                }
-                let pm = MatPtr::row_major(&p, TILE, false);
-                let dsm = MatPtr::row_major(&ds, TILE, false);
-                let dq = MatMut {
-                    ptr: dq_p.at(dm.qkv_at(b, h, 0, i0)),
-                    rs: stride as isize,
-                    cs: 1,
-                };
-                unsafe {
-                    gemm_serial(
-                        cols,
-                        rows,
-                        d,
-                        1.0,
-                        transposed(pm),
-                        go,
-                        1.0,
-                        block(&mut dv, d),
-                    );
-                    gemm_serial(
-                        cols,
-                        rows,
-                        d,
-                        a.scale,
-                        transposed(dsm),
-                        q,
-                        1.0,
-                        block(&mut dk, d),
-                    );
-                    gemm_serial(rows, cols, d, a.scale, dsm, k, 1.0, dq);
+                    let pm = MatPtr::row_major(&p, TILE, false);
+                    let dsm = MatPtr::row_major(&ds, TILE, false);
+                    let dq = MatMut {
+                        ptr: dq_p.at(dm.qkv_at(b, h, 0, i0)),
+                        rs: stride as isize,
+                        cs: 1,
+                    };
+                    unsafe {
+                        gemm_serial(
+                            cols,
+                            rows,
+                            d,
+                            1.0,
+                            transposed(pm),
+                            go,
+                            1.0,
+                            block(&mut dv, d),
+                        );
+                        gemm_serial(
+                            cols,
+                            rows,
+                            d,
+                            a.scale,
+                            transposed(dsm),
+                            q,
+                            1.0,
+                            block(&mut dk, d),
+                        );
+                        gemm_serial(rows, cols, d, a.scale, dsm, k, 1.0, dq);
+                    }
                 }
             }
             for r in 0..cols {
-                let (ka, va) = (dm.qkv_at(b, h, 1, j0 + r), dm.qkv_at(b, h, 2, j0 + r));
+                let (ka, va) = (dm.qkv_at(b, g, 1, j0 + r), dm.qkv_at(b, g, 2, j0 + r));
                 for e in 0..d {
-                    // SAFETY: head h's key and value columns belong to this task.
+                    // SAFETY: key/value head g's columns belong to this task.
                     unsafe {
                         *dq_p.at(ka + e) = dk[r * d + e];
                         *dq_p.at(va + e) = dv[r * d + e];
@@ -324,13 +354,7 @@ mod tests {
     #[test]
     fn fused_attention_equals_the_explicit_chain() {
         for &(batch, heads, seq, d) in &[(2, 3, 70, 8), (1, 2, 5, 16), (1, 1, 129, 4)] {
-            let a = Attention {
-                batch,
-                heads,
-                seq,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-            };
+            let a = Attention::mha(batch, heads, seq, d, 1.0 / (d as f32).sqrt());
             let (b, h, t, d) = (batch as usize, heads as usize, seq as usize, d as usize);
             let c = h * d;
             // Large scores test the running maximum.
@@ -369,6 +393,64 @@ mod tests {
             assert!(got_d.iter().all(|x| x.is_finite()), "every element written");
             let e = rel_err(&got_d, &want_d);
             assert!(e < 1e-4, "dqkv ({b}, {h}, {t}, {d}): {e}");
+        }
+    }
+
+    /// Grouped-query attention equals multi-head attention over keys and
+    /// values repeated for each query head of a group, and its key/value
+    /// gradients are the group's summed.
+    #[test]
+    fn grouped_query_attention_equals_repeated_keys_and_values() {
+        let (b, h, kvh, t, d) = (2usize, 6usize, 2usize, 70usize, 8usize);
+        let group = h / kvh;
+        let c = h * d;
+        let grouped = Attention {
+            kv_heads: kvh as u64,
+            ..Attention::mha(b as u64, h as u64, t as u64, d as u64, 0.35)
+        };
+        let full = Attention::mha(b as u64, h as u64, t as u64, d as u64, 0.35);
+        let wg = (h + 2 * kvh) * d;
+        let qkv = random("gqa", b * t * wg, 2.0);
+        let dout = random("gqa-dout", b * t * c, 1.0);
+        // Repeat each key/value head for its query heads.
+        let mut rep = vec![0.0f32; b * t * 3 * c];
+        for row in 0..b * t {
+            let (src, dst) = (&qkv[row * wg..(row + 1) * wg], &mut rep[row * 3 * c..]);
+            dst[..c].copy_from_slice(&src[..c]);
+            for hh in 0..h {
+                let g = hh / group;
+                for e in 0..d {
+                    dst[c + hh * d + e] = src[c + g * d + e];
+                    dst[2 * c + hh * d + e] = src[c + (kvh + g) * d + e];
+                }
+            }
+        }
+        let (mut out_g, mut lse_g) = (vec![0.0; b * t * c], vec![0.0; b * h * t]);
+        let (mut out_f, mut lse_f) = (vec![0.0; b * t * c], vec![0.0; b * h * t]);
+        fused_attention(&qkv, &mut out_g, &mut lse_g, &grouped);
+        fused_attention(&rep, &mut out_f, &mut lse_f, &full);
+        assert_eq!(out_g, out_f);
+        assert_eq!(lse_g, lse_f);
+        let mut dg = vec![f32::NAN; b * t * wg];
+        let mut df = vec![0.0; b * t * 3 * c];
+        fused_attention_backward(&dout, &qkv, &out_g, &lse_g, &mut dg, &grouped);
+        fused_attention_backward(&dout, &rep, &out_f, &lse_f, &mut df, &full);
+        for row in 0..b * t {
+            let (g_row, f_row) = (&dg[row * wg..(row + 1) * wg], &df[row * 3 * c..]);
+            for e in 0..c {
+                assert!((g_row[e] - f_row[e]).abs() < 1e-5, "dq");
+            }
+            for g in 0..kvh {
+                for e in 0..d {
+                    let (mut k, mut v) = (0.0f32, 0.0f32);
+                    for hh in g * group..(g + 1) * group {
+                        k += f_row[c + hh * d + e];
+                        v += f_row[2 * c + hh * d + e];
+                    }
+                    assert!((g_row[c + g * d + e] - k).abs() < 1e-4, "dk");
+                    assert!((g_row[c + (kvh + g) * d + e] - v).abs() < 1e-4, "dv");
+                }
+            }
         }
     }
 }

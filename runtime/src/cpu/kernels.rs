@@ -479,11 +479,11 @@ fn check_index(what: &str, v: i32, range: u64, at: usize) -> Result<usize, Strin
     }
 }
 
-/// `x[b,t] = wte[tokens[b,t]] + wpe[t]`.
+/// `x[b,t] = wte[tokens[b,t]] + wpe[t]` (without `wpe`: the token rows).
 pub fn embedding(
     tokens: &[i32],
     wte: &[f32],
-    wpe: &[f32],
+    wpe: Option<&[f32]>,
     x: &mut [f32],
     seq: usize,
     width: usize,
@@ -496,15 +496,21 @@ pub fn embedding(
         let tok = tokens[r] as usize;
         let t = r % seq;
         let e = &wte[tok * width..(tok + 1) * width];
-        let p = &wpe[t * width..(t + 1) * width];
-        for j in 0..width {
-            row[j] = e[j] + p[j];
+        match wpe {
+            Some(wpe) => {
+                let p = &wpe[t * width..(t + 1) * width];
+                for j in 0..width {
+                    row[j] = e[j] + p[j];
+                }
+            }
+            None => row.copy_from_slice(e),
         }
     });
     Ok(())
 }
 
-/// `dwte = (dhead or 0) + scatter-add of dx rows by token`, `dwpe[t] = Σ_b dx[b,t]`.
+/// `dwte = (dhead or 0) + scatter-add of dx rows by token`, `dwpe[t] = Σ_b dx[b,t]`
+/// (when there is a `dwpe`).
 /// `dhead`: `None` = no accumulation, `Some(None)` = read in place from `dwte`.
 #[allow(clippy::too_many_arguments)]
 pub fn embedding_backward(
@@ -512,7 +518,7 @@ pub fn embedding_backward(
     tokens: &[i32],
     dhead: Option<Option<&[f32]>>,
     dwte: &mut [f32],
-    dwpe: &mut [f32],
+    dwpe: Option<&mut [f32]>,
     batch: usize,
     seq: usize,
     width: usize,
@@ -551,6 +557,7 @@ pub fn embedding_backward(
                 }
             }
         });
+    let Some(dwpe) = dwpe else { return Ok(()) };
     dwpe.par_chunks_mut(width).enumerate().for_each(|(t, row)| {
         row.fill(0.0);
         for b in 0..batch {

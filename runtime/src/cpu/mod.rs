@@ -10,6 +10,7 @@
 //! vocabulary entry). The in-process communicator copies each collective's
 //! send buffer once per rank.
 
+pub mod decoder;
 pub mod flash;
 pub mod gemm;
 pub mod kernels;
@@ -424,11 +425,15 @@ unsafe fn run_instr(
     unsafe {
         match &ops.ins.kernel {
             Kernel::Embedding {
-                seq, width, vocab, ..
+                seq,
+                width,
+                vocab,
+                positions,
+                ..
             } => k::embedding(
                 ops.input_i32(0),
                 ops.input_ro(1),
-                ops.input_ro(2),
+                positions.then(|| ops.input_ro(2)),
                 ops.output(0),
                 u(*seq),
                 u(*width),
@@ -440,6 +445,7 @@ unsafe fn run_instr(
                 width,
                 vocab,
                 accumulate,
+                positions,
             } => {
                 let dhead = accumulate.then(|| ops.input(2));
                 k::embedding_backward(
@@ -447,7 +453,7 @@ unsafe fn run_instr(
                     ops.input_i32(1),
                     dhead,
                     ops.output(0),
-                    ops.output(1),
+                    positions.then(|| ops.output(1)),
                     u(*batch),
                     u(*seq),
                     u(*width),
@@ -474,6 +480,33 @@ unsafe fn run_instr(
                 ops.output(1),
                 ops.output(2),
                 u(*cols),
+            ),
+            Kernel::RmsNorm { cols, eps, .. } => decoder::rmsnorm(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                ops.output(1),
+                u(*cols),
+                *eps,
+            ),
+            Kernel::RmsNormBackward { cols, .. } => decoder::rmsnorm_backward(
+                ops.input(0),
+                ops.input_ro(1),
+                ops.input_ro(2),
+                ops.input_ro(3),
+                ops.output(0),
+                ops.output(1),
+                u(*cols),
+            ),
+            Kernel::Rope(r) => decoder::rope(ops.input(0), ops.output(0), r),
+            Kernel::SwiGlu { hidden, .. } => {
+                decoder::swiglu(ops.input_ro(0), ops.output(0), u(*hidden))
+            }
+            Kernel::SwiGluBackward { hidden, .. } => decoder::swiglu_backward(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.output(0),
+                u(*hidden),
             ),
             Kernel::Linear(m) => k::linear(
                 ops.input_ro(0),

@@ -489,6 +489,7 @@ impl CudaExecutor {
                 Arg::I64(v) => v as u64,
                 Arg::I32(v) => v as u32 as u64,
                 Arg::F32(v) => v.to_bits() as u64,
+                Arg::F64(v) => v.to_bits(),
                 Arg::Step(first) => first + step - 1,
             })
             .collect();

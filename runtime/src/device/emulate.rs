@@ -61,6 +61,12 @@ impl Args<'_> {
             ref other => panic!("argument {i} is {other:?}, not an f32"),
         }
     }
+    fn d(&self, i: usize) -> f64 {
+        match self.args[i] {
+            Arg::F64(v) => v,
+            ref other => panic!("argument {i} is {other:?}, not an f64"),
+        }
+    }
 }
 
 /// f32 / i32 access to emulated device memory by byte address.
@@ -322,7 +328,7 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
             }
         }
         DevKernel::EmbeddingFwd => {
-            let (tok, wte, wpe, x) = (a.p(0), a.p(1), a.p(2), a.p(3));
+            let (tok, wte, wpe, x) = (a.p(0), a.p(1), a.ptr(2), a.p(3));
             let (bt, seq, width, vocab, err, code) =
                 (a.n(4), a.n(5), a.n(6), a.n(7), a.p(8), a.i(9));
             for i in 0..bt * width {
@@ -332,7 +338,8 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                     m.fail(err, code);
                     m.set(x, i, 0.0);
                 } else {
-                    let v = m.f(wte, t as usize * width + c) + m.f(wpe, (r % seq) * width + c);
+                    let pos = wpe.map_or(0.0, |wpe| m.f(wpe, (r % seq) * width + c));
+                    let v = m.f(wte, t as usize * width + c) + pos;
                     m.set(x, i, v);
                 }
             }
@@ -379,6 +386,12 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
             let v = m.f(out, 0) + s;
             m.set(out, 0, v);
         }
+        DevKernel::RmsnormFwd
+        | DevKernel::RmsnormBwdParams
+        | DevKernel::RmsnormBwdData
+        | DevKernel::RopeFwd
+        | DevKernel::SwigluFwd
+        | DevKernel::SwigluBwd => decoder(m, l.kernel, &a),
         DevKernel::FlashAttnFwd => flash_fwd(m, &a),
         DevKernel::FlashAttnBwdDq => flash_bwd(m, &a, false),
         DevKernel::FlashAttnBwdDkv => flash_bwd(m, &a, true),
@@ -426,11 +439,105 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
     }
 }
 
+/// The kernels of `decoder` in `lower`: RMSNorm, rotary embedding, SwiGLU.
+fn decoder(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    match k {
+        DevKernel::RmsnormFwd => {
+            let (x, g, y, rstd, rows, cols, eps) =
+                (a.p(0), a.p(1), a.p(2), a.p(3), a.n(4), a.n(5), a.f(6));
+            for r in 0..rows {
+                let s: f32 = (0..cols).map(|j| m.f(x, r * cols + j).powi(2)).sum();
+                let rs = 1.0 / (s / cols as f32 + eps).sqrt();
+                m.set(rstd, r, rs);
+                for j in 0..cols {
+                    let v = m.f(x, r * cols + j) * rs * m.f(g, j);
+                    m.set(y, r * cols + j, v);
+                }
+            }
+        }
+        DevKernel::RmsnormBwdParams => {
+            let (dy, x, rstd, dg, rows, cols) = (a.p(0), a.p(1), a.p(2), a.p(3), a.n(4), a.n(5));
+            for j in 0..cols {
+                let s: f32 = (0..rows)
+                    .map(|r| m.f(dy, r * cols + j) * m.f(x, r * cols + j) * m.f(rstd, r))
+                    .sum();
+                m.set(dg, j, s);
+            }
+        }
+        DevKernel::RmsnormBwdData => {
+            let (dy, x, rstd, g, dx) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4));
+            let (rows, cols) = (a.n(5), a.n(6));
+            for r in 0..rows {
+                let rs = m.f(rstd, r);
+                let s: f32 = (0..cols)
+                    .map(|j| m.f(dy, r * cols + j) * m.f(g, j) * m.f(x, r * cols + j))
+                    .sum();
+                let s = s / cols as f32 * rs * rs;
+                for j in 0..cols {
+                    let v = rs * (m.f(dy, r * cols + j) * m.f(g, j) - m.f(x, r * cols + j) * s);
+                    m.set(dx, r * cols + j, v);
+                }
+            }
+        }
+        DevKernel::RopeFwd => {
+            let (x, y, rows, seq, rot_heads, width, hd) =
+                (a.p(0), a.p(1), a.n(2), a.n(3), a.n(4), a.n(5), a.n(6));
+            let (theta, sign) = (a.d(7), a.f(8));
+            let half = hd / 2;
+            for r in 0..rows {
+                for head in 0..rot_heads {
+                    for i in 0..half {
+                        let ang = (r % seq) as f64 * theta.powf(-2.0 * i as f64 / hd as f64);
+                        let (sn, cs) = ang.sin_cos();
+                        let (c, s) = (cs as f32, sign * sn as f32);
+                        let at = r * width + head * hd + i;
+                        let (u, v) = (m.f(x, at), m.f(x, at + half));
+                        m.set(y, at, u * c - v * s);
+                        m.set(y, at + half, v * c + u * s);
+                    }
+                }
+            }
+            if x != y {
+                for r in 0..rows {
+                    for col in rot_heads * hd..width {
+                        let v = m.f(x, r * width + col);
+                        m.set(y, r * width + col, v);
+                    }
+                }
+            }
+        }
+        DevKernel::SwigluFwd => {
+            let (gu, h, rows, hidden) = (a.p(0), a.p(1), a.n(2), a.n(3));
+            for k in 0..rows * hidden {
+                let (r, j) = (k / hidden, k % hidden);
+                let (g, u) = (
+                    m.f(gu, r * 2 * hidden + j),
+                    m.f(gu, r * 2 * hidden + hidden + j),
+                );
+                m.set(h, k, g * sigmoid(g) * u);
+            }
+        }
+        DevKernel::SwigluBwd => {
+            let (dh, gu, dgu, rows, hidden) = (a.p(0), a.p(1), a.p(2), a.n(3), a.n(4));
+            for k in 0..rows * hidden {
+                let at = (k / hidden) * 2 * hidden + k % hidden;
+                let (g, u, d) = (m.f(gu, at), m.f(gu, at + hidden), m.f(dh, k));
+                let sg = sigmoid(g);
+                m.set(dgu, at, d * u * sg * (1.0 + g * (1.0 - sg)));
+                m.set(dgu, at + hidden, d * g * sg);
+            }
+        }
+        other => unreachable!("{other:?} is not a decoder kernel"),
+    }
+}
+
 /// Sizes of a flash-attention launch, from argument `first` on: batch,
-/// heads, seq, head dim, scale.
+/// heads, key/value heads, seq, head dim, scale.
 struct Fa {
     b: usize,
     h: usize,
+    kvh: usize,
     t: usize,
     d: usize,
     scale: f32,
@@ -441,16 +548,25 @@ impl Fa {
         Fa {
             b: a.n(first),
             h: a.n(first + 1),
-            t: a.n(first + 2),
-            d: a.n(first + 3),
-            scale: a.f(first + 4),
+            kvh: a.n(first + 2),
+            t: a.n(first + 3),
+            d: a.n(first + 4),
+            scale: a.f(first + 5),
         }
     }
     fn c(&self) -> usize {
         self.h * self.d
     }
+    /// Row `i` of part `part` of batch `b`: query head `h` for part 0, the
+    /// key/value head that query head `h` reads otherwise.
     fn qkv(&self, b: usize, h: usize, part: usize, i: usize) -> usize {
-        (b * self.t + i) * 3 * self.c() + part * self.c() + h * self.d
+        let g = h / (self.h / self.kvh);
+        let col = match part {
+            0 => h * self.d,
+            1 => self.c() + g * self.d,
+            _ => self.c() + (self.kvh + g) * self.d,
+        };
+        (b * self.t + i) * (self.h + 2 * self.kvh) * self.d + col
     }
     fn out(&self, b: usize, h: usize, i: usize) -> usize {
         (b * self.t + i) * self.c() + h * self.d
@@ -527,9 +643,18 @@ fn flash_bwd(m: &mut Mem<'_>, a: &Args<'_>, kv: bool) {
                             g2[e] += p * m.f(dout, f.out(b, h, i) + e);
                         }
                     }
+                    // The first query head of a group sets dK and dV, the
+                    // others add to them.
+                    let first = h % (f.h / f.kvh) == 0;
                     for e in 0..f.d {
-                        m.set(dqkv, f.qkv(b, h, 1, r) + e, g1[e]);
-                        m.set(dqkv, f.qkv(b, h, 2, r) + e, g2[e]);
+                        let (ka, va) = (f.qkv(b, h, 1, r) + e, f.qkv(b, h, 2, r) + e);
+                        let (k0, v0) = if first {
+                            (0.0, 0.0)
+                        } else {
+                            (m.f(dqkv, ka), m.f(dqkv, va))
+                        };
+                        m.set(dqkv, ka, k0 + g1[e]);
+                        m.set(dqkv, va, v0 + g2[e]);
                     }
                 } else {
                     for j in 0..=r {

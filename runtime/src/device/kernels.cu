@@ -172,6 +172,92 @@ extern "C" __global__ void layernorm_bwd_data(const float* dy, const float* x, c
     }
 }
 
+// ---- Llama-style decoder kernels -------------------------------------------
+
+// One block per row: y = x * rstd * g, rstd = 1 / sqrt(mean(x^2) + eps).
+extern "C" __global__ void rmsnorm_fwd(const float* x, const float* g, float* y, float* rstd, i64 rows, i64 cols,
+                                       float eps) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + r * cols;
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j] * xr[j];
+    float rs = rsqrtf(block_sum(s) / (float)cols + eps);
+    if (threadIdx.x == 0) rstd[r] = rs;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) y[r * cols + j] = xr[j] * rs * g[j];
+}
+
+// dgamma[j] = sum_r dy[r,j] x[r,j] rstd[r]: one thread per column.
+extern "C" __global__ void rmsnorm_bwd_params(const float* dy, const float* x, const float* rstd, float* dg, i64 rows,
+                                              i64 cols) {
+    GRID_STRIDE(j, cols) {
+        float sg = 0.f;
+        for (i64 r = 0; r < rows; ++r) sg += dy[r * cols + j] * x[r * cols + j] * rstd[r];
+        dg[j] = sg;
+    }
+}
+
+// One block per row. In place: dx = dy (runs after rmsnorm_bwd_params).
+// dx = rstd * (g dy - x rstd^2 mean(g dy x)).
+extern "C" __global__ void rmsnorm_bwd_data(const float* dy, const float* x, const float* rstd, const float* g,
+                                            float* dx, i64 rows, i64 cols) {
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const float rs = rstd[r];
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += dy[r * cols + j] * g[j] * x[r * cols + j];
+    s = block_sum(s) / (float)cols * rs * rs;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x)
+        dx[r * cols + j] = rs * (dy[r * cols + j] * g[j] - x[r * cols + j] * s);
+}
+
+// Rotary embedding of the query and key heads of qkv rows ([rows, (H + 2 Hkv) D]):
+// pair (i, i + D/2) of each head turns by sign * pos * theta^(-2i/D), pos = row % seq;
+// the angle is computed in double. One thread per pair, then the value part
+// is copied when y is not x. In place: y = x.
+extern "C" __global__ void rope_fwd(const float* x, float* y, i64 rows, i64 seq, i64 rot_heads, i64 width, i64 hd,
+                                    double theta, float sign) {
+    i64 half = hd / 2, pairs = rot_heads * half;
+    GRID_STRIDE(k, rows * pairs) {
+        i64 r = k / pairs, p = k % pairs, head = p / half, i = p % half;
+        double ang = (double)(r % seq) * pow(theta, -2.0 * (double)i / (double)hd);
+        double sn, cs;
+        sincos(ang, &sn, &cs);
+        float c = (float)cs, s = sign * (float)sn;
+        i64 at = r * width + head * hd + i;
+        float a = x[at], b = x[at + half];
+        y[at] = a * c - b * s;
+        y[at + half] = b * c + a * s;
+    }
+    if (x == y) return;
+    i64 vstart = rot_heads * hd, vcols = width - vstart;
+    GRID_STRIDE(k, rows * vcols) {
+        i64 at = (k / vcols) * width + vstart + k % vcols;
+        y[at] = x[at];
+    }
+}
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
+// h[r, j] = silu(gu[r, j]) * gu[r, F + j]
+extern "C" __global__ void swiglu_fwd(const float* gu, float* h, i64 rows, i64 hidden) {
+    GRID_STRIDE(k, rows * hidden) {
+        i64 r = k / hidden, j = k % hidden;
+        float g = gu[r * 2 * hidden + j], u = gu[r * 2 * hidden + hidden + j];
+        h[k] = g * sigmoidf(g) * u;
+    }
+}
+
+// dgate = dh * up * silu'(gate), dup = dh * silu(gate)
+extern "C" __global__ void swiglu_bwd(const float* dh, const float* gu, float* dgu, i64 rows, i64 hidden) {
+    GRID_STRIDE(k, rows * hidden) {
+        i64 r = k / hidden, j = k % hidden, at = r * 2 * hidden + j;
+        float g = gu[at], u = gu[at + hidden], sg = sigmoidf(g);
+        dgu[at] = dh[k] * u * sg * (1.f + g * (1.f - sg));
+        dgu[at + hidden] = dh[k] * g * sg;
+    }
+}
+
 // One block per row of length t (row r is row r % t of its matrix).
 // In place: p = s.
 extern "C" __global__ void causal_softmax_fwd(const float* s, float* p, i64 rows, i64 t) {
@@ -256,7 +342,7 @@ extern "C" __global__ void cross_entropy_bwd(const float* logits, const int* tgt
         d[r * classes + j] = expf(x[j] - mx) * k - (j == t ? scale : 0.f);
 }
 
-// x[r, :] = wte[tok[r], :] + wpe[r % seq, :]
+// x[r, :] = wte[tok[r], :] + wpe[r % seq, :]  (wpe may be null: no positions)
 extern "C" __global__ void embedding_fwd(const int* tok, const float* wte, const float* wpe, float* x, i64 bt,
                                          i64 seq, i64 width, i64 vocab, int* err, int code) {
     GRID_STRIDE(i, bt * width) {
@@ -266,7 +352,7 @@ extern "C" __global__ void embedding_fwd(const int* tok, const float* wte, const
             fail(err, code);
             x[i] = 0.f;
         } else {
-            x[i] = wte[(i64)t * width + c] + wpe[(r % seq) * width + c];
+            x[i] = wte[(i64)t * width + c] + (wpe ? wpe[(r % seq) * width + c] : 0.f);
         }
     }
 }
@@ -332,8 +418,10 @@ extern "C" __global__ void adam_step(const float* g, const float* norm, float* w
 }
 
 // ---- Fused causal attention (flash-style) -------------------------------
-// qkv is [B, T, 3C]: query, key, value of head h at columns hD, C + hD,
-// 2C + hD; out is [B, T, C]; lse is [B, H, T]. Head dimension D <= FA_DMAX.
+// qkv is [B, T, (H + 2 Hkv) D]: the query of head h at column hD, the key and
+// value of key/value head g at C + gD and C + Hkv D + gD (C = H D); query
+// head h reads key/value head h / (H / Hkv). out is [B, T, C]; lse is
+// [B, H, T]. Head dimension D <= FA_DMAX.
 // A block is FA_WARPS warps; each warp owns FA_RPW rows (query rows in the
 // forward and dQ kernels, key rows in the dK/dV kernel) and keeps them in
 // registers, lane l holding dimensions l, l + 32, l + 64, l + 96. The other
@@ -351,10 +439,16 @@ extern "C" __global__ void adam_step(const float* g, const float* norm, float* w
 #define FA_U (FA_DMAX / 32)
 
 struct FaShape {
-    i64 batch, heads, seq, hd;
+    i64 batch, heads, kvh, seq, hd;
     __device__ i64 c() const { return heads * hd; }
-    // Element (row i, dim 0) of part (0 q, 1 k, 2 v) of head h in batch b.
-    __device__ i64 qkv(i64 b, i64 h, int part, i64 i) const { return (b * seq + i) * 3 * c() + part * c() + h * hd; }
+    __device__ i64 stride() const { return (heads + 2 * kvh) * hd; }
+    __device__ i64 group() const { return heads / kvh; }
+    // Element (row i, dim 0) of part (0 q, 1 k, 2 v) of head h in batch b
+    // (a query head for part 0, a key/value head otherwise).
+    __device__ i64 qkv(i64 b, i64 h, int part, i64 i) const {
+        i64 col = part == 0 ? h * hd : part == 1 ? c() + h * hd : c() + (kvh + h) * hd;
+        return (b * seq + i) * stride() + col;
+    }
     __device__ i64 out(i64 b, i64 h, i64 i) const { return (b * seq + i) * c() + h * hd; }
 };
 
@@ -441,14 +535,14 @@ __device__ __forceinline__ void fa_axpys(float (*acc)[FA_U], const float* w, con
 }
 
 // Grid: B * H * ceil(T / FA_ROWS) blocks of 32 * FA_WARPS threads.
-extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* lse, i64 batch, i64 heads, i64 seq,
-                                          i64 hd, float scale) {
+extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* lse, i64 batch, i64 heads, i64 kvh,
+                                          i64 seq, i64 hd, float scale) {
     __shared__ float ks[32][FA_DP];
     __shared__ float vs[32][FA_DP];
-    FaShape sh = {batch, heads, seq, hd};
+    FaShape sh = {batch, heads, kvh, seq, hd};
     i64 tiles = (seq + FA_ROWS - 1) / FA_ROWS;
     i64 bh = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * FA_ROWS;
-    i64 b = bh / heads, h = bh % heads;
+    i64 b = bh / heads, h = bh % heads, g = h / sh.group();
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, units = (int)((hd + 31) / 32);
     float q[FA_RPW][FA_U], acc[FA_RPW][FA_U], m[FA_RPW], l[FA_RPW];
 #pragma unroll
@@ -463,8 +557,8 @@ extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* l
     i64 last = i0 + FA_ROWS - 1 < seq ? i0 + FA_ROWS - 1 : seq - 1;
     for (i64 j0 = 0; j0 <= last; j0 += 32) {
         __syncthreads();
-        fa_load(ks, qkv + sh.qkv(b, h, 1, j0), 3 * sh.c(), seq - j0, hd, units);
-        fa_load(vs, qkv + sh.qkv(b, h, 2, j0), 3 * sh.c(), seq - j0, hd, units);
+        fa_load(ks, qkv + sh.qkv(b, g, 1, j0), sh.stride(), seq - j0, hd, units);
+        fa_load(vs, qkv + sh.qkv(b, g, 2, j0), sh.stride(), seq - j0, hd, units);
         __syncthreads();
         // Rows past the sequence compute on row 0's query and are not
         // written; every row has a visible key (j0 <= i0).
@@ -502,13 +596,14 @@ extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* l
 
 // dQ (the query part of dqkv). Grid and block as flash_attn_fwd.
 extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv, const float* out, const float* lse,
-                                             float* dqkv, i64 batch, i64 heads, i64 seq, i64 hd, float scale) {
+                                             float* dqkv, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+                                             float scale) {
     __shared__ float ks[32][FA_DP];
     __shared__ float vs[32][FA_DP];
-    FaShape sh = {batch, heads, seq, hd};
+    FaShape sh = {batch, heads, kvh, seq, hd};
     i64 tiles = (seq + FA_ROWS - 1) / FA_ROWS;
     i64 bh = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * FA_ROWS;
-    i64 b = bh / heads, h = bh % heads;
+    i64 b = bh / heads, h = bh % heads, g = h / sh.group();
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, units = (int)((hd + 31) / 32);
     float q[FA_RPW][FA_U], go[FA_RPW][FA_U], dq[FA_RPW][FA_U], dd[FA_RPW], ls[FA_RPW];
 #pragma unroll
@@ -531,8 +626,8 @@ extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv
     i64 last = i0 + FA_ROWS - 1 < seq ? i0 + FA_ROWS - 1 : seq - 1;
     for (i64 j0 = 0; j0 <= last; j0 += 32) {
         __syncthreads();
-        fa_load(ks, qkv + sh.qkv(b, h, 1, j0), 3 * sh.c(), seq - j0, hd, units);
-        fa_load(vs, qkv + sh.qkv(b, h, 2, j0), 3 * sh.c(), seq - j0, hd, units);
+        fa_load(ks, qkv + sh.qkv(b, g, 1, j0), sh.stride(), seq - j0, hd, units);
+        fa_load(vs, qkv + sh.qkv(b, g, 2, j0), sh.stride(), seq - j0, hd, units);
         __syncthreads();
         float s[FA_RPW], dp[FA_RPW], ds[FA_RPW];
         fa_dots(q, ks, lane, units, s);
@@ -559,30 +654,35 @@ extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv
 }
 
 // dK and dV (the key and value parts of dqkv). Each warp owns FA_RPW key
-// rows; query tiles of 32 (with their lse and D = dO . O) are staged.
+// rows of one key/value head; query tiles of 32 (with their lse and
+// D = dO . O) of each query head of its group are staged in turn.
+// Grid: B * Hkv * ceil(T / FA_ROWS) blocks.
 extern "C" __global__ void flash_attn_bwd_dkv(const float* dout, const float* qkv, const float* out, const float* lse,
-                                              float* dqkv, i64 batch, i64 heads, i64 seq, i64 hd, float scale) {
+                                              float* dqkv, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+                                              float scale) {
     __shared__ float qs[32][FA_DP];
     __shared__ float gs[32][FA_DP];
     __shared__ float lse_s[32], dd_s[32];
-    FaShape sh = {batch, heads, seq, hd};
+    FaShape sh = {batch, heads, kvh, seq, hd};
     i64 tiles = (seq + FA_ROWS - 1) / FA_ROWS;
-    i64 bh = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * FA_ROWS;
-    i64 b = bh / heads, h = bh % heads;
+    i64 bg = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * FA_ROWS;
+    i64 b = bg / kvh, g = bg % kvh;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, units = (int)((hd + 31) / 32);
     float k[FA_RPW][FA_U], v[FA_RPW][FA_U], dk[FA_RPW][FA_U], dv[FA_RPW][FA_U];
 #pragma unroll
     for (int r = 0; r < FA_RPW; ++r) {
         i64 j = j0 + w * FA_RPW + r;
         i64 jj = j < seq ? j : 0;
-        fa_row(k[r], qkv + sh.qkv(b, h, 1, jj), hd, lane);
-        fa_row(v[r], qkv + sh.qkv(b, h, 2, jj), hd, lane);
+        fa_row(k[r], qkv + sh.qkv(b, g, 1, jj), hd, lane);
+        fa_row(v[r], qkv + sh.qkv(b, g, 2, jj), hd, lane);
 #pragma unroll
         for (int u = 0; u < FA_U; ++u) dk[r][u] = dv[r][u] = 0.f;
     }
+    for (i64 h = g * sh.group(); h < (g + 1) * sh.group(); ++h)
     for (i64 i0 = (j0 / 32) * 32; i0 < seq; i0 += 32) {
+        i64 bh = b * heads + h;
         __syncthreads();
-        fa_load(qs, qkv + sh.qkv(b, h, 0, i0), 3 * sh.c(), seq - i0, hd, units);
+        fa_load(qs, qkv + sh.qkv(b, h, 0, i0), sh.stride(), seq - i0, hd, units);
         fa_load(gs, dout + sh.out(b, h, i0), sh.c(), seq - i0, hd, units);
         // D for the tile's query rows: warp w computes rows w, w + 4, ...,
         // all loads first, then the reductions.
@@ -629,8 +729,8 @@ extern "C" __global__ void flash_attn_bwd_dkv(const float* dout, const float* qk
         for (int u = 0; u < FA_U; ++u) {
             int d = lane + 32 * u;
             if (d < hd) {
-                dqkv[sh.qkv(b, h, 1, j) + d] = dk[r][u];
-                dqkv[sh.qkv(b, h, 2, j) + d] = dv[r][u];
+                dqkv[sh.qkv(b, g, 1, j) + d] = dk[r][u];
+                dqkv[sh.qkv(b, g, 2, j) + d] = dv[r][u];
             }
         }
     }

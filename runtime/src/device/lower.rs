@@ -40,6 +40,11 @@ pub fn lower(
     match &ins.kernel {
         Kernel::Embedding { .. } | Kernel::EmbeddingBackward { .. } => embedding(&a, &mut ops)?,
         Kernel::LayerNorm { .. } | Kernel::LayerNormBackward { .. } => layernorm(&a, &mut ops)?,
+        Kernel::RmsNorm { .. }
+        | Kernel::RmsNormBackward { .. }
+        | Kernel::Rope(_)
+        | Kernel::SwiGlu { .. }
+        | Kernel::SwiGluBackward { .. } => decoder(&a, &mut ops)?,
         Kernel::Linear(_)
         | Kernel::LinearBackwardData(_)
         | Kernel::LinearBackwardWeight(_)
@@ -89,15 +94,17 @@ fn embedding(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             seq,
             width,
             vocab,
+            positions,
         } => {
             let bt = batch * seq;
+            let wpe = if *positions { p(a.i(2)) } else { Arg::Null };
             ops.push(elementwise(
                 DevKernel::EmbeddingFwd,
                 bt * width,
                 vec![
                     p(a.i(0)),
                     p(a.i(1)),
-                    p(a.i(2)),
+                    wpe,
                     p(a.o(0)),
                     n(bt),
                     n(*seq),
@@ -114,6 +121,7 @@ fn embedding(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             width,
             vocab,
             accumulate,
+            positions,
         } => {
             let bt = batch * seq;
             let bytes = vocab * width * 4;
@@ -142,13 +150,97 @@ fn embedding(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                     code,
                 ],
             ));
-            ops.push(elementwise(
-                DevKernel::EmbeddingBwdPositions,
-                seq * width,
-                vec![p(a.i(0)), p(a.o(1)), n(*batch), n(*seq), n(*width)],
-            ));
+            if *positions {
+                ops.push(elementwise(
+                    DevKernel::EmbeddingBwdPositions,
+                    seq * width,
+                    vec![p(a.i(0)), p(a.o(1)), n(*batch), n(*seq), n(*width)],
+                ));
+            }
         }
         other => return Err(misrouted(other, "embedding")),
+    }
+    Ok(())
+}
+
+/// RMSNorm, rotary embedding and SwiGLU (Llama-style decoders).
+fn decoder(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
+        Kernel::RmsNorm { rows, cols, eps } => ops.push(per_row(
+            DevKernel::RmsnormFwd,
+            *rows,
+            *cols,
+            vec![
+                p(a.i(0)),
+                p(a.i(1)),
+                p(a.o(0)),
+                p(a.o(1)),
+                n(*rows),
+                n(*cols),
+                Arg::F32(*eps),
+            ],
+        )?),
+        Kernel::RmsNormBackward { rows, cols } => {
+            // The parameter gradient first: the data kernel may overwrite dy.
+            ops.push(elementwise(
+                DevKernel::RmsnormBwdParams,
+                *cols,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.i(2)),
+                    p(a.o(1)),
+                    n(*rows),
+                    n(*cols),
+                ],
+            ));
+            ops.push(per_row(
+                DevKernel::RmsnormBwdData,
+                *rows,
+                *cols,
+                vec![
+                    p(a.i(0)),
+                    p(a.i(1)),
+                    p(a.i(2)),
+                    p(a.i(3)),
+                    p(a.o(0)),
+                    n(*rows),
+                    n(*cols),
+                ],
+            )?);
+        }
+        Kernel::Rope(r) => {
+            let rows = r.batch * r.seq;
+            let rot_heads = r.heads + r.kv_heads;
+            let width = (r.heads + 2 * r.kv_heads) * r.head_dim;
+            let sign = if r.inverse { -1.0 } else { 1.0 };
+            ops.push(elementwise(
+                DevKernel::RopeFwd,
+                rows * rot_heads * (r.head_dim / 2),
+                vec![
+                    p(a.i(0)),
+                    p(a.o(0)),
+                    n(rows),
+                    n(r.seq),
+                    n(rot_heads),
+                    n(width),
+                    n(r.head_dim),
+                    Arg::F64(r.theta),
+                    Arg::F32(sign),
+                ],
+            ));
+        }
+        Kernel::SwiGlu { rows, hidden } => ops.push(elementwise(
+            DevKernel::SwigluFwd,
+            rows * hidden,
+            vec![p(a.i(0)), p(a.o(0)), n(*rows), n(*hidden)],
+        )),
+        Kernel::SwiGluBackward { rows, hidden } => ops.push(elementwise(
+            DevKernel::SwigluBwd,
+            rows * hidden,
+            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*rows), n(*hidden)],
+        )),
+        other => return Err(misrouted(other, "decoder")),
     }
     Ok(())
 }
@@ -644,7 +736,8 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
 }
 
 /// A launch of one of the flash-attention kernels: one block of 4 warps per
-/// 16 rows of each head; `args` are the pointers, the sizes follow.
+/// 16 rows of each head (each key/value head for dK/dV); `args` are the
+/// pointers, the sizes follow.
 fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp> {
     if at.head_dim > FLASH_MAX_HEAD_DIM {
         return Err(RuntimeError::Unavailable(
@@ -655,13 +748,20 @@ fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp>
             ),
         ));
     }
-    let blocks = at.batch * at.heads * at.seq.div_ceil(FLASH_ROWS);
+    // The dK/dV kernel has a block per key/value head's rows.
+    let heads = if kernel == DevKernel::FlashAttnBwdDkv {
+        at.kv_heads
+    } else {
+        at.heads
+    };
+    let blocks = at.batch * heads * at.seq.div_ceil(FLASH_ROWS);
     let grid = u32::try_from(blocks).map_err(|_| {
         RuntimeError::Unavailable("CUDA", format!("{blocks} blocks exceed the grid limit"))
     })?;
     args.extend([
         n(at.batch),
         n(at.heads),
+        n(at.kv_heads),
         n(at.seq),
         n(at.head_dim),
         Arg::F32(at.scale),

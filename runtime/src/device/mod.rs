@@ -134,10 +134,16 @@ pub enum DevKernel {
     FlashAttnFwd,
     FlashAttnBwdDq,
     FlashAttnBwdDkv,
+    RmsnormFwd,
+    RmsnormBwdParams,
+    RmsnormBwdData,
+    RopeFwd,
+    SwigluFwd,
+    SwigluBwd,
 }
 
 impl DevKernel {
-    pub const ALL: [DevKernel; 25] = [
+    pub const ALL: [DevKernel; 31] = [
         DevKernel::FillRows,
         DevKernel::ColSum,
         DevKernel::Add,
@@ -163,6 +169,12 @@ impl DevKernel {
         DevKernel::FlashAttnFwd,
         DevKernel::FlashAttnBwdDq,
         DevKernel::FlashAttnBwdDkv,
+        DevKernel::RmsnormFwd,
+        DevKernel::RmsnormBwdParams,
+        DevKernel::RmsnormBwdData,
+        DevKernel::RopeFwd,
+        DevKernel::SwigluFwd,
+        DevKernel::SwigluBwd,
     ];
     /// The `extern "C"` name in `kernels.cu`.
     pub fn name(self) -> &'static str {
@@ -192,6 +204,12 @@ impl DevKernel {
             DevKernel::FlashAttnFwd => "flash_attn_fwd",
             DevKernel::FlashAttnBwdDq => "flash_attn_bwd_dq",
             DevKernel::FlashAttnBwdDkv => "flash_attn_bwd_dkv",
+            DevKernel::RmsnormFwd => "rmsnorm_fwd",
+            DevKernel::RmsnormBwdParams => "rmsnorm_bwd_params",
+            DevKernel::RmsnormBwdData => "rmsnorm_bwd_data",
+            DevKernel::RopeFwd => "rope_fwd",
+            DevKernel::SwigluFwd => "swiglu_fwd",
+            DevKernel::SwigluBwd => "swiglu_bwd",
         }
     }
 }
@@ -209,6 +227,7 @@ pub enum Arg {
     I64(i64),
     I32(i32),
     F32(f32),
+    F64(f64),
     /// The step number (i64) of an Adam update: `first + steps already run`.
     Step(u64),
 }

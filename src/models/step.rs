@@ -1,0 +1,201 @@
+//! What the built-in decoder steps share: a graph builder that knows the
+//! step's dtype and alignment, parameters with their gradient and Adam
+//! moments, and the optimizer step at the end (optional global-norm
+//! clipping, then one Adam/AdamW update per parameter in parameter order,
+//! as PyTorch's single-tensor `optimizer.step()` runs them).
+
+use serde_json::{Value, json};
+
+use super::DType;
+use crate::graph::{GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec};
+
+/// Which optimizer updates the parameters.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Optimizer {
+    Adam,
+    AdamW,
+}
+
+/// What the builder needs from a model's configuration.
+pub(super) trait StepConfig {
+    fn dtype(&self) -> DType;
+    fn align(&self) -> u64;
+}
+
+/// A trainable parameter with its gradient and optimizer state.
+pub(super) struct Param {
+    pub w: TensorId,
+    pub grad: Option<TensorId>,
+    pub m: TensorId,
+    pub v: TensorId,
+    pub init: &'static str,
+}
+
+/// The optimizer step's settings.
+pub(super) struct Update {
+    pub optimizer: Optimizer,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub clip_grad_norm: Option<f64>,
+    /// Model the temporary each single-tensor Adam step allocates (the
+    /// denominator, one parameter's size), as PyTorch's default Adam does.
+    pub adam_workspace: bool,
+    /// Layers of the model (the `normal_resid` init scales by it).
+    pub layers: u64,
+}
+
+/// A graph under construction with the model's configuration and its
+/// parameters.
+pub(super) struct Net<C> {
+    pub b: GraphBuilder,
+    pub cfg: C,
+    pub params: Vec<Param>,
+}
+
+impl<C: StepConfig> Net<C> {
+    pub fn new(name: String, cfg: C) -> Self {
+        Net {
+            b: GraphBuilder::new(name),
+            cfg,
+            params: Vec::new(),
+        }
+    }
+    /// A tensor of the step's dtype.
+    pub fn tensor(&mut self, name: &str, shape: &[u64], role: Role) -> TensorId {
+        let dt = self.cfg.dtype();
+        self.typed(name, shape, role, dt.as_str(), dt.bytes())
+    }
+    pub fn typed(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        role: Role,
+        dtype: &str,
+        bytes: u64,
+    ) -> TensorId {
+        let elems: u64 = shape.iter().product();
+        self.b.add_tensor(
+            TensorSpec::new(name, elems * bytes)
+                .role(role)
+                .align(self.cfg.align())
+                .dtype(dtype)
+                .shape(shape.to_vec()),
+        )
+    }
+    /// Per-row statistics (normalization mean and 1/std, log-sum-exp) stay
+    /// in f32.
+    pub fn stats(&mut self, name: &str, rows: u64) -> TensorId {
+        self.typed(name, &[rows], Role::Activation, "f32", 4)
+    }
+    /// A persistent input of the step (tokens, targets).
+    pub fn input(&mut self, name: &str, shape: &[u64], dtype: &str, bytes: u64) -> TensorId {
+        let t = self.typed(name, shape, Role::Input, dtype, bytes);
+        self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+        t
+    }
+    /// A parameter and its two Adam moments (all persistent); returns its
+    /// index.
+    pub fn param(&mut self, name: &str, shape: &[u64], init: &'static str) -> usize {
+        let w = self.tensor(name, shape, Role::Parameter);
+        let m = self.tensor(&format!("{name}.adam_m"), shape, Role::OptimizerState);
+        let v = self.tensor(&format!("{name}.adam_v"), shape, Role::OptimizerState);
+        for t in [w, m, v] {
+            self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+        }
+        self.params.push(Param {
+            w,
+            grad: None,
+            m,
+            v,
+            init,
+        });
+        self.params.len() - 1
+    }
+    pub fn w(&self, p: usize) -> TensorId {
+        self.params[p].w
+    }
+    /// The gradient tensor of parameter `p` (made once, by the op that
+    /// produces it).
+    pub fn grad(&mut self, p: usize) -> TensorId {
+        let name = format!("{}.grad", self.b.tensor_spec(self.params[p].w).name);
+        let shape = self.shape(self.params[p].w);
+        let g = self.tensor(&name, &shape, Role::Gradient);
+        self.params[p].grad = Some(g);
+        g
+    }
+    pub fn shape(&self, t: TensorId) -> Vec<u64> {
+        self.b.tensor_spec(t).shape.clone().unwrap_or_default()
+    }
+    pub fn op(
+        &mut self,
+        name: &str,
+        kind: OpKind,
+        ty: &str,
+        inputs: &[TensorId],
+        outputs: &[TensorId],
+        attrs: Value,
+    ) -> OpId {
+        let mut spec = OpSpec::new(name, kind, ty)
+            .inputs(inputs.iter().copied())
+            .outputs(outputs.iter().copied());
+        if let Value::Object(m) = attrs {
+            spec.attrs = m;
+        }
+        self.b.add_op(spec)
+    }
+    /// Output `out` of `op` may take the bytes of its input `inp`.
+    pub fn reuse(&mut self, op: OpId, out: TensorId, inp: TensorId) {
+        self.b.op_spec_mut(op).reuse.push((out, inp));
+    }
+
+    /// The optimizer step over every parameter, in parameter order.
+    pub fn optimizer_step(&mut self, u: &Update) {
+        let grads: Vec<TensorId> = self
+            .params
+            .iter()
+            .map(|p| p.grad.expect("every parameter has a gradient"))
+            .collect();
+        let norm = u.clip_grad_norm.map(|max_norm| {
+            let norm = self.typed("grad_norm", &[1], Role::Temporary, "f32", 4);
+            self.op(
+                "clip_grad_norm",
+                OpKind::Optimizer,
+                "grad_norm",
+                &grads,
+                &[norm],
+                json!({"max_norm": max_norm}),
+            );
+            norm
+        });
+        let (ty, wd) = match u.optimizer {
+            Optimizer::Adam => ("adam", 0.0),
+            Optimizer::AdamW => ("adamw", u.weight_decay),
+        };
+        for (i, &g) in grads.iter().enumerate() {
+            let p = &self.params[i];
+            let (w, m, vv, init) = (p.w, p.m, p.v, p.init);
+            let pname = self.b.tensor_spec(w).name.clone();
+            let shape = self.shape(w);
+            let elems: u64 = shape.iter().product();
+            let mut inputs = vec![g];
+            inputs.extend(norm);
+            let mut outputs = Vec::new();
+            if u.adam_workspace {
+                let denom = format!("{pname}.adam_denom");
+                outputs.push(self.tensor(&denom, &shape, Role::Temporary));
+            }
+            let mut spec = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, ty)
+                .inputs(inputs)
+                .outputs(outputs)
+                .updates([w, m, vv]);
+            if let Value::Object(a) = json!({
+                "elements": elems, "lr": u.lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                "weight_decay": wd, "step": 1, "init": init, "clip": u.clip_grad_norm,
+                "layers": u.layers,
+            }) {
+                spec.attrs = a;
+            }
+            self.b.add_op(spec);
+        }
+    }
+}
