@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::baselines::{self, Baseline};
 use crate::error::Error;
 use crate::graph::Graph;
+use crate::models::fsdp::FsdpOptions;
 use crate::models::{DType, EXAMPLES, ExampleOptions};
 use crate::pipeline::Options;
 
@@ -34,13 +35,18 @@ pub const EXAMPLE_PREFIX: &str = "example:";
 #[derive(Clone, Debug)]
 pub enum Source {
     /// A built-in example: `example:NAME[,key=value...]`, keys `batch`,
-    /// `seq`, `layers`, `dtype`, `clip` and the flags `checkpoint` and
-    /// `fused` (fused attention).
+    /// `seq`, `layers`, `dtype`, `clip`, `world` (one rank's step sharded
+    /// FSDP-style over that many ranks), `prefetch` (all-gathers issued
+    /// ahead, default 1) and the flags `noreshard` (keep gathered
+    /// parameters from forward to backward), `checkpoint` and `fused`
+    /// (fused attention).
     Example {
         /// The spec as written, e.g. `example:gpt2-small,batch=4`.
         spec: String,
         name: String,
         opts: ExampleOptions,
+        /// Shard over ranks as these say (`world` > 1).
+        fsdp: FsdpOptions,
     },
     /// A graph file, anything [`crate::io::load_graph`] reads.
     File(PathBuf),
@@ -63,6 +69,7 @@ impl Source {
             )));
         }
         let mut opts = ExampleOptions::default();
+        let mut fsdp = FsdpOptions::new(1);
         for part in parts {
             let (key, value) = match part.split_once('=') {
                 Some((k, v)) => (k.trim(), Some(v.trim())),
@@ -79,6 +86,14 @@ impl Source {
                 "batch" => opts.batch = Some(num(value)?),
                 "seq" => opts.seq = Some(num(value)?),
                 "layers" => opts.layers = Some(num(value)?),
+                "world" => fsdp.world = num(value)?,
+                "prefetch" => {
+                    let v = value.unwrap_or_default();
+                    fsdp.prefetch = v
+                        .parse()
+                        .map_err(|_| bad(format!("prefetch must be a whole number, got {v:?}")))?;
+                }
+                "noreshard" if value.is_none() => fsdp.reshard_after_forward = false,
                 "dtype" => {
                     let v = value.unwrap_or_default();
                     opts.dtype = Some(
@@ -97,7 +112,7 @@ impl Source {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, checkpoint, fused)"
+                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, checkpoint, fused)"
                     )));
                 }
             }
@@ -106,13 +121,24 @@ impl Source {
             spec: arg.to_string(),
             name,
             opts,
+            fsdp,
         })
     }
 
     /// Builds or reads the graph.
     pub fn load(&self) -> Result<Graph, Error> {
         match self {
-            Source::Example { name, opts, .. } => crate::models::example(name, opts),
+            Source::Example {
+                name, opts, fsdp, ..
+            } => {
+                let g = crate::models::example(name, opts)?;
+                if fsdp.world > 1 {
+                    let unit = &crate::models::fsdp::default_unit;
+                    crate::models::fsdp::shard_with(&g, fsdp, unit)
+                } else {
+                    Ok(g)
+                }
+            }
             Source::File(p) => crate::io::load_graph(p),
         }
     }
@@ -677,8 +703,9 @@ mod tests {
         assert!(
             matches!(Source::parse("graphs/a.json").unwrap(), Source::File(p) if p == Path::new("graphs/a.json"))
         );
-        let Source::Example { name, opts, spec } =
-            Source::parse("example:gpt2-small,batch=4,checkpoint,dtype=bf16").unwrap()
+        let Source::Example {
+            name, opts, spec, ..
+        } = Source::parse("example:gpt2-small,batch=4,checkpoint,dtype=bf16").unwrap()
         else {
             panic!("not an example");
         };

@@ -315,6 +315,16 @@ fn llama_fsdp_matches_the_reference_and_one_device() {
     };
     sharded_matches_one_device(&build, 1, 2, 2);
     sharded_matches_one_device(&build, 1, 4, 2);
+    // FSDP2's options change when parameters are gathered, not the result.
+    for (prefetch, reshard_after_forward) in [(0, true), (2, true), (1, false)] {
+        let opts = fsdp::FsdpOptions {
+            world: 2,
+            prefetch,
+            reshard_after_forward,
+        };
+        let s = fsdp::shard_with(&g, &opts, &fsdp::default_unit).unwrap();
+        planned_matches_unplanned(&s, 2);
+    }
 }
 
 #[test]

@@ -54,7 +54,15 @@ pub fn run(cmd: Command) -> Result<()> {
 pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
     let g = load_unsharded(graph, src)?;
     match src.world_size {
-        Some(w) if w > 1 => Ok(memplan::models::fsdp::shard(&g, w)?),
+        Some(w) if w > 1 => {
+            let opts = memplan::models::fsdp::FsdpOptions {
+                world: w,
+                prefetch: src.prefetch,
+                reshard_after_forward: !src.no_reshard_after_forward,
+            };
+            let unit = &memplan::models::fsdp::default_unit;
+            Ok(memplan::models::fsdp::shard_with(&g, &opts, unit)?)
+        }
         Some(0) => bail!("--world-size must be at least 1"),
         _ => Ok(g),
     }

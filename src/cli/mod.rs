@@ -61,6 +61,15 @@ pub struct GraphArgs {
     /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
     #[arg(long, value_name = "W")]
     pub world_size: Option<u64>,
+    /// With --world-size: all-gathers issued this many units ahead of their
+    /// use (FSDP2 prefetches 1); the plan keeps the overlap.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "world_size")]
+    pub prefetch: u32,
+    /// With --world-size: keep each unit's gathered parameters from its
+    /// forward to its backward (FSDP2's `reshard_after_forward=False`): one
+    /// all-gather per unit and step instead of two.
+    #[arg(long, requires = "world_size")]
+    pub no_reshard_after_forward: bool,
 }
 
 #[derive(Subcommand, Debug)]

@@ -62,6 +62,33 @@ fn invalid(why: impl Into<String>) -> Error {
     Error::Invalid(format!("fsdp: {}", why.into()))
 }
 
+/// How to shard: FSDP2's knobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FsdpOptions {
+    /// Ranks.
+    pub world: u64,
+    /// All-gathers issued ahead: with depth `d`, the gather of the unit the
+    /// step uses `k`-th starts before the first op of the `(k − d)`-th, so it
+    /// overlaps that unit's compute (FSDP2 prefetches one in forward and in
+    /// backward). The planner keeps this: the op waits for the gather.
+    pub prefetch: u32,
+    /// Free a unit's gathered parameters after its forward and gather them
+    /// again for its backward (FSDP2's default); `false` keeps them from the
+    /// forward to the end of the unit's backward, one gather per step.
+    pub reshard_after_forward: bool,
+}
+
+impl FsdpOptions {
+    /// FSDP2's defaults: prefetch one unit, reshard after forward.
+    pub fn new(world: u64) -> FsdpOptions {
+        FsdpOptions {
+            world,
+            prefetch: 1,
+            reshard_after_forward: true,
+        }
+    }
+}
+
 /// A parameter with the ops and tensors around it.
 struct Param {
     w: TensorId,
@@ -102,19 +129,68 @@ const SHARED_ATTRS: [&str; 8] = [
     "layers",
 ];
 
-/// Shards `g` over `world` ranks with [`default_unit`]; see the module docs.
+/// Shards `g` over `world` ranks with [`default_unit`] and FSDP2's default
+/// options; see the module docs.
 pub fn shard(g: &Graph, world: u64) -> Result<Graph, Error> {
-    shard_with(g, world, &default_unit)
+    shard_with(g, &FsdpOptions::new(world), &default_unit)
 }
 
-/// Shards `g` over `world` ranks, grouping parameters by `unit_of(name)`.
-pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Result<Graph, Error> {
+/// Shards `g` as `opts` says, grouping parameters by `unit_of(name)`.
+pub fn shard_with(
+    g: &Graph,
+    opts: &FsdpOptions,
+    unit_of: &dyn Fn(&str) -> String,
+) -> Result<Graph, Error> {
+    let world = opts.world;
     if world == 0 || world > 1 << 16 {
         return Err(invalid(format!(
             "world size must be in 1..=65536, got {world}"
         )));
     }
-    // Parameters and their updates.
+    let found = find_params(g)?;
+    let (units, unit_of_param) = group_units(g, &found.params, world, unit_of)?;
+    let mut s = Sharder {
+        g,
+        opts: *opts,
+        b: GraphBuilder::new(format!("{}-fsdp{world}", g.name)),
+        open: vec![None; units.len()],
+        grad_shards: vec![TensorId(0); units.len()],
+        params: found.params,
+        units,
+        unit_of_param,
+        skip: found.skip,
+        tmap: vec![None; g.num_tensors()],
+        omap: vec![None; g.num_ops()],
+    };
+    s.copy_tensors(&found.dropped)?;
+    s.add_shards();
+    s.emit_ops()?;
+    s.optimizer_step(found.max_norm.as_ref());
+    let mut out = s.b.build()?;
+    out.metadata = g.metadata.clone();
+    out.metadata.insert("fsdp_world_size".into(), json!(world));
+    out.metadata
+        .insert("fsdp_prefetch".into(), json!(opts.prefetch));
+    out.metadata.insert(
+        "fsdp_reshard_after_forward".into(),
+        json!(opts.reshard_after_forward),
+    );
+    Ok(out)
+}
+
+/// The parameters of `g` with their updates, and what sharding drops.
+struct Found {
+    params: Vec<Param>,
+    /// Old ops that do not carry over: the updates and the gradient norm.
+    skip: Vec<bool>,
+    /// Old tensors that do not carry over: parameters, their moments, the
+    /// updates' temporaries, the gradient norm.
+    dropped: Vec<bool>,
+    /// The clipping threshold, when the step clips.
+    max_norm: Option<Value>,
+}
+
+fn find_params(g: &Graph) -> Result<Found, Error> {
     let mut update_of: HashMap<TensorId, OpId> = HashMap::new();
     for o in g.op_ids() {
         let op = g.op(o);
@@ -176,14 +252,36 @@ pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Re
             .cloned()
             .unwrap_or(Value::Null)
     });
-
-    let mut pos = vec![0usize; g.num_ops()];
-    for (i, &o) in g.program_order().iter().enumerate() {
-        pos[o.index()] = i;
+    let mut skip = vec![false; g.num_ops()];
+    for &o in update_of.values().chain(&grad_norm_ops) {
+        skip[o.index()] = true;
     }
+    let mut dropped = vec![false; g.num_tensors()];
+    for p in &params {
+        for t in [p.w, p.m, p.v] {
+            dropped[t.index()] = true;
+        }
+    }
+    for &o in update_of.values().chain(&grad_norm_ops) {
+        for &t in &g.op(o).outputs {
+            dropped[t.index()] = true;
+        }
+    }
+    Ok(Found {
+        params,
+        skip,
+        dropped,
+        max_norm,
+    })
+}
 
-    // Units, in order of their first parameter.
-    let mut b = GraphBuilder::new(format!("{}-fsdp{world}", g.name));
+/// Units, in order of their first parameter, each laid out flat.
+fn group_units(
+    g: &Graph,
+    params: &[Param],
+    world: u64,
+    unit_of: &dyn Fn(&str) -> String,
+) -> Result<(Vec<Unit>, HashMap<TensorId, usize>), Error> {
     let mut units: Vec<Unit> = Vec::new();
     let mut unit_index: HashMap<String, usize> = HashMap::new();
     let mut unit_of_param: HashMap<TensorId, usize> = HashMap::new();
@@ -208,33 +306,54 @@ pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Re
         units[ui].params.push(pi);
         unit_of_param.insert(p.w, ui);
     }
+    let mut pos = vec![0usize; g.num_ops()];
+    for (i, &o) in g.program_order().iter().enumerate() {
+        pos[o.index()] = i;
+    }
     for u in &mut units {
-        let first = &params[u.params[0]];
+        u.lay_out(g, params, world, &pos)?;
+    }
+    Ok((units, unit_of_param))
+}
+
+fn elements(g: &Graph, t: TensorId) -> Result<u64, Error> {
+    let x = g.tensor(t);
+    x.shape
+        .as_ref()
+        .map(|s| s.iter().product())
+        .ok_or_else(|| invalid(format!("parameter {:?} has no shape", x.name)))
+}
+
+impl Unit {
+    /// Checks that the unit's parameters agree in dtype and optimizer, and
+    /// places them end to end (each segment aligned) in a flat buffer padded
+    /// to whole shards.
+    fn lay_out(
+        &mut self,
+        g: &Graph,
+        params: &[Param],
+        world: u64,
+        pos: &[usize],
+    ) -> Result<(), Error> {
+        let first = &params[self.params[0]];
         let x0 = g.tensor(first.w);
-        u.dtype = x0
+        self.dtype = x0
             .dtype
             .clone()
             .ok_or_else(|| invalid(format!("parameter {:?} has no dtype", x0.name)))?;
-        let elements = |t: TensorId| -> Result<u64, Error> {
-            let x = g.tensor(t);
-            x.shape
-                .as_ref()
-                .map(|s| s.iter().product())
-                .ok_or_else(|| invalid(format!("parameter {:?} has no shape", x.name)))
-        };
-        let n0 = elements(first.w)?.max(1);
-        u.elem_bytes = (x0.size / n0).max(1);
-        u.align = x0.align.max(1);
-        let seg_align = (SEGMENT_ALIGN_BYTES / u.elem_bytes).max(1);
+        let n0 = elements(g, first.w)?.max(1);
+        self.elem_bytes = (x0.size / n0).max(1);
+        self.align = x0.align.max(1);
+        let seg_align = (SEGMENT_ALIGN_BYTES / self.elem_bytes).max(1);
         let mut end = 0u64;
         let upd0 = g.op(first.update);
-        for &pi in &u.params {
+        for &pi in &self.params {
             let p = &params[pi];
             let x = g.tensor(p.w);
-            if x.dtype.as_deref() != Some(u.dtype.as_str()) {
+            if x.dtype.as_deref() != Some(self.dtype.as_str()) {
                 return Err(invalid(format!(
                     "unit {:?} mixes dtypes ({:?} is {:?}, {:?} is {:?})",
-                    u.name, x0.name, u.dtype, x.name, x.dtype
+                    self.name, x0.name, self.dtype, x.name, x.dtype
                 )));
             }
             let upd = g.op(p.update);
@@ -245,317 +364,398 @@ pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Re
             {
                 return Err(invalid(format!(
                     "unit {:?}: updates {:?} and {:?} differ in optimizer or hyper-parameters",
-                    u.name, upd0.name, upd.name
+                    self.name, upd0.name, upd.name
                 )));
             }
             let off = end.div_ceil(seg_align) * seg_align;
-            u.offsets.push(off);
-            end = off + elements(p.w)?;
+            self.offsets.push(off);
+            end = off + elements(g, p.w)?;
         }
-        u.shard = end.div_ceil(world).div_ceil(seg_align) * seg_align;
-        u.last_grad_op = u
+        self.shard = end.div_ceil(world).div_ceil(seg_align) * seg_align;
+        self.last_grad_op = self
             .params
             .iter()
             .filter_map(|&pi| g.tensor(params[pi].grad).producer)
             .max_by_key(|o| pos[o.index()])
-            .ok_or_else(|| invalid(format!("unit {:?}: no op produces its gradients", u.name)))?;
-    }
-
-    // Old tensors that do not carry over: parameters, their moments, the
-    // updates' temporaries, the gradient norm.
-    let mut dropped = vec![false; g.num_tensors()];
-    for p in &params {
-        dropped[p.w.index()] = true;
-        dropped[p.m.index()] = true;
-        dropped[p.v.index()] = true;
-        for &t in &g.op(p.update).outputs {
-            dropped[t.index()] = true;
-        }
-    }
-    for &o in &grad_norm_ops {
-        for &t in &g.op(o).outputs {
-            dropped[t.index()] = true;
-        }
-    }
-    let mut tmap: Vec<Option<TensorId>> = vec![None; g.num_tensors()];
-    for t in g.tensor_ids() {
-        if dropped[t.index()] {
-            continue;
-        }
-        let x = g.tensor(t);
-        let view_of = match x.view_of {
-            None => None,
-            Some(base) => Some(tmap[base.index()].ok_or_else(|| {
+            .ok_or_else(|| {
                 invalid(format!(
-                    "tensor {:?} views {:?}, which sharding replaces (views must follow their base and not view parameters)",
-                    x.name,
-                    g.tensor(base).name
+                    "unit {:?}: no op produces its gradients",
+                    self.name
                 ))
-            })?),
-        };
-        tmap[t.index()] = Some(b.add_tensor(TensorSpec {
-            name: x.name.clone(),
-            size: x.size,
-            align: x.align,
-            role: x.role,
-            lifetime: x.lifetime,
-            view_of,
-            dtype: x.dtype.clone(),
-            shape: x.shape.clone(),
-        }));
+            })?;
+        Ok(())
     }
-    let flat = |b: &mut GraphBuilder, u: &Unit, name: String, elements: u64, role: Role| {
-        b.add_tensor(
+}
+
+/// One gather of a unit: the op (position in the old program order) whose
+/// use of the unit starts it.
+struct Gather {
+    unit: usize,
+    first_use: usize,
+}
+
+/// The sharded graph under construction.
+struct Sharder<'g> {
+    g: &'g Graph,
+    opts: FsdpOptions,
+    b: GraphBuilder,
+    params: Vec<Param>,
+    units: Vec<Unit>,
+    unit_of_param: HashMap<TensorId, usize>,
+    skip: Vec<bool>,
+    /// New tensor of each old tensor that carries over.
+    tmap: Vec<Option<TensorId>>,
+    /// New op of each old op that carries over.
+    omap: Vec<Option<OpId>>,
+    /// The parameter views of each unit's latest gather.
+    open: Vec<Option<Vec<TensorId>>>,
+    /// Each unit's reduce-scattered gradient shard.
+    grad_shards: Vec<TensorId>,
+}
+
+impl Sharder<'_> {
+    fn flat(&mut self, ui: usize, name: String, elements: u64, role: Role) -> TensorId {
+        let u = &self.units[ui];
+        self.b.add_tensor(
             TensorSpec::new(name, elements * u.elem_bytes)
                 .role(role)
                 .align(u.align)
                 .dtype(u.dtype.clone())
                 .shape([elements]),
         )
-    };
-    for u in &mut units {
-        let s = u.shard;
-        let uu: &Unit = u;
-        let shard_t = flat(
-            &mut b,
-            uu,
-            format!("{}.flat_param.shard", uu.name),
-            s,
-            Role::Parameter,
-        );
-        let m_t = flat(
-            &mut b,
-            uu,
-            format!("{}.flat_param.shard.adam_m", uu.name),
-            s,
-            Role::OptimizerState,
-        );
-        let v_t = flat(
-            &mut b,
-            uu,
-            format!("{}.flat_param.shard.adam_v", uu.name),
-            s,
-            Role::OptimizerState,
-        );
-        for t in [shard_t, m_t, v_t] {
-            b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
-        }
-        u.shard_t = shard_t;
-        u.m_t = m_t;
-        u.v_t = v_t;
     }
 
-    // The ops, in program order, with gathers before runs of uses and
-    // reduce-scatters after the last gradient.
-    let skip: Vec<bool> = g
-        .op_ids()
-        .map(|o| {
-            let op = g.op(o);
-            op.op_type == "grad_norm" || update_of.values().any(|&u| u == o)
-        })
-        .collect();
-    let mut omap: Vec<Option<OpId>> = vec![None; g.num_ops()];
-    let mut open: Vec<Option<Vec<TensorId>>> = vec![None; units.len()];
-    let mut gathers = vec![0usize; units.len()];
-    let mut prev_units: Vec<usize> = Vec::new();
-    let mut grad_shards: Vec<TensorId> = vec![TensorId(0); units.len()];
-    for &o in g.program_order() {
-        if skip[o.index()] {
-            continue;
+    /// Every old tensor that is not dropped, unchanged.
+    fn copy_tensors(&mut self, dropped: &[bool]) -> Result<(), Error> {
+        let g = self.g;
+        for t in g.tensor_ids() {
+            if dropped[t.index()] {
+                continue;
+            }
+            let x = g.tensor(t);
+            let view_of = match x.view_of {
+                None => None,
+                Some(base) => Some(self.tmap[base.index()].ok_or_else(|| {
+                    invalid(format!(
+                        "tensor {:?} views {:?}, which sharding replaces (views must follow their base and not view parameters)",
+                        x.name,
+                        g.tensor(base).name
+                    ))
+                })?),
+            };
+            self.tmap[t.index()] = Some(self.b.add_tensor(TensorSpec {
+                name: x.name.clone(),
+                size: x.size,
+                align: x.align,
+                role: x.role,
+                lifetime: x.lifetime,
+                view_of,
+                dtype: x.dtype.clone(),
+                shape: x.shape.clone(),
+            }));
         }
-        let op = g.op(o);
+        Ok(())
+    }
+
+    /// Each unit's persistent parameter shard and Adam moment shards.
+    fn add_shards(&mut self) {
+        for ui in 0..self.units.len() {
+            let (name, s) = (self.units[ui].name.clone(), self.units[ui].shard);
+            let w = self.flat(ui, format!("{name}.flat_param.shard"), s, Role::Parameter);
+            let m_name = format!("{name}.flat_param.shard.adam_m");
+            let m = self.flat(ui, m_name, s, Role::OptimizerState);
+            let v_name = format!("{name}.flat_param.shard.adam_v");
+            let v = self.flat(ui, v_name, s, Role::OptimizerState);
+            for t in [w, m, v] {
+                self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+            }
+            let u = &mut self.units[ui];
+            (u.shard_t, u.m_t, u.v_t) = (w, m, v);
+        }
+    }
+
+    /// The units an old op reads parameters of, in operand order; an error
+    /// if it writes a parameter.
+    fn units_used(&self, o: OpId) -> Result<Vec<usize>, Error> {
+        let op = self.g.op(o);
         let mut used: Vec<usize> = Vec::new();
         for &t in &op.inputs {
-            if let Some(&ui) = unit_of_param.get(&t)
+            if let Some(&ui) = self.unit_of_param.get(&t)
                 && !used.contains(&ui)
             {
                 used.push(ui);
             }
         }
         for &t in op.outputs.iter().chain(&op.updates) {
-            if unit_of_param.contains_key(&t) {
+            if self.unit_of_param.contains_key(&t) {
                 return Err(invalid(format!(
                     "op {:?} writes parameter {:?}; only its update may",
                     op.name,
-                    g.tensor(t).name
+                    self.g.tensor(t).name
                 )));
             }
         }
-        for &ui in &used {
-            if open[ui].is_some() && prev_units.contains(&ui) {
+        Ok(used)
+    }
+
+    /// Where gathers start: a unit is gathered before a run of ops that use
+    /// it, again whenever ops of another unit ran since its last use (once
+    /// per step without `reshard_after_forward`).
+    fn gathers(&self) -> Result<Vec<Gather>, Error> {
+        let mut out = Vec::new();
+        let mut open = vec![false; self.units.len()];
+        let mut prev: Vec<usize> = Vec::new();
+        for (i, &o) in self.g.program_order().iter().enumerate() {
+            if self.skip[o.index()] {
                 continue;
             }
-            let u = &units[ui];
-            let k = gathers[ui];
-            gathers[ui] += 1;
-            let full = world * u.shard;
-            let gathered = flat(
-                &mut b,
-                u,
-                format!("{}.flat_param.gathered{k}", u.name),
-                full,
-                Role::Communication,
-            );
-            b.add_op(
-                OpSpec::new(
-                    format!("{}.all_gather{k}", u.name),
-                    OpKind::Collective,
-                    "all_gather",
-                )
-                .inputs([u.shard_t])
-                .outputs([gathered])
-                .stream(COMM_STREAM)
-                .attr("world_size", world)
-                .attr("elements", full),
-            );
-            let views: Vec<TensorId> = u
+            let used = self.units_used(o)?;
+            for &ui in &used {
+                let keep = prev.contains(&ui) || !self.opts.reshard_after_forward;
+                if open[ui] && keep {
+                    continue;
+                }
+                open[ui] = true;
+                out.push(Gather {
+                    unit: ui,
+                    first_use: i,
+                });
+            }
+            if !used.is_empty() {
+                prev = used;
+            }
+        }
+        Ok(out)
+    }
+
+    /// All-gathers unit `ui`'s shards into a flat buffer (collective
+    /// stream) and cuts it into one view per parameter; returns the gather
+    /// and the views.
+    fn emit_gather(&mut self, ui: usize, k: usize) -> (OpId, Vec<TensorId>) {
+        let world = self.opts.world;
+        let (name, shard_t) = (self.units[ui].name.clone(), self.units[ui].shard_t);
+        let full = world * self.units[ui].shard;
+        let gathered = self.flat(
+            ui,
+            format!("{name}.flat_param.gathered{k}"),
+            full,
+            Role::Communication,
+        );
+        let gather = self.b.add_op(
+            OpSpec::new(
+                format!("{name}.all_gather{k}"),
+                OpKind::Collective,
+                "all_gather",
+            )
+            .inputs([shard_t])
+            .outputs([gathered])
+            .stream(COMM_STREAM)
+            .attr("world_size", world)
+            .attr("elements", full),
+        );
+        let views: Vec<TensorId> = self.units[ui]
+            .params
+            .iter()
+            .map(|&pi| {
+                let x = self.g.tensor(self.params[pi].w);
+                self.b.add_tensor(TensorSpec {
+                    name: format!("{}.gathered{k}", x.name),
+                    size: x.size,
+                    align: x.align,
+                    role: Role::Parameter,
+                    lifetime: Lifetime::Transient,
+                    view_of: Some(gathered),
+                    dtype: x.dtype.clone(),
+                    shape: x.shape.clone(),
+                })
+            })
+            .collect();
+        self.b.add_op(
+            OpSpec::new(format!("{name}.unflatten{k}"), OpKind::Other, "view")
+                .inputs([gathered])
+                .outputs(views.iter().copied())
+                .attr("offsets", json!(self.units[ui].offsets)),
+        );
+        (gather, views)
+    }
+
+    /// The new tensor an old op's operand `t` becomes: the open view of a
+    /// parameter, or the copied tensor.
+    fn map_t(&self, o: OpId, t: TensorId) -> Result<TensorId, Error> {
+        if let Some(&ui) = self.unit_of_param.get(&t) {
+            let at = self.units[ui]
                 .params
                 .iter()
-                .map(|&pi| {
-                    let x = g.tensor(params[pi].w);
-                    b.add_tensor(TensorSpec {
-                        name: format!("{}.gathered{k}", x.name),
-                        size: x.size,
-                        align: x.align,
-                        role: Role::Parameter,
-                        lifetime: Lifetime::Transient,
-                        view_of: Some(gathered),
-                        dtype: x.dtype.clone(),
-                        shape: x.shape.clone(),
-                    })
-                })
-                .collect();
-            b.add_op(
-                OpSpec::new(format!("{}.unflatten{k}", u.name), OpKind::Other, "view")
-                    .inputs([gathered])
-                    .outputs(views.iter().copied())
-                    .attr("offsets", json!(u.offsets)),
-            );
-            open[ui] = Some(views);
+                .position(|&pi| self.params[pi].w == t)
+                .expect("in its unit");
+            return Ok(self.open[ui].as_ref().expect("gathered before use")[at]);
         }
-        if !used.is_empty() {
-            prev_units = used;
-        }
-        let map_t = |t: TensorId| -> Result<TensorId, Error> {
-            if let Some(&ui) = unit_of_param.get(&t) {
-                let pi = units[ui]
-                    .params
-                    .iter()
-                    .position(|&pi| params[pi].w == t)
-                    .expect("in its unit");
-                return Ok(open[ui].as_ref().expect("gathered above")[pi]);
-            }
-            tmap[t.index()].ok_or_else(|| {
-                invalid(format!(
-                    "op {:?} uses {:?}, which sharding replaces",
-                    op.name,
-                    g.tensor(t).name
-                ))
-            })
+        self.tmap[t.index()].ok_or_else(|| {
+            invalid(format!(
+                "op {:?} uses {:?}, which sharding replaces",
+                self.g.op(o).name,
+                self.g.tensor(t).name
+            ))
+        })
+    }
+
+    /// Copies old op `o` onto the new tensors; it also runs after `after`.
+    fn copy_op(&mut self, o: OpId, after: &[OpId]) -> Result<(), Error> {
+        let op = self.g.op(o);
+        let map_all = |v: &[TensorId]| {
+            v.iter()
+                .map(|&t| self.map_t(o, t))
+                .collect::<Result<Vec<_>, _>>()
         };
-        let map_all = |v: &[TensorId]| v.iter().map(|&t| map_t(t)).collect::<Result<Vec<_>, _>>();
         let mut spec = OpSpec::new(op.name.clone(), op.kind, op.op_type.clone())
             .inputs(map_all(&op.inputs)?)
             .outputs(map_all(&op.outputs)?)
             .updates(map_all(&op.updates)?)
-            .stream(op.stream);
+            .stream(op.stream)
+            .after(after.iter().copied());
         for &(out, inp) in &op.reuse {
-            spec = spec.reuse(map_t(out)?, map_t(inp)?);
+            spec = spec.reuse(self.map_t(o, out)?, self.map_t(o, inp)?);
         }
         for &a in &op.after {
-            spec = spec.after([omap[a.index()].ok_or_else(|| {
+            spec = spec.after([self.omap[a.index()].ok_or_else(|| {
                 invalid(format!(
                     "op {:?} must follow {:?}, which sharding replaces",
                     op.name,
-                    g.op(a).name
+                    self.g.op(a).name
                 ))
             })?]);
         }
         spec.cost = op.cost;
         spec.attrs = op.attrs.clone();
-        omap[o.index()] = Some(b.add_op(spec));
-
-        for (ui, u) in units.iter().enumerate() {
-            if u.last_grad_op != o {
-                continue;
-            }
-            let full = world * u.shard;
-            let flat_grad = flat(
-                &mut b,
-                u,
-                format!("{}.flat_grad", u.name),
-                full,
-                Role::Communication,
-            );
-            let grads = u
-                .params
-                .iter()
-                .map(|&pi| map_t(params[pi].grad))
-                .collect::<Result<Vec<_>, _>>()?;
-            b.add_op(
-                OpSpec::new(format!("{}.pack_grads", u.name), OpKind::Backward, "pack")
-                    .inputs(grads)
-                    .outputs([flat_grad])
-                    .attr("offsets", json!(u.offsets))
-                    .attr("elements", full),
-            );
-            let gs = flat(
-                &mut b,
-                u,
-                format!("{}.flat_grad.shard", u.name),
-                u.shard,
-                Role::Gradient,
-            );
-            b.add_op(
-                OpSpec::new(
-                    format!("{}.reduce_scatter", u.name),
-                    OpKind::Collective,
-                    "reduce_scatter",
-                )
-                .inputs([flat_grad])
-                .outputs([gs])
-                .stream(COMM_STREAM)
-                .attr("world_size", world)
-                .attr("op", "avg")
-                .attr("elements", full),
-            );
-            grad_shards[ui] = gs;
-        }
+        self.omap[o.index()] = Some(self.b.add_op(spec));
+        Ok(())
     }
 
-    // Clipping: the squared norm of the local shards, summed over ranks.
-    let norm = match &max_norm {
-        None => None,
-        Some(max) => {
-            let t = b.add_tensor(
+    /// The ops in program order: each gather `d = prefetch` gathers ahead of
+    /// its first use (the op that starts gather `k − d` waits for gather
+    /// `k`), every old op, and a pack and reduce-scatter after each unit's
+    /// last gradient.
+    fn emit_ops(&mut self) -> Result<(), Error> {
+        let gathers = self.gathers()?;
+        let d = self.opts.prefetch as usize;
+        // Gathers to issue just before each old program position.
+        let mut issue_at: HashMap<usize, Vec<usize>> = HashMap::new();
+        for k in 0..gathers.len() {
+            let at = gathers[k.saturating_sub(d)].first_use;
+            issue_at.entry(at).or_default().push(k);
+        }
+        let mut count = vec![0usize; self.units.len()];
+        // Views of gathers issued whose first use is still ahead.
+        let mut issued: HashMap<usize, Vec<TensorId>> = HashMap::new();
+        let mut next = 0usize;
+        let order = self.g.program_order().to_vec();
+        for (i, &o) in order.iter().enumerate() {
+            if self.skip[o.index()] {
+                continue;
+            }
+            let mut after = Vec::new();
+            for &k in issue_at.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
+                let ui = gathers[k].unit;
+                let (op, views) = self.emit_gather(ui, count[ui]);
+                count[ui] += 1;
+                after.push(op);
+                issued.insert(k, views);
+            }
+            // Gathers first used here replace their unit's views.
+            while next < gathers.len() && gathers[next].first_use == i {
+                let views = issued.remove(&next).expect("issued at or before its use");
+                self.open[gathers[next].unit] = Some(views);
+                next += 1;
+            }
+            self.copy_op(o, &after)?;
+            for ui in 0..self.units.len() {
+                if self.units[ui].last_grad_op == o {
+                    self.reduce_scatter(ui)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Packs unit `ui`'s gradients into a flat buffer and reduce-scatters
+    /// it (average over ranks) into this rank's gradient shard.
+    fn reduce_scatter(&mut self, ui: usize) -> Result<(), Error> {
+        let world = self.opts.world;
+        let (name, shard) = (self.units[ui].name.clone(), self.units[ui].shard);
+        let full = world * shard;
+        let flat_grad = self.flat(ui, format!("{name}.flat_grad"), full, Role::Communication);
+        let last = self.units[ui].last_grad_op;
+        let grads = self.units[ui]
+            .params
+            .iter()
+            .map(|&pi| self.map_t(last, self.params[pi].grad))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.b.add_op(
+            OpSpec::new(format!("{name}.pack_grads"), OpKind::Backward, "pack")
+                .inputs(grads)
+                .outputs([flat_grad])
+                .attr("offsets", json!(self.units[ui].offsets))
+                .attr("elements", full),
+        );
+        let gs = self.flat(ui, format!("{name}.flat_grad.shard"), shard, Role::Gradient);
+        self.b.add_op(
+            OpSpec::new(
+                format!("{name}.reduce_scatter"),
+                OpKind::Collective,
+                "reduce_scatter",
+            )
+            .inputs([flat_grad])
+            .outputs([gs])
+            .stream(COMM_STREAM)
+            .attr("world_size", world)
+            .attr("op", "avg")
+            .attr("elements", full),
+        );
+        self.grad_shards[ui] = gs;
+        Ok(())
+    }
+
+    /// Clipping (the squared norm of the local shards, summed over ranks),
+    /// then one update per unit on its shards.
+    fn optimizer_step(&mut self, max_norm: Option<&Value>) {
+        let norm = max_norm.map(|max| {
+            let t = self.b.add_tensor(
                 TensorSpec::new("grad_norm_squared", 4)
                     .role(Role::Temporary)
-                    .align(units[0].align)
+                    .align(self.units[0].align)
                     .dtype("f32")
                     .shape([1]),
             );
-            b.add_op(
+            self.b.add_op(
                 OpSpec::new("clip_grad_norm", OpKind::Optimizer, "grad_norm")
-                    .inputs(grad_shards.iter().copied())
+                    .inputs(self.grad_shards.iter().copied())
                     .outputs([t])
                     .attr("max_norm", max.clone())
                     .attr("squared", true),
             );
-            b.add_op(
+            self.b.add_op(
                 OpSpec::new("grad_norm.all_reduce", OpKind::Collective, "all_reduce")
                     .updates([t])
                     .stream(COMM_STREAM)
-                    .attr("world_size", world)
+                    .attr("world_size", self.opts.world)
                     .attr("op", "sum")
                     .attr("elements", 1),
             );
-            Some(t)
+            t
+        });
+        for ui in 0..self.units.len() {
+            self.update(ui, norm);
         }
-    };
-    for (ui, u) in units.iter().enumerate() {
-        let first = g.op(params[u.params[0]].update);
-        let mut inputs = vec![grad_shards[ui]];
+    }
+
+    /// The Adam/AdamW update of unit `ui`'s shards, with the original
+    /// hyper-parameters and how each parameter's segment is initialized.
+    fn update(&mut self, ui: usize, norm: Option<TensorId>) {
+        let g = self.g;
+        let first = g.op(self.params[self.units[ui].params[0]].update);
+        let mut inputs = vec![self.grad_shards[ui]];
         inputs.extend(norm);
+        let u = &self.units[ui];
         let mut spec = OpSpec::new(
             format!("{}.update", u.name),
             OpKind::Optimizer,
@@ -563,14 +763,10 @@ pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Re
         )
         .inputs(inputs)
         .updates([u.shard_t, u.m_t, u.v_t]);
+        let (name, shard) = (u.name.clone(), u.shard);
         if !first.outputs.is_empty() {
-            let d = flat(
-                &mut b,
-                u,
-                format!("{}.flat_param.shard.adam_denom", u.name),
-                u.shard,
-                Role::Temporary,
-            );
+            let denom = format!("{name}.flat_param.shard.adam_denom");
+            let d = self.flat(ui, denom, shard, Role::Temporary);
             spec = spec.outputs([d]);
         }
         let mut attrs = serde_json::Map::new();
@@ -579,12 +775,13 @@ pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Re
                 attrs.insert(k.to_string(), v.clone());
             }
         }
+        let u = &self.units[ui];
         let segments: Vec<Value> = u
             .params
             .iter()
             .zip(&u.offsets)
             .map(|(&pi, &off)| {
-                let p = &params[pi];
+                let p = &self.params[pi];
                 let x = g.tensor(p.w);
                 let n: u64 = x.shape.as_ref().map_or(0, |s| s.iter().product());
                 json!({
@@ -595,20 +792,16 @@ pub fn shard_with(g: &Graph, world: u64, unit_of: &dyn Fn(&str) -> String) -> Re
                 })
             })
             .collect();
-        attrs.insert("elements".into(), json!(u.shard));
+        attrs.insert("elements".into(), json!(shard));
         attrs.insert("init_segments".into(), Value::Array(segments));
         attrs.insert("sharded".into(), json!(true));
-        attrs.insert("world_size".into(), json!(world));
+        attrs.insert("world_size".into(), json!(self.opts.world));
         if norm.is_some() {
             attrs.insert("norm_squared".into(), json!(true));
         }
         spec.attrs = attrs;
-        b.add_op(spec);
+        self.b.add_op(spec);
     }
-    let mut out = b.build()?;
-    out.metadata = g.metadata.clone();
-    out.metadata.insert("fsdp_world_size".into(), json!(world));
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -701,7 +894,7 @@ mod tests {
             );
         }
         let g = b.build().unwrap();
-        let e = shard_with(&g, 2, &|_| "all".to_string())
+        let e = shard_with(&g, &FsdpOptions::new(2), &|_| "all".to_string())
             .unwrap_err()
             .to_string();
         assert!(e.contains("differ in optimizer or hyper-parameters"), "{e}");
@@ -711,5 +904,78 @@ mod tests {
             s.ops().iter().filter(|o| o.op_type == "all_gather").count(),
             2
         );
+    }
+
+    /// Position in program order of the op named `name`.
+    fn at(s: &Graph, name: &str) -> usize {
+        s.program_order()
+            .iter()
+            .position(|&o| s.op(o).name == name)
+            .unwrap_or_else(|| panic!("no op {name}"))
+    }
+
+    #[test]
+    fn prefetch_issues_gathers_ahead_and_the_plan_must_keep_them() {
+        let g = gpt2::build(&Gpt2Config::small_config(3, 32, 2, 8, 1, 64)).unwrap();
+        let with = |prefetch| {
+            let opts = FsdpOptions {
+                prefetch,
+                ..FsdpOptions::new(2)
+            };
+            shard_with(&g, &opts, &default_unit).unwrap()
+        };
+        // No prefetch: each gather right before its unit's first op.
+        let s0 = with(0);
+        assert!(at(&s0, "h1.all_gather0") > at(&s0, "h0.ln_1"));
+        assert!(at(&s0, "h1.all_gather0") < at(&s0, "h1.ln_1"));
+        // Prefetch 1: h1's gather before h0's first op, which waits for it.
+        let s1 = with(1);
+        assert!(at(&s1, "h1.all_gather0") < at(&s1, "h0.ln_1"));
+        let ln = s1.op(s1.program_order()[at(&s1, "h0.ln_1")]);
+        let ag = s1.program_order()[at(&s1, "h1.all_gather0")];
+        assert!(ln.after.contains(&ag));
+        // Prefetch 2: h2's gather before h0's first op too.
+        let s2 = with(2);
+        assert!(at(&s2, "h2.all_gather0") < at(&s2, "h0.ln_1"));
+        // In backward, h1 is gathered again while h2's backward runs.
+        assert!(at(&s1, "h1.all_gather1") < at(&s1, "h2.ln_1.backward"));
+        // The same collectives either way.
+        let count = |s: &Graph| s.ops().iter().filter(|o| o.op_type == "all_gather").count();
+        assert_eq!(count(&s0), count(&s1));
+        assert_eq!(count(&s0), count(&s2));
+    }
+
+    #[test]
+    fn without_resharding_each_unit_is_gathered_once_and_kept() {
+        // Four blocks: resharded, at most two are gathered at once (one
+        // prefetched); kept, all four are at the start of the backward.
+        let g = gpt2::build(&Gpt2Config::small_config(4, 32, 2, 8, 1, 64)).unwrap();
+        let opts = FsdpOptions {
+            reshard_after_forward: false,
+            ..FsdpOptions::new(2)
+        };
+        let s = shard_with(&g, &opts, &default_unit).unwrap();
+        for l in 0..4 {
+            let n = s
+                .ops()
+                .iter()
+                .filter(|o| o.op_type == "all_gather" && o.name.starts_with(&format!("h{l}.")))
+                .count();
+            assert_eq!(n, 1, "block {l}");
+        }
+        // The backward reads the forward's gathered views.
+        let bw = s.op(s.program_order()[at(&s, "h0.attn.c_attn.backward_data")]);
+        assert!(
+            bw.inputs
+                .iter()
+                .any(|&t| s.tensor(t).name.ends_with(".gathered0"))
+        );
+        let peak = |s: &Graph| {
+            let low = crate::lower::lower(s, false);
+            let order = crate::lower::Lowered::from_op_ids(s.program_order());
+            memplan_solver::evaluate(&low.problem, &order).peak
+        };
+        let (kept, resharded) = (peak(&s), peak(&shard(&g, 2).unwrap()));
+        assert!(kept > resharded, "{kept} vs {resharded}");
     }
 }
