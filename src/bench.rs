@@ -38,8 +38,8 @@ pub enum Source {
     /// `seq`, `layers`, `dtype`, `clip`, `world` (one rank's step sharded
     /// FSDP-style over that many ranks), `prefetch` (all-gathers issued
     /// ahead, default 1) and the flags `noreshard` (keep gathered
-    /// parameters from forward to backward), `checkpoint` and `fused`
-    /// (fused attention).
+    /// parameters from forward to backward), `checkpoint`, `fused`
+    /// (fused attention) and `mixed` (mixed precision).
     Example {
         /// The spec as written, e.g. `example:gpt2-small,batch=4`.
         spec: String,
@@ -103,6 +103,7 @@ impl Source {
                 }
                 "checkpoint" if value.is_none() => opts.checkpoint = true,
                 "fused" if value.is_none() => opts.fused_attention = true,
+                "mixed" if value.is_none() => opts.mixed_precision = true,
                 "clip" => {
                     let v = value.unwrap_or_default();
                     match v.parse::<f64>() {
@@ -112,7 +113,7 @@ impl Source {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, checkpoint, fused)"
+                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, checkpoint, fused, mixed)"
                     )));
                 }
             }

@@ -186,6 +186,9 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
         },
         "rope" => Kernel::Rope(a.rope(false)?),
         "rope_backward" => Kernel::Rope(a.rope(true)?),
+        "cast" => Kernel::Cast {
+            elements: elements()?,
+        },
         "swiglu" => Kernel::SwiGlu {
             rows: a.u64("rows")?,
             hidden: a.u64("hidden")?,

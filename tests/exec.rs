@@ -430,3 +430,64 @@ fn llama_gradients_match_finite_differences() {
     // every other probe is a gradient far above the tolerance.
     assert!(checked >= 17, "{checked} probes with a gradient above 1e-3");
 }
+
+/// Relative L2 distance of two runs' final f32 state (parameters and
+/// moments), over every element of rank 0.
+fn state_distance(a: &RunReport, b: &RunReport) -> f64 {
+    let (mut d, mut n) = (0.0f64, 0.0f64);
+    for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
+        assert_eq!(na, nb);
+        for (&x, &y) in va.iter().zip(vb) {
+            d += (x as f64 - y as f64).powi(2);
+            n += (y as f64).powi(2);
+        }
+    }
+    (d / n).sqrt()
+}
+
+/// Mixed precision (bf16 compute and activations, f32 master weights and
+/// moments): planned equals unplanned, single-device and sharded (the
+/// gathers move bf16), and the step stays within a documented distance of
+/// the f32 step: losses within 0.1% and parameters and moments within 1%
+/// (relative L2) after 3 steps (measured: 1.1e-5 and 1.1e-3).
+#[test]
+fn mixed_precision_steps_match_their_reference_and_stay_near_f32() {
+    let mut cfg = tiny_llama();
+    let f32_graph = llama::build(&cfg).unwrap();
+    cfg.mixed_precision = true;
+    cfg.dtype = memplan::models::DType::BF16;
+    let g = llama::build(&cfg).unwrap();
+    let casts = g.ops().iter().filter(|o| o.op_type == "cast").count();
+    assert!(casts > 2 * 10, "weight and gradient casts: {casts}");
+    let (mixed, planned) = planned_matches_unplanned(&g, 3);
+    let full = run(&f32_graph, &plan(&f32_graph), 3);
+    assert!(planned.arena_bytes < plan(&f32_graph).arena_bytes);
+    for (x, y) in mixed.steps.iter().zip(&full.steps) {
+        assert!(
+            (x.loss - y.loss).abs() <= 1e-3 * y.loss,
+            "{} vs {}",
+            x.loss,
+            y.loss
+        );
+    }
+    let dist = state_distance(&mixed, &full);
+    assert!(dist < 0.01, "state {dist}");
+    // Sharded: the all-gathers move bf16, the reduce-scatters f32.
+    let s = fsdp::shard(&g, 2).unwrap();
+    for o in s.ops() {
+        let dt = |t: &memplan::graph::TensorId| s.tensor(*t).dtype.clone().unwrap();
+        match o.op_type.as_str() {
+            "all_gather" => assert_eq!(dt(&o.outputs[0]), "bf16", "{}", o.name),
+            "reduce_scatter" => assert_eq!(dt(&o.outputs[0]), "f32", "{}", o.name),
+            _ => {}
+        }
+    }
+    planned_matches_unplanned(&s, 2);
+    // GPT-2 with a tied head, clipping and checkpointing too.
+    let mut gcfg = tiny();
+    gcfg.mixed_precision = true;
+    gcfg.dtype = memplan::models::DType::BF16;
+    gcfg.checkpoint = true;
+    gcfg.clip_grad_norm = Some(0.5);
+    planned_matches_unplanned(&gpt2::build(&gcfg).unwrap(), 2);
+}

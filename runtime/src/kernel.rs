@@ -196,6 +196,9 @@ pub enum Kernel {
     FusedAttentionBackward(Attention),
     /// in `[a E, b E]`, out `[a + b]`.
     Add { elements: u64 },
+    /// in `[x E]`, out `[y E]`: the values in the output's dtype (f32 to
+    /// bf16 rounds to nearest, ties to even).
+    Cast { elements: u64 },
     /// in `[x E]`, out `[gelu(x)]` (tanh approximation).
     Gelu { elements: u64 },
     /// in `[dy E, x E]`, out `[dx E]`.
@@ -270,6 +273,7 @@ impl Kernel {
             Kernel::FusedAttention(_) => "fused_attention",
             Kernel::FusedAttentionBackward(_) => "fused_attention_backward",
             Kernel::Add { .. } => "add",
+            Kernel::Cast { .. } => "cast",
             Kernel::Gelu { .. } => "gelu",
             Kernel::GeluBackward { .. } => "gelu_backward",
             Kernel::Relu { .. } => "relu",
@@ -572,7 +576,7 @@ impl Kernel {
                 vec![Float(*elements)],
                 vec![],
             ),
-            Kernel::Gelu { elements } | Kernel::Relu { elements } => {
+            Kernel::Gelu { elements } | Kernel::Relu { elements } | Kernel::Cast { elements } => {
                 (vec![Float(*elements)], vec![Float(*elements)], vec![])
             }
             Kernel::GeluBackward { elements } | Kernel::ReluBackward { elements } => (

@@ -90,6 +90,7 @@ fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
                 checkpoint: src.checkpoint,
                 clip_grad_norm: src.clip_grad_norm,
                 fused_attention: src.fused_attention,
+                mixed_precision: src.mixed_precision,
             };
             Ok(memplan::models::example(name, &opts)?)
         }

@@ -57,6 +57,11 @@ pub struct GraphArgs {
     /// (Llama examples always use it).
     #[arg(long, requires = "example")]
     pub fused_attention: bool,
+    /// Mixed precision (GPT-2 and Llama examples): f32 parameters and Adam
+    /// moments, bf16 compute and activations (or --dtype), bf16 weight
+    /// copies cast at first use, gradients cast to f32 for the update.
+    #[arg(long, requires = "example")]
+    pub mixed_precision: bool,
     /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one
     /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
     #[arg(long, value_name = "W")]

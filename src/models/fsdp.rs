@@ -96,6 +96,16 @@ struct Param {
     m: TensorId,
     v: TensorId,
     update: OpId,
+    /// Mixed precision: the compute copy every op reads, made by a `cast`
+    /// that is the parameter's only other use.
+    copy: Option<TensorId>,
+}
+
+impl Param {
+    /// The tensor the step's ops read.
+    fn read(&self) -> TensorId {
+        self.copy.unwrap_or(self.w)
+    }
 }
 
 /// A flat unit of parameters.
@@ -108,6 +118,10 @@ struct Unit {
     shard: u64,
     dtype: String,
     elem_bytes: u64,
+    /// The dtype parameters are gathered in: the compute copies' under
+    /// mixed precision (FSDP2's `param_dtype`), else `dtype`.
+    gather_dtype: String,
+    gather_bytes: u64,
     align: u64,
     /// New tensors.
     shard_t: TensorId,
@@ -236,8 +250,10 @@ fn find_params(g: &Graph) -> Result<Found, Error> {
             m: op.updates[1],
             v: op.updates[2],
             update: o,
+            copy: None,
         });
     }
+    let casts = find_casts(g, &mut params);
     if params.is_empty() {
         return Err(invalid("the graph has no parameters to shard"));
     }
@@ -253,12 +269,12 @@ fn find_params(g: &Graph) -> Result<Found, Error> {
             .unwrap_or(Value::Null)
     });
     let mut skip = vec![false; g.num_ops()];
-    for &o in update_of.values().chain(&grad_norm_ops) {
+    for &o in update_of.values().chain(&grad_norm_ops).chain(&casts) {
         skip[o.index()] = true;
     }
     let mut dropped = vec![false; g.num_tensors()];
     for p in &params {
-        for t in [p.w, p.m, p.v] {
+        for t in [p.w, p.m, p.v].into_iter().chain(p.copy) {
             dropped[t.index()] = true;
         }
     }
@@ -273,6 +289,34 @@ fn find_params(g: &Graph) -> Result<Found, Error> {
         dropped,
         max_norm,
     })
+}
+
+/// Mixed precision: a parameter whose only use besides its update is one
+/// `cast` is gathered already cast (FSDP2 casts the shard, then gathers):
+/// records the cast's output as the parameter's copy and returns the casts,
+/// which sharding drops.
+fn find_casts(g: &Graph, params: &mut [Param]) -> Vec<OpId> {
+    let mut uses: HashMap<TensorId, Vec<OpId>> = HashMap::new();
+    for o in g.op_ids() {
+        for &t in &g.op(o).inputs {
+            uses.entry(t).or_default().push(o);
+        }
+    }
+    let mut casts = Vec::new();
+    for p in params {
+        let reads: Vec<OpId> = uses
+            .get(&p.w)
+            .map(|v| v.iter().copied().filter(|&o| o != p.update).collect())
+            .unwrap_or_default();
+        if let [o] = reads[..]
+            && g.op(o).op_type == "cast"
+            && g.op(o).outputs.len() == 1
+        {
+            p.copy = Some(g.op(o).outputs[0]);
+            casts.push(o);
+        }
+    }
+    casts
 }
 
 /// Units, in order of their first parameter, each laid out flat.
@@ -295,6 +339,8 @@ fn group_units(
                 shard: 0,
                 dtype: String::new(),
                 elem_bytes: 0,
+                gather_dtype: String::new(),
+                gather_bytes: 0,
                 align: 1,
                 shard_t: TensorId(0),
                 m_t: TensorId(0),
@@ -304,7 +350,7 @@ fn group_units(
             units.len() - 1
         });
         units[ui].params.push(pi);
-        unit_of_param.insert(p.w, ui);
+        unit_of_param.insert(p.read(), ui);
     }
     let mut pos = vec![0usize; g.num_ops()];
     for (i, &o) in g.program_order().iter().enumerate() {
@@ -344,16 +390,23 @@ impl Unit {
         let n0 = elements(g, first.w)?.max(1);
         self.elem_bytes = (x0.size / n0).max(1);
         self.align = x0.align.max(1);
-        let seg_align = (SEGMENT_ALIGN_BYTES / self.elem_bytes).max(1);
+        let read0 = g.tensor(first.read());
+        self.gather_dtype = read0.dtype.clone().unwrap_or_else(|| self.dtype.clone());
+        self.gather_bytes = (read0.size / n0).max(1);
+        let unit_bytes = self.elem_bytes.min(self.gather_bytes);
+        let seg_align = (SEGMENT_ALIGN_BYTES / unit_bytes).max(1);
         let mut end = 0u64;
         let upd0 = g.op(first.update);
         for &pi in &self.params {
             let p = &params[pi];
             let x = g.tensor(p.w);
-            if x.dtype.as_deref() != Some(self.dtype.as_str()) {
+            let r = g.tensor(p.read());
+            if x.dtype.as_deref() != Some(self.dtype.as_str())
+                || r.dtype.as_deref() != Some(self.gather_dtype.as_str())
+            {
                 return Err(invalid(format!(
-                    "unit {:?} mixes dtypes ({:?} is {:?}, {:?} is {:?})",
-                    self.name, x0.name, self.dtype, x.name, x.dtype
+                    "unit {:?} mixes dtypes ({:?} is {:?} read as {:?}, {:?} is {:?} read as {:?})",
+                    self.name, x0.name, self.dtype, self.gather_dtype, x.name, x.dtype, r.dtype
                 )));
             }
             let upd = g.op(p.update);
@@ -416,13 +469,55 @@ struct Sharder<'g> {
 impl Sharder<'_> {
     fn flat(&mut self, ui: usize, name: String, elements: u64, role: Role) -> TensorId {
         let u = &self.units[ui];
+        let (dtype, bytes) = (u.dtype.clone(), u.elem_bytes);
+        self.flat_typed(ui, name, elements, role, dtype, bytes)
+    }
+    /// A flat buffer of unit `ui` in the dtype parameters are gathered in.
+    fn flat_gathered(&mut self, ui: usize, name: String, elements: u64, role: Role) -> TensorId {
+        let u = &self.units[ui];
+        let (dtype, bytes) = (u.gather_dtype.clone(), u.gather_bytes);
+        self.flat_typed(ui, name, elements, role, dtype, bytes)
+    }
+    fn flat_typed(
+        &mut self,
+        ui: usize,
+        name: String,
+        elements: u64,
+        role: Role,
+        dtype: String,
+        bytes: u64,
+    ) -> TensorId {
         self.b.add_tensor(
-            TensorSpec::new(name, elements * u.elem_bytes)
+            TensorSpec::new(name, elements * bytes)
                 .role(role)
-                .align(u.align)
-                .dtype(u.dtype.clone())
+                .align(self.units[ui].align)
+                .dtype(dtype)
                 .shape([elements]),
         )
+    }
+
+    /// The tensor a gather reads: the shard, or under mixed precision the
+    /// shard cast to the compute dtype.
+    fn gather_source(&mut self, ui: usize, k: usize) -> TensorId {
+        let u = &self.units[ui];
+        let (name, shard_t, shard) = (u.name.clone(), u.shard_t, u.shard);
+        if u.gather_dtype == u.dtype {
+            return shard_t;
+        }
+        let dt = u.gather_dtype.clone();
+        let cast = self.flat_gathered(
+            ui,
+            format!("{name}.flat_param.shard.{dt}{k}"),
+            shard,
+            Role::Communication,
+        );
+        self.b.add_op(
+            OpSpec::new(format!("{name}.cast{k}"), OpKind::Other, "cast")
+                .inputs([shard_t])
+                .outputs([cast])
+                .attr("elements", shard),
+        );
+        cast
     }
 
     /// Every old tensor that is not dropped, unchanged.
@@ -533,9 +628,10 @@ impl Sharder<'_> {
     /// and the views.
     fn emit_gather(&mut self, ui: usize, k: usize) -> (OpId, Vec<TensorId>) {
         let world = self.opts.world;
-        let (name, shard_t) = (self.units[ui].name.clone(), self.units[ui].shard_t);
+        let name = self.units[ui].name.clone();
+        let source = self.gather_source(ui, k);
         let full = world * self.units[ui].shard;
-        let gathered = self.flat(
+        let gathered = self.flat_gathered(
             ui,
             format!("{name}.flat_param.gathered{k}"),
             full,
@@ -547,7 +643,7 @@ impl Sharder<'_> {
                 OpKind::Collective,
                 "all_gather",
             )
-            .inputs([shard_t])
+            .inputs([source])
             .outputs([gathered])
             .stream(COMM_STREAM)
             .attr("world_size", world)
@@ -557,7 +653,7 @@ impl Sharder<'_> {
             .params
             .iter()
             .map(|&pi| {
-                let x = self.g.tensor(self.params[pi].w);
+                let x = self.g.tensor(self.params[pi].read());
                 self.b.add_tensor(TensorSpec {
                     name: format!("{}.gathered{k}", x.name),
                     size: x.size,
@@ -586,7 +682,7 @@ impl Sharder<'_> {
             let at = self.units[ui]
                 .params
                 .iter()
-                .position(|&pi| self.params[pi].w == t)
+                .position(|&pi| self.params[pi].read() == t)
                 .expect("in its unit");
             return Ok(self.open[ui].as_ref().expect("gathered before use")[at]);
         }

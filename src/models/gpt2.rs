@@ -54,6 +54,9 @@ pub struct Gpt2Config {
     /// `[B, H, T, T]` probabilities, and `fused_attention_backward`
     /// recomputes the scores tile by tile.
     pub fused_attention: bool,
+    /// Mixed precision: f32 parameters and optimizer state, compute and
+    /// activations in `dtype` (bf16); see `models::step`.
+    pub mixed_precision: bool,
 }
 
 impl Gpt2Config {
@@ -87,6 +90,7 @@ impl Gpt2Config {
             lr: 1e-3,
             weight_decay: 0.01,
             fused_attention: false,
+            mixed_precision: false,
         })
     }
 
@@ -167,6 +171,9 @@ impl StepConfig for Gpt2Config {
     fn align(&self) -> u64 {
         self.align
     }
+    fn mixed_precision(&self) -> bool {
+        self.mixed_precision
+    }
 }
 
 type Net = step::Net<Gpt2Config>;
@@ -193,6 +200,9 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     }
     if cfg.fused_attention {
         name.push_str("-fused");
+    }
+    if cfg.mixed_precision {
+        name.push_str("-mixed");
     }
     let mut net = Net::new(name, cfg.clone());
     let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
@@ -576,7 +586,7 @@ fn linear_backward(
     bp: usize,
 ) -> TensorId {
     let xs = net.shape(x);
-    let ws = net.shape(net.w(wp));
+    let ws = net.param_shape(wp);
     let rows: u64 = xs[..xs.len() - 1].iter().product();
     let (k, n) = (ws[0], ws[1]);
     let dx = net.tensor(&format!("{name}.in.grad"), &xs, Role::Activation);

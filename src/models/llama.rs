@@ -57,6 +57,9 @@ pub struct LlamaConfig {
     pub align: u64,
     pub lr: f64,
     pub weight_decay: f64,
+    /// Mixed precision: f32 parameters and optimizer state, compute and
+    /// activations in `dtype` (bf16); see `models::step`.
+    pub mixed_precision: bool,
 }
 
 impl LlamaConfig {
@@ -93,6 +96,7 @@ impl LlamaConfig {
             align: 256,
             lr: 1e-3,
             weight_decay: 0.01,
+            mixed_precision: false,
         })
     }
 
@@ -121,6 +125,9 @@ impl StepConfig for LlamaConfig {
     }
     fn align(&self) -> u64 {
         self.align
+    }
+    fn mixed_precision(&self) -> bool {
+        self.mixed_precision
     }
 }
 
@@ -200,6 +207,9 @@ pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
     }
     if cfg.checkpoint {
         name.push_str("-ckpt");
+    }
+    if cfg.mixed_precision {
+        name.push_str("-mixed");
     }
     let mut net = Net::new(name, cfg.clone());
     let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
@@ -373,7 +383,7 @@ fn linear(
     attrs: &dyn Fn(Value) -> Value,
 ) -> TensorId {
     let xs = net.shape(x);
-    let ws = net.shape(net.w(wp));
+    let ws = net.param_shape(wp);
     let rows: u64 = xs[..xs.len() - 1].iter().product();
     let mut ys = xs.clone();
     *ys.last_mut().expect("a row shape") = ws[1];
@@ -393,7 +403,7 @@ fn linear(
 /// `y = x @ W` backward: the input gradient, then the weight gradient.
 fn linear_backward(net: &mut Net, name: &str, dy: TensorId, x: TensorId, wp: usize) -> TensorId {
     let xs = net.shape(x);
-    let ws = net.shape(net.w(wp));
+    let ws = net.param_shape(wp);
     let rows: u64 = xs[..xs.len() - 1].iter().product();
     let (k, n) = (ws[0], ws[1]);
     let dx = net.tensor(&format!("{name}.in.grad"), &xs, Role::Activation);

@@ -70,6 +70,9 @@ pub struct ExampleOptions {
     /// GPT-2: fused (flash-style) attention instead of the explicit
     /// scores and probabilities. Llama steps always use fused attention.
     pub fused_attention: bool,
+    /// Mixed precision: f32 parameters and optimizer state, bf16 compute
+    /// and activations (unless `dtype` says otherwise).
+    pub mixed_precision: bool,
 }
 
 /// Builds a built-in example by name.
@@ -102,6 +105,10 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
         }
         c.checkpoint = opts.checkpoint;
         c.clip_grad_norm = opts.clip_grad_norm;
+        c.mixed_precision = opts.mixed_precision;
+        if opts.mixed_precision && opts.dtype.is_none() {
+            c.dtype = DType::BF16;
+        }
         return llama::build(&c);
     }
     let Some(mut c) = gpt2::Gpt2Config::preset(name) else {
@@ -125,5 +132,9 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
     c.checkpoint = opts.checkpoint;
     c.clip_grad_norm = opts.clip_grad_norm;
     c.fused_attention = opts.fused_attention;
+    c.mixed_precision = opts.mixed_precision;
+    if opts.mixed_precision && opts.dtype.is_none() {
+        c.dtype = DType::BF16;
+    }
     gpt2::build(&c)
 }

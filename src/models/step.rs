@@ -3,6 +3,15 @@
 //! moments, and the optimizer step at the end (optional global-norm
 //! clipping, then one Adam/AdamW update per parameter in parameter order,
 //! as PyTorch's single-tensor `optimizer.step()` runs them).
+//!
+//! Mixed precision (bf16 compute, f32 master weights, as `torch.autocast`
+//! or FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)`
+//! run it): parameters and their Adam moments are f32; a `cast` op makes
+//! each parameter's bf16 copy just before its first use, and every op
+//! reads that copy; activations are bf16; each bf16 gradient is cast to
+//! the f32 gradient the update reads right after the op that produces it.
+
+use std::collections::HashMap;
 
 use serde_json::{Value, json};
 
@@ -18,8 +27,12 @@ pub enum Optimizer {
 
 /// What the builder needs from a model's configuration.
 pub(super) trait StepConfig {
+    /// The dtype of activations (and of parameters without mixed
+    /// precision).
     fn dtype(&self) -> DType;
     fn align(&self) -> u64;
+    /// f32 master weights and optimizer state, computing in `dtype`.
+    fn mixed_precision(&self) -> bool;
 }
 
 /// A trainable parameter with its gradient and optimizer state.
@@ -50,6 +63,10 @@ pub(super) struct Net<C> {
     pub b: GraphBuilder,
     pub cfg: C,
     pub params: Vec<Param>,
+    /// Mixed precision: each parameter's compute copy, once made.
+    copies: HashMap<usize, TensorId>,
+    /// Mixed precision: compute-dtype gradients still to cast to f32.
+    uncast: HashMap<TensorId, usize>,
 }
 
 impl<C: StepConfig> Net<C> {
@@ -58,7 +75,22 @@ impl<C: StepConfig> Net<C> {
             b: GraphBuilder::new(name),
             cfg,
             params: Vec::new(),
+            copies: HashMap::new(),
+            uncast: HashMap::new(),
         }
+    }
+    /// The dtype of parameters, gradients as the update reads them, and
+    /// optimizer state.
+    fn master(&self) -> DType {
+        if self.cfg.mixed_precision() {
+            DType::F32
+        } else {
+            self.cfg.dtype()
+        }
+    }
+    fn master_tensor(&mut self, name: &str, shape: &[u64], role: Role) -> TensorId {
+        let dt = self.master();
+        self.typed(name, shape, role, dt.as_str(), dt.bytes())
     }
     /// A tensor of the step's dtype.
     pub fn tensor(&mut self, name: &str, shape: &[u64], role: Role) -> TensorId {
@@ -96,9 +128,9 @@ impl<C: StepConfig> Net<C> {
     /// A parameter and its two Adam moments (all persistent); returns its
     /// index.
     pub fn param(&mut self, name: &str, shape: &[u64], init: &'static str) -> usize {
-        let w = self.tensor(name, shape, Role::Parameter);
-        let m = self.tensor(&format!("{name}.adam_m"), shape, Role::OptimizerState);
-        let v = self.tensor(&format!("{name}.adam_v"), shape, Role::OptimizerState);
+        let w = self.master_tensor(name, shape, Role::Parameter);
+        let m = self.master_tensor(&format!("{name}.adam_m"), shape, Role::OptimizerState);
+        let v = self.master_tensor(&format!("{name}.adam_v"), shape, Role::OptimizerState);
         for t in [w, m, v] {
             self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
         }
@@ -111,14 +143,51 @@ impl<C: StepConfig> Net<C> {
         });
         self.params.len() - 1
     }
-    pub fn w(&self, p: usize) -> TensorId {
-        self.params[p].w
+    /// The tensor ops read for parameter `p`: the parameter, or with mixed
+    /// precision its compute copy (cast from the parameter at the first
+    /// call, so just before the first use).
+    pub fn w(&mut self, p: usize) -> TensorId {
+        let w = self.params[p].w;
+        if !self.cfg.mixed_precision() {
+            return w;
+        }
+        if let Some(&c) = self.copies.get(&p) {
+            return c;
+        }
+        let name = self.b.tensor_spec(w).name.clone();
+        let shape = self.shape(w);
+        let c = self.tensor(
+            &format!("{name}.{}", self.cfg.dtype().as_str()),
+            &shape,
+            Role::Activation,
+        );
+        let elements: u64 = shape.iter().product();
+        self.op(
+            &format!("{name}.cast"),
+            OpKind::Forward,
+            "cast",
+            &[w],
+            &[c],
+            json!({ "elements": elements }),
+        );
+        self.copies.insert(p, c);
+        c
+    }
+    pub fn param_shape(&self, p: usize) -> Vec<u64> {
+        self.shape(self.params[p].w)
     }
     /// The gradient tensor of parameter `p` (made once, by the op that
-    /// produces it).
+    /// produces it). With mixed precision it is in the compute dtype, and
+    /// [`Net::op`] casts it to the f32 gradient right after that op.
     pub fn grad(&mut self, p: usize) -> TensorId {
         let name = format!("{}.grad", self.b.tensor_spec(self.params[p].w).name);
         let shape = self.shape(self.params[p].w);
+        if self.cfg.mixed_precision() {
+            let dt = self.cfg.dtype().as_str();
+            let g = self.tensor(&format!("{name}.{dt}"), &shape, Role::Gradient);
+            self.uncast.insert(g, p);
+            return g;
+        }
         let g = self.tensor(&name, &shape, Role::Gradient);
         self.params[p].grad = Some(g);
         g
@@ -141,7 +210,28 @@ impl<C: StepConfig> Net<C> {
         if let Value::Object(m) = attrs {
             spec.attrs = m;
         }
-        self.b.add_op(spec)
+        let op = self.b.add_op(spec);
+        for &g in outputs {
+            if let Some(p) = self.uncast.remove(&g) {
+                self.cast_grad(g, p);
+            }
+        }
+        op
+    }
+    /// Casts parameter `p`'s compute-dtype gradient `g` to its f32 gradient.
+    fn cast_grad(&mut self, g: TensorId, p: usize) {
+        let name = format!("{}.grad", self.b.tensor_spec(self.params[p].w).name);
+        let shape = self.shape(g);
+        let g32 = self.master_tensor(&name, &shape, Role::Gradient);
+        let elements: u64 = shape.iter().product();
+        let mut spec = OpSpec::new(format!("{name}.cast"), OpKind::Backward, "cast")
+            .inputs([g])
+            .outputs([g32]);
+        if let Value::Object(m) = json!({ "elements": elements }) {
+            spec.attrs = m;
+        }
+        self.b.add_op(spec);
+        self.params[p].grad = Some(g32);
     }
     /// Output `out` of `op` may take the bytes of its input `inp`.
     pub fn reuse(&mut self, op: OpId, out: TensorId, inp: TensorId) {
@@ -182,7 +272,7 @@ impl<C: StepConfig> Net<C> {
             let mut outputs = Vec::new();
             if u.adam_workspace {
                 let denom = format!("{pname}.adam_denom");
-                outputs.push(self.tensor(&denom, &shape, Role::Temporary));
+                outputs.push(self.master_tensor(&denom, &shape, Role::Temporary));
             }
             let mut spec = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, ty)
                 .inputs(inputs)

@@ -14,6 +14,9 @@ pub mod decoder;
 pub mod flash;
 pub mod gemm;
 pub mod kernels;
+mod wide;
+
+pub use wide::round_bf16;
 
 use std::alloc::Layout;
 use std::time::Instant;
@@ -89,15 +92,6 @@ impl CpuExecutor {
                 "rank {rank} in a world of {}",
                 program.world_size
             )));
-        }
-        if let Some(t) = program.tensors.iter().find(|t| t.dtype == DType::BF16) {
-            return Err(RuntimeError::Unavailable(
-                "bf16 on the CPU backend",
-                format!(
-                    "tensor {:?} is bf16; the CPU executor computes in f32 only (build the graph with dtype f32)",
-                    t.name
-                ),
-            ));
         }
         let bindings = Bindings::new(&program)?;
         let total = program
@@ -204,8 +198,16 @@ impl CpuExecutor {
         Ok(())
     }
 
-    /// The values of f32 tensor `t`.
+    /// The values of f32 tensor `t` (or of bf16 tensor `t`, widened).
     pub fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
+        if self.program.tensors.get(t.index()).map(|x| x.dtype) == Some(DType::BF16) {
+            let x = self.program.tensor(t);
+            return Ok(self
+                .bytes_of(x)
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_ne_bytes([b[0], b[1]]).to_f32())
+                .collect());
+        }
         let x = self.tensor_checked(t, DType::F32)?;
         Ok(self
             .bytes_of(x)
@@ -261,18 +263,27 @@ impl CpuExecutor {
         let start = Instant::now();
         let step = self.steps_done + 1;
         for (ins, bind) in self.program.instrs.iter().zip(&self.bindings.instrs) {
-            let ops = Operands {
+            let mut ops = Operands {
                 base: self.buf.ptr,
                 program: &self.program,
                 ins,
                 bind,
+                wide: None,
             };
             // SAFETY: the program was validated and bound (every operand
             // inside the allocation, written operands disjoint from all
             // others except the aliased pairs the kernels read in place).
             unsafe { ops.stage() };
+            // SAFETY: as above; bf16 operands are widened after staging.
+            let wide = unsafe { ops.widen() };
+            ops.wide = wide.as_ref();
             // SAFETY: as above.
-            unsafe { run_instr(&ops, comm, step) }.map_err(|why| match why {
+            let result = unsafe { run_instr(&ops, comm, step) };
+            if let Some(w) = &wide {
+                // SAFETY: the instruction is done with its operands.
+                unsafe { w.narrow() };
+            }
+            result.map_err(|why| match why {
                 Failure::Kernel(why) => RuntimeError::Kernel {
                     instr: ins.name.clone(),
                     kernel: ins.kernel.name(),
@@ -311,6 +322,8 @@ struct Operands<'a> {
     program: &'a Program,
     ins: &'a Instr,
     bind: &'a InstrBinding,
+    /// f32 copies of bf16 operands, when there are any.
+    wide: Option<&'a wide::Wide>,
 }
 
 impl<'a> Operands<'a> {
@@ -334,16 +347,53 @@ impl<'a> Operands<'a> {
         }
     }
 
+    /// Byte offset of input `pos` (its staged copy when staged).
+    fn input_offset(&self, pos: usize) -> u64 {
+        match self.bind.staged_input(pos) {
+            Some(ws) => self.program.arena_bytes + ws,
+            None => self.desc(self.ins.inputs[pos]).offset,
+        }
+    }
+
+    /// f32 copies of the bf16 operands (inputs read in place are read
+    /// through their outputs' copies).
+    ///
+    /// # Safety
+    /// Staging must be done; the operands must be live.
+    unsafe fn widen(&self) -> Option<wide::Wide> {
+        let slot = |t: TensorIdx, off: u64| {
+            let x = self.desc(t);
+            wide::Slot {
+                // SAFETY: inside the allocation (validated program).
+                at: unsafe { self.base.add(off as usize) },
+                elements: x.elements() as usize,
+                bf16: x.dtype == DType::BF16,
+            }
+        };
+        let inputs: Vec<Option<wide::Slot>> = (0..self.ins.inputs.len())
+            .map(|pos| {
+                let aliased = self.bind.aliased_input(pos).is_some();
+                (!aliased).then(|| slot(self.ins.inputs[pos], self.input_offset(pos)))
+            })
+            .collect();
+        let outs = |list: &[TensorIdx]| -> Vec<wide::Slot> {
+            list.iter().map(|&t| slot(t, self.desc(t).offset)).collect()
+        };
+        // SAFETY: the function's contract.
+        unsafe { wide::Wide::new(&inputs, &outs(&self.ins.outputs), &outs(&self.ins.updates)) }
+    }
+
     /// Input `pos`, or `None` if the kernel reads it in place.
     unsafe fn input(&self, pos: usize) -> Option<&'a [f32]> {
         if self.bind.aliased_input(pos).is_some() {
             return None;
         }
         let x = self.desc(self.ins.inputs[pos]);
-        let off = match self.bind.staged_input(pos) {
-            Some(ws) => self.program.arena_bytes + ws,
-            None => x.offset,
-        };
+        if let Some(p) = self.wide.and_then(|w| w.input[pos]) {
+            // SAFETY: a widened copy of the input's elements.
+            return Some(unsafe { std::slice::from_raw_parts(p, x.elements() as usize) });
+        }
+        let off = self.input_offset(pos);
         // SAFETY: inside the allocation; not written by this instruction.
         Some(unsafe {
             std::slice::from_raw_parts(
@@ -385,6 +435,10 @@ impl<'a> Operands<'a> {
     #[allow(clippy::mut_from_ref)]
     unsafe fn output(&self, pos: usize) -> &'a mut [f32] {
         let x = self.desc(self.ins.outputs[pos]);
+        if let Some(p) = self.wide.and_then(|w| w.output[pos]) {
+            // SAFETY: this output's own widened copy, taken once.
+            return unsafe { std::slice::from_raw_parts_mut(p, x.elements() as usize) };
+        }
         // SAFETY: disjoint from every other operand slice made for this
         // instruction (aliased inputs are not made into slices).
         unsafe {
@@ -398,6 +452,10 @@ impl<'a> Operands<'a> {
     #[allow(clippy::mut_from_ref)]
     unsafe fn update(&self, pos: usize) -> &'a mut [f32] {
         let x = self.desc(self.ins.updates[pos]);
+        if let Some(p) = self.wide.and_then(|w| w.update[pos]) {
+            // SAFETY: this update's own widened copy, taken once.
+            return unsafe { std::slice::from_raw_parts_mut(p, x.elements() as usize) };
+        }
         // SAFETY: as for outputs.
         unsafe {
             std::slice::from_raw_parts_mut(
@@ -598,6 +656,8 @@ unsafe fn run_instr(
                 a,
             ),
             Kernel::Add { .. } => k::add(ops.input(0), ops.input(1), ops.output(0)),
+            // bf16 operands are widened and rounded around every kernel.
+            Kernel::Cast { .. } => ops.output(0).copy_from_slice(ops.input_ro(0)),
             Kernel::Gelu { .. } => k::gelu(ops.input(0), ops.output(0)),
             Kernel::GeluBackward { .. } => {
                 k::gelu_backward(ops.input(0), ops.input_ro(1), ops.output(0))

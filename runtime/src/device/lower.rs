@@ -60,6 +60,7 @@ pub fn lower(
         Kernel::FusedAttention(_) | Kernel::FusedAttentionBackward(_) => {
             fused_attention(&a, &mut ops)?
         }
+        Kernel::Cast { .. } => cast(&a, &mut ops)?,
         Kernel::Add { .. }
         | Kernel::Gelu { .. }
         | Kernel::GeluBackward { .. }
@@ -539,6 +540,26 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             ops.push(flash(DevKernel::FlashAttnBwdDkv, at, args)?);
         }
         other => return Err(misrouted(other, "fused_attention")),
+    }
+    Ok(())
+}
+
+/// A cast between equal dtypes is a copy; other dtypes need the bf16
+/// kernels the CUDA backend does not have yet.
+fn cast(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    let (x, y) = (a.p.tensor(a.ins.inputs[0]), a.p.tensor(a.ins.outputs[0]));
+    if x.dtype != y.dtype {
+        return Err(RuntimeError::Unavailable(
+            "bf16 on the CUDA backend",
+            format!("cast {:?} from {} to {}", a.ins.name, x.dtype, y.dtype),
+        ));
+    }
+    if a.i(0) != a.o(0) {
+        ops.push(DevOp::Copy {
+            src: a.i(0),
+            dst: a.o(0),
+            bytes: y.bytes(),
+        });
     }
     Ok(())
 }
