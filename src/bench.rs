@@ -38,8 +38,9 @@ pub enum Source {
     /// `seq`, `layers`, `dtype`, `clip`, `world` (one rank's step sharded
     /// FSDP-style over that many ranks), `prefetch` (all-gathers issued
     /// ahead, default 1) and the flags `noreshard` (keep gathered
-    /// parameters from forward to backward), `checkpoint`, `fused`
-    /// (fused attention) and `mixed` (mixed precision).
+    /// parameters from forward to backward), `reduce=bf16` (reduce-scatter
+    /// in bf16 under mixed precision), `checkpoint`, `fused` (fused
+    /// attention) and `mixed` (mixed precision).
     Example {
         /// The spec as written, e.g. `example:gpt2-small,batch=4`.
         spec: String,
@@ -94,6 +95,8 @@ impl Source {
                         .map_err(|_| bad(format!("prefetch must be a whole number, got {v:?}")))?;
                 }
                 "noreshard" if value.is_none() => fsdp.reshard_after_forward = false,
+                "reduce" if value == Some("bf16") => fsdp.reduce_in_compute_dtype = true,
+                "reduce" if value == Some("f32") => fsdp.reduce_in_compute_dtype = false,
                 "dtype" => {
                     let v = value.unwrap_or_default();
                     opts.dtype = Some(
@@ -113,7 +116,7 @@ impl Source {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, checkpoint, fused, mixed)"
+                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, reduce=bf16|f32, checkpoint, fused, mixed)"
                     )));
                 }
             }

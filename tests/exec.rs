@@ -318,9 +318,9 @@ fn llama_fsdp_matches_the_reference_and_one_device() {
     // FSDP2's options change when parameters are gathered, not the result.
     for (prefetch, reshard_after_forward) in [(0, true), (2, true), (1, false)] {
         let opts = fsdp::FsdpOptions {
-            world: 2,
             prefetch,
             reshard_after_forward,
+            ..fsdp::FsdpOptions::new(2)
         };
         let s = fsdp::shard_with(&g, &opts, &fsdp::default_unit).unwrap();
         planned_matches_unplanned(&s, 2);
@@ -483,6 +483,29 @@ fn mixed_precision_steps_match_their_reference_and_stay_near_f32() {
         }
     }
     planned_matches_unplanned(&s, 2);
+    // Reducing in bf16: the reduce-scatters move bf16, each shard is cast
+    // to f32 for the update, and the step still lands near f32.
+    let opts = fsdp::FsdpOptions {
+        reduce_in_compute_dtype: true,
+        ..fsdp::FsdpOptions::new(2)
+    };
+    let s = fsdp::shard_with(&g, &opts, &fsdp::default_unit).unwrap();
+    let rs: Vec<_> = s
+        .ops()
+        .iter()
+        .filter(|o| o.op_type == "reduce_scatter")
+        .collect();
+    assert!(!rs.is_empty());
+    for o in rs {
+        assert_eq!(s.tensor(o.outputs[0]).dtype.as_deref(), Some("bf16"));
+    }
+    let (bf16_reduced, _) = planned_matches_unplanned(&s, 2);
+    let f32_reduced = run(
+        &fsdp::shard(&g, 2).unwrap(),
+        &plan(&fsdp::shard(&g, 2).unwrap()),
+        2,
+    );
+    assert!(state_distance(&bf16_reduced, &f32_reduced) < 0.01);
     // GPT-2 with a tied head, clipping and checkpointing too.
     let mut gcfg = tiny();
     gcfg.mixed_precision = true;

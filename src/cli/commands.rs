@@ -59,6 +59,7 @@ pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
                 world: w,
                 prefetch: src.prefetch,
                 reshard_after_forward: !src.no_reshard_after_forward,
+                reduce_in_compute_dtype: src.reduce_bf16,
             };
             let unit = &memplan::models::fsdp::default_unit;
             Ok(memplan::models::fsdp::shard_with(&g, &opts, unit)?)

@@ -75,6 +75,10 @@ pub struct GraphArgs {
     /// all-gather per unit and step instead of two.
     #[arg(long, requires = "world_size")]
     pub no_reshard_after_forward: bool,
+    /// With --world-size and --mixed-precision: reduce-scatter gradients in
+    /// bf16 (FSDP2's `reduce_dtype=bf16`) instead of f32.
+    #[arg(long, requires = "world_size")]
+    pub reduce_bf16: bool,
 }
 
 #[derive(Subcommand, Debug)]

@@ -76,6 +76,10 @@ pub struct FsdpOptions {
     /// again for its backward (FSDP2's default); `false` keeps them from the
     /// forward to the end of the unit's backward, one gather per step.
     pub reshard_after_forward: bool,
+    /// Under mixed precision, reduce-scatter gradients in the compute dtype
+    /// (FSDP2's `reduce_dtype=bf16`) and cast the shard to f32, instead of
+    /// casting each gradient to f32 and reducing in f32 (the default).
+    pub reduce_in_compute_dtype: bool,
 }
 
 impl FsdpOptions {
@@ -85,6 +89,7 @@ impl FsdpOptions {
             world,
             prefetch: 1,
             reshard_after_forward: true,
+            reduce_in_compute_dtype: false,
         }
     }
 }
@@ -99,12 +104,19 @@ struct Param {
     /// Mixed precision: the compute copy every op reads, made by a `cast`
     /// that is the parameter's only other use.
     copy: Option<TensorId>,
+    /// Mixed precision, reducing in the compute dtype: the compute-dtype
+    /// gradient that a `cast` (dropped) turned into `grad`.
+    grad_copy: Option<TensorId>,
 }
 
 impl Param {
     /// The tensor the step's ops read.
     fn read(&self) -> TensorId {
         self.copy.unwrap_or(self.w)
+    }
+    /// The gradient the reduce-scatter reads.
+    fn reduced(&self) -> TensorId {
+        self.grad_copy.unwrap_or(self.grad)
     }
 }
 
@@ -161,7 +173,7 @@ pub fn shard_with(
             "world size must be in 1..=65536, got {world}"
         )));
     }
-    let found = find_params(g)?;
+    let found = find_params(g, opts)?;
     let (units, unit_of_param) = group_units(g, &found.params, world, unit_of)?;
     let mut s = Sharder {
         g,
@@ -204,7 +216,7 @@ struct Found {
     max_norm: Option<Value>,
 }
 
-fn find_params(g: &Graph) -> Result<Found, Error> {
+fn find_params(g: &Graph, opts: &FsdpOptions) -> Result<Found, Error> {
     let mut update_of: HashMap<TensorId, OpId> = HashMap::new();
     for o in g.op_ids() {
         let op = g.op(o);
@@ -251,9 +263,13 @@ fn find_params(g: &Graph) -> Result<Found, Error> {
             v: op.updates[2],
             update: o,
             copy: None,
+            grad_copy: None,
         });
     }
-    let casts = find_casts(g, &mut params);
+    let mut casts = find_casts(g, &mut params);
+    if opts.reduce_in_compute_dtype {
+        casts.extend(find_grad_casts(g, &mut params));
+    }
     if params.is_empty() {
         return Err(invalid("the graph has no parameters to shard"));
     }
@@ -276,6 +292,9 @@ fn find_params(g: &Graph) -> Result<Found, Error> {
     for p in &params {
         for t in [p.w, p.m, p.v].into_iter().chain(p.copy) {
             dropped[t.index()] = true;
+        }
+        if p.grad_copy.is_some() {
+            dropped[p.grad.index()] = true;
         }
     }
     for &o in update_of.values().chain(&grad_norm_ops) {
@@ -313,6 +332,24 @@ fn find_casts(g: &Graph, params: &mut [Param]) -> Vec<OpId> {
             && g.op(o).outputs.len() == 1
         {
             p.copy = Some(g.op(o).outputs[0]);
+            casts.push(o);
+        }
+    }
+    casts
+}
+
+/// Mixed precision, reducing in the compute dtype: a gradient made by a
+/// `cast` from a compute-dtype gradient is reduced before the cast (the
+/// cast moves to the shard); returns the casts, which sharding drops.
+fn find_grad_casts(g: &Graph, params: &mut [Param]) -> Vec<OpId> {
+    let mut casts = Vec::new();
+    for p in params {
+        let Some(o) = g.tensor(p.grad).producer else {
+            continue;
+        };
+        let op = g.op(o);
+        if p.copy.is_some() && op.op_type == "cast" && op.inputs.len() == 1 {
+            p.grad_copy = Some(op.inputs[0]);
             casts.push(o);
         }
     }
@@ -409,6 +446,12 @@ impl Unit {
                     self.name, x0.name, self.dtype, self.gather_dtype, x.name, x.dtype, r.dtype
                 )));
             }
+            if p.grad_copy.is_some() != first.grad_copy.is_some() {
+                return Err(invalid(format!(
+                    "unit {:?}: {:?} and {:?} differ in the dtype their gradients are reduced in",
+                    self.name, x0.name, x.name
+                )));
+            }
             let upd = g.op(p.update);
             if upd.op_type != upd0.op_type
                 || SHARED_ATTRS
@@ -428,7 +471,7 @@ impl Unit {
         self.last_grad_op = self
             .params
             .iter()
-            .filter_map(|&pi| g.tensor(params[pi].grad).producer)
+            .filter_map(|&pi| g.tensor(params[pi].reduced()).producer)
             .max_by_key(|o| pos[o.index()])
             .ok_or_else(|| {
                 invalid(format!(
@@ -779,13 +822,22 @@ impl Sharder<'_> {
         let world = self.opts.world;
         let (name, shard) = (self.units[ui].name.clone(), self.units[ui].shard);
         let full = world * shard;
-        let flat_grad = self.flat(ui, format!("{name}.flat_grad"), full, Role::Communication);
         let last = self.units[ui].last_grad_op;
         let grads = self.units[ui]
             .params
             .iter()
-            .map(|&pi| self.map_t(last, self.params[pi].grad))
+            .map(|&pi| self.map_t(last, self.params[pi].reduced()))
             .collect::<Result<Vec<_>, _>>()?;
+        // In the compute dtype when the gradients' casts were dropped.
+        let narrow = self.params[self.units[ui].params[0]].grad_copy.is_some();
+        let flat = |s: &mut Self, name: String, n: u64, role: Role| {
+            if narrow {
+                s.flat_gathered(ui, name, n, role)
+            } else {
+                s.flat(ui, name, n, role)
+            }
+        };
+        let flat_grad = flat(self, format!("{name}.flat_grad"), full, Role::Communication);
         self.b.add_op(
             OpSpec::new(format!("{name}.pack_grads"), OpKind::Backward, "pack")
                 .inputs(grads)
@@ -793,7 +845,13 @@ impl Sharder<'_> {
                 .attr("offsets", json!(self.units[ui].offsets))
                 .attr("elements", full),
         );
-        let gs = self.flat(ui, format!("{name}.flat_grad.shard"), shard, Role::Gradient);
+        let dt = self.units[ui].gather_dtype.clone();
+        let rs_name = if narrow {
+            format!("{name}.flat_grad.shard.{dt}")
+        } else {
+            format!("{name}.flat_grad.shard")
+        };
+        let rs = flat(self, rs_name, shard, Role::Gradient);
         self.b.add_op(
             OpSpec::new(
                 format!("{name}.reduce_scatter"),
@@ -801,13 +859,24 @@ impl Sharder<'_> {
                 "reduce_scatter",
             )
             .inputs([flat_grad])
-            .outputs([gs])
+            .outputs([rs])
             .stream(COMM_STREAM)
             .attr("world_size", world)
             .attr("op", "avg")
             .attr("elements", full),
         );
-        self.grad_shards[ui] = gs;
+        self.grad_shards[ui] = if narrow {
+            let gs = self.flat(ui, format!("{name}.flat_grad.shard"), shard, Role::Gradient);
+            self.b.add_op(
+                OpSpec::new(format!("{name}.flat_grad.cast"), OpKind::Backward, "cast")
+                    .inputs([rs])
+                    .outputs([gs])
+                    .attr("elements", shard),
+            );
+            gs
+        } else {
+            rs
+        };
         Ok(())
     }
 
