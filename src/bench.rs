@@ -703,6 +703,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn example_specs_take_fsdp_and_precision_keys() {
+        let spec = "example:llama-tiny,world=2,prefetch=2,noreshard,reduce=bf16,mixed";
+        let Source::Example { opts, fsdp, .. } = Source::parse(spec).unwrap() else {
+            panic!("an example");
+        };
+        assert!(opts.mixed_precision);
+        assert_eq!(fsdp.world, 2);
+        assert_eq!(fsdp.prefetch, 2);
+        assert!(!fsdp.reshard_after_forward && fsdp.reduce_in_compute_dtype);
+        let g = Source::parse(spec).unwrap().load().unwrap();
+        assert_eq!(g.name, "llama-tiny-b2-mixed-fsdp2");
+        let e = Source::parse("example:llama-tiny,reduce=f16")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown option"), "{e}");
+    }
+
+    #[test]
     fn parses_sources() {
         assert!(
             matches!(Source::parse("graphs/a.json").unwrap(), Source::File(p) if p == Path::new("graphs/a.json"))

@@ -235,3 +235,72 @@ fn fused_attention_is_an_example_option() {
         "--fused-attention needs --example"
     );
 }
+
+/// Llama with mixed precision, sharded with FSDP2's options: planned and
+/// run; the options need what they modify.
+#[test]
+fn llama_mixed_precision_and_fsdp_options() {
+    let v = json(&[
+        "run",
+        "--example",
+        "llama-tiny",
+        "--mixed-precision",
+        "--world-size",
+        "2",
+        "--prefetch",
+        "2",
+        "--reduce-bf16",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(v["graph"], "llama-tiny-b2-mixed-fsdp2", "{v}");
+    let losses: Vec<f64> = v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect();
+    assert!(
+        losses[1] < losses[0] && (losses[0] - 512f64.ln()).abs() < 0.1,
+        "{losses:?}"
+    );
+    let kept = json(&[
+        "plan",
+        "--example",
+        "llama-tiny",
+        "--world-size",
+        "2",
+        "--no-reshard-after-forward",
+        "--json",
+    ]);
+    let resharded = json(&[
+        "plan",
+        "--example",
+        "llama-tiny",
+        "--world-size",
+        "2",
+        "--json",
+    ]);
+    let peak = |v: &serde_json::Value| v["peak_bytes"].as_u64().expect("a peak");
+    assert!(peak(&kept) > peak(&resharded), "{kept} vs {resharded}");
+    for args in [
+        &["plan", "--example", "llama-tiny", "--prefetch", "2"][..],
+        &["plan", "--example", "llama-tiny", "--reduce-bf16"],
+        &[
+            "plan",
+            "--example",
+            "llama-tiny",
+            "--no-reshard-after-forward",
+        ],
+    ] {
+        assert_eq!(
+            memplan(args).status.code(),
+            Some(2),
+            "{args:?} needs --world-size"
+        );
+    }
+    let o = memplan(&["plan", "--example", "mlp", "--mixed-precision"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("mixed precision"), "{}", stderr(&o));
+}

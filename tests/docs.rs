@@ -389,3 +389,36 @@ fn every_written_and_shipped_graph_validates() {
     }
     assert!(graphs >= 1, "no graph fixtures found under fixtures/");
 }
+
+/// Every op type the built-in graphs emit (every example, with its options
+/// and sharded) has a row in docs/ops.md.
+#[test]
+fn every_built_in_op_type_is_documented() {
+    use memplan::models::{EXAMPLES, ExampleOptions, example, fsdp};
+    let doc = std::fs::read_to_string(root().join("docs/ops.md")).unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for name in EXAMPLES {
+        for (checkpoint, mixed, fused) in [(false, false, false), (true, true, true)] {
+            let opts = ExampleOptions {
+                layers: Some(1),
+                seq: Some(16),
+                checkpoint,
+                mixed_precision: mixed && *name != "mlp",
+                fused_attention: fused,
+                clip_grad_norm: Some(1.0),
+                ..ExampleOptions::default()
+            };
+            let g = example(name, &opts).unwrap();
+            let s = fsdp::shard(&g, 2).unwrap();
+            for op in g.ops().iter().chain(s.ops()) {
+                seen.insert(op.op_type.clone());
+            }
+        }
+    }
+    let missing: Vec<&String> = seen
+        .iter()
+        .filter(|t| !doc.contains(&format!("`{t}`")))
+        .collect();
+    assert!(missing.is_empty(), "not in docs/ops.md: {missing:?}");
+    assert!(seen.contains("rope") && seen.contains("cast"), "{seen:?}");
+}

@@ -272,60 +272,7 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         &[yf, meanf, rstdf],
         json!({"rows": rows, "cols": c, "eps": 1e-5}),
     );
-    let logits = net.tensor("logits", &[bsz, t, v], Role::Activation);
-    let w_head = net.w(head);
-    net.op(
-        "lm_head",
-        OpKind::Forward,
-        "matmul_nt",
-        &[yf, w_head],
-        &[logits],
-        json!({"m": rows, "k": c, "n": v}),
-    );
-    let loss = net.typed("loss", &[1], Role::Output, "f32", 4);
-    net.b.tensor_spec_mut(loss).lifetime = crate::graph::Lifetime::Persistent;
-    net.op(
-        "loss",
-        OpKind::Forward,
-        "cross_entropy",
-        &[logits, targets],
-        &[loss],
-        json!({"rows": rows, "classes": v}),
-    );
-
-    // Backward.
-    let dlogits = net.tensor("logits.grad", &[bsz, t, v], Role::Activation);
-    let op = net.op(
-        "loss.backward",
-        OpKind::Backward,
-        "cross_entropy_backward",
-        &[logits, targets],
-        &[dlogits],
-        json!({"rows": rows, "classes": v, "scale": 1.0 / rows as f64}),
-    );
-    net.reuse(op, dlogits, logits);
-    let dyf = net.tensor("ln_f.out.grad", &[bsz, t, c], Role::Activation);
-    net.op(
-        "lm_head.backward_data",
-        OpKind::Backward,
-        "matmul_nn",
-        &[dlogits, w_head],
-        &[dyf],
-        json!({"m": rows, "k": v, "n": c}),
-    );
-    let dhead = if cfg.tied {
-        net.tensor("lm_head.weight.grad", &[v, c], Role::Gradient)
-    } else {
-        net.grad(head)
-    };
-    net.op(
-        "lm_head.backward_weight",
-        OpKind::Backward,
-        "matmul_tn",
-        &[dlogits, yf],
-        &[dhead],
-        json!({"m": v, "k": rows, "n": c}),
-    );
+    let (dyf, dhead) = net.head_and_loss("lm_head", yf, head, cfg.tied, targets);
     let mut dx = layernorm_backward(&mut net, "ln_f", dyf, x_last, meanf, rstdf, lnf_g, lnf_b);
     for l in (0..cfg.layers as usize).rev() {
         let bp = &blocks[l];

@@ -75,9 +75,38 @@ pub struct ExampleOptions {
     pub mixed_precision: bool,
 }
 
+/// Sets the options the decoder configurations (GPT-2, Llama) share.
+macro_rules! decoder_options {
+    ($c:ident, $opts:ident) => {
+        if let Some(b) = $opts.batch {
+            $c.batch = b;
+        }
+        if let Some(s) = $opts.seq {
+            $c.seq = s;
+        }
+        if let Some(l) = $opts.layers {
+            $c.layers = l;
+        }
+        $c.checkpoint = $opts.checkpoint;
+        $c.clip_grad_norm = $opts.clip_grad_norm;
+        $c.mixed_precision = $opts.mixed_precision;
+        // Mixed precision computes in bf16 unless told otherwise.
+        match $opts.dtype {
+            Some(d) => $c.dtype = d,
+            None if $opts.mixed_precision => $c.dtype = DType::BF16,
+            None => {}
+        }
+    };
+}
+
 /// Builds a built-in example by name.
 pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
     if name == "mlp" {
+        if opts.mixed_precision {
+            return Err(Error::Invalid(
+                "mlp: mixed precision is built for the GPT-2 and Llama examples only".into(),
+            ));
+        }
         let mut c = mlp::MlpConfig::default();
         if let Some(b) = opts.batch {
             c.batch = b;
@@ -91,24 +120,7 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
         return mlp::build(&c);
     }
     if let Some(mut c) = llama::LlamaConfig::preset(name) {
-        if let Some(b) = opts.batch {
-            c.batch = b;
-        }
-        if let Some(s) = opts.seq {
-            c.seq = s;
-        }
-        if let Some(l) = opts.layers {
-            c.layers = l;
-        }
-        if let Some(d) = opts.dtype {
-            c.dtype = d;
-        }
-        c.checkpoint = opts.checkpoint;
-        c.clip_grad_norm = opts.clip_grad_norm;
-        c.mixed_precision = opts.mixed_precision;
-        if opts.mixed_precision && opts.dtype.is_none() {
-            c.dtype = DType::BF16;
-        }
+        decoder_options!(c, opts);
         return llama::build(&c);
     }
     let Some(mut c) = gpt2::Gpt2Config::preset(name) else {
@@ -117,24 +129,7 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
             known: EXAMPLES.join(", "),
         });
     };
-    if let Some(b) = opts.batch {
-        c.batch = b;
-    }
-    if let Some(s) = opts.seq {
-        c.seq = s;
-    }
-    if let Some(l) = opts.layers {
-        c.layers = l;
-    }
-    if let Some(d) = opts.dtype {
-        c.dtype = d;
-    }
-    c.checkpoint = opts.checkpoint;
-    c.clip_grad_norm = opts.clip_grad_norm;
+    decoder_options!(c, opts);
     c.fused_attention = opts.fused_attention;
-    c.mixed_precision = opts.mixed_precision;
-    if opts.mixed_precision && opts.dtype.is_none() {
-        c.dtype = DType::BF16;
-    }
     gpt2::build(&c)
 }

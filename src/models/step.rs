@@ -238,6 +238,83 @@ impl<C: StepConfig> Net<C> {
         self.b.op_spec_mut(op).reuse.push((out, inp));
     }
 
+    /// The LM head `name` (`logits = y Hᵀ`, `H` parameter `head` of shape
+    /// `[V, C]`), the mean cross-entropy against `targets`, and their
+    /// backward: `dlogits` in place of the logits, `dy = dlogits H`, and the
+    /// head's gradient. Returns `(dy, dhead)`; with a `tied` head, `dhead` is
+    /// a plain tensor that the embedding's backward adds its gradient to.
+    pub fn head_and_loss(
+        &mut self,
+        name: &str,
+        y: TensorId,
+        head: usize,
+        tied: bool,
+        targets: TensorId,
+    ) -> (TensorId, TensorId) {
+        let ys = self.shape(y);
+        let (rows, c) = (ys[..ys.len() - 1].iter().product::<u64>(), ys[ys.len() - 1]);
+        let v = self.param_shape(head)[0];
+        let mut ls = ys.clone();
+        *ls.last_mut().expect("a row shape") = v;
+        let logits = self.tensor("logits", &ls, Role::Activation);
+        let w = self.w(head);
+        let attrs = json!({"m": rows, "k": c, "n": v});
+        self.op(
+            name,
+            OpKind::Forward,
+            "matmul_nt",
+            &[y, w],
+            &[logits],
+            attrs,
+        );
+        let loss = self.typed("loss", &[1], Role::Output, "f32", 4);
+        self.b.tensor_spec_mut(loss).lifetime = Lifetime::Persistent;
+        let ce = json!({"rows": rows, "classes": v});
+        self.op(
+            "loss",
+            OpKind::Forward,
+            "cross_entropy",
+            &[logits, targets],
+            &[loss],
+            ce,
+        );
+
+        let dlogits = self.tensor("logits.grad", &ls, Role::Activation);
+        let op = self.op(
+            "loss.backward",
+            OpKind::Backward,
+            "cross_entropy_backward",
+            &[logits, targets],
+            &[dlogits],
+            json!({"rows": rows, "classes": v, "scale": 1.0 / rows as f64}),
+        );
+        self.reuse(op, dlogits, logits);
+        let y_name = self.b.tensor_spec(y).name.clone();
+        let dy = self.tensor(&format!("{y_name}.grad"), &ys, Role::Activation);
+        self.op(
+            &format!("{name}.backward_data"),
+            OpKind::Backward,
+            "matmul_nn",
+            &[dlogits, w],
+            &[dy],
+            json!({"m": rows, "k": v, "n": c}),
+        );
+        let dhead = if tied {
+            self.tensor(&format!("{name}.weight.grad"), &[v, c], Role::Gradient)
+        } else {
+            self.grad(head)
+        };
+        self.op(
+            &format!("{name}.backward_weight"),
+            OpKind::Backward,
+            "matmul_tn",
+            &[dlogits, y],
+            &[dhead],
+            json!({"m": v, "k": rows, "n": c}),
+        );
+        (dy, dhead)
+    }
+
     /// The optimizer step over every parameter, in parameter order.
     pub fn optimizer_step(&mut self, u: &Update) {
         let grads: Vec<TensorId> = self
