@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what memplan's build needs on a fresh Debian/Ubuntu machine:
 # cmake and libclang-dev (HiGHS is built from source by highs-sys, through
-# cmake and bindgen). Rust itself must already be installed (rustup).
+# cmake and bindgen), a C compiler, and python3 with venv (the Python
+# package's tests). Rust itself must already be installed (rustup).
 set -euo pipefail
 
 need=()
@@ -10,6 +11,11 @@ if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ldconfig -p 2>/dev
   need+=(libclang-dev)
 fi
 command -v c++ >/dev/null 2>&1 || need+=(g++)
+# The Python package's tests build it into a virtual environment.
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  need+=(python3-venv)
+fi
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2

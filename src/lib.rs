@@ -46,6 +46,7 @@
 //! assert_eq!(plan.stats.max_live_bytes, 64 + 1000 + 10 + 10);
 //! ```
 
+pub mod api;
 pub mod baselines;
 pub mod bench;
 pub mod checker;
@@ -57,6 +58,7 @@ pub mod lower;
 pub mod models;
 pub mod pipeline;
 pub mod plan;
+#[cfg(feature = "cli")]
 pub mod plot;
 #[cfg(feature = "testing")]
 pub mod testing;

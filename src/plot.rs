@@ -22,18 +22,8 @@ use crate::graph::{Graph, Role};
 use crate::plan::Plan;
 use crate::timeline::Timeline;
 
-/// The order roles are stacked in, bottom to top: what lives all step long
-/// first, then what comes and goes.
-pub const STACK_ORDER: [Role; 8] = [
-    Role::Parameter,
-    Role::OptimizerState,
-    Role::Input,
-    Role::Output,
-    Role::Gradient,
-    Role::Activation,
-    Role::Temporary,
-    Role::Communication,
-];
+use crate::timeline::format_in;
+pub use crate::timeline::{STACK_ORDER, byte_unit, human, role_label};
 
 /// A role's colour (Okabe–Ito, readable with colour-blindness).
 pub fn role_color(role: Role) -> RGBColor {
@@ -47,50 +37,6 @@ pub fn role_color(role: Role) -> RGBColor {
         Role::Input => RGBColor(0xCC, 0x79, 0xA7),
         Role::Output => RGBColor(0x99, 0x99, 0x99),
     }
-}
-
-/// A role's name in legends.
-pub fn role_label(role: Role) -> &'static str {
-    match role {
-        Role::Parameter => "parameters",
-        Role::OptimizerState => "optimizer state",
-        Role::Gradient => "gradients",
-        Role::Activation => "activations",
-        Role::Temporary => "temporaries",
-        Role::Communication => "communication",
-        Role::Input => "inputs",
-        Role::Output => "outputs",
-    }
-}
-
-/// Binary byte units for an axis whose largest value is `max`: the unit's
-/// name and its size in bytes.
-pub fn byte_unit(max: f64) -> (&'static str, f64) {
-    const UNITS: [(&str, f64); 5] = [
-        ("TiB", 1099511627776.0),
-        ("GiB", 1073741824.0),
-        ("MiB", 1048576.0),
-        ("KiB", 1024.0),
-        ("B", 1.0),
-    ];
-    UNITS
-        .iter()
-        .copied()
-        .find(|&(_, s)| max >= s)
-        .unwrap_or(("B", 1.0))
-}
-
-/// `bytes` in binary units with up to two decimals: `1.5 GiB`, `512 B`.
-pub fn human(bytes: u64) -> String {
-    let (name, size) = byte_unit(bytes as f64);
-    format_in(bytes as f64, name, size)
-}
-
-fn format_in(v: f64, name: &str, size: f64) -> String {
-    let x = v / size;
-    let s = format!("{x:.2}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    format!("{s} {name}")
 }
 
 /// What to draw and how big.

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 
 use crate::graph::{Graph, Role};
 use crate::plan::Plan;
-use crate::plot::{STACK_ORDER, human, role_label};
+use crate::timeline::{STACK_ORDER, human, role_label};
 use crate::timeline::{Timeline, role_index};
 
 /// Microseconds per step.

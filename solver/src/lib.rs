@@ -82,6 +82,7 @@ pub mod budget;
 pub mod dfs;
 pub mod exact;
 pub mod greedy;
+#[cfg(feature = "ilp")]
 pub mod ilp;
 pub mod list_schedule;
 pub mod local;

@@ -30,13 +30,15 @@ use crate::budget::Budget;
 use crate::dfs::{DfsVariant, dfs_order};
 use crate::exact::{self, ExactLimits};
 use crate::greedy::{Direction, Rule, greedy};
+#[cfg(feature = "ilp")]
+use crate::ilp;
 use crate::params::SolverParams;
 use crate::part_bound::part_bound;
 use crate::partition::{PartKind, SubProblem, partition};
 use crate::problem::{OpIdx, Problem};
 use crate::report::{PartReport, Progress, SolveReport};
 use crate::simulate::evaluate;
-use crate::{ilp, local, placement};
+use crate::{local, placement};
 
 /// The solver's answer.
 #[derive(Clone, Debug)]
@@ -461,6 +463,7 @@ fn improve_part(s: &mut PartState, target: u64, params: &SolverParams, budget: &
             }
         }
     }
+    #[cfg(feature = "ilp")]
     if params.ilp && !done(s) && n <= params.ilp_max_ops && !budget.expired() {
         let limit = budget
             .remaining()

@@ -1,0 +1,41 @@
+/* memplan's C ABI: plan a training step's graph (operator order and every
+ * tensor's offset in one arena) and check a plan, from any language.
+ *
+ * Graphs and plans are the JSON documents of docs/graph-format.md and
+ * docs/plan-format.md, as NUL-terminated UTF-8 strings. Every function
+ * returns 0 on success and writes a string the caller owns to *out (free it
+ * with memplan_string_free); on failure it returns 1 and writes the error
+ * message (which document, which element, what is wrong) to *out instead.
+ * Functions never abort the process: a bad argument is an error, not a
+ * crash. They are safe to call from several threads at once.
+ *
+ * Link with -lmemplan_capi (libmemplan_capi.so / libmemplan_capi.a from
+ * `cargo build -p memplan-capi`). */
+#ifndef MEMPLAN_H
+#define MEMPLAN_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Plans `graph_json` within `time_limit_seconds` (> 0). On success *out is
+ * the plan document: "order", "tensors" (id, offset), "arena_bytes", and in
+ * "stats" the lower bound and the gap to it. */
+int memplan_plan(const char *graph_json, double time_limit_seconds, char **out);
+
+/* Checks `plan_json` against `graph_json` with memplan's independent
+ * checker. On success *out is the checker's report as JSON:
+ * {"max_live_bytes", "used_bytes", "ops", "tensors_placed"}. */
+int memplan_check(const char *graph_json, const char *plan_json, char **out);
+
+/* Frees a string this library returned (NULL is allowed). */
+void memplan_string_free(char *s);
+
+/* The library's version, a static string. */
+const char *memplan_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MEMPLAN_H */

@@ -1,0 +1,109 @@
+//! memplan's C ABI (`include/memplan.h`): a thin layer over
+//! [`memplan::api`], which does the work on JSON text. This crate only
+//! moves strings across the boundary: it reads the caller's NUL-terminated
+//! UTF-8, hands back strings allocated here (freed by
+//! [`memplan_string_free`]), turns every error into a message, and catches
+//! any panic so that none unwinds into C.
+
+use std::ffi::{CStr, CString, c_char, c_int};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+/// Writes `text` to `*out` as a new C string.
+///
+/// # Safety
+/// `out` must be valid for a write (checked for null by the callers).
+unsafe fn give(out: *mut *mut c_char, text: String) {
+    // Interior NULs cannot occur in JSON or in our messages; replace them
+    // rather than fail.
+    let c = CString::new(text.replace('\0', " ")).expect("no NUL left");
+    // SAFETY: the function's contract.
+    unsafe { *out = c.into_raw() };
+}
+
+/// Reads argument `what` as UTF-8 text.
+///
+/// # Safety
+/// `p` must be null or a NUL-terminated string.
+unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
+    if p.is_null() {
+        return Err(format!("{what} is NULL"));
+    }
+    // SAFETY: the function's contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|e| format!("{what} is not UTF-8: {e}"))
+}
+
+/// Runs `f`, writes its result or error to `*out`; 0 on success, 1 on error.
+///
+/// # Safety
+/// `out` must be null or valid for a write.
+unsafe fn answer(out: *mut *mut c_char, f: impl FnOnce() -> Result<String, String>) -> c_int {
+    if out.is_null() {
+        return 1;
+    }
+    let result = catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err("internal error: memplan panicked (please report it)".into()));
+    let code = c_int::from(result.is_err());
+    // SAFETY: checked non-null above; the caller's contract.
+    unsafe { give(out, result.unwrap_or_else(|e| e)) };
+    code
+}
+
+/// Plans `graph_json`; see `memplan.h`.
+///
+/// # Safety
+/// `graph_json` must be null or a NUL-terminated string, `out` null or
+/// valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_plan(
+    graph_json: *const c_char,
+    time_limit_seconds: f64,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            memplan::api::plan_json(g, time_limit_seconds).map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// Checks `plan_json` against `graph_json`; see `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_check(
+    graph_json: *const c_char,
+    plan_json: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let p = text(plan_json, "plan_json")?;
+            memplan::api::check_json(g, p).map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// Frees a string returned by this library.
+///
+/// # Safety
+/// `s` must be null or a string this library returned, freed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_string_free(s: *mut c_char) {
+    if !s.is_null() {
+        // SAFETY: the function's contract: made by `CString::into_raw`.
+        drop(unsafe { CString::from_raw(s) });
+    }
+}
+
+/// The library's version.
+#[unsafe(no_mangle)]
+pub extern "C" fn memplan_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}

@@ -1,0 +1,87 @@
+"""The Python package against the Rust core: plans, checks, and errors."""
+
+import copy
+import gzip
+import json
+import os
+import pathlib
+import tempfile
+import unittest
+
+import memplan
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GPT2_TINY = ROOT / "fixtures" / "graphs" / "gpt2-tiny.json.gz"
+
+TWO_OPS = {
+    "format": "memplan-graph",
+    "version": 1,
+    "name": "two-ops",
+    "tensors": [
+        {"id": "x", "size": 1024, "role": "input", "lifetime": "persistent"},
+        {"id": "h", "size": 4096},
+        {"id": "y", "size": 1024, "role": "output", "lifetime": "persistent"},
+    ],
+    "ops": [
+        {"id": "f", "inputs": ["x"], "outputs": ["h"]},
+        {"id": "g", "inputs": ["h"], "outputs": ["y"]},
+    ],
+}
+
+
+class PlanAndCheck(unittest.TestCase):
+    def test_plans_a_dict_and_the_plan_checks(self):
+        p = memplan.plan(TWO_OPS, time_limit=1)
+        self.assertEqual(p["order"], ["f", "g"])
+        self.assertEqual(p["arena_bytes"], 6144)
+        offsets = {t["id"]: t["offset"] for t in p["tensors"]}
+        self.assertEqual(set(offsets), {"x", "h", "y"})
+        report = memplan.check(TWO_OPS, p)
+        self.assertEqual(report["max_live_bytes"], 6144)
+        self.assertEqual(report["ops"], 2)
+
+    def test_plans_a_shipped_graph_file_at_its_floor(self):
+        p = memplan.plan(GPT2_TINY, time_limit=2)
+        stats = p["stats"]
+        self.assertLessEqual(stats["lower_bound_bytes"], p["arena_bytes"])
+        self.assertLessEqual(p["arena_bytes"], 1.01 * stats["lower_bound_bytes"])
+        memplan.check(GPT2_TINY, p)
+        # The same graph as a JSON string, from a plain .json file.
+        text = gzip.decompress(GPT2_TINY.read_bytes()).decode()
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "g.json")
+            with open(path, "w") as f:
+                f.write(text)
+            self.assertEqual(memplan.check(path, p), memplan.check(text, json.dumps(p)))
+
+    def test_a_broken_plan_is_refused_with_the_reason(self):
+        p = memplan.plan(TWO_OPS, time_limit=1)
+        swapped = copy.deepcopy(p)
+        swapped["order"] = ["g", "f"]
+        with self.assertRaises(memplan.MemplanError) as e:
+            memplan.check(TWO_OPS, swapped)
+        self.assertIn("<plan>", str(e.exception))
+        small = copy.deepcopy(p)
+        small["arena_bytes"] = 1024
+        with self.assertRaises(memplan.MemplanError):
+            memplan.check(TWO_OPS, small)
+
+    def test_bad_input_raises_memplan_error(self):
+        bad = copy.deepcopy(TWO_OPS)
+        bad["ops"][1]["inputs"] = ["nowhere"]
+        with self.assertRaises(memplan.MemplanError) as e:
+            memplan.plan(bad)
+        self.assertIn("nowhere", str(e.exception))
+        with self.assertRaises(memplan.MemplanError):
+            memplan.plan(TWO_OPS, time_limit=0)
+        with self.assertRaises(memplan.MemplanError) as e:
+            memplan.plan("/no/such/graph.json")
+        self.assertIn("/no/such/graph.json", str(e.exception))
+        with self.assertRaises(TypeError):
+            memplan.plan(42)
+        self.assertTrue(issubclass(memplan.MemplanError, ValueError))
+        self.assertEqual(memplan.__version__.count("."), 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
