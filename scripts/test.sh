@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every test of the project, after setting up what the build needs: the Rust
-# workspace (unit, property, integration and doc tests), the C ABI from C,
-# the Python package, and the Python tools' tests. The README's test
+# workspace (unit, property, integration and doc tests; among them a C
+# program using the C ABI), the Python package, and the Python tools' tests. The README's test
 # command; CI (.ci/run) calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,13 +11,6 @@ bash scripts/setup.sh
 # Python extension is built and tested by maturin below, not by cargo test.
 cargo test --workspace --exclude memplan-python --all-targets --features memplan/cuda
 cargo test --workspace --exclude memplan-python --doc --features memplan/cuda
-# The C ABI from C: compile capi/tests/smoke.c against memplan.h and the
-# shared library, and run it.
-cargo build --profile test -p memplan-capi
-mkdir -p target/c-smoke
-cc -std=c99 -Wall -Wextra -Werror capi/tests/smoke.c -Icapi/include \
-  -Ltarget/debug -lmemplan_capi -Wl,-rpath,"$PWD/target/debug" -o target/c-smoke/smoke
-target/c-smoke/smoke
 # The Python package (PyO3 + maturin) in the ignored .venv.
 bash scripts/python_tests.sh
 # The Python tools' tests (the ones that need torch skip themselves without it).

@@ -1,6 +1,6 @@
 //! The C ABI called as C calls it: plan a graph, check the plan, and get
-//! messages (not crashes) for bad input. `scripts/test.sh` also compiles
-//! and runs `capi/tests/smoke.c` against the built library and header.
+//! messages (not crashes) for bad input; and a C program (`smoke.c`)
+//! compiled against `memplan.h` and the shared library.
 
 use std::ffi::{CStr, CString, c_char};
 use std::ptr;
@@ -67,4 +67,49 @@ fn bad_input_is_a_message_never_a_crash() {
     assert!(take(out).contains("<plan>"));
     assert_eq!(unsafe { memplan_plan(g.as_ptr(), 1.0, ptr::null_mut()) }, 1);
     unsafe { memplan_string_free(ptr::null_mut()) };
+}
+
+/// `smoke.c` compiled by the system C compiler against `memplan.h` and the
+/// shared library cargo built next to this test, then run.
+#[test]
+fn a_c_program_plans_and_checks() {
+    use std::path::PathBuf;
+    use std::process::Command;
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // The test runs from target/<profile>/deps, where cargo also put the
+    // library's cdylib for this test.
+    let deps = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    assert!(
+        deps.join("libmemplan_capi.so").exists(),
+        "no libmemplan_capi.so in {}",
+        deps.display()
+    );
+    let exe = deps.join("memplan-c-smoke");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror"])
+        .arg(manifest.join("tests/smoke.c"))
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg("-L")
+        .arg(&deps)
+        .arg("-lmemplan_capi")
+        .arg(format!("-Wl,-rpath,{}", deps.display()))
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc:?}: {e}"));
+    assert!(status.success(), "smoke.c did not compile");
+    let out = Command::new(&exe).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("plan ok"), "{text}");
 }
