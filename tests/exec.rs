@@ -506,6 +506,25 @@ fn mixed_precision_steps_match_their_reference_and_stay_near_f32() {
         2,
     );
     assert!(state_distance(&bf16_reduced, &f32_reduced) < 0.01);
+    // Sharded, the mixed step trains as the f32 one does (a check that the
+    // planned and unplanned runs alone cannot make: both share any bug).
+    let f32_sharded = fsdp::shard(&f32_graph, 2).unwrap();
+    let f32_run = run(&f32_sharded, &plan(&f32_sharded), 2);
+    for rep in [&bf16_reduced, &f32_reduced] {
+        assert!(
+            rep.steps[1].loss < rep.steps[0].loss - 0.01,
+            "{:?}",
+            rep.steps
+        );
+        for (x, y) in rep.steps.iter().zip(&f32_run.steps) {
+            assert!(
+                (x.loss - y.loss).abs() <= 1e-3 * y.loss,
+                "{} vs {}",
+                x.loss,
+                y.loss
+            );
+        }
+    }
     // GPT-2 with a tied head, clipping and checkpointing too.
     let mut gcfg = tiny();
     gcfg.mixed_precision = true;

@@ -361,26 +361,39 @@ impl<'a> Operands<'a> {
     /// # Safety
     /// Staging must be done; the operands must be live.
     unsafe fn widen(&self) -> Option<wide::Wide> {
-        let slot = |t: TensorIdx, off: u64| {
+        // A view computes nothing: its outputs are its base's bytes, which
+        // must not be written back.
+        if self.ins.kernel == Kernel::View {
+            return None;
+        }
+        let slot = |t: TensorIdx, off: u64, read: bool| {
             let x = self.desc(t);
             wide::Slot {
                 // SAFETY: inside the allocation (validated program).
                 at: unsafe { self.base.add(off as usize) },
                 elements: x.elements() as usize,
                 bf16: x.dtype == DType::BF16,
+                read,
             }
         };
         let inputs: Vec<Option<wide::Slot>> = (0..self.ins.inputs.len())
             .map(|pos| {
                 let aliased = self.bind.aliased_input(pos).is_some();
-                (!aliased).then(|| slot(self.ins.inputs[pos], self.input_offset(pos)))
+                (!aliased).then(|| slot(self.ins.inputs[pos], self.input_offset(pos), true))
             })
             .collect();
-        let outs = |list: &[TensorIdx]| -> Vec<wide::Slot> {
-            list.iter().map(|&t| slot(t, self.desc(t).offset)).collect()
-        };
+        // An output is read only when an input is read through it.
+        let outputs: Vec<wide::Slot> = (self.ins.outputs.iter().enumerate())
+            .map(|(pos, &t)| {
+                let read = self.bind.aliased.iter().any(|&(o, _)| o == pos);
+                slot(t, self.desc(t).offset, read)
+            })
+            .collect();
+        let updates: Vec<wide::Slot> = (self.ins.updates.iter())
+            .map(|&t| slot(t, self.desc(t).offset, true))
+            .collect();
         // SAFETY: the function's contract.
-        unsafe { wide::Wide::new(&inputs, &outs(&self.ins.outputs), &outs(&self.ins.updates)) }
+        unsafe { wide::Wide::new(&inputs, &outputs, &updates) }
     }
 
     /// Input `pos`, or `None` if the kernel reads it in place.

@@ -20,11 +20,14 @@ pub(super) struct Wide {
     back: Vec<(*mut f32, usize, *mut u8)>,
 }
 
-/// One operand: its bytes and elements, and whether it is bf16.
+/// One operand: its bytes and elements, whether it is bf16, and whether
+/// the kernel reads its current values (inputs, updates, and outputs an
+/// input is read through in place); other outputs start as zeros.
 pub(super) struct Slot {
     pub at: *mut u8,
     pub elements: usize,
     pub bf16: bool,
+    pub read: bool,
 }
 
 /// Reads `n` bf16 values at `at`.
@@ -60,8 +63,12 @@ impl Wide {
             if !s.bf16 {
                 return None;
             }
-            // SAFETY: the function's contract.
-            let mut v = unsafe { decode(s.at, s.elements) };
+            let mut v = if s.read {
+                // SAFETY: the function's contract.
+                unsafe { decode(s.at, s.elements) }
+            } else {
+                vec![0.0; s.elements]
+            };
             let p = v.as_mut_ptr();
             bufs.push(v);
             Some(p)
@@ -125,6 +132,7 @@ mod tests {
             at: p,
             elements: 4,
             bf16,
+            read: true,
         };
         // SAFETY: the slots point to the buffers above.
         let w = unsafe {
