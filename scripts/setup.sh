@@ -11,6 +11,8 @@ if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ldconfig -p 2>/dev
   need+=(libclang-dev)
 fi
 command -v c++ >/dev/null 2>&1 || need+=(g++)
+# The C ABI's test compiles a C program with `cc`.
+command -v cc >/dev/null 2>&1 || need+=(gcc)
 # The Python package's tests build it into a virtual environment.
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then

@@ -28,14 +28,17 @@ fn graph(text: &str) -> Result<Graph, Error> {
 /// in `stats` the lower bound and the gap to it). The plan has passed the
 /// independent checker.
 pub fn plan_json(graph_json: &str, time_limit_s: f64) -> Result<String, Error> {
-    if !(time_limit_s.is_finite() && time_limit_s > 0.0) {
-        return Err(Error::Invalid(format!(
-            "time limit must be a positive number of seconds, got {time_limit_s}"
-        )));
-    }
+    let time_limit = Duration::try_from_secs_f64(time_limit_s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "time limit must be a positive number of seconds, got {time_limit_s}"
+            ))
+        })?;
     let g = graph(graph_json)?;
     let opts = pipeline::Options {
-        time_limit: Duration::from_secs_f64(time_limit_s),
+        time_limit,
         ..pipeline::Options::default()
     };
     let plan = pipeline::plan(&g, &opts)?;
@@ -75,8 +78,10 @@ mod tests {
         assert!(report["max_live_bytes"].as_u64().unwrap() <= p["arena_bytes"].as_u64().unwrap());
         let e = plan_json("{", 1.0).unwrap_err().to_string();
         assert!(e.contains(GRAPH_DOC), "{e}");
-        let e = plan_json(&text, 0.0).unwrap_err().to_string();
-        assert!(e.contains("time limit"), "{e}");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let e = plan_json(&text, bad).unwrap_err().to_string();
+            assert!(e.contains("time limit"), "{bad}: {e}");
+        }
         // A plan whose arena is too small fails the checker, by name.
         let mut bad = p.clone();
         bad["arena_bytes"] = json!(16);

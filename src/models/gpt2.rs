@@ -191,19 +191,12 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
             "gpt2: layers, width, seq, batch and vocab must be positive".into(),
         ));
     }
-    let mut name = cfg.name.clone();
-    if cfg.batch != 1 {
-        name.push_str(&format!("-b{}", cfg.batch));
-    }
-    if cfg.checkpoint {
-        name.push_str("-ckpt");
-    }
-    if cfg.fused_attention {
-        name.push_str("-fused");
-    }
-    if cfg.mixed_precision {
-        name.push_str("-mixed");
-    }
+    let options = [
+        (cfg.checkpoint, "ckpt"),
+        (cfg.fused_attention, "fused"),
+        (cfg.mixed_precision, "mixed"),
+    ];
+    let name = step::step_name(&cfg.name, cfg.batch, &options);
     let mut net = Net::new(name, cfg.clone());
     let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
     let rows = bsz * t;

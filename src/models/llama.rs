@@ -201,16 +201,8 @@ fn check(cfg: &LlamaConfig) -> Result<(), Error> {
 /// Builds the Llama training-step graph for `cfg`.
 pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
     check(cfg)?;
-    let mut name = cfg.name.clone();
-    if cfg.batch != 1 {
-        name.push_str(&format!("-b{}", cfg.batch));
-    }
-    if cfg.checkpoint {
-        name.push_str("-ckpt");
-    }
-    if cfg.mixed_precision {
-        name.push_str("-mixed");
-    }
+    let options = [(cfg.checkpoint, "ckpt"), (cfg.mixed_precision, "mixed")];
+    let name = step::step_name(&cfg.name, cfg.batch, &options);
     let mut net = Net::new(name, cfg.clone());
     let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
     let rows = bsz * t;

@@ -35,6 +35,22 @@ pub(super) trait StepConfig {
     fn mixed_precision(&self) -> bool;
 }
 
+/// A step's graph name: the preset's, then `-bN` for a batch other than 1
+/// and the suffix of each option that is on, in order.
+pub(super) fn step_name(base: &str, batch: u64, options: &[(bool, &str)]) -> String {
+    let mut name = base.to_string();
+    if batch != 1 {
+        name.push_str(&format!("-b{batch}"));
+    }
+    for &(on, suffix) in options {
+        if on {
+            name.push('-');
+            name.push_str(suffix);
+        }
+    }
+    name
+}
+
 /// A trainable parameter with its gradient and optimizer state.
 pub(super) struct Param {
     pub w: TensorId,

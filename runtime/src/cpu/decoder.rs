@@ -3,16 +3,14 @@
 //!
 //! As in [`super::kernels`], an input given as `None` is read through the
 //! output it shares bytes with; each kernel reads a row of such an input
-//! before it writes the same row. Parameter gradients sum fixed chunks of
-//! rows, then the chunk sums in order, so results do not depend on the
+//! before it writes the same row. RMSNorm's parameter gradient sums rows
+//! as LayerNorm's does ([`backward_rows`]), so results do not depend on the
 //! number of threads.
 
 use rayon::prelude::*;
 
+use super::kernels::backward_rows;
 use crate::kernel::Rope;
-
-/// Rows per chunk of a row reduction.
-const ROW_CHUNK: usize = 32;
 
 /// `y = x · rstd · gamma` with `rstd = 1 / √(mean(x²) + eps)` per row.
 pub fn rmsnorm(x: &[f32], gamma: &[f32], y: &mut [f32], rstd: &mut [f32], cols: usize, eps: f32) {
@@ -41,46 +39,31 @@ pub fn rmsnorm_backward(
     dgamma: &mut [f32],
     cols: usize,
 ) {
-    let partials: Vec<Vec<f32>> = dx
-        .par_chunks_mut(cols * ROW_CHUNK)
-        .enumerate()
-        .map(|(ci, dxc)| {
-            let mut part = vec![0.0f32; cols];
-            let mut dyrow = vec![0.0f32; cols];
-            for (ri, dxr) in dxc.chunks_mut(cols).enumerate() {
-                let r = ci * ROW_CHUNK + ri;
-                match dy {
-                    Some(dy) => dyrow.copy_from_slice(&dy[r * cols..(r + 1) * cols]),
-                    None => dyrow.copy_from_slice(dxr),
-                }
-                let xr = &x[r * cols..(r + 1) * cols];
-                let rs = rstd[r];
-                let mut s = 0.0f32;
-                for j in 0..cols {
-                    s += dyrow[j] * gamma[j] * xr[j];
-                    part[j] += dyrow[j] * xr[j] * rs;
-                }
-                let s = s / cols as f32 * rs * rs;
-                for j in 0..cols {
-                    dxr[j] = rs * (dyrow[j] * gamma[j] - xr[j] * s);
-                }
-            }
-            part
-        })
-        .collect();
-    dgamma.fill(0.0);
-    for p in &partials {
-        for (g, &v) in dgamma.iter_mut().zip(p) {
-            *g += v;
+    let sums = backward_rows(dy, dx, cols, cols, |r, dyrow, dxr, part| {
+        let xr = &x[r * cols..(r + 1) * cols];
+        let rs = rstd[r];
+        let mut s = 0.0f32;
+        for j in 0..cols {
+            s += dyrow[j] * gamma[j] * xr[j];
+            part[j] += dyrow[j] * xr[j] * rs;
         }
-    }
+        let s = s / cols as f32 * rs * rs;
+        for j in 0..cols {
+            dxr[j] = rs * (dyrow[j] * gamma[j] - xr[j] * s);
+        }
+    });
+    dgamma.copy_from_slice(&sums);
 }
 
-/// `cos` and `sin` of the angle of position `pos`, pair `i`, computed in
-/// f64 (as the CUDA kernel does) so both executors round the same way.
-pub fn rope_angle(pos: usize, i: usize, head_dim: usize, theta: f64) -> (f32, f32) {
-    let inv_freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
-    let (s, c) = (pos as f64 * inv_freq).sin_cos();
+/// The frequency of pair `i`: `theta^(−2i/D)`, in f64 (as the CUDA kernel
+/// computes it) so both executors round the same way.
+fn inv_freq(i: usize, head_dim: usize, theta: f64) -> f64 {
+    theta.powf(-2.0 * i as f64 / head_dim as f64)
+}
+
+/// `cos` and `sin` of the angle `pos · freq`, computed in f64.
+fn rope_angle(pos: usize, freq: f64) -> (f32, f32) {
+    let (s, c) = (pos as f64 * freq).sin_cos();
     (c as f32, s as f32)
 }
 
@@ -93,13 +76,14 @@ pub fn rope(x: Option<&[f32]>, out: &mut [f32], r: &Rope) {
     let rotated = (r.heads + r.kv_heads) as usize * d;
     let half = d / 2;
     let sign = if r.inverse { -1.0f32 } else { 1.0 };
+    let freqs: Vec<f64> = (0..half).map(|i| inv_freq(i, d, r.theta)).collect();
     out.par_chunks_mut(width).enumerate().for_each(|(row, o)| {
         if let Some(x) = x {
             o.copy_from_slice(&x[row * width..(row + 1) * width]);
         }
         let pos = row % t;
-        for i in 0..half {
-            let (c, s) = rope_angle(pos, i, d, r.theta);
+        for (i, &freq) in freqs.iter().enumerate() {
+            let (c, s) = rope_angle(pos, freq);
             let s = sign * s;
             for head in o[..rotated].chunks_mut(d) {
                 let (a, b) = (head[i], head[i + half]);

@@ -133,6 +133,45 @@ pub fn layernorm(
         });
 }
 
+/// The row loop of a normalization's backward: `row(r, dy_r, dx_r, sums)`
+/// writes row `r` of `dx` from row `r` of `dy` (read from `dx` itself when
+/// `dy` is `None`: in place) and adds the row's parameter-gradient terms to
+/// `sums` (`params` floats). Chunks of rows run in parallel with their own
+/// sums, which are then added in chunk order, so the result does not depend
+/// on the number of threads. Returns the summed parameter gradients.
+pub(crate) fn backward_rows(
+    dy: Option<&[f32]>,
+    dx: &mut [f32],
+    cols: usize,
+    params: usize,
+    row: impl Fn(usize, &[f32], &mut [f32], &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(cols * ROW_CHUNK)
+        .enumerate()
+        .map(|(ci, dxc)| {
+            let mut part = vec![0.0f32; params];
+            let mut dyrow = vec![0.0f32; cols];
+            for (ri, dxr) in dxc.chunks_mut(cols).enumerate() {
+                let r = ci * ROW_CHUNK + ri;
+                match dy {
+                    Some(dy) => dyrow.copy_from_slice(&dy[r * cols..(r + 1) * cols]),
+                    None => dyrow.copy_from_slice(dxr),
+                }
+                row(r, &dyrow, dxr, &mut part);
+            }
+            part
+        })
+        .collect();
+    let mut sums = vec![0.0f32; params];
+    for p in &partials {
+        for (s, &v) in sums.iter_mut().zip(p) {
+            *s += v;
+        }
+    }
+    sums
+}
+
 /// LayerNorm backward; `dy` may be read in place from `dx`.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
@@ -146,48 +185,28 @@ pub fn layernorm_backward(
     dbeta: &mut [f32],
     cols: usize,
 ) {
-    let partials: Vec<Vec<f32>> = dx
-        .par_chunks_mut(cols * ROW_CHUNK)
-        .enumerate()
-        .map(|(ci, dxc)| {
-            let mut part = vec![0.0f32; 2 * cols];
-            let mut dyrow = vec![0.0f32; cols];
-            for (ri, dxr) in dxc.chunks_mut(cols).enumerate() {
-                let r = ci * ROW_CHUNK + ri;
-                match dy {
-                    Some(dy) => dyrow.copy_from_slice(&dy[r * cols..(r + 1) * cols]),
-                    None => dyrow.copy_from_slice(dxr),
-                }
-                let xr = &x[r * cols..(r + 1) * cols];
-                let (m, rs) = (mean[r], rstd[r]);
-                let mut s1 = 0.0f32; // mean of dxhat
-                let mut s2 = 0.0f32; // mean of dxhat * xhat
-                for j in 0..cols {
-                    let xhat = (xr[j] - m) * rs;
-                    let d = dyrow[j] * gamma[j];
-                    s1 += d;
-                    s2 += d * xhat;
-                    part[j] += dyrow[j] * xhat;
-                    part[cols + j] += dyrow[j];
-                }
-                s1 /= cols as f32;
-                s2 /= cols as f32;
-                for j in 0..cols {
-                    let xhat = (xr[j] - m) * rs;
-                    dxr[j] = rs * (dyrow[j] * gamma[j] - s1 - xhat * s2);
-                }
-            }
-            part
-        })
-        .collect();
-    dgamma.fill(0.0);
-    dbeta.fill(0.0);
-    for p in &partials {
+    let sums = backward_rows(dy, dx, cols, 2 * cols, |r, dyrow, dxr, part| {
+        let xr = &x[r * cols..(r + 1) * cols];
+        let (m, rs) = (mean[r], rstd[r]);
+        let mut s1 = 0.0f32; // mean of dxhat
+        let mut s2 = 0.0f32; // mean of dxhat * xhat
         for j in 0..cols {
-            dgamma[j] += p[j];
-            dbeta[j] += p[cols + j];
+            let xhat = (xr[j] - m) * rs;
+            let d = dyrow[j] * gamma[j];
+            s1 += d;
+            s2 += d * xhat;
+            part[j] += dyrow[j] * xhat;
+            part[cols + j] += dyrow[j];
         }
-    }
+        s1 /= cols as f32;
+        s2 /= cols as f32;
+        for j in 0..cols {
+            let xhat = (xr[j] - m) * rs;
+            dxr[j] = rs * (dyrow[j] * gamma[j] - s1 - xhat * s2);
+        }
+    });
+    dgamma.copy_from_slice(&sums[..cols]);
+    dbeta.copy_from_slice(&sums[cols..]);
 }
 
 /// `y = x w + b`: `x: m × k`, `w: k × n`.
