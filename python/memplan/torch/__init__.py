@@ -1,0 +1,271 @@
+"""memplan for PyTorch: capture a training step, plan it, run it in the plan.
+
+    import memplan.torch
+    step = memplan.torch.capture(model, optimizer, batch, loss_fn)
+    for batch in data:
+        loss = step(batch)          # forward, backward, optimizer update
+    step.stats                      # planned peak, lower bound, tracked peak
+
+:func:`capture` records one whole training step at the aten level, on fake
+tensors (no memory, no arithmetic): the forward pass and the loss
+(``loss_fn(model, batch)``), the backward pass (``torch.autograd.grad``), and
+the optimizer's update written **one parameter at a time** (PyTorch's
+single-tensor arithmetic; see :mod:`memplan.torch._optim`), so each update
+can run as soon as its gradient is complete. The record is memplan's graph
+(docs/graph-format.md) and a program of aten calls. memplan plans the graph
+(the order of the ops and each tensor's offset), and the returned
+:class:`Step` runs the program in the planned order on the model's own
+parameters, buffers and optimizer state, updating them in place as
+``optimizer.step()`` would, and drops every value after its last use, so
+the live bytes of the run are the plan's.
+
+What is outside the plan: memory that kernels allocate for themselves
+(library workspaces) and the caller's tensors (parameters, buffers,
+optimizer state and the batch, which the plan counts as live for the whole
+step).
+
+What cannot be captured raises :class:`UnsupportedStep` naming the op:
+random ops (dropout), reading values into Python (``.item()``,
+data-dependent shapes), optimizers other than AdamW/Adam/SGD. A batch of
+another shape than the captured one is refused at run time (capture again).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+import memplan
+
+from . import _optim
+from ._record import Recorder, UnsupportedStep
+from ._run import Program, StorageTracker
+
+__all__ = ["capture", "compile", "Step", "UnsupportedStep"]
+
+
+def _path_name(path) -> str:
+    return "".join(str(k) for k in path) or "batch"
+
+
+class Step:
+    """A captured, planned training step. Calling it with a batch of the
+    captured shapes runs forward, loss, backward and the optimizer update in
+    the planned order and returns the loss (a tensor)."""
+
+    def __init__(self, model, optimizer, rec: Recorder, graph: Dict[str, Any], bound: Dict[str, int],
+                 batch_spec, batch_layouts, loss_index: int, updated: List[torch.Tensor],
+                 hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.graph = graph
+        self.device = rec.device
+        self._calls = rec.calls
+        self._parent = rec.parent
+        self._bound = bound  # graph tensor index -> caller's tensor
+        self._batch_spec = batch_spec
+        self._batch_layouts = batch_layouts  # (index, shape, dtype, device) per leaf
+        self._loss = loss_index
+        self._updated = updated
+        self._hyper = hyper
+        self._optimizer_calls = optimizer_calls
+        self.capture_seconds = capture_seconds
+        self.plan: Optional[Dict[str, Any]] = None
+        self.plan_seconds = 0.0
+        self._programs: Dict[str, Program] = {}
+        self.tracked_peak_bytes: Optional[int] = None
+
+    # ---- planning -------------------------------------------------------
+
+    def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
+        """Plans the graph with memplan (checked by its independent checker)."""
+        t0 = time.perf_counter()
+        self.plan = memplan.plan(self.graph, time_limit=time_limit)
+        self.plan_seconds = time.perf_counter() - t0
+        self._programs.pop("planned", None)
+        return self.plan
+
+    def program(self, order: str = "planned") -> Program:
+        """The program in the planned order or in the recorded (eager) one."""
+        if order not in self._programs:
+            if order == "eager":
+                seq = list(range(len(self._calls)))
+            elif order == "planned":
+                if self.plan is None:
+                    self.make_plan()
+                seq = [int(op[1:]) for op in self.plan["order"]]
+            else:
+                raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
+            keep = list(self._bound) + [self._loss]
+            self._programs[order] = Program(self._calls, seq, self._parent, keep)
+        return self._programs[order]
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        """The plan's figures and the last run's tracked peak (bytes)."""
+        s: Dict[str, Any] = {"capture_seconds": self.capture_seconds, "plan_seconds": self.plan_seconds,
+                             "ops": len(self._calls)}
+        if self.plan is not None:
+            ps = self.plan["stats"]
+            s.update(
+                arena_bytes=self.plan["arena_bytes"],
+                max_live_bytes=ps["max_live_bytes"],
+                lower_bound_bytes=ps["lower_bound_bytes"],
+            )
+        if self.tracked_peak_bytes is not None:
+            s["tracked_peak_bytes"] = self.tracked_peak_bytes
+        return s
+
+    # ---- running --------------------------------------------------------
+
+    def _bind_batch(self, batch, env: Dict[int, torch.Tensor]) -> None:
+        leaves, spec = tree_flatten(batch)
+        if spec != self._batch_spec or len(leaves) != len(self._batch_layouts):
+            raise UnsupportedStep(f"the batch's structure {spec} is not the captured one {self._batch_spec}")
+        for x, (i, shape, dtype, device, name) in zip(leaves, self._batch_layouts):
+            if not isinstance(x, torch.Tensor):
+                raise UnsupportedStep(f"batch element {name}: expected a tensor, got {type(x).__name__}")
+            if tuple(x.shape) != shape or x.dtype != dtype or x.device != device:
+                raise UnsupportedStep(
+                    f"batch element {name}: shape {tuple(x.shape)} {x.dtype} on {x.device}, but the step "
+                    f"was captured for {shape} {dtype} on {device} (shapes are static: capture again)"
+                )
+            env[i] = x
+
+    def run(self, batch, order: str = "planned", track: bool = False) -> torch.Tensor:
+        """One training step on `batch`; `order` is ``"planned"`` or
+        ``"eager"`` (the recorded order, for comparison). With `track`, a
+        :class:`StorageTracker` measures the live tensor bytes on the step's
+        device and :attr:`tracked_peak_bytes` holds its peak."""
+        prog = self.program(order)
+        env: Dict[int, torch.Tensor] = dict(self._bound)
+        self._bind_batch(batch, env)
+        numbers = self._hyper.values(_optim.advance_steps(self.optimizer, self._updated))
+        if track:
+            tracker = StorageTracker(self.device)
+            for x in env.values():
+                tracker.track(x)
+            tracker.measure()
+            with tracker:
+                prog.run(env, numbers, self._optimizer_calls)
+            self.tracked_peak_bytes = tracker.peak_bytes
+        else:
+            prog.run(env, numbers, self._optimizer_calls)
+        return env[self._loss]
+
+    __call__ = run
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
+            loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, plan: bool = True,
+            time_limit: float = 10.0, align: int = 256, name: Optional[str] = None) -> Step:
+    """Captures one training step of `model` and plans it.
+
+    `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
+    tensor or a tuple, list or dict of tensors (the shapes every later batch
+    must have). `optimizer` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD``
+    over the model's parameters; its state is made (zeros) if no step ran
+    yet, as its first ``step()`` would. With ``plan=False`` the step is not
+    planned until :meth:`Step.make_plan` or the first planned run.
+    """
+    t0 = time.perf_counter()
+    _optim.ensure_state(optimizer)
+    hyper = _optim.Hyper(optimizer)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    name_of = {id(p): n for n, p in params.items()}
+    devices = {p.device.type for p in params.values()} | {b.device.type for b in buffers.values()}
+    if len(devices) != 1:
+        raise UnsupportedStep(f"the model's tensors are on several device types: {sorted(devices)}")
+    device = devices.pop()
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise UnsupportedStep(f"param group {g} holds a tensor that is not a parameter of the model")
+
+    rec = Recorder(device, align)
+    fake = FakeTensorMode()
+    bound: Dict[int, torch.Tensor] = {}
+
+    def reg(x: torch.Tensor, id: str, role: str) -> torch.Tensor:
+        f = fake.from_tensor(x)
+        bound[rec.register(f, id, role)] = x
+        return f
+
+    fp = {n: reg(p, f"param:{n}", "parameter") for n, p in params.items()}
+    fb = {n: reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
+    fstate: Dict[int, Dict[str, torch.Tensor]] = {}
+    for n, p in params.items():
+        fstate[id(p)] = {k: reg(v, f"state:{n}.{k}", "optimizer_state")
+                         for k, v in _optim.state_tensors(optimizer, p).items()}
+    leaves, spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
+    batch_layouts = []
+    fleaves = []
+    for path, x in leaves:
+        nm = _path_name(path)
+        if not isinstance(x, torch.Tensor):
+            raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
+        f = reg(x, f"input:{nm}", "input")
+        fleaves.append(f)
+        batch_layouts.append((rec.index_of(f), tuple(x.shape), x.dtype, x.device, nm))
+    fbatch = tree_unflatten(fleaves, spec)
+    for f, p in zip(fp.values(), params.values()):
+        f.requires_grad_(p.requires_grad)
+
+    with fake, rec, _reparametrize_module(model, {**fp, **fb}, tie_weights=True):
+        rec.phase = "forward"
+        loss = loss_fn(model, fbatch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise UnsupportedStep("loss_fn must return a scalar tensor")
+        loss_index = rec.mark(loss, "output", persistent=True)
+        rec.phase = "backward"
+        trainable = [n for n, p in params.items() if p.requires_grad]
+        grads = torch.autograd.grad(loss, [fp[n] for n in trainable], allow_unused=True)
+        grad_of = {}
+        for n, g in zip(trainable, grads):
+            if g is not None:
+                r = rec.root(rec.index_of(g))
+                if rec.tensors[r]["role"] != "parameter":
+                    rec.tensors[r]["role"] = "gradient"
+                grad_of[n] = g
+        rec.phase = "optimizer"
+        updated = []
+        with torch.no_grad():
+            for gi, group in enumerate(optimizer.param_groups):
+                for p in group["params"]:
+                    n = name_of[id(p)]
+                    if n in grad_of:
+                        _optim.update(hyper.kind, group, hyper.markers[gi], fp[n], grad_of[n],
+                                      fstate[id(p)])
+                        updated.append(p)
+    for i, value in rec.constants.items():
+        bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
+    label = name or f"{type(model).__name__}-step"
+    graph = rec.finish(label, {"source": "memplan.torch.capture", "torch": torch.__version__,
+                              "device": device, "optimizer": type(optimizer).__name__})
+    optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
+    step = Step(model, optimizer, rec, graph, bound, spec, batch_layouts, loss_index, updated, hyper,
+                optimizer_calls, time.perf_counter() - t0)
+    if plan:
+        step.make_plan(time_limit)
+    return step
+
+
+def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], **options) -> Callable[[Any], torch.Tensor]:
+    """A training-step function that captures and plans on its first batch
+    (options as for :func:`capture`) and runs the planned step on every
+    batch; ``fn.step`` is the :class:`Step` once captured."""
+
+    def train_step(batch):
+        if train_step.step is None:
+            train_step.step = capture(model, optimizer, batch, loss_fn, **options)
+        return train_step.step(batch)
+
+    train_step.step = None
+    return train_step

@@ -1,0 +1,197 @@
+"""The optimizer update, one parameter at a time, as ops memplan can move.
+
+PyTorch's ``optimizer.step()`` updates every parameter after the whole
+backward pass, and on CUDA in ``_foreach_*`` ops that take all parameters at
+once, so no gradient can die before the last one is made. The captured step
+instead runs each parameter's update as its own ops (the arithmetic of
+PyTorch's single-tensor ``Adam``/``AdamW``/``SGD``, op for op, so the result
+is the same bits), and memplan places each update right after the
+parameter's gradient is complete.
+
+Hyperparameters change between steps (learning-rate schedules, Adam's bias
+correction, which depends on the step count). They are Python numbers in
+PyTorch's update, and a recorded program would keep the numbers of the step
+it was recorded on. So the update is recorded with **markers**: distinct
+odd float values standing for "this group's ``neg_step_size``", etc. The
+recorder keeps them in the calls' arguments; before each step,
+:meth:`Hyper.values` computes every marker's value from the optimizer's
+current ``param_groups`` and state exactly as PyTorch would, and the runner
+substitutes them. Tensors are fake while recording, so the markers never
+reach a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ._record import UnsupportedStep
+
+# Names of the per-group numbers each optimizer's update reads.
+ADAM_NUMBERS = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
+                "neg_step_size")
+SGD_NUMBERS = ("wd", "momentum", "one_minus_dampening", "neg_lr")
+
+
+def _marker(group: int, k: int) -> float:
+    # Far from any number an update uses, distinct per (group, name).
+    return -(1.0 + (group * 64 + k) / 4096.0) * 2.0 ** -1000
+
+
+class Hyper:
+    """The optimizer's numbers as markers while recording, as values when
+    running."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.kind = _kind(optimizer)
+        names = ADAM_NUMBERS if self.kind in ("adam", "adamw") else SGD_NUMBERS
+        self.names = names
+        self.markers: List[Dict[str, float]] = [
+            {n: _marker(g, k) for k, n in enumerate(names)}
+            for g in range(len(optimizer.param_groups))
+        ]
+        # What the recorded structure assumed (weight decay on or off...).
+        self.shape = [self._structure(g) for g in optimizer.param_groups]
+
+    def _structure(self, group: Dict[str, Any]) -> Tuple:
+        if self.kind in ("adam", "adamw"):
+            return (group["weight_decay"] != 0,)
+        return (group["weight_decay"] != 0, group["momentum"] != 0, bool(group["nesterov"]))
+
+    def values(self, steps: Dict[int, float]) -> Dict[float, float]:
+        """marker -> value for this step; `steps[g]` is group g's step count
+        after its increment."""
+        out: Dict[float, float] = {}
+        for g, group in enumerate(self.optimizer.param_groups):
+            if self._structure(group) != self.shape[g]:
+                raise UnsupportedStep(
+                    f"param group {g}: weight decay, momentum or nesterov was switched on or off "
+                    "after capture; capture the step again"
+                )
+            vals = self._group_values(group, steps.get(g, 1.0))
+            for n, v in vals.items():
+                out[self.markers[g][n]] = v
+        return out
+
+    def _group_values(self, group: Dict[str, Any], step: float) -> Dict[str, float]:
+        lr = float(group["lr"])
+        if self.kind in ("adam", "adamw"):
+            beta1, beta2 = (float(b) for b in group["betas"])
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            step_size = lr / bias_correction1
+            return {
+                "decay": 1 - lr * group["weight_decay"],
+                "wd": group["weight_decay"],
+                "one_minus_beta1": 1 - beta1,
+                "beta2": beta2,
+                "one_minus_beta2": 1 - beta2,
+                "bc2_sqrt": bias_correction2**0.5,
+                "eps": group["eps"],
+                "neg_step_size": -step_size,
+            }
+        return {
+            "wd": group["weight_decay"],
+            "momentum": group["momentum"],
+            "one_minus_dampening": 1 - group["dampening"],
+            "neg_lr": -lr,
+        }
+
+
+def _kind(opt: torch.optim.Optimizer) -> str:
+    name = type(opt).__name__
+    kinds = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        raise UnsupportedStep(
+            f"optimizer {name}: memplan.torch captures torch.optim.AdamW, Adam and SGD"
+        )
+    for g, group in enumerate(opt.param_groups):
+        for flag in ("amsgrad", "maximize", "differentiable", "capturable", "fused"):
+            if group.get(flag):
+                raise UnsupportedStep(f"optimizer {name}, param group {g}: {flag}=True is not supported")
+        for k in ("lr", "weight_decay", "momentum", "dampening", "eps"):
+            if isinstance(group.get(k), torch.Tensor):
+                raise UnsupportedStep(f"optimizer {name}, param group {g}: a tensor {k} is not supported")
+    kind = kinds[name]
+    if kind == "adam" and type(opt) is torch.optim.Adam:
+        if any(g.get("decoupled_weight_decay") for g in opt.param_groups):
+            kind = "adamw"
+    return kind
+
+
+def ensure_state(opt: torch.optim.Optimizer) -> None:
+    """Makes the optimizer state PyTorch makes on the first step (zeros), so
+    the captured step reads it as a step input."""
+    kind = _kind(opt)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            st = opt.state[p]
+            if kind in ("adam", "adamw"):
+                if not st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif group["momentum"] != 0 and st.get("momentum_buffer") is None:
+                if group["dampening"] != 0:
+                    raise UnsupportedStep(
+                        "SGD with dampening makes its momentum buffer on the first step as a copy of "
+                        "the gradient; run one eager step before capturing"
+                    )
+                # buf * momentum + grad * (1 - 0) equals the first step's copy.
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def state_tensors(opt: torch.optim.Optimizer, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The device tensors of `p`'s state the update reads and writes."""
+    st = opt.state[p]
+    keys = ("exp_avg", "exp_avg_sq") if "exp_avg" in st else ("momentum_buffer",)
+    return {k: st[k] for k in keys if isinstance(st.get(k), torch.Tensor)}
+
+
+def update(kind: str, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> None:
+    """One parameter's update, PyTorch's single-tensor arithmetic with the
+    group's numbers as markers `m` (p, g and the state are fake tensors)."""
+    if kind in ("adam", "adamw"):
+        if group["weight_decay"] != 0:
+            if kind == "adamw":
+                p.mul_(m["decay"])
+            else:
+                g = g.add(p, alpha=m["wd"])
+        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+        exp_avg.lerp_(g, m["one_minus_beta1"])
+        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
+        denom = (exp_avg_sq.sqrt() / m["bc2_sqrt"]).add_(m["eps"])
+        p.addcdiv_(exp_avg, denom, value=m["neg_step_size"])
+        return
+    if group["weight_decay"] != 0:
+        g = g.add(p, alpha=m["wd"])
+    if group["momentum"] != 0:
+        buf = st["momentum_buffer"]
+        buf.mul_(m["momentum"]).add_(g, alpha=m["one_minus_dampening"])
+        g = g.add(buf, alpha=m["momentum"]) if group["nesterov"] else buf
+    p.add_(g, alpha=m["neg_lr"])
+
+
+def advance_steps(opt: torch.optim.Optimizer, updated) -> Dict[int, float]:
+    """Increments the step counter of every updated parameter as
+    ``optimizer.step()`` does and returns each group's step count (what its
+    bias correction uses; the parameters of a group must agree)."""
+    ids = {id(p) for p in updated}
+    steps: Dict[int, float] = {}
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if id(p) not in ids or not st or not isinstance(st.get("step"), torch.Tensor):
+                continue
+            st["step"] += 1
+            s = float(st["step"].item())
+            if steps.setdefault(gi, s) != s:
+                raise UnsupportedStep(
+                    f"param group {gi}: its parameters have taken different numbers of steps "
+                    f"({steps[gi]:g} and {s:g}); memplan's update uses one count per group"
+                )
+    return steps

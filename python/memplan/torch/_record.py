@@ -1,0 +1,345 @@
+"""Records a training step as a memplan graph and as a program that can run
+again in another order.
+
+:class:`Recorder` is a ``TorchDispatchMode`` entered above a
+``FakeTensorMode``: every aten op the step runs (forward, the autograd
+engine's backward ops, the per-parameter optimizer update) reaches
+:meth:`Recorder.__torch_dispatch__` after autograd and before any kernel,
+and becomes
+
+- one memplan op (``graph``), with the tensors it reads (``inputs``), makes
+  (``outputs``) and writes in place (``updates``), and
+- one :class:`Call` (``calls``): the ``OpOverload`` with its arguments, each
+  tensor argument replaced by a :class:`Ref` to a graph tensor. Running the
+  calls in any order the graph allows, with real tensors bound to the refs,
+  computes the step.
+
+Tensors are followed by **storage**: an output whose storage is new is a new
+memplan tensor of the storage's size; an output sharing the storage of an
+argument (``view``, ``t``, ``expand``, ``as_strided``...) is a ``view_of``
+that argument; an argument the op's schema marks as written (``add_``,
+``copy_``, ``out=``) is an update. On fake tensors none of this costs
+memory or time, so a GPT-2 XL step records in seconds.
+
+What cannot be replayed is refused with an :class:`UnsupportedStep` that
+names the op: random ops (their draws would change with the order), ops
+that read a tensor's value into Python (``.item()``, data-dependent shapes:
+the recorded program would bake one step's value in), and tensors made
+outside any op the recorder saw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Namespaces whose ops are bookkeeping, not computation on tensors.
+SKIPPED_NAMESPACES = ("prim", "profiler")
+
+# Ops whose result is a Python value read from a tensor: a program recorded
+# past them would replay one step's value forever.
+DATA_DEPENDENT = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::unique",
+    "aten::_unique2",
+    "aten::masked_select",
+    "aten::item",
+}
+
+DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+
+
+class UnsupportedStep(ValueError):
+    """A step memplan cannot run in another order; the message names the
+    op and says why."""
+
+
+class Ref:
+    """A tensor argument of a recorded call: graph tensor `index`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Ref({self.index})"
+
+
+class Call:
+    """One recorded aten call: ``func(*args, **kwargs)`` with :class:`Ref`
+    in place of tensors; ``outputs`` pairs a position in the flattened
+    result with the graph tensor it becomes."""
+
+    __slots__ = ("func", "args", "kwargs", "outputs")
+
+    def __init__(self, func, args, kwargs, outputs: List[Tuple[int, int]]) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.outputs = outputs
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of `t`'s storage (shared by all views of it)."""
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether a seeded op really draws: attention kernels carry the tag
+    for their dropout and draw nothing when its probability is 0."""
+    for pos, a in enumerate(func._schema.arguments):
+        if a.name in ("dropout_p", "p"):
+            v = args[pos] if pos < len(args) else kwargs.get(a.name, a.default_value)
+            return not (isinstance(v, (int, float)) and v == 0)
+    return True
+
+
+def _unique(xs: Sequence[int]) -> List[int]:
+    seen = set()
+    return [x for x in xs if not (x in seen or seen.add(x))]
+
+
+class Recorder(TorchDispatchMode):
+    """Turns every aten op run under it into a graph op and a :class:`Call`.
+
+    ``device`` is the device type whose memory is planned; tensors on any
+    other device (the optimizer's host scalars on a CUDA step) have size 0.
+    Sizes are storage sizes in bytes; ``align`` is every tensor's alignment.
+    """
+
+    def __init__(self, device: str, align: int) -> None:
+        super().__init__()
+        self.device = device
+        self.align = align
+        self.phase = "forward"
+        self.tensors: List[Dict[str, Any]] = []
+        self.ops: List[Dict[str, Any]] = []
+        self.calls: List[Call] = []
+        self.constants: Dict[int, torch.Tensor] = {}  # graph tensor -> its value
+        self.parent: List[Optional[int]] = []  # per tensor: what it is a view of
+        # Per graph tensor: shape, stride, storage offset, dtype, device.
+        self.layouts: List[Tuple[tuple, tuple, int, torch.dtype, torch.device]] = []
+        self._by_object = WeakIdKeyDictionary()
+        self._root_of_storage: Dict[int, int] = {}
+        self._kept: List[Any] = []  # storages kept alive while recording
+        self._phase_of: Dict[int, str] = {}
+        self._used_in: Dict[int, set] = {}
+        self._fixed_role: Dict[int, str] = {}
+
+    # ---- tensors ------------------------------------------------------
+
+    def _add(self, x: torch.Tensor, id: str, size: int, role: str, lifetime: str,
+             view_of: Optional[int]) -> int:
+        t: Dict[str, Any] = {"id": id, "size": int(size), "role": role, "lifetime": lifetime}
+        if self.align != 1:
+            t["align"] = self.align
+        if view_of is not None:
+            t["view_of"] = self.tensors[view_of]["id"]
+        t["dtype"] = DTYPE_NAMES.get(x.dtype, str(x.dtype).replace("torch.", ""))
+        t["shape"] = [int(d) for d in x.shape]
+        self.tensors.append(t)
+        self.parent.append(view_of)
+        self.layouts.append(
+            (tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.device)
+        )
+        i = len(self.tensors) - 1
+        self._by_object[x] = i
+        self._phase_of[i] = self.phase
+        return i
+
+    def _new_root(self, x: torch.Tensor, id: str, role: str, lifetime: str) -> int:
+        size = 0 if x.device.type != self.device else x.untyped_storage().nbytes()
+        i = self._add(x, id, size, role, lifetime, None)
+        self._root_of_storage[storage_key(x)] = i
+        self._kept.append(x.untyped_storage())
+        return i
+
+    def register(self, x: torch.Tensor, id: str, role: str) -> int:
+        """Registers a step input (parameter, buffer, optimizer state, batch,
+        host scalar): persistent, owned by the caller. A tensor sharing the
+        storage of one registered before becomes a view of it."""
+        root = self._root_of_storage.get(storage_key(x))
+        if root is not None:
+            i = self._add(x, id, 0, role, "transient", root)
+        else:
+            i = self._new_root(x, id, role, "persistent")
+        self._fixed_role[i] = role
+        self._phase_of[i] = "before"
+        return i
+
+    def index_of(self, x: torch.Tensor) -> int:
+        i = self._by_object.get(x)
+        if i is None:
+            raise KeyError("the tensor was not recorded")
+        return i
+
+    def root(self, i: int) -> int:
+        """The root tensor whose bytes tensor `i` uses."""
+        while self.parent[i] is not None:
+            i = self.parent[i]
+        return i
+
+    def mark(self, x: torch.Tensor, role: str, persistent: bool = False) -> int:
+        """Sets the role (and the lifetime) of the tensor `x` stands for."""
+        i = self.index_of(x)
+        t = self.tensors[i]
+        if "view_of" in t:
+            raise UnsupportedStep(f"the {role} is a view of another tensor; return a fresh tensor")
+        t["role"] = role
+        if persistent:
+            t["lifetime"] = "persistent"
+        self._fixed_role[i] = role
+        return i
+
+    def _arg(self, x: torch.Tensor, func) -> int:
+        i = self._by_object.get(x)
+        if i is not None:
+            return i
+        r = self._root_of_storage.get(storage_key(x))
+        if r is not None:
+            self._by_object[x] = r  # a new object over known bytes (`.data`)
+            return r
+        value = x if not isinstance(x, FakeTensor) else x.constant
+        if value is not None:
+            # A constant the step makes from Python data (`torch.tensor`):
+            # its value is known, so it is a step input the runner binds.
+            i = self._new_root(x, f"const{len(self.constants)}", "input", "persistent")
+            self._fixed_role[i] = "input"
+            self._phase_of[i] = "before"
+            with _disable_current_modes():
+                self.constants[i] = value.detach().clone()
+            return i
+        raise UnsupportedStep(
+            f"{func}: reads a tensor of shape {tuple(x.shape)} that no recorded op made and "
+            "that is not a parameter, buffer, optimizer state or batch tensor (a constant made "
+            "outside the step? register it as a buffer)"
+        )
+
+    # ---- the dispatch mode --------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in SKIPPED_NAMESPACES:
+            return func(*args, **kwargs)
+        name = func._schema.name
+        if name in DATA_DEPENDENT:
+            raise UnsupportedStep(
+                f"{func}: reads a tensor's value into Python (`.item()`, a data-dependent shape); "
+                "memplan replays a fixed graph, so the step must not branch on values"
+            )
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            raise UnsupportedStep(
+                f"{func}: draws random numbers; replayed in another order it would draw others "
+                "(turn dropout off, or set its probability to 0)"
+            )
+        schema = func._schema
+        written = set()
+        for pos, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                written.update((a.name, pos))
+        reads: List[int] = []
+        writes: List[int] = []
+        arg_objs: List[torch.Tensor] = []
+
+        def ref(x):
+            if isinstance(x, torch.Tensor):
+                return Ref(self._arg(x, func))
+            return x
+
+        def visit(value: Any, is_written: bool) -> None:
+            for x in tree_flatten(value)[0]:
+                if isinstance(x, torch.Tensor):
+                    arg_objs.append(x)
+                    (writes if is_written else reads).append(self._arg(x, func))
+
+        for pos, v in enumerate(args):
+            pname = schema.arguments[pos].name if pos < len(schema.arguments) else None
+            visit(v, pos in written or pname in written)
+        for k, v in kwargs.items():
+            visit(v, k in written)
+        call_args = tree_map(ref, args)
+        call_kwargs = tree_map(ref, kwargs)
+
+        out = func(*args, **kwargs)
+
+        arg_ids = {id(x) for x in arg_objs}
+        outputs: List[int] = []
+        call_outputs: List[Tuple[int, int]] = []
+        for pos, x in enumerate(tree_flatten(out)[0]):
+            if not isinstance(x, torch.Tensor) or id(x) in arg_ids:
+                continue  # an in-place result or `out=` argument: an update
+            key = storage_key(x)
+            base = self._root_of_storage.get(key)
+            if base is None:
+                role = "temporary" if self.phase == "optimizer" else "activation"
+                i = self._new_root(x, f"t{len(self.tensors)}", role, "transient")
+            else:
+                src = base
+                for a in arg_objs:
+                    if storage_key(a) == key:
+                        src = self._by_object.get(a, base)
+                        break
+                i = self._add(x, f"t{len(self.tensors)}", 0, "activation", "transient", src)
+            outputs.append(i)
+            call_outputs.append((pos, i))
+
+        updates = _unique(writes)
+        inputs = [i for i in _unique(reads) if i not in updates and i not in outputs]
+        if not (inputs or updates or outputs):
+            return out
+        op: Dict[str, Any] = {"id": f"o{len(self.ops)}", "kind": self.phase, "type": str(func)}
+        for field, ts in (("inputs", inputs), ("outputs", outputs), ("updates", updates)):
+            if ts:
+                op[field] = [self.tensors[i]["id"] for i in ts]
+        self.ops.append(op)
+        self.calls.append(Call(func, call_args, call_kwargs, call_outputs))
+        for i in inputs + updates + outputs:
+            self._used_in.setdefault(self.root(i), set()).add(self.phase)
+        return out
+
+    # ---- closing ------------------------------------------------------
+
+    def finish(self, name: str, metadata: Dict[str, Any]) -> Dict[str, Any]:
+        """Assigns the roles the driver did not set and returns the graph
+        document (docs/graph-format.md)."""
+        for i, t in enumerate(self.tensors):
+            if "view_of" in t or i in self._fixed_role:
+                continue
+            made = self._phase_of.get(i)
+            if made == "forward":
+                used_later = "backward" in self._used_in.get(i, ())
+                t["role"] = "activation" if used_later else "temporary"
+            elif made == "optimizer":
+                t["role"] = "temporary"
+        for i, t in enumerate(self.tensors):
+            if "view_of" in t:
+                t["role"] = self.tensors[self.root(i)]["role"]
+        self._kept.clear()
+        self._root_of_storage.clear()
+        return {
+            "format": "memplan-graph",
+            "version": 1,
+            "name": name,
+            "tensors": self.tensors,
+            "ops": self.ops,
+            "metadata": metadata,
+        }
