@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds the Python package (python/, PyO3 + maturin) into the project's
 # ignored virtual environment .venv (made, with maturin, when missing) and
-# runs its tests. Called by scripts/test.sh. The tests build the extension
+# runs its tests. Called by scripts/test.sh. PyTorch (PyPI's wheel, used on
+# the CPU), torchvision and transformers are installed into the same .venv
+# when missing, once per checkout (pip's cache makes a second checkout
+# cheap): memplan.torch's tests run real models and must not skip. The tests build the extension
 # without the HiGHS back end (`--no-default-features`), which spares a
 # second HiGHS build (the Rust tests build it in another profile); a wheel
 # for users (`maturin build --release`) has it.
@@ -12,6 +15,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c 'import maturin' >/dev/null 2>&1; then
   .venv/bin/pip install --quiet "maturin>=1.7,<2"
+fi
+if ! .venv/bin/python -c 'import torch, torchvision, transformers' >/dev/null 2>&1; then
+  echo "installing torch, torchvision and transformers into .venv (about 3.5 GB, once)"
+  .venv/bin/pip install --quiet "torch>=2.5,<3" torchvision "transformers>=4.45"
 fi
 export VIRTUAL_ENV="$PWD/.venv"
 (cd python && ../.venv/bin/maturin develop --quiet --no-default-features)

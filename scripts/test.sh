@@ -13,7 +13,5 @@ cargo test --workspace --exclude memplan-python --all-targets --features memplan
 cargo test --workspace --exclude memplan-python --doc --features memplan/cuda
 # The Python package (PyO3 + maturin) in the ignored .venv.
 bash scripts/python_tests.sh
-# The Python tools' tests (the ones that need torch skip themselves without it).
-if command -v python3 >/dev/null; then
-  python3 -m unittest discover -s tools -t .
-fi
+# The Python tools' tests, with the torch that python_tests.sh installed.
+.venv/bin/python -m unittest discover -s tools -t .

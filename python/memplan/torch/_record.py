@@ -33,7 +33,11 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
@@ -279,7 +283,13 @@ class Recorder(TorchDispatchMode):
         call_args = tree_map(ref, args)
         call_kwargs = tree_map(ref, kwargs)
 
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            raise UnsupportedStep(
+                f"{func}: the shape of its output depends on tensor values (boolean-mask indexing, "
+                "nonzero); memplan replays a graph of static shapes"
+            ) from None
 
         arg_ids = {id(x) for x in arg_objs}
         outputs: List[int] = []

@@ -1,0 +1,245 @@
+"""memplan.torch against eager PyTorch: the planned step computes what
+``loss.backward(); optimizer.step()`` computes, holds exactly the plan's live
+bytes, and refuses what it cannot replay with the op's name.
+
+Tolerance: losses, parameters and buffers must match eager within
+``rtol=1e-6, atol=1e-7`` (float32 on CPU). The replay calls the same aten
+kernels on the same values, so on CPU they are in practice equal to the bit.
+"""
+
+import copy
+import random
+import unittest
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memplan
+import memplan.torch as mt
+
+TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+def classify(m, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def causal_lm(m, b):
+    return m(input_ids=b, labels=b).loss
+
+
+class Residual(nn.Module):
+    def __init__(self, width, hidden, norm):
+        super().__init__()
+        self.norm = nn.LayerNorm(width) if norm else nn.Identity()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def random_model(rng):
+    """A small MLP or residual stack with a random shape."""
+    width = rng.choice([8, 12, 16, 24])
+    layers = [nn.Linear(6, width)]
+    for _ in range(rng.randint(1, 4)):
+        if rng.random() < 0.5:
+            layers.append(Residual(width, rng.choice([16, 32]), rng.random() < 0.5))
+        else:
+            layers += [nn.Linear(width, width), rng.choice([nn.ReLU(), nn.Tanh(), nn.GELU()])]
+    layers.append(nn.Linear(width, 3))
+    return nn.Sequential(*layers)
+
+
+def make_optimizer(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    return torch.optim.SGD(params, lr=0.05)
+
+
+class Harness:
+    """A model captured by memplan next to its eager twin."""
+
+    def __init__(self, test, model, batch, loss_fn, opt="adamw"):
+        torch.manual_seed(0)
+        self.test = test
+        self.model = model.train()
+        self.ref = copy.deepcopy(model)
+        self.opt = make_optimizer(opt, self.model.parameters())
+        self.ref_opt = make_optimizer(opt, self.ref.parameters())
+        self.batch = batch
+        self.loss_fn = loss_fn
+        self.step = mt.capture(self.model, self.opt, batch, loss_fn, time_limit=5)
+
+    def eager_step(self):
+        loss = self.loss_fn(self.ref, self.batch)
+        loss.backward()
+        self.ref_opt.step()
+        self.ref_opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def run(self, steps=2):
+        """Trains both for `steps`; returns the planned run's tracked peak."""
+        t = self.test
+        for _ in range(steps):
+            loss = self.step(self.batch, track=True)
+            t.assertEqual(self.step.tracked_peak_bytes, self.step.plan["stats"]["max_live_bytes"])
+            torch.testing.assert_close(loss, self.eager_step(), **TOL)
+        for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+        for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
+            torch.testing.assert_close(b, r, **TOL, msg=lambda m: f"{n}: {m}")
+        planned = self.step.tracked_peak_bytes
+        # The recorded (eager) order, run and tracked the same way, is never
+        # below the plan: memplan's order is the better one.
+        self.step.run(self.batch, order="eager", track=True)
+        self.eager_step()
+        t.assertLessEqual(planned, self.step.tracked_peak_bytes)
+        report = memplan.check(self.step.graph, self.step.plan)
+        t.assertEqual(report["max_live_bytes"], planned)
+        return planned
+
+
+class CapturedStepsMatchEager(unittest.TestCase):
+    def test_random_small_models_with_every_optimizer(self):
+        rng = random.Random(7)
+        for case in range(12):
+            opt = ["adamw", "adam", "sgd", "sgd-plain"][case % 4]
+            with self.subTest(case=case, optimizer=opt):
+                torch.manual_seed(case)
+                model = random_model(rng)
+                batch = (torch.randn(rng.randint(1, 8), 6), None)
+                batch = (batch[0], torch.randint(0, 3, (batch[0].shape[0],)))
+                Harness(self, model, batch, classify, opt).run(steps=3)
+
+    def test_learning_rate_schedule_and_changed_hyperparameters(self):
+        torch.manual_seed(1)
+        h = Harness(self, random_model(random.Random(1)), (torch.randn(4, 6), torch.tensor([0, 1, 2, 0])),
+                    classify)
+        for lr, wd in [(1e-2, 0.1), (3e-3, 0.1), (1e-3, 0.0)]:
+            for opt in (h.opt, h.ref_opt):
+                opt.param_groups[0]["lr"] = lr
+            if wd == 0.0:
+                # Switching weight decay off changes the recorded ops.
+                h.opt.param_groups[0]["weight_decay"] = wd
+                with self.assertRaisesRegex(mt.UnsupportedStep, "capture the step again"):
+                    h.step(h.batch)
+                return
+            loss = h.step(h.batch)
+            torch.testing.assert_close(loss, h.eager_step(), **TOL)
+        self.assertEqual(h.opt.state[h.model[0].weight]["step"].item(), 2.0)
+
+    def test_huggingface_gpt2(self):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(0)
+        Harness(self, GPT2LMHeadModel(cfg), torch.randint(0, 256, (2, 32)), causal_lm).run()
+
+    def test_huggingface_llama(self):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                          max_position_embeddings=64)
+        torch.manual_seed(0)
+        Harness(self, LlamaForCausalLM(cfg), torch.randint(0, 256, (2, 32)), causal_lm).run()
+
+    def test_torchvision_resnet50_with_batchnorm_buffers(self):
+        import torchvision
+
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50(num_classes=10)
+        batch = (torch.randn(2, 3, 32, 32), torch.tensor([1, 7]))
+        h = Harness(self, model, batch, classify, "sgd")
+        h.run(steps=1)
+        self.assertGreater(h.model.bn1.num_batches_tracked.item(), 0)
+
+    def test_torchvision_vit(self):
+        import torchvision
+
+        torch.manual_seed(0)
+        model = torchvision.models.VisionTransformer(
+            image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128,
+            num_classes=10)
+        Harness(self, model, (torch.randn(2, 3, 32, 32), torch.tensor([3, 4])), classify).run()
+
+    def test_compile_captures_on_the_first_batch(self):
+        torch.manual_seed(0)
+        model = random_model(random.Random(3))
+        ref = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        train_step = mt.compile(model, opt, classify, time_limit=2)
+        batch = (torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0]))
+        for _ in range(3):
+            loss = train_step(batch)
+            ref_loss = classify(ref, batch)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        self.assertIsNotNone(train_step.step.plan)
+
+
+class BadInputIsRefusedByName(unittest.TestCase):
+    def capture(self, model, batch=None, loss_fn=classify, opt=None):
+        batch = batch if batch is not None else (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+        opt = opt or torch.optim.AdamW(model.parameters())
+        return mt.capture(model, opt, batch, loss_fn, time_limit=1)
+
+    def test_random_ops(self):
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Linear(8, 3))
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"aten\.\w*(dropout|bernoulli)\w*.*random"):
+            self.capture(model)
+
+    def test_values_read_into_python(self):
+        class Branchy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(6, 3)
+
+            def forward(self, x):
+                y = self.lin(x)
+                return y * 2 if y.sum().item() > 0 else y
+
+        with self.assertRaisesRegex(mt.UnsupportedStep, "_local_scalar_dense.*Python"):
+            self.capture(Branchy())
+
+    def test_data_dependent_shapes(self):
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(6, 3)
+
+            def forward(self, x):
+                y = self.lin(x)
+                return y[y > 0].sum() + y.sum()
+
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"aten\.(nonzero|masked_select|index)\S*: the shape of its output depends on tensor values"):
+            self.capture(Masked(), loss_fn=lambda m, b: m(b[0]))
+
+    def test_another_batch_shape(self):
+        step = self.capture(nn.Linear(6, 3))
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"batch element \[0\].*\(3, 6\).*captured for \(4, 6\)"):
+            step((torch.randn(3, 6), torch.tensor([0, 1, 2])))
+
+    def test_unsupported_optimizer_and_loss(self):
+        model = nn.Linear(6, 3)
+        with self.assertRaisesRegex(mt.UnsupportedStep, "RMSprop"):
+            self.capture(model, opt=torch.optim.RMSprop(model.parameters()))
+        with self.assertRaisesRegex(mt.UnsupportedStep, "scalar"):
+            self.capture(model, loss_fn=lambda m, b: m(b[0]))
+        with self.assertRaisesRegex(mt.UnsupportedStep, "amsgrad"):
+            self.capture(model, opt=torch.optim.AdamW(model.parameters(), amsgrad=True))
+
+
+if __name__ == "__main__":
+    unittest.main()
