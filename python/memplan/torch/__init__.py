@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -163,7 +163,8 @@ class Step:
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, plan: bool = True,
-            time_limit: float = 10.0, align: int = 256, name: Optional[str] = None) -> Step:
+            time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
+            meta_device: str = "cpu") -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -172,6 +173,11 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     over the model's parameters; its state is made (zeros) if no step ran
     yet, as its first ``step()`` would. With ``plan=False`` the step is not
     planned until :meth:`Step.make_plan` or the first planned run.
+
+    A model built on the ``meta`` device (no memory: how a GPT-2 XL step is
+    planned on a laptop) is traced as if it were on `meta_device`, so the
+    kernels that device's dispatcher picks (e.g. CPU flash attention) are
+    the ones recorded; such a step can be planned but not run.
     """
     t0 = time.perf_counter()
     _optim.ensure_state(optimizer)
@@ -183,6 +189,9 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     if len(devices) != 1:
         raise UnsupportedStep(f"the model's tensors are on several device types: {sorted(devices)}")
     device = devices.pop()
+    traced = torch.device(meta_device) if device == "meta" else None
+    if traced is not None:
+        device = traced.type
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in name_of:
@@ -193,7 +202,10 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     bound: Dict[int, torch.Tensor] = {}
 
     def reg(x: torch.Tensor, id: str, role: str) -> torch.Tensor:
-        f = fake.from_tensor(x)
+        if traced is not None and x.device.type == "meta":
+            f = FakeTensor(fake, x.detach(), traced)
+        else:
+            f = fake.from_tensor(x)
         bound[rec.register(f, id, role)] = x
         return f
 

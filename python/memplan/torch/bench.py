@@ -1,0 +1,158 @@
+"""Benchmark: memplan's planned step against eager PyTorch on real models.
+
+    python -m memplan.torch.bench                 # small real models, run on the CPU
+    python -m memplan.torch.bench --gpt2-xl out/  # GPT-2 XL b1 capture + plan (meta)
+
+For each small model (Hugging Face GPT-2 and Llama from configs, torchvision
+ResNet-50 and ViT) it runs three steps from the same weights and measures
+each with the same dispatch-level :class:`StorageTracker` (live tensor
+bytes on the CPU, peak over the step):
+
+- ``eager``: ``loss.backward(); optimizer.step(); zero_grad()``, PyTorch as
+  users run it;
+- ``recorded order``: the captured step replayed in the order it was
+  recorded, values dropped after their last use;
+- ``memplan``: the captured step in memplan's order.
+
+and prints the plan's max live bytes and lower bound next to them.
+``--gpt2-xl DIR`` captures GPT-2 XL (batch 1, sequence 1024) built on the
+meta device, traced as a CPU step, plans it, reports the times and writes
+the graph to ``DIR/gpt2-xl-b1.json.gz`` for ``memplan compare`` (which
+simulates PyTorch's caching allocator on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import capture
+from ._run import StorageTracker
+
+
+def _causal_lm(m, b):
+    return m(input_ids=b, labels=b).loss
+
+
+def _classify(m, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def models():
+    """name -> (model, batch, loss_fn), small enough for a CPU."""
+    import torchvision
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096,
+                                      n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=256,
+                                         intermediate_size=688, num_attention_heads=8,
+                                         num_key_value_heads=4, vocab_size=4096,
+                                         max_position_embeddings=256))
+    tokens = torch.randint(0, 4096, (4, 256))
+    images = (torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)))
+    vit = torchvision.models.VisionTransformer(image_size=64, patch_size=8, num_layers=4,
+                                               num_heads=4, hidden_dim=256, mlp_dim=1024,
+                                               num_classes=10)
+    return {
+        "hf-gpt2-4l-256": (gpt2, tokens, _causal_lm),
+        "hf-llama-4l-256": (llama, tokens, _causal_lm),
+        "resnet50-64px": (torchvision.models.resnet50(num_classes=10), images, _classify),
+        "vit-4l-256": (vit, images, _classify),
+    }
+
+
+def eager_tracked(model, opt, batch, loss_fn) -> int:
+    """Live tensor bytes of one eager step (after a warm-up step, so the
+    optimizer state exists as in the captured step)."""
+    tracker = StorageTracker("cpu")
+    for t in list(model.parameters()) + list(model.buffers()):
+        tracker.track(t)
+    for st in opt.state.values():
+        for v in st.values():
+            tracker.track(v)
+    for x in torch.utils._pytree.tree_flatten(batch)[0]:
+        tracker.track(x)
+    tracker.measure()
+    with tracker:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return tracker.peak_bytes
+
+
+def small(time_limit: float):
+    rows = []
+    for name, (model, batch, loss_fn) in models().items():
+        model.train()
+        ref = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01)
+        loss_fn(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        eager = eager_tracked(ref, ref_opt, batch, loss_fn)
+        step = capture(model, opt, batch, loss_fn, time_limit=time_limit)
+        step.run(batch, order="eager", track=True)
+        recorded = step.tracked_peak_bytes
+        step.run(batch, track=True)
+        s = step.stats
+        rows.append((name, s["ops"], s["capture_seconds"], s["plan_seconds"], eager, recorded,
+                     s["tracked_peak_bytes"], s["max_live_bytes"], s["lower_bound_bytes"]))
+    mib = 1 << 20
+    print(f"{'model':18} {'ops':>6} {'capture':>8} {'plan':>6} {'eager':>9} {'recorded':>9} "
+          f"{'memplan':>9} {'plan live':>9} {'bound':>9} {'memplan/eager':>13}")
+    for r in rows:
+        print(f"{r[0]:18} {r[1]:6} {r[2]:7.2f}s {r[3]:5.2f}s {r[4] / mib:8.1f}M {r[5] / mib:8.1f}M "
+              f"{r[6] / mib:8.1f}M {r[7] / mib:8.1f}M {r[8] / mib:8.1f}M {r[6] / r[4]:13.3f}")
+
+
+def gpt2_xl(out_dir: str, time_limit: float):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+        batch = torch.randint(0, 50257, (1, 1024))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    built = time.perf_counter() - t0
+    step = capture(model, opt, batch, _causal_lm, time_limit=time_limit)
+    s = step.stats
+    gib = 1 << 30
+    print(f"GPT-2 XL b1 s1024 (Hugging Face, traced as CPU): {s['ops']} ops; model {built:.1f} s, "
+          f"capture {s['capture_seconds']:.1f} s, plan {s['plan_seconds']:.1f} s; "
+          f"planned {s['arena_bytes'] / gib:.2f} GiB, max live {s['max_live_bytes'] / gib:.2f} GiB, "
+          f"bound {s['lower_bound_bytes'] / gib:.2f} GiB")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "gpt2-xl-b1.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump(step.graph, f)
+    print(f"graph written to {path}; `memplan compare {path}` sets it against PyTorch's allocator")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpt2-xl", metavar="DIR", help="capture and plan GPT-2 XL b1, write its graph here")
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.gpt2_xl:
+        gpt2_xl(args.gpt2_xl, args.time_limit)
+    else:
+        small(args.time_limit)
+
+
+if __name__ == "__main__":
+    main()
