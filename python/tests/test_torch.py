@@ -103,6 +103,23 @@ class Harness:
         t.assertLessEqual(planned, self.step.tracked_peak_bytes)
         report = memplan.check(self.step.graph, self.step.plan)
         t.assertEqual(report["max_live_bytes"], planned)
+        # In the arena: parameters, state and every value the plan places
+        # live in one buffer of the planned size; the only other tensor
+        # bytes are the results of ops without an out= variant, copied into
+        # place and freed at once.
+        for _ in range(2):
+            loss = self.step(self.batch, arena=True, track=True)
+            torch.testing.assert_close(loss, self.eager_step(), **TOL)
+        arena = self.step.place()
+        t.assertEqual(arena.buffer.numel(), self.step.plan["arena_bytes"])
+        t.assertEqual(self.step.tracked_peak_bytes, arena.buffer.numel() + arena.outside_peak_bytes)
+        base = arena.buffer.data_ptr()
+        for p in self.model.parameters():
+            t.assertTrue(base <= p.data_ptr() < base + arena.buffer.numel())
+        for x in torch.utils._pytree.tree_flatten(self.batch)[0]:
+            t.assertFalse(base <= x.data_ptr() < base + arena.buffer.numel(), "the caller's batch moved")
+        for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{n}: {m}")
         return planned
 
 

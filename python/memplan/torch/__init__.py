@@ -44,7 +44,7 @@ import memplan
 
 from . import _optim
 from ._record import Recorder, UnsupportedStep
-from ._run import Program, StorageTracker
+from ._run import Arena, Program, StorageTracker
 
 __all__ = ["capture", "compile", "Step", "UnsupportedStep"]
 
@@ -79,6 +79,10 @@ class Step:
         self.plan_seconds = 0.0
         self._programs: Dict[str, Program] = {}
         self.tracked_peak_bytes: Optional[int] = None
+        self._layouts = rec.layouts
+        self._arena: Optional[Arena] = None
+        self._placed: Dict[int, torch.Tensor] = {}
+        self._batch_slots: Dict[int, torch.Tensor] = {}
 
     # ---- planning -------------------------------------------------------
 
@@ -137,25 +141,71 @@ class Step:
                 )
             env[i] = x
 
-    def run(self, batch, order: str = "planned", track: bool = False) -> torch.Tensor:
+    def place(self) -> Arena:
+        """Makes the arena (one buffer of the planned size) and moves the
+        parameters, buffers and optimizer state into their planned places
+        (``p.data`` becomes a view of the arena, so the model and the
+        optimizer keep working on the same objects). Called by the first
+        ``run(..., arena=True)``."""
+        if self._arena is not None:
+            return self._arena
+        if self.plan is None:
+            self.make_plan()
+        offsets = {t["id"]: t["offset"] for t in self.plan["tensors"] if "offset" in t}
+        device = self._layouts[self._loss][4]
+        arena = Arena(self.plan["arena_bytes"], device)
+        placed: Dict[int, torch.Tensor] = {}
+        for i, t in enumerate(self.graph["tensors"]):
+            if "view_of" in t or t["size"] == 0 or t["id"] not in offsets:
+                continue
+            placed[i] = arena.view(offsets[t["id"]], self._layouts[i])
+        with torch.no_grad():
+            for i, x in list(self._bound.items()):
+                if i in placed:
+                    placed[i].copy_(x)
+                    x.data = placed[i]
+                    del placed[i]  # bound: lives there, nothing makes it
+        self._batch_slots = {i: placed.pop(i) for i, *_ in self._batch_layouts if i in placed}
+        self._placed = placed
+        self._arena = arena
+        return arena
+
+    def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False) -> torch.Tensor:
         """One training step on `batch`; `order` is ``"planned"`` or
         ``"eager"`` (the recorded order, for comparison). With `track`, a
         :class:`StorageTracker` measures the live tensor bytes on the step's
-        device and :attr:`tracked_peak_bytes` holds its peak."""
+        device and :attr:`tracked_peak_bytes` holds its peak (with `arena`,
+        the arena counts as one storage). With `arena`, every tensor the
+        plan places is made at its offset in one buffer (see
+        :meth:`place`); the batch is copied into its place."""
         prog = self.program(order)
         env: Dict[int, torch.Tensor] = dict(self._bound)
         self._bind_batch(batch, env)
+        if arena:
+            if order != "planned":
+                raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
+            self.place()
+            for i, slot in self._batch_slots.items():
+                slot.copy_(env[i])
+                env[i] = slot
         numbers = self._hyper.values(_optim.advance_steps(self.optimizer, self._updated))
+
+        def go():
+            if arena:
+                self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
+            else:
+                prog.run(env, numbers, self._optimizer_calls)
+
         if track:
             tracker = StorageTracker(self.device)
             for x in env.values():
                 tracker.track(x)
             tracker.measure()
             with tracker:
-                prog.run(env, numbers, self._optimizer_calls)
+                go()
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
-            prog.run(env, numbers, self._optimizer_calls)
+            go()
         return env[self._loss]
 
     __call__ = run
@@ -224,7 +274,9 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
             raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
         f = reg(x, f"input:{nm}", "input")
         fleaves.append(f)
-        batch_layouts.append((rec.index_of(f), tuple(x.shape), x.dtype, x.device, nm))
+        i = rec.index_of(f)
+        del bound[i]  # each call binds its own batch
+        batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
     fbatch = tree_unflatten(fleaves, spec)
     for f, p in zip(fp.values(), params.values()):
         f.requires_grad_(p.requires_grad)

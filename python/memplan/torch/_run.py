@@ -40,7 +40,8 @@ class StorageTracker(TorchDispatchMode):
             return
         st = x.untyped_storage()
         ref = StorageWeakRef(st)
-        if ref.cdata not in self._live:
+        seen = self._live.get(ref.cdata)
+        if seen is None or seen[0].expired():  # new, or a dead one's address reused
             self._live[ref.cdata] = (ref, st.nbytes())
 
     def measure(self) -> int:
@@ -113,4 +114,117 @@ class Program:
                     flat = None
                 out = None  # no reference may outlive the table's
                 for i in self.dies[pos]:
+                    env.pop(i, None)
+
+
+def out_variant(func):
+    """The ``out=`` overload of `func` and the names of its out arguments,
+    or None. Its other arguments must be `func`'s, by name."""
+    if func.namespace != "aten":
+        return None
+    packet = func.overloadpacket
+    names = [a.name for a in func._schema.arguments]
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        outs = [a.name for a in cand._schema.arguments if a.is_out]
+        rest = [a.name for a in cand._schema.arguments if not a.is_out]
+        if outs and rest == names and len(outs) == len(func._schema.returns):
+            return cand, outs
+    return None
+
+
+class Arena:
+    """One buffer of the planned size on the step's device; every tensor the
+    plan places gets a view of it at its offset, with the recorded shape,
+    strides and dtype.
+
+    Ops that make new tensors run as their ``out=`` overload, writing into
+    their planned places. An op without one (or whose outputs include a
+    view) runs as recorded and its new outputs are copied into their places;
+    those results are the only tensor bytes outside the arena (at most
+    :attr:`outside_peak_bytes` at once, freed right after the copy), and
+    :attr:`fallbacks` holds the ops that needed it.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._typed: Dict[torch.dtype, torch.Tensor] = {}
+        self.fallbacks: set = set()
+        self._expect: Dict[int, tuple] = {}
+        # The most bytes a fallback op's results held outside the arena.
+        self.outside_peak_bytes = 0
+
+    def view(self, offset: int, layout) -> torch.Tensor:
+        shape, stride, storage_offset, dtype, _ = layout
+        size = torch.empty((), dtype=dtype, device="meta").element_size()
+        if offset % size:
+            raise ValueError(f"offset {offset} is not a multiple of the element size {size}")
+        typed = self._typed.get(dtype)
+        if typed is None:
+            n = self.buffer.numel() - self.buffer.numel() % size
+            typed = self._typed[dtype] = self.buffer[:n].view(dtype)
+        t = typed.as_strided(shape, stride, offset // size + storage_offset)
+        self._expect[id(t)] = (tuple(shape), tuple(stride), t.data_ptr())
+        return t
+
+    def _intact(self, t: torch.Tensor) -> bool:
+        return (tuple(t.shape), tuple(t.stride()), t.data_ptr()) == self._expect.get(id(t))
+
+    def run(self, prog: "Program", placed: Dict[int, torch.Tensor], env: Dict[int, torch.Tensor],
+            numbers: Dict[float, float], optimizer_calls: Sequence[bool]) -> None:
+        """Runs `prog` with every new tensor in `placed` made in place."""
+        cache: Dict[Any, Any] = {}
+
+        def bind(x):
+            return env[x.index] if isinstance(x, Ref) else x
+
+        def bind_numbers(x):
+            if isinstance(x, Ref):
+                return env[x.index]
+            return numbers.get(x, x) if isinstance(x, float) else x
+
+        with torch.no_grad():
+            for pos, k in enumerate(prog.order):
+                c = prog.calls[k]
+                f = bind_numbers if optimizer_calls[k] else bind
+                args, kwargs = tree_map(f, c.args), tree_map(f, c.kwargs)
+                targets = [(p, i) for p, i in c.outputs if i in placed]
+                variant = None
+                if targets and len(targets) == len(c.outputs) and k not in self.fallbacks:
+                    if c.func not in cache:
+                        cache[c.func] = out_variant(c.func)
+                    variant = cache[c.func]
+                    if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
+                        variant = None
+                if variant is not None:
+                    fn, names = variant
+                    outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
+                    try:
+                        fn(*args, **kwargs, **outs)
+                    except (RuntimeError, TypeError):
+                        variant = None
+                    # An out= kernel may restride or resize its output
+                    # (leaving the arena): then it runs as recorded.
+                    if variant is None or not all(self._intact(placed[i]) for _, i in targets):
+                        self.fallbacks.add(k)
+                        variant = None
+                    else:
+                        for _, i in targets:
+                            env[i] = placed[i]
+                if variant is None:
+                    out = c.func(*args, **kwargs)
+                    flat = tree_flatten(out)[0] if c.outputs else []
+                    made = {flat[p].untyped_storage().data_ptr(): flat[p].untyped_storage().nbytes()
+                            for p, i in c.outputs if i in placed}
+                    self.outside_peak_bytes = max(self.outside_peak_bytes, sum(made.values()))
+                    for p, i in c.outputs:
+                        if i in placed:
+                            placed[i].copy_(flat[p])
+                            env[i] = placed[i]
+                            self.fallbacks.add(k)
+                        else:
+                            env[i] = flat[p]
+                    out = flat = None
+                args = kwargs = None
+                for i in prog.dies[pos]:
                     env.pop(i, None)

@@ -14,7 +14,10 @@ bytes on the CPU, peak over the step):
   recorded, values dropped after their last use;
 - ``memplan``: the captured step in memplan's order.
 
-and prints the plan's max live bytes and lower bound next to them.
+and prints the plan's max live bytes and lower bound next to them; then
+the arena run (``run(..., arena=True)``): the planned arena, and the
+tracked peak in that mode (the arena plus the results of ops without an
+``out=`` variant, briefly outside it).
 ``--gpt2-xl DIR`` captures GPT-2 XL (batch 1, sequence 1024) built on the
 meta device, traced as a CPU step, plans it, reports the times and writes
 the graph to ``DIR/gpt2-xl-b1.json.gz`` for ``memplan compare`` (which
@@ -107,14 +110,17 @@ def small(time_limit: float):
         recorded = step.tracked_peak_bytes
         step.run(batch, track=True)
         s = step.stats
+        step.run(batch, arena=True, track=True)
         rows.append((name, s["ops"], s["capture_seconds"], s["plan_seconds"], eager, recorded,
-                     s["tracked_peak_bytes"], s["max_live_bytes"], s["lower_bound_bytes"]))
+                     s["tracked_peak_bytes"], s["max_live_bytes"], s["lower_bound_bytes"],
+                     s["arena_bytes"], step.tracked_peak_bytes))
     mib = 1 << 20
     print(f"{'model':18} {'ops':>6} {'capture':>8} {'plan':>6} {'eager':>9} {'recorded':>9} "
-          f"{'memplan':>9} {'plan live':>9} {'bound':>9} {'memplan/eager':>13}")
+          f"{'memplan':>9} {'plan live':>9} {'bound':>9} {'memplan/eager':>13} {'arena':>9} {'in arena':>9}")
     for r in rows:
         print(f"{r[0]:18} {r[1]:6} {r[2]:7.2f}s {r[3]:5.2f}s {r[4] / mib:8.1f}M {r[5] / mib:8.1f}M "
-              f"{r[6] / mib:8.1f}M {r[7] / mib:8.1f}M {r[8] / mib:8.1f}M {r[6] / r[4]:13.3f}")
+              f"{r[6] / mib:8.1f}M {r[7] / mib:8.1f}M {r[8] / mib:8.1f}M {r[6] / r[4]:13.3f} "
+              f"{r[9] / mib:8.1f}M {r[10] / mib:8.1f}M")
 
 
 def gpt2_xl(out_dir: str, time_limit: float):
