@@ -66,7 +66,6 @@ class Step:
         self.graph = graph
         self.device = rec.device
         self._calls = rec.calls
-        self._parent = rec.parent
         self._bound = bound  # graph tensor index -> caller's tensor
         self._batch_spec = batch_spec
         self._batch_layouts = batch_layouts  # (index, shape, dtype, device) per leaf
@@ -106,7 +105,7 @@ class Step:
             else:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
             keep = list(self._bound) + [self._loss]
-            self._programs[order] = Program(self._calls, seq, self._parent, keep)
+            self._programs[order] = Program(self._calls, seq, keep)
         return self._programs[order]
 
     @property

@@ -47,7 +47,6 @@ class Hyper:
         self.optimizer = optimizer
         self.kind = _kind(optimizer)
         names = ADAM_NUMBERS if self.kind in ("adam", "adamw") else SGD_NUMBERS
-        self.names = names
         self.markers: List[Dict[str, float]] = [
             {n: _marker(g, k) for k, n in enumerate(names)}
             for g in range(len(optimizer.param_groups))

@@ -15,7 +15,7 @@ peak is what the run really held in tensors, whatever the runner believes.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -66,8 +66,7 @@ class Program:
     """The calls of a step in one order, with the tensors that die after
     each position."""
 
-    def __init__(self, calls: Sequence[Call], order: Sequence[int], parent: Sequence[Optional[int]],
-                 keep: Sequence[int]) -> None:
+    def __init__(self, calls: Sequence[Call], order: Sequence[int], keep: Sequence[int]) -> None:
         self.calls = calls
         self.order = list(order)
         last: Dict[int, int] = {}
@@ -84,29 +83,32 @@ class Program:
             if i not in kept:
                 self.dies[pos].append(i)
 
-    def run(self, env: Dict[int, torch.Tensor], numbers: Dict[float, float],
-            optimizer_calls: Sequence[bool]) -> None:
-        """Runs every call in order on the values in `env` (graph tensor
-        index -> tensor), substituting the optimizer's markers in the calls
-        flagged in `optimizer_calls`."""
+    def bound_args(self, k: int, env: Dict[int, torch.Tensor], numbers: Dict[float, float],
+                   optimizer_calls: Sequence[bool]):
+        """Call `k`'s arguments with the values in `env` (graph tensor index
+        -> tensor) and, in an optimizer call, the markers' values."""
 
         def bind(x):
             if isinstance(x, Ref):
                 return env[x.index]
+            if subst and isinstance(x, float):
+                return numbers.get(x, x)
             return x
 
-        def bind_numbers(x):
-            if isinstance(x, Ref):
-                return env[x.index]
-            if isinstance(x, float) and x in numbers:
-                return numbers[x]
-            return x
+        subst = optimizer_calls[k]
+        c = self.calls[k]
+        return tree_map(bind, c.args), tree_map(bind, c.kwargs)
 
+    def run(self, env: Dict[int, torch.Tensor], numbers: Dict[float, float],
+            optimizer_calls: Sequence[bool]) -> None:
+        """Runs every call in order on the values in `env`, substituting the
+        optimizer's markers in the calls flagged in `optimizer_calls`."""
         with torch.no_grad():
             for pos, k in enumerate(self.order):
                 c = self.calls[k]
-                f = bind_numbers if optimizer_calls[k] else bind
-                out = c.func(*tree_map(f, c.args), **tree_map(f, c.kwargs))
+                args, kwargs = self.bound_args(k, env, numbers, optimizer_calls)
+                out = c.func(*args, **kwargs)
+                args = kwargs = None
                 if c.outputs:
                     flat = tree_flatten(out)[0]
                     for p, i in c.outputs:
@@ -151,6 +153,7 @@ class Arena:
         self._typed: Dict[torch.dtype, torch.Tensor] = {}
         self.fallbacks: set = set()
         self._expect: Dict[int, tuple] = {}
+        self._variants: Dict[Any, Any] = {}  # op -> its out= overload, or None
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
 
@@ -173,27 +176,16 @@ class Arena:
     def run(self, prog: "Program", placed: Dict[int, torch.Tensor], env: Dict[int, torch.Tensor],
             numbers: Dict[float, float], optimizer_calls: Sequence[bool]) -> None:
         """Runs `prog` with every new tensor in `placed` made in place."""
-        cache: Dict[Any, Any] = {}
-
-        def bind(x):
-            return env[x.index] if isinstance(x, Ref) else x
-
-        def bind_numbers(x):
-            if isinstance(x, Ref):
-                return env[x.index]
-            return numbers.get(x, x) if isinstance(x, float) else x
-
         with torch.no_grad():
             for pos, k in enumerate(prog.order):
                 c = prog.calls[k]
-                f = bind_numbers if optimizer_calls[k] else bind
-                args, kwargs = tree_map(f, c.args), tree_map(f, c.kwargs)
+                args, kwargs = prog.bound_args(k, env, numbers, optimizer_calls)
                 targets = [(p, i) for p, i in c.outputs if i in placed]
                 variant = None
                 if targets and len(targets) == len(c.outputs) and k not in self.fallbacks:
-                    if c.func not in cache:
-                        cache[c.func] = out_variant(c.func)
-                    variant = cache[c.func]
+                    if c.func not in self._variants:
+                        self._variants[c.func] = out_variant(c.func)
+                    variant = self._variants[c.func]
                     if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
                         variant = None
                 if variant is not None:
