@@ -115,6 +115,10 @@ pub enum Error {
     Invalid(String),
     #[error("solver: {0}")]
     Solver(String),
+    /// No plan within the memory budget (`memplan fit`); the message gives
+    /// the best found and the bound that shows how far it can go.
+    #[error("{0}")]
+    DoesNotFit(String),
 }
 
 fn display_path(p: &Option<PathBuf>) -> String {

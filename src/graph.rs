@@ -199,8 +199,12 @@ pub struct Op {
     pub reuse: Vec<(TensorId, TensorId)>,
     /// Ops that must run before it, beyond its data dependencies.
     pub after: Vec<OpId>,
-    /// Estimated cost (e.g. seconds or FLOPs), if known.
+    /// Estimated run time in seconds, if known; overrides the cost model
+    /// ([`crate::cost`]).
     pub cost: Option<f64>,
+    /// Floating-point operations it performs, if known; else the cost model
+    /// estimates them from its type and shapes.
+    pub flops: Option<f64>,
     /// The stream it is issued on (0 by default).
     pub stream: u32,
     /// Op-specific attributes (shapes, hyper-parameters) for executors.
@@ -267,6 +271,14 @@ impl Graph {
         self.extra_orders.retain(|(n, _)| *n != name);
         self.extra_orders.push((name, order));
         Ok(())
+    }
+
+    /// Sets every op's `flops` (one figure per op, in id order).
+    pub fn set_flops(&mut self, flops: &[f64]) {
+        assert_eq!(flops.len(), self.ops.len(), "one figure per op");
+        for (op, &f) in self.ops.iter_mut().zip(flops) {
+            op.flops = Some(f);
+        }
     }
 
     pub fn tensors(&self) -> &[Tensor] {
@@ -429,6 +441,7 @@ pub struct OpSpec {
     pub reuse: Vec<(TensorId, TensorId)>,
     pub after: Vec<OpId>,
     pub cost: Option<f64>,
+    pub flops: Option<f64>,
     pub stream: u32,
     pub attrs: serde_json::Map<String, serde_json::Value>,
 }
@@ -445,6 +458,7 @@ impl OpSpec {
             reuse: vec![],
             after: vec![],
             cost: None,
+            flops: None,
             stream: 0,
             attrs: Default::default(),
         }
@@ -472,6 +486,10 @@ impl OpSpec {
     }
     pub fn cost(mut self, c: f64) -> Self {
         self.cost = Some(c);
+        self
+    }
+    pub fn flops(mut self, f: f64) -> Self {
+        self.flops = Some(f);
         self
     }
     pub fn stream(mut self, s: u32) -> Self {
@@ -576,6 +594,16 @@ impl GraphBuilder {
                     op: o.name.clone(),
                     stream: o.stream as u64,
                 });
+            }
+            for (field, v) in [("cost", o.cost), ("flops", o.flops)] {
+                if let Some(v) = v
+                    && !(v.is_finite() && v >= 0.0)
+                {
+                    return Err(GraphError::Other(format!(
+                        "op {:?}: {field} must be a finite number >= 0, got {v}",
+                        o.name
+                    )));
+                }
             }
         }
 
@@ -873,6 +901,7 @@ impl GraphBuilder {
                 reuse: s.reuse,
                 after: s.after,
                 cost: s.cost,
+                flops: s.flops,
                 stream: s.stream,
                 attrs: s.attrs,
             })

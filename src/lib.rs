@@ -13,6 +13,8 @@
 //!   the allocator (`memplan-allocator`, offsets).
 //! - [`exec`]: a graph and its plan lowered to the executor's program
 //!   (`memplan-runtime`), and the unplanned reference.
+//! - [`fit`]: fitting a step into a memory budget by recomputation
+//!   (`memplan fit`), priced by [`cost`] (FLOPs, bytes, roofline time).
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
 //! - [`bench`]: benchmarks over many graphs and the peak record;
@@ -50,8 +52,10 @@ pub mod api;
 pub mod baselines;
 pub mod bench;
 pub mod checker;
+pub mod cost;
 pub mod error;
 pub mod exec;
+pub mod fit;
 pub mod graph;
 pub mod io;
 pub mod lower;

@@ -140,31 +140,31 @@ pub fn layout_problem(g: &Graph, low: &Lowered, ev: &Evaluation) -> LayoutProble
     let groups = solver::simulate::reuse_groups(p, &ev.taken);
     let mut group_of_buf = vec![usize::MAX; p.num_bufs()];
     let mut buffers: Vec<alloc::Buffer> = Vec::new();
-    for b in p.buf_ids() {
-        let head = groups[b.index()];
-        let gi = if head == b {
-            let t = g.tensor(low.tensor_of_buf[b.index()]);
-            buffers.push(alloc::Buffer {
-                id: t.name.clone(),
-                lower: ev.birth[b.index()] as u64,
-                upper: ev.death[b.index()] as u64 + 1,
-                size: t.size,
-                align: t.align.max(1),
-                pinned: None,
-            });
-            buffers.len() - 1
-        } else {
-            // Reuse chains point to an earlier buffer's group.
-            let gi = group_of_buf[head.index()];
-            debug_assert!(gi != usize::MAX);
-            let t = g.tensor(low.tensor_of_buf[b.index()]);
-            let x = &mut buffers[gi];
-            x.lower = x.lower.min(ev.birth[b.index()] as u64);
-            x.upper = x.upper.max(ev.death[b.index()] as u64 + 1);
-            x.size = x.size.max(t.size);
-            x.align = lcm(x.align, t.align.max(1));
-            gi
-        };
+    // Heads first: a reuse chain's head may have a larger index than its
+    // members (recomputed copies are added after the tensors that reuse
+    // their bytes).
+    let (heads, members): (Vec<_>, Vec<_>) = p.buf_ids().partition(|&b| groups[b.index()] == b);
+    for b in heads {
+        let t = g.tensor(low.tensor_of_buf[b.index()]);
+        buffers.push(alloc::Buffer {
+            id: t.name.clone(),
+            lower: ev.birth[b.index()] as u64,
+            upper: ev.death[b.index()] as u64 + 1,
+            size: t.size,
+            align: t.align.max(1),
+            pinned: None,
+        });
+        group_of_buf[b.index()] = buffers.len() - 1;
+    }
+    for b in members {
+        let gi = group_of_buf[groups[b.index()].index()];
+        debug_assert!(gi != usize::MAX);
+        let t = g.tensor(low.tensor_of_buf[b.index()]);
+        let x = &mut buffers[gi];
+        x.lower = x.lower.min(ev.birth[b.index()] as u64);
+        x.upper = x.upper.max(ev.death[b.index()] as u64 + 1);
+        x.size = x.size.max(t.size);
+        x.align = lcm(x.align, t.align.max(1));
         group_of_buf[b.index()] = gi;
     }
     LayoutProblem {

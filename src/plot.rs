@@ -402,6 +402,55 @@ fn draw_layout<DB: DrawingBackend>(
     Ok(())
 }
 
+/// The budget / added-cost curve of `memplan fit --pareto` as SVG: the
+/// fitted arena against the added FLOPs (percent of the step), one point
+/// per budget that fits.
+pub fn pareto_svg(title: &str, points: &[(u64, f64)], floor: u64) -> Result<String, Error> {
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, 600)).into_drawing_area();
+        draw_pareto(&root, title, points, floor).map_err(draw_err)?;
+        root.present().map_err(draw_err)?;
+    }
+    Ok(out)
+}
+
+fn draw_pareto<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    points: &[(u64, f64)],
+    floor: u64,
+) -> DrawResult<DB::ErrorType> {
+    root.fill(&WHITE)?;
+    let xmax = points.iter().map(|p| p.0).max().unwrap_or(1).max(floor) as f64 * 1.05;
+    let xmin = floor as f64 * 0.95;
+    let ymax = points.iter().map(|p| p.1).fold(1.0, f64::max) * 1.15;
+    let (unit, scale) = crate::timeline::byte_unit(xmax);
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d(xmin..xmax, 0f64..ymax)?;
+    chart
+        .configure_mesh()
+        .x_desc(format!("planned arena ({unit})"))
+        .y_desc("added FLOPs (% of the step)")
+        .x_label_formatter(&|v| format!("{:.2}", v / scale))
+        .y_label_formatter(&|v| format!("{v:.1}"))
+        .draw()?;
+    let pts: Vec<(f64, f64)> = points.iter().map(|&(a, c)| (a as f64, c)).collect();
+    chart.draw_series(LineSeries::new(pts.clone(), BLUE.stroke_width(2)))?;
+    chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, BLUE.filled())))?;
+    chart.draw_series(DashedLineSeries::new(
+        vec![(floor as f64, 0.0), (floor as f64, ymax)],
+        6,
+        4,
+        RED.stroke_width(1),
+    ))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

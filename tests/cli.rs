@@ -304,3 +304,64 @@ fn llama_mixed_precision_and_fsdp_options() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("mixed precision"), "{}", stderr(&o));
 }
+
+#[test]
+fn fit_writes_a_plan_that_checks_and_refuses_what_cannot_fit() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-fit");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plan, graph) = (dir.join("plan.json"), dir.join("graph.json"));
+    let args = [
+        "fit",
+        "--example",
+        "gpt2-small",
+        "--layers",
+        "6",
+        "--budget",
+        "90%",
+        "--json",
+        "--time-limit",
+        "20",
+    ];
+    let mut with_out = args.to_vec();
+    with_out.extend([
+        "-o",
+        plan.to_str().unwrap(),
+        "--output-graph",
+        graph.to_str().unwrap(),
+    ]);
+    let v = json(&with_out);
+    let arena = v["arena_bytes"].as_u64().unwrap();
+    assert!(arena <= v["budget_bytes"].as_u64().unwrap());
+    assert!(arena < v["no_recompute_arena_bytes"].as_u64().unwrap());
+    assert!(!v["recomputed_ops"].as_array().unwrap().is_empty());
+    assert!(v["added_flops"].as_f64().unwrap() > 0.0);
+    // The plan names the recomputed tensors: it checks against the graph
+    // written beside it.
+    let c = json(&[
+        "check",
+        graph.to_str().unwrap(),
+        plan.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(c["max_live_bytes"].as_u64().unwrap() <= arena);
+    // Below the floor: exit code 1, the bound and its reason.
+    let o = memplan(&[
+        "fit",
+        "--example",
+        "gpt2-small",
+        "--layers",
+        "2",
+        "--budget",
+        "1MiB",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("needs at least") && e.contains("alone needs"),
+        "{e}"
+    );
+    // A budget that is not a size.
+    let o = memplan(&["fit", "--example", "mlp", "--budget", "lots"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--budget"), "{}", stderr(&o));
+}

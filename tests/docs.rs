@@ -215,7 +215,7 @@ fn schema_fields_match_the_reader() {
         keys(&s["$defs"]["op"]["properties"]),
         full(&[
             "id", "kind", "type", "inputs", "outputs", "updates", "reuse", "after", "cost",
-            "stream", "attrs"
+            "flops", "stream", "attrs"
         ])
     );
     // Every field the schema lists is one the reader knows: a graph using

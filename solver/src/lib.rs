@@ -52,6 +52,13 @@
 //!    stops as soon as it meets it, and parts whose peak is below the best
 //!    global bound are not worked on, since they cannot set the peak.
 //!
+//! # Recomputation
+//! [`remat`] chooses which forward ops to run again in the backward pass so
+//! that a step fits a memory budget at the least added cost: exact over
+//! subsets for a few candidates, else greedy at the planned peak with
+//! checkpointing-style starts, then pruned; the caller's planner prices
+//! every set.
+//!
 //! # Guarantees
 //! Every returned order is valid; it is never worse than the orders the
 //! caller passes in; a part marked proven is optimal; the whole order is
@@ -94,6 +101,7 @@ pub mod placement;
 pub mod problem;
 pub mod profile;
 pub mod random;
+pub mod remat;
 pub mod report;
 pub mod simulate;
 pub mod solve;

@@ -1,6 +1,5 @@
 //! The commands behind the CLI.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -46,6 +45,7 @@ pub fn run(cmd: Command) -> Result<()> {
         Command::Bench(a) => super::bench::run(a),
         Command::Plot(a) => super::plot::run(a),
         Command::Trace(a) => super::trace::run(a),
+        Command::Fit(a) => super::fit::run(a),
     }
 }
 
@@ -369,19 +369,7 @@ fn export(src: &GraphArgs, output: &Path) -> Result<()> {
         bail!("export needs --example NAME");
     }
     let g = load(None, src)?;
-    let text = memplan::io::json::write_graph(&g);
-    let is_gz = output.extension().is_some_and(|e| e == "gz");
-    let file =
-        std::fs::File::create(output).with_context(|| format!("creating {}", output.display()))?;
-    if is_gz {
-        let mut enc = flate2::write::GzEncoder::new(file, flate2::Compression::default());
-        enc.write_all(text.as_bytes())?;
-        enc.finish()?;
-    } else {
-        let mut f = std::io::BufWriter::new(file);
-        f.write_all(text.as_bytes())?;
-        f.flush()?;
-    }
+    memplan::io::save_graph(&g, output)?;
     eprintln!(
         "wrote {} ({} ops, {} tensors) to {}",
         g.name,

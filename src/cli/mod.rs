@@ -3,6 +3,7 @@
 mod alloc;
 mod bench;
 mod commands;
+mod fit;
 pub mod format;
 mod plot;
 mod progress;
@@ -154,6 +155,9 @@ pub enum Command {
     Plot(plot::PlotArgs),
     /// Write a plan's memory timeline as a Chrome / Perfetto trace (JSON).
     Trace(trace::TraceArgs),
+    /// Fit a step into a memory budget: choose what to recompute, at the
+    /// least added cost, then plan; or show that nothing fits.
+    Fit(fit::FitArgs),
 }
 
 /// Parses the arguments and runs; returns the process exit code.

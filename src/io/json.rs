@@ -88,6 +88,8 @@ pub struct OpRecord {
     pub after: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops: Option<f64>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub stream: u32,
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
@@ -204,6 +206,7 @@ pub fn from_file(file: GraphFile) -> Result<Graph, GraphError> {
             })
             .collect::<Result<_, _>>()?;
         spec.cost = o.cost;
+        spec.flops = o.flops;
         spec.stream = o.stream;
         spec.attrs = o.attrs.clone();
         b.add_op(spec);
@@ -267,6 +270,7 @@ pub fn to_file(g: &Graph) -> GraphFile {
                     .collect(),
                 after: o.after.iter().map(|&a| g.op(a).name.clone()).collect(),
                 cost: o.cost,
+                flops: o.flops,
                 stream: o.stream,
                 attrs: o.attrs.clone(),
             })

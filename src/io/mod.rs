@@ -42,6 +42,27 @@ pub fn read_text(path: &Path) -> Result<String, Error> {
     })
 }
 
+/// Writes `g` as memplan JSON, gzip-compressed when `path` ends in `.gz`.
+pub fn save_graph(g: &Graph, path: &Path) -> Result<(), Error> {
+    use std::io::Write;
+    let io_err = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let text = json::write_graph(g);
+    let file = std::fs::File::create(path).map_err(io_err)?;
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut enc = flate2::write::GzEncoder::new(file, flate2::Compression::default());
+        enc.write_all(text.as_bytes()).map_err(io_err)?;
+        enc.finish().map_err(io_err)?;
+    } else {
+        let mut f = std::io::BufWriter::new(file);
+        f.write_all(text.as_bytes()).map_err(io_err)?;
+        f.flush().map_err(io_err)?;
+    }
+    Ok(())
+}
+
 /// Loads a graph file, choosing the reader by its content.
 pub fn load_graph(path: &Path) -> Result<Graph, Error> {
     let text = read_text(path)?;

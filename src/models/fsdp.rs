@@ -765,6 +765,7 @@ impl Sharder<'_> {
             })?]);
         }
         spec.cost = op.cost;
+        spec.flops = op.flops;
         spec.attrs = op.attrs.clone();
         self.omap[o.index()] = Some(self.b.add_op(spec));
         Ok(())

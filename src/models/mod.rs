@@ -99,8 +99,15 @@ macro_rules! decoder_options {
     };
 }
 
-/// Builds a built-in example by name.
+/// Builds a built-in example by name, every op with its FLOPs
+/// ([`crate::cost`]).
 pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
+    let mut g = build_example(name, opts)?;
+    crate::cost::fill_flops(&mut g);
+    Ok(g)
+}
+
+fn build_example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
     if name == "mlp" {
         if opts.mixed_precision {
             return Err(Error::Invalid(

@@ -1,0 +1,505 @@
+//! Choosing what to recompute so that a step fits a memory budget.
+//!
+//! # Model
+//! A *candidate* is a forward op whose outputs the backward pass reads.
+//! Choosing it means that the backward pass reads a second copy of those
+//! outputs, made by running the op again just before they are needed; the
+//! first copies die at their last forward use. The price is the op's cost;
+//! the gain is whatever the outputs held across the peak, less what the op's
+//! inputs now have to hold until the recomputation (unless they are
+//! recomputed too: a chosen op whose input comes from another chosen op
+//! reads that op's copy, so chains recompute from the nearest kept value).
+//!
+//! Whether a set of choices fits is not a sum of sizes: the peak moves, and
+//! the order and layout are re-planned for every set. The search therefore
+//! asks an [`Oracle`] (the caller's planner) for the planned peak of a set,
+//! and for the candidates that sit idle across that peak.
+//!
+//! # Search
+//! 1. **Exact**, when there are few candidates ([`FitParams::exact_candidates`]):
+//!    every subset in increasing cost; the first whose plan fits is the
+//!    cheapest, and it is *proven* cheapest when every cheaper subset's
+//!    planned peak was proven minimal for its set (the oracle says so when
+//!    its plan meets its lower bound) and above the budget.
+//! 2. **Greedy** otherwise (and when the exact search runs out of probes):
+//!    while the peak is above the budget, take the idle candidates at the
+//!    peak by bytes freed per unit of cost until they cover the excess;
+//!    re-plan; repeat. Cheap, large values go first, which is what selective
+//!    activation checkpointing does by hand (norms and pointwise ops before
+//!    matrix products).
+//! 3. **Pruning**: the greedy overshoots, so each chosen candidate, most
+//!    expensive first, is dropped again if the step still fits without it.
+//!
+//! Every probe is a full plan of a transformed step, so the search is
+//! bounded by time ([`Budget`]) and keeps the cheapest fitting set found;
+//! when nothing fits it keeps the set with the lowest peak.
+
+use crate::Budget;
+
+/// One recomputable op, as the search sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// What recomputing it costs (seconds, or any unit used consistently).
+    pub cost: f64,
+    /// Bytes of its outputs that the backward pass reads.
+    pub bytes: u64,
+}
+
+/// What the oracle found for one set of choices.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Probe {
+    /// The planned peak (arena bytes) with the set.
+    pub peak: u64,
+    /// Groups of candidates not in the set that hold bytes across the peak
+    /// without being used there, with the bytes recomputing the group would
+    /// free there (a group is a candidate with the producers of the inputs
+    /// it would otherwise keep alive).
+    pub idle: Vec<(Vec<usize>, u64)>,
+    /// Whether `peak` is the least any order and layout of this set reach.
+    pub proven: bool,
+}
+
+/// The caller's planner.
+pub trait Oracle {
+    /// Plans the step with the candidates marked in `chosen` recomputed.
+    fn probe(&mut self, chosen: &[bool]) -> Probe;
+}
+
+/// Limits of the search.
+#[derive(Clone, Debug)]
+pub struct FitParams {
+    /// Up to this many candidates, every subset is tried in cost order.
+    pub exact_candidates: usize,
+    /// Probes the exact search may spend before the greedy takes over.
+    pub exact_probes: usize,
+}
+
+impl Default for FitParams {
+    fn default() -> Self {
+        FitParams {
+            exact_candidates: 14,
+            exact_probes: 20_000,
+        }
+    }
+}
+
+/// The outcome of [`select`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Selection {
+    /// The chosen candidates.
+    pub chosen: Vec<bool>,
+    /// Planned peak with them.
+    pub peak: u64,
+    /// Their summed cost.
+    pub cost: f64,
+    /// Whether the peak is within the budget.
+    pub fits: bool,
+    /// Whether no cheaper set fits (exact search, every cheaper peak proven).
+    pub optimal: bool,
+    /// Whether the exact search ran to its end (every subset up to the
+    /// answer was probed).
+    pub exhaustive: bool,
+    /// Whether no subset fits, proven: every subset probed, each peak
+    /// proven minimal for its set.
+    pub proven_infeasible: bool,
+    /// Plans made.
+    pub probes: usize,
+    /// Whether the time budget cut the search short.
+    pub stopped_by_time: bool,
+}
+
+struct Search<'a, O: Oracle> {
+    cands: &'a [Candidate],
+    budget_bytes: u64,
+    oracle: &'a mut O,
+    time: &'a Budget,
+    probes: usize,
+    /// Cheapest fitting set so far, else lowest peak.
+    best: Option<(Vec<bool>, Probe)>,
+}
+
+impl<O: Oracle> Search<'_, O> {
+    fn cost(&self, chosen: &[bool]) -> f64 {
+        chosen
+            .iter()
+            .zip(self.cands)
+            .filter(|(c, _)| **c)
+            .map(|(_, c)| c.cost)
+            .sum()
+    }
+
+    fn probe(&mut self, chosen: &[bool]) -> Probe {
+        self.probes += 1;
+        let p = self.oracle.probe(chosen);
+        let better = match &self.best {
+            None => true,
+            Some((b, bp)) => {
+                let fits = p.peak <= self.budget_bytes;
+                let bfits = bp.peak <= self.budget_bytes;
+                match (fits, bfits) {
+                    (true, false) => true,
+                    (false, true) => false,
+                    (true, true) => self.cost(chosen) < self.cost(b),
+                    (false, false) => p.peak < bp.peak,
+                }
+            }
+        };
+        if better {
+            self.best = Some((chosen.to_vec(), p.clone()));
+        }
+        p
+    }
+
+    /// Every subset in increasing cost. Returns `Some(optimal)` when it
+    /// found a fitting set or proved none exists, `None` when it ran out
+    /// of probes or time.
+    fn exact(&mut self, max_probes: usize) -> Option<bool> {
+        let n = self.cands.len();
+        let mut subsets: Vec<(f64, u32)> = (0..1u32 << n)
+            .map(|m| {
+                let c = (0..n)
+                    .filter(|i| m >> i & 1 == 1)
+                    .map(|i| self.cands[i].cost)
+                    .sum();
+                (c, m)
+            })
+            .collect();
+        subsets.sort_by(|a, b| {
+            a.0.total_cmp(&b.0)
+                .then(a.1.count_ones().cmp(&b.1.count_ones()))
+        });
+        let mut all_proven = true;
+        for (k, &(_, m)) in subsets.iter().enumerate() {
+            if k >= max_probes || self.time.expired() {
+                return None;
+            }
+            let chosen: Vec<bool> = (0..n).map(|i| m >> i & 1 == 1).collect();
+            let p = self.probe(&chosen);
+            if p.peak <= self.budget_bytes {
+                return Some(all_proven);
+            }
+            all_proven &= p.proven;
+        }
+        Some(all_proven)
+    }
+
+    /// Adds idle groups at the peak until the excess is covered, and
+    /// re-plans, until the step fits or nothing idle is left. A round that
+    /// raises the peak (recomputed chains can be live together) is undone
+    /// and its groups are tried one at a time; groups that raise the peak
+    /// on their own are not tried again.
+    fn greedy(&mut self, mut chosen: Vec<bool>, mut p: Probe) -> (Vec<bool>, Probe) {
+        let mut banned: Vec<Vec<usize>> = Vec::new();
+        // Share of the excess one round tries to cover: halved after a
+        // round that raised the peak, doubled after one that lowered it.
+        let mut share = 1.0f64;
+        while p.peak > self.budget_bytes && !self.time.expired() {
+            let excess = ((p.peak - self.budget_bytes) as f64 * share) as u64;
+            let mut idle: Vec<(f64, Vec<usize>, u64)> = p
+                .idle
+                .iter()
+                .filter(|(g, b)| *b > 0 && g.iter().any(|&i| !chosen[i]) && !banned.contains(g))
+                .map(|(g, b)| {
+                    let cost: f64 = g.iter().map(|&i| self.cands[i].cost).sum();
+                    (*b as f64 / cost.max(1e-30), g.clone(), *b)
+                })
+                .collect();
+            if idle.is_empty() {
+                break;
+            }
+            idle.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            let mut next = chosen.clone();
+            let mut taken = Vec::new();
+            let mut covered = 0u64;
+            for (_, group, b) in &idle {
+                if group.iter().all(|&i| next[i]) {
+                    continue;
+                }
+                for &i in group {
+                    next[i] = true;
+                }
+                taken.push(group.clone());
+                covered += b;
+                if covered >= excess {
+                    break;
+                }
+            }
+            let q = self.probe(&next);
+            if q.peak < p.peak || taken.len() == 1 && q.peak == p.peak {
+                (chosen, p) = (next, q);
+                share = (share * 2.0).min(1.0);
+                continue;
+            }
+            share /= 2.0;
+            if taken.len() == 1 {
+                banned.push(taken.swap_remove(0));
+                continue;
+            }
+            // One group at a time, best first, until one helps.
+            let mut moved = false;
+            for group in taken {
+                if self.time.expired() {
+                    break;
+                }
+                let mut one = chosen.clone();
+                for &i in &group {
+                    one[i] = true;
+                }
+                let q = self.probe(&one);
+                if q.peak < p.peak {
+                    (chosen, p) = (one, q);
+                    moved = true;
+                    break;
+                }
+                banned.push(group);
+            }
+            if !moved && idle.iter().all(|(_, g, _)| banned.contains(g)) {
+                break;
+            }
+        }
+        (chosen, p)
+    }
+
+    /// Drops chosen candidates, most expensive first, while the step fits:
+    /// in runs (a whole run at once when that fits, else each half), so a
+    /// large set needs far fewer plans than one per candidate.
+    fn prune(&mut self, mut chosen: Vec<bool>, mut p: Probe) -> (Vec<bool>, Probe) {
+        let mut order: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i]).collect();
+        order.sort_by(|&a, &b| {
+            self.cands[b]
+                .cost
+                .total_cmp(&self.cands[a].cost)
+                .then(a.cmp(&b))
+        });
+        let mut runs: Vec<&[usize]> = order.chunks(16).rev().collect();
+        while let Some(run) = runs.pop() {
+            if self.time.expired() {
+                break;
+            }
+            for &i in run {
+                chosen[i] = false;
+            }
+            let q = self.probe(&chosen);
+            if q.peak <= self.budget_bytes {
+                p = q;
+                continue;
+            }
+            for &i in run {
+                chosen[i] = true;
+            }
+            if run.len() > 1 {
+                let (a, b) = run.split_at(run.len() / 2);
+                runs.push(b);
+                runs.push(a);
+            }
+        }
+        (chosen, p)
+    }
+}
+
+/// Chooses candidates to recompute so that the planned peak is at most
+/// `budget_bytes`, at the least cost found; see the module docs.
+///
+/// `seeds` are sets worth trying as they are (e.g. checkpointing at every
+/// segment boundary); the cheapest fitting one, or the greedy's result, is
+/// then pruned.
+pub fn select<O: Oracle>(
+    cands: &[Candidate],
+    budget_bytes: u64,
+    oracle: &mut O,
+    params: &FitParams,
+    time: &Budget,
+    seeds: &[Vec<bool>],
+) -> Selection {
+    let n = cands.len();
+    let mut s = Search {
+        cands,
+        budget_bytes,
+        oracle,
+        time,
+        probes: 0,
+        best: None,
+    };
+    let none = vec![false; n];
+    let p0 = s.probe(&none);
+    let mut optimal = false;
+    let mut exhaustive = false;
+    let mut proven = false;
+    if p0.peak > budget_bytes {
+        let exact = if n <= params.exact_candidates {
+            s.exact(params.exact_probes)
+        } else {
+            None
+        };
+        match exact {
+            Some(all_proven) => {
+                exhaustive = true;
+                optimal = all_proven;
+                proven = all_proven;
+            }
+            None => {
+                let mut starts = vec![s.greedy(none, p0)];
+                for seed in seeds.iter().filter(|x| x.len() == n) {
+                    if s.time.expired() {
+                        break;
+                    }
+                    let p = s.probe(seed);
+                    starts.push((seed.clone(), p));
+                }
+                let fitting = starts
+                    .into_iter()
+                    .filter(|(_, p)| p.peak <= budget_bytes)
+                    .min_by(|a, b| s.cost(&a.0).total_cmp(&s.cost(&b.0)));
+                if let Some((chosen, p)) = fitting {
+                    s.prune(chosen, p);
+                }
+            }
+        }
+    } else {
+        optimal = true;
+        exhaustive = true;
+    }
+    let (chosen, p) = s.best.clone().expect("probed at least once");
+    let fits = p.peak <= budget_bytes;
+    Selection {
+        cost: s.cost(&chosen),
+        chosen,
+        peak: p.peak,
+        fits,
+        optimal: fits && optimal,
+        exhaustive,
+        proven_infeasible: !fits && proven,
+        probes: s.probes,
+        stopped_by_time: time.was_hit(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A toy oracle: the peak is `base` minus the bytes of the chosen
+    /// candidates, each freeing its bytes only while `gate` of it is chosen
+    /// too (so sums alone mislead).
+    struct Toy {
+        base: u64,
+        free: Vec<u64>,
+        needs: Vec<Option<usize>>,
+    }
+    impl Oracle for Toy {
+        fn probe(&mut self, chosen: &[bool]) -> Probe {
+            let gain = |i: usize| match self.needs[i] {
+                Some(j) if !chosen[j] => 0,
+                _ => self.free[i],
+            };
+            let saved: u64 = (0..chosen.len()).filter(|&i| chosen[i]).map(gain).sum();
+            Probe {
+                peak: self.base - saved,
+                idle: (0..chosen.len())
+                    .filter(|&i| !chosen[i])
+                    .map(|i| (vec![i], self.free[i]))
+                    .collect(),
+                proven: true,
+            }
+        }
+    }
+
+    fn cands(costs: &[f64], free: &[u64]) -> Vec<Candidate> {
+        costs
+            .iter()
+            .zip(free)
+            .map(|(&cost, &bytes)| Candidate { cost, bytes })
+            .collect()
+    }
+
+    /// Brute force: the cheapest subset whose toy peak fits.
+    fn brute(t: &mut Toy, c: &[Candidate], budget: u64) -> Option<f64> {
+        let n = c.len();
+        (0..1u32 << n)
+            .filter_map(|m| {
+                let ch: Vec<bool> = (0..n).map(|i| m >> i & 1 == 1).collect();
+                (t.probe(&ch).peak <= budget)
+                    .then(|| (0..n).filter(|&i| ch[i]).map(|i| c[i].cost).sum())
+            })
+            .min_by(f64::total_cmp)
+    }
+
+    #[test]
+    fn exact_search_finds_the_cheapest_fitting_set() {
+        let mut rng = 7u64;
+        let mut next = |m: u64| {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (rng >> 33) % m
+        };
+        for _ in 0..40 {
+            let n = 1 + next(8) as usize;
+            let free: Vec<u64> = (0..n).map(|_| 1 + next(50)).collect();
+            let costs: Vec<f64> = (0..n).map(|_| 1.0 + next(20) as f64).collect();
+            let needs = (0..n)
+                .map(|i| (i > 0 && next(3) == 0).then(|| next(i as u64) as usize))
+                .collect();
+            let base = 1000;
+            let mut toy = Toy { base, free, needs };
+            let c = cands(&costs, &toy.free);
+            let budget = base - next(120);
+            let want = brute(&mut toy, &c, budget);
+            let s = select(
+                &c,
+                budget,
+                &mut toy,
+                &FitParams::default(),
+                &Budget::unlimited(),
+                &[],
+            );
+            assert_eq!(s.fits, want.is_some());
+            if let Some(w) = want {
+                assert_eq!(s.cost, w);
+                assert!(s.optimal && s.peak <= budget);
+            } else {
+                assert!(s.exhaustive && !s.optimal && s.proven_infeasible);
+            }
+        }
+    }
+
+    #[test]
+    fn greedy_fits_and_prunes_what_it_did_not_need() {
+        // Forty candidates: too many for the exact search.
+        let n = 40;
+        let free: Vec<u64> = (0..n).map(|i| 10 + i as u64).collect();
+        let costs: Vec<f64> = (0..n).map(|i| 1.0 + (i % 7) as f64).collect();
+        let mut toy = Toy {
+            base: 10_000,
+            free,
+            needs: vec![None; n],
+        };
+        let c = cands(&costs, &toy.free);
+        let s = select(
+            &c,
+            9_700,
+            &mut toy,
+            &FitParams::default(),
+            &Budget::unlimited(),
+            &[],
+        );
+        assert!(s.fits && s.peak <= 9_700 && !s.optimal);
+        // Pruned: no chosen candidate can be dropped.
+        for i in (0..n).filter(|&i| s.chosen[i]) {
+            let mut ch = s.chosen.clone();
+            ch[i] = false;
+            assert!(toy.probe(&ch).peak > 9_700, "candidate {i} was not needed");
+        }
+        // Out of reach: the lowest peak is kept and reported as not fitting.
+        let all: u64 = toy.free.iter().sum();
+        let s = select(
+            &c,
+            10_000 - all - 1,
+            &mut toy,
+            &FitParams::default(),
+            &Budget::unlimited(),
+            &[],
+        );
+        assert!(!s.fits && s.peak == 10_000 - all);
+    }
+}

@@ -1,0 +1,741 @@
+//! Fitting a step into a memory budget by recomputation.
+//!
+//! [`fit`] answers "what is the cheapest way to run this step in `N`
+//! bytes?". It chooses forward ops to run a second time in the backward
+//! pass (activation recomputation), then orders and lays out the step as
+//! [`crate::plan`] does, so the arena is at most `N` bytes; or it says that
+//! nothing it can do fits, with the bound that shows it.
+//!
+//! # The transform ([`recompute`])
+//! Recomputing a forward op `p` adds a copy `recompute.p` (kind backward,
+//! same type and attributes, so executors run it unchanged) that writes new
+//! tensors `recompute.<output>`. Every non-forward op that read an output of
+//! `p` reads the copy instead, so the original dies at its last forward use.
+//! The copy reads `p`'s inputs, or their copies when their producers are
+//! recomputed too (chains recompute from the nearest kept value), and is
+//! placed in program order just before the first op that reads it; the
+//! planner may move it anywhere its dependencies allow. Ops that only make
+//! views of a recomputed output are recomputed with it, since a view keeps
+//! its base alive.
+//!
+//! An op can be recomputed ([`candidates`]) when it is a forward op that
+//! updates nothing in place, its outputs are transient, some non-forward op
+//! reads one of them, nothing updates them in place, and none of its inputs
+//! is updated in place between the op and that reader (the copy must read
+//! the same values). Its price is its cost ([`crate::cost`]).
+//!
+//! # The choice
+//! The search is [`memplan_solver::remat::select`]: exact over subsets for
+//! a few candidates, else greedy by bytes freed at the peak per unit of
+//! cost, then pruned; every probe is a real plan of the transformed step,
+//! so what it reports is what the plan needs. The result is checked by the
+//! independent checker like every plan.
+//!
+//! # When nothing fits
+//! Any plan, with any recomputation, runs every op of the step at least
+//! once with its inputs and outputs live, and ends with every persistent
+//! tensor live. So the step needs at least the resident bytes plus the
+//! largest single op's working set, and at least all persistent bytes
+//! ([`fit_floor`]). A budget below that is refused with the op that sets
+//! it; a budget above it that the search could not reach is refused with
+//! the best peak found, saying that it is not proven.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use memplan_solver::Budget;
+use memplan_solver::remat::{self, Candidate, FitParams, Oracle, Probe};
+
+use crate::cost::{CostModel, OpCost};
+use crate::error::Error;
+use crate::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, TensorId, TensorSpec};
+use crate::pipeline::{self, Options};
+use crate::plan::Plan;
+use crate::timeline::{Timeline, human};
+
+/// Prefix of recomputed ops and tensors.
+pub const PREFIX: &str = "recompute.";
+
+/// A forward op the fit may run again in the backward pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RematCandidate {
+    pub op: OpId,
+    /// Bytes of its outputs that non-forward ops read.
+    pub bytes: u64,
+    /// What running it again costs.
+    pub cost: OpCost,
+}
+
+fn late(g: &Graph, o: OpId) -> bool {
+    g.op(o).kind != OpKind::Forward
+}
+
+fn positions(g: &Graph) -> Vec<usize> {
+    let mut pos = vec![0; g.num_ops()];
+    for (i, &o) in g.program_order().iter().enumerate() {
+        pos[o.index()] = i;
+    }
+    pos
+}
+
+/// Program positions of the ops that update each root in place.
+fn updaters(g: &Graph, pos: &[usize]) -> Vec<Vec<usize>> {
+    let mut up = vec![Vec::new(); g.num_tensors()];
+    for o in g.op_ids() {
+        for &t in &g.op(o).updates {
+            up[g.root(t).index()].push(pos[o.index()]);
+        }
+    }
+    up
+}
+
+/// Every op that can be recomputed (see the module docs), in program order.
+/// Ops whose outputs only forward ops read are candidates too (with no
+/// bytes of their own): they recompute inputs of other candidates.
+pub fn candidates(g: &Graph, model: &CostModel) -> Vec<RematCandidate> {
+    let pos = positions(g);
+    let up = updaters(g, &pos);
+    let mut out = Vec::new();
+    for &o in g.program_order() {
+        let op = g.op(o);
+        if op.kind != OpKind::Forward
+            || !op.updates.is_empty()
+            || op.outputs.is_empty()
+            || is_pure_view(g, o)
+        {
+            continue;
+        }
+        if op.outputs.iter().any(|&t| {
+            g.tensor(t).lifetime == Lifetime::Persistent || !up[g.root(t).index()].is_empty()
+        }) {
+            continue;
+        }
+        let mut bytes = 0;
+        let mut first_late = usize::MAX;
+        for &t in op.outputs.iter().filter(|&&t| g.occupies_memory(t)) {
+            let lates = g.users_of_root(t).iter().filter(|&&u| late(g, u));
+            if let Some(f) = lates.map(|u| pos[u.index()]).min() {
+                bytes += g.tensor(t).size;
+                first_late = first_late.min(f);
+            }
+        }
+        let p = pos[o.index()];
+        let stale = first_late != usize::MAX
+            && op.inputs.iter().any(|&x| {
+                up[g.root(x).index()]
+                    .iter()
+                    .any(|&u| u > p && u < first_late)
+            });
+        if !stale {
+            out.push(RematCandidate {
+                op: o,
+                bytes,
+                cost: model.op(g, o),
+            });
+        }
+    }
+    out
+}
+
+fn is_pure_view(g: &Graph, o: OpId) -> bool {
+    let op = g.op(o);
+    op.kind == OpKind::Forward
+        && op.updates.is_empty()
+        && !op.outputs.is_empty()
+        && op.outputs.iter().all(|&t| g.tensor(t).is_view())
+}
+
+fn spec_of(g: &Graph, t: TensorId) -> TensorSpec {
+    let x = g.tensor(t);
+    TensorSpec {
+        name: x.name.clone(),
+        size: x.size,
+        align: x.align,
+        role: x.role,
+        lifetime: x.lifetime,
+        view_of: x.view_of,
+        dtype: x.dtype.clone(),
+        shape: x.shape.clone(),
+    }
+}
+
+/// Which ops get a copy, and where: for each op, the program position of
+/// the first op that reads its copy (`usize::MAX`: no copy). A chosen op
+/// whose copy would read an input after an in-place update of it (so a
+/// different value) gets none; ops that read its outputs then read the
+/// originals.
+fn copy_positions(g: &Graph, chosen: &[OpId], pos: &[usize], up: &[Vec<usize>]) -> Vec<usize> {
+    let n = g.num_ops();
+    let mut in_r = vec![false; n];
+    for &o in chosen {
+        in_r[o.index()] = true;
+    }
+    for &o in g.program_order() {
+        let from_r = |x: &TensorId| g.tensor(*x).producer.is_some_and(|p| in_r[p.index()]);
+        if !in_r[o.index()] && is_pure_view(g, o) && g.op(o).inputs.iter().any(from_r) {
+            in_r[o.index()] = true;
+        }
+    }
+    loop {
+        let mut at = vec![usize::MAX; n];
+        for &o in g.program_order().iter().rev() {
+            if !in_r[o.index()] {
+                continue;
+            }
+            let mut first = usize::MAX;
+            for &t in &g.op(o).outputs {
+                for &r in g.readers(t) {
+                    if late(g, r) {
+                        first = first.min(pos[r.index()]);
+                    } else if in_r[r.index()] {
+                        first = first.min(at[r.index()]);
+                    }
+                }
+            }
+            at[o.index()] = first;
+        }
+        let stale = |o: OpId| {
+            let (p, i) = (pos[o.index()], at[o.index()]);
+            g.op(o).inputs.iter().any(|&x| {
+                let from_copy = g
+                    .tensor(x)
+                    .producer
+                    .is_some_and(|q| at[q.index()] != usize::MAX);
+                !from_copy && up[g.root(x).index()].iter().any(|&u| u > p && u < i)
+            })
+        };
+        let bad: Vec<OpId> = g
+            .op_ids()
+            .filter(|&o| at[o.index()] != usize::MAX && stale(o))
+            .collect();
+        if bad.is_empty() {
+            return at;
+        }
+        for o in bad {
+            in_r[o.index()] = false;
+        }
+    }
+}
+
+/// The step with the ops in `chosen` recomputed (see the module docs).
+pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
+    let pos = positions(g);
+    let up = updaters(g, &pos);
+    let at = copy_positions(g, chosen, &pos, &up);
+    let mut b = GraphBuilder::new(g.name.clone());
+    for t in g.tensor_ids() {
+        b.add_tensor(spec_of(g, t));
+    }
+    // Copies of the outputs of every copied op.
+    let mut copy: Vec<Option<TensorId>> = vec![None; g.num_tensors()];
+    let fresh = |name: &str| {
+        let mut n = format!("{PREFIX}{name}");
+        while g.tensor_by_name(&n).is_some() || g.op_by_name(&n).is_some() {
+            n.insert_str(0, "re");
+        }
+        n
+    };
+    for &o in g.program_order() {
+        if at[o.index()] == usize::MAX {
+            continue;
+        }
+        for &t in &g.op(o).outputs {
+            let mut s = spec_of(g, t);
+            s.name = fresh(&s.name);
+            s.lifetime = Lifetime::Transient;
+            copy[t.index()] = Some(b.add_tensor(s));
+        }
+    }
+    for t in g.tensor_ids() {
+        if let (Some(c), Some(base)) = (copy[t.index()], g.tensor(t).view_of) {
+            b.tensor_spec_mut(c).view_of = Some(copy[base.index()].unwrap_or(base));
+        }
+    }
+    let read = |t: TensorId| copy[t.index()].unwrap_or(t);
+
+    // Copies go just before their first reader, in program order.
+    let mut copies_at: HashMap<usize, Vec<OpId>> = HashMap::new();
+    for &o in g.program_order() {
+        if at[o.index()] != usize::MAX {
+            copies_at.entry(at[o.index()]).or_default().push(o);
+        }
+    }
+    let mut omap = vec![OpId(u32::MAX); g.num_ops()];
+    let mut names = Vec::new();
+    for (i, &o) in g.program_order().iter().enumerate() {
+        for &c in copies_at.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
+            let op = g.op(c);
+            let mut spec = OpSpec::new(fresh(&op.name), OpKind::Backward, op.op_type.clone())
+                .inputs(op.inputs.iter().map(|&x| read(x)))
+                .outputs(op.outputs.iter().map(|&x| read(x)))
+                .stream(op.stream);
+            for &(out, inp) in &op.reuse {
+                spec = spec.reuse(read(out), read(inp));
+            }
+            spec.cost = op.cost;
+            spec.flops = op.flops;
+            spec.attrs = op.attrs.clone();
+            b.add_op(spec);
+            names.push(op.name.clone());
+        }
+        let op = g.op(o);
+        let lt = late(g, o);
+        let map = |x: TensorId| if lt { read(x) } else { x };
+        if lt && let Some(&t) = op.updates.iter().find(|&&t| copy[t.index()].is_some()) {
+            return Err(Error::Invalid(format!(
+                "cannot recompute the producer of {:?}: op {:?} updates it in place",
+                g.tensor(t).name,
+                op.name
+            )));
+        }
+        let mut spec = OpSpec::new(op.name.clone(), op.kind, op.op_type.clone())
+            .inputs(op.inputs.iter().map(|&x| map(x)))
+            .outputs(op.outputs.iter().copied())
+            .updates(op.updates.iter().copied())
+            .stream(op.stream);
+        for &(out, inp) in &op.reuse {
+            spec = spec.reuse(out, map(inp));
+        }
+        spec.cost = op.cost;
+        spec.flops = op.flops;
+        spec.attrs = op.attrs.clone();
+        omap[o.index()] = b.add_op(spec);
+    }
+    // `after` edges, once every op has its new id.
+    for o in g.op_ids() {
+        let spec = b.op_spec_mut(omap[o.index()]);
+        spec.after = g.op(o).after.iter().map(|a| omap[a.index()]).collect();
+    }
+    let mut out = b.build()?;
+    out.metadata = g.metadata.clone();
+    out.metadata.insert("recomputed".into(), names.into());
+    Ok(out)
+}
+
+/// The least bytes any plan of `g` needs with any recomputation, and why:
+/// see the module docs.
+pub fn fit_floor(g: &Graph) -> (u64, String) {
+    let resident = g.resident_bytes();
+    let persistent: u64 = g
+        .tensor_ids()
+        .filter(|&t| g.occupies_memory(t) && g.tensor(t).lifetime == Lifetime::Persistent)
+        .map(|t| g.tensor(t).size)
+        .sum();
+    let mut best = (
+        persistent,
+        format!(
+            "the step's persistent tensors take {} at its end",
+            human(persistent)
+        ),
+    );
+    for o in g.op_ids() {
+        let op = g.op(o);
+        let mut roots: Vec<TensorId> = op
+            .inputs
+            .iter()
+            .chain(&op.outputs)
+            .chain(&op.updates)
+            .map(|&t| g.root(t))
+            .filter(|&t| g.occupies_memory(t))
+            .collect();
+        roots.sort();
+        roots.dedup();
+        let resident_here = |t: &TensorId| {
+            let x = g.tensor(*t);
+            x.lifetime == Lifetime::Persistent && x.producer.is_none()
+        };
+        let work: u64 = roots
+            .iter()
+            .filter(|t| !resident_here(t))
+            .map(|&t| g.tensor(t).size)
+            .sum();
+        let shared: u64 = op
+            .reuse
+            .iter()
+            .map(|&(a, b)| g.tensor(a).size.min(g.tensor(g.root(b)).size))
+            .sum();
+        let need = resident + work.saturating_sub(shared);
+        if need > best.0 {
+            best = (
+                need,
+                format!(
+                    "op {:?} alone needs {} for its inputs and outputs, with {} resident (parameters, optimizer state)",
+                    op.name,
+                    human(work.saturating_sub(shared)),
+                    human(resident)
+                ),
+            );
+        }
+    }
+    best
+}
+
+/// Forward ops that no forward data flows around: every value an earlier
+/// forward op made and a later one reads is made by this op. They cut the
+/// forward pass into segments (a transformer's residual adds); keeping
+/// only their outputs and recomputing the rest is activation
+/// checkpointing. In program order.
+pub fn segment_boundaries(g: &Graph) -> Vec<OpId> {
+    let fwd: Vec<OpId> = g
+        .program_order()
+        .iter()
+        .copied()
+        .filter(|&o| g.op(o).kind == OpKind::Forward)
+        .collect();
+    let n = fwd.len();
+    let mut idx = vec![usize::MAX; g.num_ops()];
+    for (i, &o) in fwd.iter().enumerate() {
+        idx[o.index()] = i;
+    }
+    // crossing[i]: forward edges a -> b with a < i < b.
+    let mut delta = vec![0i64; n + 1];
+    for (j, &o) in fwd.iter().enumerate() {
+        for &d in g.deps(o) {
+            let i = idx[d.index()];
+            if i != usize::MAX && i + 1 < j {
+                delta[i + 1] += 1;
+                delta[j] -= 1;
+            }
+        }
+    }
+    let mut crossing = 0;
+    let mut out = Vec::new();
+    for (i, &o) in fwd.iter().enumerate() {
+        crossing += delta[i];
+        if crossing == 0 {
+            out.push(o);
+        }
+    }
+    out
+}
+
+/// Checkpointing-style sets to start the search from: recompute every
+/// candidate except the segment boundaries, keeping every boundary, every
+/// second one, and so on (every `k`-th boundary kept for `k` = 1, 2, 3, 4).
+fn segment_seeds(g: &Graph, cands: &[RematCandidate]) -> Vec<Vec<bool>> {
+    let bounds = segment_boundaries(g);
+    (1..=4)
+        .map(|k| {
+            let keep: std::collections::HashSet<OpId> = bounds.iter().step_by(k).copied().collect();
+            cands.iter().map(|c| !keep.contains(&c.op)).collect()
+        })
+        .collect()
+}
+
+/// How to fit.
+#[derive(Clone, Debug)]
+pub struct FitOptions {
+    /// The most bytes the plan's arena may take.
+    pub budget: u64,
+    /// Wall-clock budget of the whole fit.
+    pub time_limit: Duration,
+    /// Time limit of each trial plan.
+    pub probe_time: Duration,
+    pub cost_model: CostModel,
+    pub search: FitParams,
+}
+
+impl Default for FitOptions {
+    fn default() -> Self {
+        FitOptions {
+            budget: u64::MAX,
+            time_limit: Duration::from_secs(60),
+            probe_time: Duration::from_millis(1500),
+            cost_model: CostModel::default(),
+            search: FitParams::default(),
+        }
+    }
+}
+
+/// A step fitted into a budget.
+#[derive(Clone, Debug)]
+pub struct Fitted {
+    /// The step with the recomputation added.
+    pub graph: Graph,
+    /// Its plan (checked).
+    pub plan: Plan,
+    /// The ops recomputed (names in the original step).
+    pub recomputed: Vec<String>,
+    /// What the recomputation adds.
+    pub added: OpCost,
+    /// What the step itself costs.
+    pub step: OpCost,
+    /// The planned arena without recomputation.
+    pub base_arena: u64,
+    pub budget: u64,
+    /// Whether no cheaper choice fits (exact search).
+    pub optimal: bool,
+    pub candidates: usize,
+    pub probes: usize,
+    pub seconds: f64,
+}
+
+/// The planner as the search's oracle: one plan per set of choices.
+struct Planner<'a> {
+    g: &'a Graph,
+    cands: &'a [RematCandidate],
+    /// Candidate index of each op.
+    index: Vec<Option<usize>>,
+    opts: Options,
+    plans: HashMap<Vec<bool>, Plan>,
+}
+
+impl Planner<'_> {
+    fn chosen_ops(&self, chosen: &[bool]) -> Vec<OpId> {
+        self.cands
+            .iter()
+            .zip(chosen)
+            .filter(|(_, c)| **c)
+            .map(|(c, _)| c.op)
+            .collect()
+    }
+
+    /// The group recomputing candidate `c` needs at step `s` of `tl`, and
+    /// the bytes it would free there: `c` with the producers of the inputs
+    /// it would otherwise keep alive (recursively, a few ops deep); the
+    /// gain is the group's backward-read outputs live across `s`, less the
+    /// inputs it still keeps alive.
+    fn group_at(
+        &self,
+        g: &Graph,
+        c: usize,
+        tl: &Timeline,
+        pos: &[usize],
+        s: usize,
+        chosen: &[bool],
+    ) -> (Vec<usize>, u64) {
+        let live_at =
+            |r: TensorId| tl.intervals[r.index()].is_some_and(|iv| iv.first <= s && iv.last >= s);
+        let across =
+            |r: TensorId| tl.intervals[r.index()].is_some_and(|iv| iv.first < s && iv.last > s);
+        let mut group = vec![c];
+        let mut kept = 0u64;
+        let mut i = 0;
+        while i < group.len() {
+            let op = g.op(self.cands[group[i]].op);
+            i += 1;
+            for &x in &op.inputs {
+                let r = g.root(x);
+                if !g.occupies_memory(r)
+                    || g.tensor(r).lifetime == Lifetime::Persistent
+                    || live_at(r)
+                {
+                    continue;
+                }
+                match g.tensor(r).producer.and_then(|p| self.index[p.index()]) {
+                    Some(k) if chosen[k] || group.contains(&k) => {}
+                    Some(k) if group.len() < MAX_GROUP => group.push(k),
+                    _ => kept += g.tensor(r).size,
+                }
+            }
+        }
+        let mut held = 0u64;
+        for &k in &group {
+            let o = self.cands[k].op;
+            if pos[o.index()] >= s {
+                return (group, 0);
+            }
+            held += g
+                .op(o)
+                .outputs
+                .iter()
+                .filter(|&&t| g.occupies_memory(t) && across(t))
+                .filter(|&&t| g.users_of_root(t).iter().any(|&u| late(g, u)))
+                .map(|&t| g.tensor(t).size)
+                .sum::<u64>();
+        }
+        (group, held.saturating_sub(kept))
+    }
+}
+
+/// Most candidates one greedy step takes together.
+const MAX_GROUP: usize = 8;
+
+impl Oracle for Planner<'_> {
+    fn probe(&mut self, chosen: &[bool]) -> Probe {
+        let Ok(g) = recompute(self.g, &self.chosen_ops(chosen)) else {
+            return Probe {
+                peak: u64::MAX,
+                ..Default::default()
+            };
+        };
+        let Ok(plan) = pipeline::plan(&g, &self.opts) else {
+            return Probe {
+                peak: u64::MAX,
+                ..Default::default()
+            };
+        };
+        let tl = Timeline::of_plan(&g, &plan);
+        let s = tl.peak_step();
+        let mut pos = vec![0; g.num_ops()];
+        for (i, &o) in plan.order.iter().enumerate() {
+            pos[o.index()] = i;
+        }
+        // The candidates keep their op and tensor ids in the transformed
+        // step (copies are added after them).
+        let idle = self
+            .cands
+            .iter()
+            .enumerate()
+            .filter(|&(i, c)| !chosen[i] && c.bytes > 0)
+            .map(|(i, _)| self.group_at(&g, i, &tl, &pos, s, chosen))
+            .filter(|(_, b)| *b > 0)
+            .collect();
+        let probe = Probe {
+            peak: plan.arena_bytes,
+            idle,
+            proven: plan.arena_bytes <= plan.stats.lower_bound_bytes,
+        };
+        self.plans.insert(chosen.to_vec(), plan);
+        probe
+    }
+}
+
+/// Fits `g` into `opts.budget` bytes; see the module docs.
+pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
+    let start = Instant::now();
+    let (floor, why) = fit_floor(g);
+    if opts.budget < floor {
+        return Err(Error::DoesNotFit(format!(
+            "no plan of {:?} fits in {} ({} bytes), with or without recomputation: it needs at least {} ({} bytes): {why}",
+            g.name,
+            human(opts.budget),
+            opts.budget,
+            human(floor),
+            floor
+        )));
+    }
+    let cands = candidates(g, &opts.cost_model);
+    let search: Vec<Candidate> = cands
+        .iter()
+        .map(|c| Candidate {
+            cost: c.cost.seconds,
+            bytes: c.bytes,
+        })
+        .collect();
+    let mut planner = Planner {
+        g,
+        cands: &cands,
+        index: {
+            let mut ix = vec![None; g.num_ops()];
+            for (i, c) in cands.iter().enumerate() {
+                ix[c.op.index()] = Some(i);
+            }
+            ix
+        },
+        opts: Options {
+            time_limit: opts.probe_time,
+            layouts: 1,
+            ..Options::default()
+        },
+        plans: HashMap::new(),
+    };
+    let time = Budget::new(opts.time_limit);
+    let seeds = segment_seeds(g, &cands);
+    let sel = remat::select(
+        &search,
+        opts.budget,
+        &mut planner,
+        &opts.search,
+        &time,
+        &seeds,
+    );
+    let base_arena = planner.plans[&vec![false; cands.len()]].arena_bytes;
+    if !sel.fits {
+        let how = if sel.proven_infeasible {
+            "proven: every choice of recomputation was planned to its lower bound".to_string()
+        } else {
+            format!(
+                "not proven: no plan needs less than {} ({} bytes) whatever is recomputed ({why})",
+                human(floor),
+                floor
+            )
+        };
+        return Err(Error::DoesNotFit(format!(
+            "no plan of {:?} found within {} ({} bytes): the best needs {} ({} bytes) recomputing {} of {} candidate ops; {how}",
+            g.name,
+            human(opts.budget),
+            opts.budget,
+            human(sel.peak),
+            sel.peak,
+            sel.chosen.iter().filter(|&&c| c).count(),
+            cands.len(),
+        )));
+    }
+    let chosen: Vec<OpId> = cands
+        .iter()
+        .zip(&sel.chosen)
+        .filter(|(_, c)| **c)
+        .map(|(c, _)| c.op)
+        .collect();
+    let graph = recompute(g, &chosen)?;
+    let plan = planner
+        .plans
+        .remove(&sel.chosen)
+        .expect("the search planned its answer");
+    crate::checker::check(&graph, &plan)?;
+    let mut added = OpCost::default();
+    for c in cands.iter().zip(&sel.chosen).filter(|(_, c)| **c) {
+        added += c.0.cost;
+    }
+    Ok(Fitted {
+        recomputed: chosen.iter().map(|&o| g.op(o).name.clone()).collect(),
+        added,
+        step: opts.cost_model.total(g),
+        base_arena,
+        budget: opts.budget,
+        optimal: sel.optimal,
+        candidates: cands.len(),
+        probes: sel.probes,
+        seconds: start.elapsed().as_secs_f64(),
+        graph,
+        plan,
+    })
+}
+
+/// One point of the budget / added-cost curve.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParetoPoint {
+    pub budget: u64,
+    /// The fitted plan's arena, or `None` when nothing was found within
+    /// the budget.
+    pub arena: Option<u64>,
+    pub added: OpCost,
+    pub recomputed: usize,
+    pub optimal: bool,
+}
+
+/// Fits `g` into each budget of `budgets` (largest first), sharing
+/// `opts.time_limit` between them; stops at the first budget below the
+/// floor ([`fit_floor`]).
+pub fn pareto(g: &Graph, budgets: &[u64], opts: &FitOptions) -> Vec<ParetoPoint> {
+    let mut budgets = budgets.to_vec();
+    budgets.sort_unstable_by(|a, b| b.cmp(a));
+    let (floor, _) = fit_floor(g);
+    let each = opts.time_limit.div_f64(budgets.len().max(1) as f64);
+    let mut out = Vec::new();
+    for budget in budgets.into_iter().take_while(|&b| b >= floor) {
+        let o = FitOptions {
+            budget,
+            time_limit: each,
+            ..opts.clone()
+        };
+        out.push(match fit(g, &o) {
+            Ok(f) => ParetoPoint {
+                budget,
+                arena: Some(f.plan.arena_bytes),
+                added: f.added,
+                recomputed: f.recomputed.len(),
+                optimal: f.optimal,
+            },
+            Err(_) => ParetoPoint {
+                budget,
+                arena: None,
+                added: OpCost::default(),
+                recomputed: 0,
+                optimal: false,
+            },
+        });
+    }
+    out
+}

@@ -1,0 +1,299 @@
+//! `memplan::fit`: recomputation that fits a step into a budget.
+//!
+//! - Fitted GPT-2, Llama and MLP steps pass the checker, stay within the
+//!   budget, and run on the CPU executor to the same losses and final state
+//!   as the unplanned reference of the original step.
+//! - On small random forward/backward graphs the exact search's cost equals
+//!   a brute force over every recomputation set and every order (a dynamic
+//!   program over scheduled sets, independent of the planner).
+//! - A budget below the bound is refused with the bound and the op that
+//!   sets it.
+
+use std::time::Duration;
+
+use memplan::fit::{FitOptions, candidates, fit, fit_floor, recompute};
+use memplan::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
+use memplan::models::gpt2::{self, Gpt2Config};
+use memplan::models::llama::{self, LlamaConfig};
+use memplan::models::mlp::{self, MlpConfig};
+use memplan::{Error, checker, exec};
+use memplan_runtime::runner::{RunConfig, RunReport, run_cpu};
+
+fn run(g: &Graph, plan: &memplan::Plan) -> RunReport {
+    let p = exec::program(g, plan).unwrap();
+    let cfg = RunConfig {
+        steps: 2,
+        keep_state: true,
+        ..RunConfig::default()
+    };
+    run_cpu(&p, &cfg).unwrap()
+}
+
+fn opts(budget: u64) -> FitOptions {
+    FitOptions {
+        budget,
+        time_limit: Duration::from_secs(30),
+        probe_time: Duration::from_millis(500),
+        ..FitOptions::default()
+    }
+}
+
+/// Fits `g` into `share` of the way from its floor to its plan without
+/// recomputation, checks the plan, and runs it against the reference.
+fn fits_and_runs_like_the_reference(g: &Graph, share: f64) {
+    let base = memplan::plan(g, &memplan::Options::default())
+        .unwrap()
+        .arena_bytes;
+    let (floor, _) = fit_floor(g);
+    assert!(floor < base, "{}: nothing to win", g.name);
+    let budget = floor + ((base - floor) as f64 * share) as u64;
+    let f = fit(g, &opts(budget)).unwrap();
+    checker::check(&f.graph, &f.plan).unwrap();
+    assert!(
+        f.plan.arena_bytes <= budget,
+        "{} > {budget}",
+        f.plan.arena_bytes
+    );
+    assert!(
+        !f.recomputed.is_empty(),
+        "{}: fits without recomputation?",
+        g.name
+    );
+    assert_eq!(f.base_arena, base);
+    assert!(f.added.flops > 0.0 && f.added.flops < f.step.flops);
+    // Every recomputed op has its copy, which the backward reads.
+    for name in &f.recomputed {
+        let copy = f.graph.op_by_name(&format!("recompute.{name}")).unwrap();
+        assert_eq!(
+            f.graph.op(copy).op_type,
+            g.op(g.op_by_name(name).unwrap()).op_type
+        );
+    }
+    let a = run(&f.graph, &f.plan);
+    let b = run(g, &exec::unplanned_plan(g));
+    assert_eq!(a.arena_bytes, f.plan.arena_bytes);
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        assert!(
+            (x.loss - y.loss).abs() <= 1e-6 * (1.0 + y.loss.abs()),
+            "{} vs {}",
+            x.loss,
+            y.loss
+        );
+    }
+    for (ra, rb) in a.state.iter().zip(&b.state) {
+        assert_eq!(ra.len(), rb.len());
+        for ((na, va), (nb, vb)) in ra.iter().zip(rb) {
+            assert_eq!(na, nb);
+            for (p, q) in va.iter().zip(vb) {
+                assert!((p - q).abs() <= 1e-7 + 1e-5 * q.abs(), "{na}: {p} vs {q}");
+            }
+        }
+    }
+}
+
+#[test]
+fn fitted_gpt2_runs_like_the_reference() {
+    // A small vocabulary: activations, not the head, set the peak.
+    let g = gpt2::build(&Gpt2Config::small_config(3, 32, 2, 16, 2, 64)).unwrap();
+    fits_and_runs_like_the_reference(&g, 0.5);
+}
+
+#[test]
+fn fitted_llama_runs_like_the_reference() {
+    let cfg = LlamaConfig {
+        layers: 3,
+        width: 32,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 48,
+        vocab: 32,
+        seq: 64,
+        batch: 2,
+        ..LlamaConfig::preset("llama-tiny").unwrap()
+    };
+    fits_and_runs_like_the_reference(&llama::build(&cfg).unwrap(), 0.5);
+}
+
+#[test]
+fn fitted_mlp_runs_like_the_reference() {
+    let cfg = MlpConfig {
+        batch: 64,
+        layers: 4,
+        ..MlpConfig::default()
+    };
+    fits_and_runs_like_the_reference(&mlp::build(&cfg).unwrap(), 0.6);
+}
+
+#[test]
+fn a_budget_below_the_floor_is_refused_with_its_reason() {
+    let g = gpt2::build(&Gpt2Config::small_config(2, 32, 2, 16, 2, 64)).unwrap();
+    let (floor, why) = fit_floor(&g);
+    let e = fit(&g, &opts(floor - 1)).unwrap_err();
+    assert!(matches!(e, Error::DoesNotFit(_)), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("needs at least") && msg.contains(&floor.to_string()),
+        "{msg}"
+    );
+    assert!(msg.contains(&why), "{msg}");
+    // The floor is a true bound: the cheapest plan with everything that
+    // can be recomputed recomputed is not below it.
+    let all: Vec<OpId> = candidates(&g, &Default::default())
+        .iter()
+        .map(|c| c.op)
+        .collect();
+    let r = recompute(&g, &all).unwrap();
+    let p = memplan::plan(&r, &memplan::Options::default()).unwrap();
+    checker::check(&r, &p).unwrap();
+    assert!(p.stats.max_live_bytes >= floor);
+}
+
+/// A random chain of `layers` forward ops with skips, a loss and the
+/// backward pass reading the saved activations; every tensor 1 KiB.
+fn random_step(seed: u64, layers: usize) -> Graph {
+    let mut rng = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    let mut next = |m: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % m
+    };
+    const S: u64 = 1024;
+    let mut b = GraphBuilder::new(format!("random-{seed}"));
+    let x = b.add_tensor(TensorSpec::new("x", S).role(Role::Input).persistent());
+    let mut acts = vec![x];
+    for i in 0..layers {
+        let a = b.add_tensor(TensorSpec::new(format!("a{i}"), S));
+        let mut ins = vec![*acts.last().unwrap()];
+        if acts.len() > 1 && next(3) == 0 {
+            ins.push(acts[next(acts.len() as u64 - 1) as usize]);
+        }
+        let cost = 1.0 + next(9) as f64;
+        b.add_op(
+            OpSpec::new(format!("f{i}"), OpKind::Forward, "f")
+                .inputs(ins)
+                .outputs([a])
+                .cost(cost),
+        );
+        acts.push(a);
+    }
+    let mut grad = b.add_tensor(TensorSpec::new("loss.grad", S));
+    b.add_op(
+        OpSpec::new("loss", OpKind::Forward, "loss")
+            .inputs([acts[layers]])
+            .outputs([grad])
+            .cost(1.0),
+    );
+    for i in (0..layers).rev() {
+        let g = b.add_tensor(
+            TensorSpec::new(format!("g{i}"), S)
+                .role(if i == 0 { Role::Output } else { Role::Gradient })
+                .lifetime(if i == 0 {
+                    Lifetime::Persistent
+                } else {
+                    Lifetime::Transient
+                }),
+        );
+        b.add_op(
+            OpSpec::new(format!("b{i}"), OpKind::Backward, "b")
+                .inputs([grad, acts[i]])
+                .outputs([g])
+                .cost(1.0),
+        );
+        grad = g;
+    }
+    b.build().unwrap()
+}
+
+/// The least max live bytes over every order of `g` (a dynamic program
+/// over sets of scheduled ops).
+fn brute_min_peak(g: &Graph) -> u64 {
+    let n = g.num_ops();
+    assert!(n <= 20);
+    let deps: Vec<u32> = g
+        .op_ids()
+        .map(|o| g.deps(o).iter().fold(0u32, |m, d| m | 1 << d.index()))
+        .collect();
+    // Live bytes while op `o` runs after the ops in `done`.
+    let live = |done: u32, o: usize| -> u64 {
+        let with = done | 1 << o;
+        g.tensor_ids()
+            .filter(|&t| g.occupies_memory(t))
+            .filter(|&t| {
+                let x = g.tensor(t);
+                let born = x.producer.is_none_or(|p| with >> p.index() & 1 == 1);
+                let users = g.users_of_root(t);
+                let needed = x.lifetime == Lifetime::Persistent
+                    || x.producer == Some(OpId(o as u32))
+                    || users
+                        .iter()
+                        .any(|u| with >> u.index() & 1 == 0 || u.index() == o);
+                born && needed
+            })
+            .map(|t| g.tensor(t).size)
+            .sum()
+    };
+    let mut best = vec![u64::MAX; 1 << n];
+    best[0] = 0;
+    for done in 0..(1u32 << n) {
+        if best[done as usize] == u64::MAX {
+            continue;
+        }
+        for o in 0..n {
+            if done >> o & 1 == 0 && deps[o] & !done == 0 {
+                let v = best[done as usize].max(live(done, o));
+                let w = &mut best[(done | 1 << o) as usize];
+                *w = (*w).min(v);
+            }
+        }
+    }
+    best[(1usize << n) - 1]
+}
+
+#[test]
+fn exact_fit_equals_brute_force_on_random_steps() {
+    let mut checked = 0;
+    for seed in 0..30 {
+        let g = random_step(seed, 2 + (seed % 3) as usize);
+        let cands = candidates(&g, &Default::default());
+        // Every set of candidates, at its best order.
+        let sets: Vec<(f64, u64)> = (0..1u32 << cands.len())
+            .map(|m| {
+                let chosen: Vec<OpId> = (0..cands.len())
+                    .filter(|i| m >> i & 1 == 1)
+                    .map(|i| cands[i].op)
+                    .collect();
+                let cost = (0..cands.len())
+                    .filter(|i| m >> i & 1 == 1)
+                    .map(|i| cands[i].cost.seconds)
+                    .sum();
+                (cost, brute_min_peak(&recompute(&g, &chosen).unwrap()))
+            })
+            .collect();
+        let lowest = sets.iter().map(|s| s.1).min().unwrap();
+        let highest = sets.iter().map(|s| s.1).max().unwrap();
+        for budget in [lowest, (lowest + highest) / 2, lowest - 1] {
+            let want = sets
+                .iter()
+                .filter(|s| s.1 <= budget)
+                .map(|s| s.0)
+                .min_by(f64::total_cmp);
+            match (fit(&g, &opts(budget)), want) {
+                (Ok(f), Some(w)) => {
+                    checker::check(&f.graph, &f.plan).unwrap();
+                    assert!(f.plan.arena_bytes <= budget);
+                    assert!(
+                        (f.added.seconds - w).abs() < 1e-9,
+                        "seed {seed} budget {budget}: {} vs {w}",
+                        f.added.seconds
+                    );
+                    assert!(f.optimal, "seed {seed}: not proven");
+                    checked += 1;
+                }
+                (Err(Error::DoesNotFit(_)), None) => {}
+                (got, want) => panic!("seed {seed} budget {budget}: {got:?} vs {want:?}"),
+            }
+        }
+    }
+    assert!(checked >= 40, "{checked}");
+}
