@@ -312,6 +312,19 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
     Ok(out)
 }
 
+/// The ops of `g` that `recomputed` (made by [`recompute`]) copies.
+fn copied_ops(g: &Graph, recomputed: &Graph) -> Vec<OpId> {
+    let names = recomputed
+        .metadata
+        .get("recomputed")
+        .and_then(|v| v.as_array());
+    names
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str().and_then(|n| g.op_by_name(n)))
+        .collect()
+}
+
 /// The least bytes any plan of `g` needs with any recomputation, and why:
 /// see the module docs.
 pub fn fit_floor(g: &Graph) -> (u64, String) {
@@ -581,10 +594,15 @@ impl Oracle for Planner<'_> {
             .map(|(i, _)| self.group_at(&g, i, &tl, &pos, s, chosen))
             .filter(|(_, b)| *b > 0)
             .collect();
+        let copied = copied_ops(self.g, &g);
+        let unused = (0..chosen.len())
+            .filter(|&i| chosen[i] && !copied.contains(&self.cands[i].op))
+            .collect();
         let probe = Probe {
             peak: plan.arena_bytes,
             idle,
             proven: plan.arena_bytes <= plan.stats.lower_bound_bytes,
+            unused,
         };
         self.plans.insert(chosen.to_vec(), plan);
         probe
@@ -674,12 +692,15 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
         .remove(&sel.chosen)
         .expect("the search planned its answer");
     crate::checker::check(&graph, &plan)?;
+    // What was copied: chosen ops that nothing needs get no copy and cost
+    // nothing; ops that only make views come with their base.
+    let copied = copied_ops(g, &graph);
     let mut added = OpCost::default();
-    for c in cands.iter().zip(&sel.chosen).filter(|(_, c)| **c) {
-        added += c.0.cost;
+    for &o in &copied {
+        added += opts.cost_model.op(g, o);
     }
     Ok(Fitted {
-        recomputed: chosen.iter().map(|&o| g.op(o).name.clone()).collect(),
+        recomputed: copied.iter().map(|&o| g.op(o).name.clone()).collect(),
         added,
         step: opts.cost_model.total(g),
         base_arena,

@@ -57,6 +57,9 @@ pub struct Probe {
     pub idle: Vec<(Vec<usize>, u64)>,
     /// Whether `peak` is the least any order and layout of this set reach.
     pub proven: bool,
+    /// Chosen candidates that changed nothing (nothing needed their
+    /// recomputation): dropping them keeps the same plan.
+    pub unused: Vec<usize>,
 }
 
 /// The caller's planner.
@@ -264,6 +267,12 @@ impl<O: Oracle> Search<'_, O> {
     /// in runs (a whole run at once when that fits, else each half), so a
     /// large set needs far fewer plans than one per candidate.
     fn prune(&mut self, mut chosen: Vec<bool>, mut p: Probe) -> (Vec<bool>, Probe) {
+        if !p.unused.is_empty() {
+            for &i in &p.unused {
+                chosen[i] = false;
+            }
+            p = self.probe(&chosen);
+        }
         let mut order: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i]).collect();
         order.sort_by(|&a, &b| {
             self.cands[b]
@@ -400,6 +409,7 @@ mod tests {
                     .map(|i| (vec![i], self.free[i]))
                     .collect(),
                 proven: true,
+                unused: vec![],
             }
         }
     }
