@@ -145,20 +145,6 @@ fn is_pure_view(g: &Graph, o: OpId) -> bool {
         && op.outputs.iter().all(|&t| g.tensor(t).is_view())
 }
 
-fn spec_of(g: &Graph, t: TensorId) -> TensorSpec {
-    let x = g.tensor(t);
-    TensorSpec {
-        name: x.name.clone(),
-        size: x.size,
-        align: x.align,
-        role: x.role,
-        lifetime: x.lifetime,
-        view_of: x.view_of,
-        dtype: x.dtype.clone(),
-        shape: x.shape.clone(),
-    }
-}
-
 /// Which ops get a copy, and where: for each op, the program position of
 /// the first op that reads its copy (`usize::MAX`: no copy). A chosen op
 /// whose copy would read an input after an in-place update of it (so a
@@ -224,7 +210,7 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
     let at = copy_positions(g, chosen, &pos, &up);
     let mut b = GraphBuilder::new(g.name.clone());
     for t in g.tensor_ids() {
-        b.add_tensor(spec_of(g, t));
+        b.add_tensor(TensorSpec::from(g.tensor(t)));
     }
     // Copies of the outputs of every copied op.
     let mut copy: Vec<Option<TensorId>> = vec![None; g.num_tensors()];
@@ -240,7 +226,7 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
             continue;
         }
         for &t in &g.op(o).outputs {
-            let mut s = spec_of(g, t);
+            let mut s = TensorSpec::from(g.tensor(t));
             s.name = fresh(&s.name);
             s.lifetime = Lifetime::Transient;
             copy[t.index()] = Some(b.add_tensor(s));
@@ -491,6 +477,8 @@ struct Planner<'a> {
     index: Vec<Option<usize>>,
     opts: Options,
     plans: HashMap<Vec<bool>, Plan>,
+    /// Why the last probe that failed to plan failed.
+    failed: Option<String>,
 }
 
 impl Planner<'_> {
@@ -566,17 +554,17 @@ const MAX_GROUP: usize = 8;
 
 impl Oracle for Planner<'_> {
     fn probe(&mut self, chosen: &[bool]) -> Probe {
-        let Ok(g) = recompute(self.g, &self.chosen_ops(chosen)) else {
-            return Probe {
-                peak: u64::MAX,
-                ..Default::default()
-            };
-        };
-        let Ok(plan) = pipeline::plan(&g, &self.opts) else {
-            return Probe {
-                peak: u64::MAX,
-                ..Default::default()
-            };
+        let planned = recompute(self.g, &self.chosen_ops(chosen))
+            .and_then(|g| pipeline::plan(&g, &self.opts).map(|p| (g, p)));
+        let (g, plan) = match planned {
+            Ok(x) => x,
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                return Probe {
+                    peak: u64::MAX,
+                    ..Default::default()
+                };
+            }
         };
         let tl = Timeline::of_plan(&g, &plan);
         let s = tl.peak_step();
@@ -647,6 +635,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
             ..Options::default()
         },
         plans: HashMap::new(),
+        failed: None,
     };
     let time = Budget::new(opts.time_limit);
     let seeds = segment_seeds(g, &cands);
@@ -658,7 +647,14 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
         &time,
         &seeds,
     );
-    let base_arena = planner.plans[&vec![false; cands.len()]].arena_bytes;
+    let Some(base) = planner.plans.get(&vec![false; cands.len()]) else {
+        let why = planner.failed.unwrap_or_default();
+        return Err(Error::Solver(format!(
+            "planning {:?} failed: {why}",
+            g.name
+        )));
+    };
+    let base_arena = base.arena_bytes;
     if !sel.fits {
         let how = if sel.proven_infeasible {
             "proven: every choice of recomputation was planned to its lower bound".to_string()

@@ -385,6 +385,23 @@ pub struct TensorSpec {
     pub shape: Option<Vec<u64>>,
 }
 
+impl From<&Tensor> for TensorSpec {
+    /// The spec that adds a copy of an existing tensor (same name, size,
+    /// role, view base id) to another builder.
+    fn from(x: &Tensor) -> Self {
+        TensorSpec {
+            name: x.name.clone(),
+            size: x.size,
+            align: x.align,
+            role: x.role,
+            lifetime: x.lifetime,
+            view_of: x.view_of,
+            dtype: x.dtype.clone(),
+            shape: x.shape.clone(),
+        }
+    }
+}
+
 impl TensorSpec {
     /// A transient activation of `size` bytes, alignment 1.
     pub fn new(name: impl Into<String>, size: u64) -> Self {

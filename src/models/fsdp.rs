@@ -582,14 +582,8 @@ impl Sharder<'_> {
                 })?),
             };
             self.tmap[t.index()] = Some(self.b.add_tensor(TensorSpec {
-                name: x.name.clone(),
-                size: x.size,
-                align: x.align,
-                role: x.role,
-                lifetime: x.lifetime,
                 view_of,
-                dtype: x.dtype.clone(),
-                shape: x.shape.clone(),
+                ..TensorSpec::from(x)
             }));
         }
         Ok(())
