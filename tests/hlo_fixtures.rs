@@ -166,6 +166,46 @@ const EXPECTED: &[Row] = &[
         Some(322690076),
         Some(322962308),
     ),
+    (
+        "spmd_dp2_tp4",
+        "before_optimizations",
+        189,
+        282,
+        173,
+        5059208,
+        None,
+        None,
+    ),
+    (
+        "spmd_dp2_tp4",
+        "cpu_after_optimizations",
+        61,
+        94,
+        55,
+        1399096,
+        Some(1399096),
+        Some(1630132),
+    ),
+    (
+        "spmd_fsdp4",
+        "before_optimizations",
+        189,
+        282,
+        173,
+        2959240,
+        None,
+        None,
+    ),
+    (
+        "spmd_fsdp4",
+        "cpu_after_optimizations",
+        60,
+        90,
+        46,
+        1104356,
+        Some(1104356),
+        Some(1104932),
+    ),
 ];
 
 /// What [`Row`] records, less the names.
@@ -301,4 +341,74 @@ fn every_shared_module_imports_plans_and_checks() {
         }
     }
     assert!(n > 0, "no modules in {}", dir.display());
+}
+
+#[test]
+fn spmd_modules_mark_their_collectives() {
+    use memplan::graph::OpKind;
+    // (case, collectives in the entry computation, counted in its text).
+    for (case, want) in [("spmd_fsdp4", 7), ("spmd_dp2_tp4", 5)] {
+        let path = fixtures().join(case).join("cpu_after_optimizations.txt.gz");
+        let g = memplan::io::load_graph(&path).unwrap();
+        let n = g
+            .ops()
+            .iter()
+            .filter(|o| o.kind == OpKind::Collective)
+            .count();
+        assert_eq!(n, want, "{case}");
+        let opt = g
+            .ops()
+            .iter()
+            .filter(|o| o.kind == OpKind::Optimizer)
+            .count();
+        assert!(opt > 0, "{case}: no optimizer op");
+    }
+}
+
+/// `export --hlo`'s rewrite: every optimized fixture relisted in memplan's
+/// order parses back with the same instructions, scheduled, and its
+/// `xla-order` is exactly the plan's order, so re-importing it gives the
+/// plan's max live bytes.
+#[test]
+fn relisted_modules_carry_the_plan_order() {
+    use memplan::io::hlo;
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(fixtures())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    for case in cases {
+        let path = case.join("cpu_after_optimizations.txt.gz");
+        let text = memplan::io::read_text(&path).unwrap();
+        let m = hlo::parse_module(&text).unwrap();
+        let (g, plan) = plan_and_check(&path);
+        let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order).unwrap();
+        let again = hlo::import_str(&out, &hlo::ImportOptions::default()).unwrap();
+        let (_, order) = again
+            .extra_orders
+            .iter()
+            .find(|(n, _)| n == "xla-order")
+            .expect("the relisted module is scheduled");
+        let names = |g: &Graph, o: &[memplan::graph::OpId]| -> Vec<String> {
+            o.iter().map(|&o| g.op(o).name.clone()).collect()
+        };
+        assert_eq!(
+            names(&again, order),
+            names(&g, &plan.order),
+            "{}",
+            case.display()
+        );
+        assert_eq!(
+            xla_order_live(&again),
+            Some(plan.stats.max_live_bytes),
+            "{}",
+            case.display()
+        );
+        let mut a: Vec<&str> = text.lines().collect();
+        let mut b: Vec<&str> = out.lines().collect();
+        a.sort();
+        b.sort();
+        assert_eq!(a.len(), b.len());
+    }
 }

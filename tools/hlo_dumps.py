@@ -196,6 +196,58 @@ def make_cases(jax, jnp, lax, scale):
         cfg = {"sizes": sizes, "batch": 16, "opt": "adam", "skip_nonfinite": True}
         return step, (params, adam_init(params), x, y), cfg
 
+    def spmd(kind, devices):
+        """An MLP step partitioned by XLA's SPMD partitioner over `devices`
+        CPU devices: the dumped module is one rank's program, collectives
+        included.
+
+        - `fsdp`: parameters and Adam moments sharded along their first
+          dimension, the batch along the same mesh axis: XLA all-gathers each
+          weight before use and reduce-scatters its gradient;
+        - `dp_tp`: a 2-D mesh (data, model): the batch split over `data`,
+          hidden units over `model` (Megatron-style column then row split),
+          so activations are all-reduced over `model` and gradients over
+          `data`."""
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import numpy as np
+
+        sizes = [64 * scale, 256 * scale, 256 * scale, 16 * devices]
+        params = dense_init(key, sizes)
+        batch = 64 * devices
+        if kind == "fsdp":
+            mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
+            def spec(path, leaf):
+                return P("d") if leaf.ndim >= 1 and leaf.shape[0] % devices == 0 else P()
+            data = P("d")
+        else:
+            mesh = Mesh(np.array(jax.devices()[:devices]).reshape(2, devices // 2), ("data", "model"))
+            def spec(path, leaf):
+                i = path[0].idx
+                if leaf.ndim == 2:
+                    return P(None, "model") if i % 2 == 0 else P("model", None)
+                return P("model") if i % 2 == 0 else P()
+            data = P("data")
+        state = adam_init(params)
+        pspec = jax.tree_util.tree_map_with_path(spec, params)
+        sspec = {"mu": pspec, "nu": pspec, "count": P()}
+        put = lambda tree, specs: jax.tree_util.tree_map(
+            lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), tree, specs)
+        params, state = put(params, pspec), put(state, sspec)
+        x = jax.device_put(jnp.ones((batch, sizes[0])), NamedSharding(mesh, data))
+        y = jax.device_put(jnp.zeros((batch,), jnp.int32), NamedSharding(mesh, data))
+
+        def loss_fn(p, x, y):
+            h = x
+            for layer in p[:-1]:
+                h = jax.nn.relu(h @ layer["w"] + layer["b"])
+            return xent(h @ p[-1]["w"] + p[-1]["b"], y)
+
+        shard = lambda specs: jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs)
+        jit_kw = {"out_shardings": (shard(pspec), shard(sspec), NamedSharding(mesh, P()))}
+        cfg = {"sizes": sizes, "batch": batch, "opt": "adam", "devices": devices,
+               "partitioning": kind, "mesh": dict(mesh.shape)}
+        return train_step(loss_fn, adam_update), (params, state, x, y), cfg, jit_kw
+
     return {
         "mlp": ("4-layer ReLU MLP, Adam", mlp),
         "transformer": ("2-block decoder, Adam", lambda: transformer()),
@@ -205,6 +257,10 @@ def make_cases(jax, jnp, lax, scale):
                               lambda: transformer(remat=True)),
         "cnn": ("3-conv CNN with max-pool, SGD momentum", cnn),
         "cond_mlp": ("MLP whose update is skipped on a non-finite loss (conditional)", cond_mlp),
+        "spmd_fsdp4": ("MLP, parameters and moments sharded over 4 devices (SPMD, FSDP-style)",
+                       lambda: spmd("fsdp", 4)),
+        "spmd_dp2_tp4": ("MLP on a 2x4 mesh: data parallel x tensor parallel (SPMD)",
+                         lambda: spmd("dp_tp", 8)),
     }
 
 
@@ -217,8 +273,11 @@ def main():
     args = ap.parse_args()
 
     dump = tempfile.mkdtemp(prefix="hlo_dumps_")
+    # Eight host devices for the SPMD cases (the others use one).
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        + " --xla_force_host_platform_device_count=8"
     )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax  # after XLA_FLAGS: the backend reads them once
@@ -237,11 +296,13 @@ def main():
 
     for name in chosen:
         desc, build = cases[name]
-        step, args_, cfg = build()
+        built = build()
+        step, args_, cfg = built[:3]
+        jit_kw = built[3] if len(built) > 3 else {}
         fn_name = f"step_{name}"
         step.__name__ = fn_name
         before = set(os.listdir(dump))
-        jitted = jax.jit(step, donate_argnums=(0, 1))
+        jitted = jax.jit(step, donate_argnums=(0, 1), **jit_kw)
         compiled = jitted.lower(*args_).compile()
         ma = compiled.memory_analysis()
         new = sorted(set(os.listdir(dump)) - before)

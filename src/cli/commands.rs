@@ -39,7 +39,18 @@ pub fn run(cmd: Command) -> Result<()> {
             json,
             time_limit,
         } => compare(graph, &source, json, time_limit),
-        Command::Export { source, output } => export(&source, &output),
+        Command::Export {
+            graph,
+            source,
+            output,
+            hlo,
+            plan,
+            time_limit,
+        } => match (hlo, graph) {
+            (true, Some(g)) => export_hlo(&g, plan.as_deref(), &output, time_limit),
+            (true, None) => bail!("--hlo needs the HLO module file as GRAPH"),
+            (false, g) => export(g.as_deref(), &source, &output),
+        },
         Command::Alloc(a) => super::alloc::run(a),
         Command::Run(args) => super::run::run(args),
         Command::Bench(a) => super::bench::run(a),
@@ -364,11 +375,8 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
     Ok(())
 }
 
-fn export(src: &GraphArgs, output: &Path) -> Result<()> {
-    if src.example.is_none() {
-        bail!("export needs --example NAME");
-    }
-    let g = load(None, src)?;
+fn export(graph: Option<&Path>, src: &GraphArgs, output: &Path) -> Result<()> {
+    let g = load(graph, src)?;
     memplan::io::save_graph(&g, output)?;
     eprintln!(
         "wrote {} ({} ops, {} tensors) to {}",
@@ -376,6 +384,61 @@ fn export(src: &GraphArgs, output: &Path) -> Result<()> {
         g.num_ops(),
         g.num_tensors(),
         output.display()
+    );
+    Ok(())
+}
+
+/// `export --hlo`: the module relisted in the plan's order.
+fn export_hlo(module: &Path, plan: Option<&Path>, output: &Path, time_limit: f64) -> Result<()> {
+    use memplan::io::hlo;
+    let text = memplan::io::read_text(module)?;
+    if !hlo::looks_like_hlo(&text) {
+        bail!(
+            "{}: --hlo needs an XLA HLO module (text starting with `HloModule`)",
+            module.display()
+        );
+    }
+    let m = hlo::parse_module(&text).map_err(|e| {
+        anyhow!(memplan::error::Error::from(e)).context(format!("reading {}", module.display()))
+    })?;
+    let g = hlo::parse_graph(&text, module, &hlo::ImportOptions::default())?;
+    let plan = match plan {
+        Some(p) => {
+            let t = memplan::io::read_text(p)?;
+            let plan = Plan::from_json(&t, &g, p)?;
+            checker::check(&g, &plan).with_context(|| {
+                format!(
+                    "{} is not a valid plan of {}",
+                    p.display(),
+                    module.display()
+                )
+            })?;
+            plan
+        }
+        None => solve(&g, time_limit)?,
+    };
+    let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order)
+        .with_context(|| format!("relisting {}", module.display()))?;
+    memplan::io::write_text(output, &out)?;
+    let xla_order = g
+        .extra_orders
+        .iter()
+        .find(|(n, _)| n == "xla-order")
+        .map(|(n, o)| baselines::order_with_layout(&g, o, n).stats.max_live_bytes);
+    eprintln!(
+        "wrote {} scheduled in memplan's order to {}: max live {} ({} bytes){}",
+        m.name,
+        output.display(),
+        human_bytes(plan.stats.max_live_bytes),
+        grouped(plan.stats.max_live_bytes),
+        match xla_order {
+            Some(x) => format!(
+                ", XLA's own order {} ({} bytes)",
+                human_bytes(x),
+                grouped(x)
+            ),
+            None => String::new(),
+        }
     );
     Ok(())
 }

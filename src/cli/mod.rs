@@ -140,13 +140,29 @@ pub enum Command {
     Alloc(alloc::AllocArgs),
     /// Run the planned step for real (CPU, or CUDA) inside one arena.
     Run(run::RunArgs),
-    /// Write a built-in example graph as memplan JSON.
+    /// Write a graph as memplan JSON (a built-in example or any graph file),
+    /// or with --hlo an XLA module relisted in memplan's order, scheduled,
+    /// for XLA to run as planned.
     Export {
+        /// Graph file (memplan JSON or HLO text); with --hlo, the HLO module.
+        graph: Option<PathBuf>,
         #[command(flatten)]
         source: GraphArgs,
-        /// Output file (.json, or .json.gz to compress).
+        /// Output file (.json, or .json.gz to compress; with --hlo, HLO text,
+        /// .gz to compress).
         #[arg(short, long, value_name = "FILE")]
         output: PathBuf,
+        /// Write the HLO module GRAPH with its entry computation in the
+        /// plan's order and `is_scheduled=true`.
+        #[arg(long)]
+        hlo: bool,
+        /// With --hlo: the plan to apply (from `memplan plan -o`); without
+        /// it, the module is planned now.
+        #[arg(long, value_name = "PLAN", requires = "hlo")]
+        plan: Option<PathBuf>,
+        /// With --hlo and no --plan: time budget for the solve, in seconds.
+        #[arg(long, value_name = "S", default_value_t = 10.0)]
+        time_limit: f64,
     },
     /// Benchmark memplan against the lower bound and the baselines on many
     /// graphs; keep or check the peak record.

@@ -44,12 +44,16 @@ pub fn read_text(path: &Path) -> Result<String, Error> {
 
 /// Writes `g` as memplan JSON, gzip-compressed when `path` ends in `.gz`.
 pub fn save_graph(g: &Graph, path: &Path) -> Result<(), Error> {
+    write_text(path, &json::write_graph(g))
+}
+
+/// Writes `text` to `path`, gzip-compressed when `path` ends in `.gz`.
+pub fn write_text(path: &Path, text: &str) -> Result<(), Error> {
     use std::io::Write;
     let io_err = |source| Error::Io {
         path: path.to_path_buf(),
         source,
     };
-    let text = json::write_graph(g);
     let file = std::fs::File::create(path).map_err(io_err)?;
     if path.extension().is_some_and(|e| e == "gz") {
         let mut enc = flate2::write::GzEncoder::new(file, flate2::Compression::default());

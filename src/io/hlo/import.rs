@@ -295,6 +295,7 @@ fn err_at(ins: &Instr, msg: impl Into<String>) -> Error {
 
 /// One computation's graph under construction.
 struct Builder<'c> {
+    m: &'c Module,
     comp: &'c Computation,
     mode: Mode,
     align: u64,
@@ -442,7 +443,50 @@ impl Builder<'_> {
     }
 }
 
-fn op_kind(ins: &Instr) -> OpKind {
+/// Whether `opcode` moves data between devices: the collectives and their
+/// asynchronous start/done halves.
+pub fn is_collective(opcode: &str) -> bool {
+    let base = opcode
+        .strip_suffix("-start")
+        .or_else(|| opcode.strip_suffix("-done"))
+        .unwrap_or(opcode);
+    matches!(
+        base,
+        "all-gather"
+            | "all-reduce"
+            | "reduce-scatter"
+            | "all-to-all"
+            | "ragged-all-to-all"
+            | "collective-permute"
+            | "collective-broadcast"
+            | "send"
+            | "recv"
+    )
+}
+
+/// Whether an `async-start`/`-update`/`-done` wraps a collective: its
+/// called computation (or, for the later halves, its start's) holds one.
+fn wraps_collective(m: &Module, comp: &Computation, ins: &Instr) -> bool {
+    let mut cur = ins;
+    for _ in 0..4 {
+        if !cur.opcode.starts_with("async-") {
+            return false;
+        }
+        if let Some(c) = cur.called("calls") {
+            return m.comp(c).instrs.iter().any(|i| is_collective(&i.opcode));
+        }
+        match cur.operands.first() {
+            Some(&o) => cur = &comp.instrs[o.index()],
+            None => return false,
+        }
+    }
+    false
+}
+
+fn op_kind(m: &Module, comp: &Computation, ins: &Instr) -> OpKind {
+    if is_collective(&ins.opcode) || wraps_collective(m, comp, ins) {
+        return OpKind::Collective;
+    }
     match &ins.op_name {
         Some(n) if n.contains("transpose(") => OpKind::Backward,
         Some(n) if n.contains("jvp(") => OpKind::Forward,
@@ -455,6 +499,7 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
     let m = ctx.m;
     let comp = m.comp(c);
     let mut bl = Builder {
+        m,
         comp,
         mode,
         align: ctx.opts.align.max(1),
@@ -495,6 +540,7 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
         let val = import_instr(ctx, &mut bl, ins, &donated)?;
         bl.vals[i] = Some(val);
     }
+    control_edges(&mut bl);
 
     // What the root returns.
     let mut out = Vec::new();
@@ -556,6 +602,36 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
         param_bytes,
         donated_bytes,
     })
+}
+
+/// `control-predecessors`: each becomes a tensor of no bytes that the
+/// predecessor's op writes and the successor's op reads, so every order
+/// memplan considers keeps them. Instructions that make no op (parameters,
+/// tuples, bitcasts) are available from the start and need no edge.
+fn control_edges(bl: &mut Builder<'_>) {
+    let mut op_of: HashMap<String, OpId> = HashMap::new();
+    for o in 0..bl.b.num_ops() {
+        let op = OpId(o as u32);
+        op_of.insert(bl.b.op_spec_mut(op).name.clone(), op);
+    }
+    for ins in &bl.comp.instrs {
+        let Some(&succ) = op_of.get(&ins.name) else {
+            continue;
+        };
+        for p in &ins.control_preds {
+            let pred_name = &bl.comp.instrs[p.index()].name;
+            let Some(&pred) = op_of.get(pred_name) else {
+                continue;
+            };
+            let t = bl.b.add_tensor(
+                TensorSpec::new(format!("{pred_name}/control->{}", ins.name), 0)
+                    .role(Role::Temporary),
+            );
+            bl.produced.push(true);
+            bl.b.op_spec_mut(pred).outputs.push(t);
+            bl.b.op_spec_mut(succ).inputs.push(t);
+        }
+    }
 }
 
 /// The own peak of a called computation: the max live bytes of its
@@ -794,10 +870,14 @@ fn add_op(
     reuse: Vec<(TensorId, TensorId)>,
     extra: Option<(&str, u64)>,
 ) -> OpId {
-    let mut spec = OpSpec::new(ins.name.clone(), op_kind(ins), ins.opcode.clone())
-        .inputs(inputs)
-        .outputs(outputs.iter().copied())
-        .attr("hlo_opcode", ins.opcode.clone());
+    let mut spec = OpSpec::new(
+        ins.name.clone(),
+        op_kind(bl.m, bl.comp, ins),
+        ins.opcode.clone(),
+    )
+    .inputs(inputs)
+    .outputs(outputs.iter().copied())
+    .attr("hlo_opcode", ins.opcode.clone());
     if let Some(k) = &ins.fusion_kind {
         spec = spec.attr("fusion_kind", k.clone());
     }

@@ -31,6 +31,7 @@ pub mod import;
 pub mod lexer;
 pub mod parser;
 pub mod report;
+pub mod schedule;
 pub mod shape;
 
 use std::path::{Path, PathBuf};

@@ -122,6 +122,9 @@ pub struct Instr {
     pub op_name: Option<String>,
     /// `custom_call_target`.
     pub custom_call_target: Option<String>,
+    /// `control-predecessors={...}`: instructions that must run before this
+    /// one although it reads nothing of theirs (defined before it).
+    pub control_preds: Vec<InstrIdx>,
 }
 
 impl Instr {
@@ -724,6 +727,7 @@ impl<'a> Parser<'a> {
             output_operand_alias: Vec::new(),
             op_name: None,
             custom_call_target: None,
+            control_preds: Vec::new(),
         };
         self.expect_punct(b'(')?;
         match opcode {
@@ -827,6 +831,20 @@ impl<'a> Parser<'a> {
                     }
                 }
                 "metadata" => ins.op_name = self.metadata()?,
+                "control-predecessors" => {
+                    for (n, nt) in self.name_list()? {
+                        let Some(&p) = names.get(bare(n)) else {
+                            return Err(self.err(
+                                &nt,
+                                format!(
+                                    "%{name} has control predecessor %{}, which is not defined before it in this computation",
+                                    bare(n)
+                                ),
+                            ));
+                        };
+                        ins.control_preds.push(p);
+                    }
+                }
                 _ => {
                     let _ = kt;
                     self.skip_value()?;
@@ -851,7 +869,7 @@ impl<'a> Parser<'a> {
                     Tok::Punct(b'}') => return Ok(out),
                     Tok::Punct(b',') => {}
                     Tok::Word(w) => out.push((w, t)),
-                    _ => return Err(self.unexpected(&t, "a computation name")),
+                    _ => return Err(self.unexpected(&t, "a name")),
                 }
             }
         }
