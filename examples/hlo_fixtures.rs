@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
         .collect();
     cases.sort();
     println!(
-        "{:<20} {:<24} {:>5} {:>6} {:>7} {:>7} {:>15} {:>15} {:>9} {:>15} {:>15} {:>7}",
+        "{:<20} {:<24} {:>5} {:>6} {:>7} {:>7} {:>15} {:>15} {:>9} {:>15} {:>15} {:>7} {:>15} {:>8} {:>15}",
         "case",
         "file",
         "ops",
@@ -67,7 +67,10 @@ fn main() -> anyhow::Result<()> {
         "live/man",
         "memplan",
         "xla_total",
-        "mp/xla"
+        "mp/xla",
+        "bound",
+        "mp/bound",
+        "xla_realised"
     );
     let mut logs = Vec::new();
     for case in &cases {
@@ -119,8 +122,13 @@ fn main() -> anyhow::Result<()> {
             {
                 logs.push(r.ln());
             }
+            // XLA's order with XLA's own offsets (its buffer assignment).
+            let realised = memplan::io::hlo::assignment::find(&path)?
+                .and_then(|v| memplan::io::hlo::assignment::realised_peak(&g, &v))
+                .map(|r| r.peak);
+            let bound = plan.stats.lower_bound_bytes;
             println!(
-                "{:<20} {:<24} {:>5} {:>6} {:>7.2} {:>7.2} {:>15} {:>15} {:>9} {:>15} {:>15} {:>7}",
+                "{:<20} {:<24} {:>5} {:>6} {:>7.2} {:>7.2} {:>15} {:>15} {:>9} {:>15} {:>15} {:>7} {:>15} {:>8.4} {:>15}",
                 name,
                 file.trim_end_matches(".txt.gz"),
                 g.num_ops(),
@@ -133,6 +141,9 @@ fn main() -> anyhow::Result<()> {
                 plan.arena_bytes,
                 show(xla_total),
                 mp_xla.map_or("-".to_string(), |r| format!("{r:.4}")),
+                bound,
+                plan.arena_bytes as f64 / bound.max(1) as f64,
+                show(realised),
             );
         }
     }

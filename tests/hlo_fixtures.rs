@@ -383,7 +383,7 @@ fn relisted_modules_carry_the_plan_order() {
         let text = memplan::io::read_text(&path).unwrap();
         let m = hlo::parse_module(&text).unwrap();
         let (g, plan) = plan_and_check(&path);
-        let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order).unwrap();
+        let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order, true).unwrap();
         let again = hlo::import_str(&out, &hlo::ImportOptions::default()).unwrap();
         let (_, order) = again
             .extra_orders

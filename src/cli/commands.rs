@@ -46,8 +46,9 @@ pub fn run(cmd: Command) -> Result<()> {
             hlo,
             plan,
             time_limit,
+            no_chain,
         } => match (hlo, graph) {
-            (true, Some(g)) => export_hlo(&g, plan.as_deref(), &output, time_limit),
+            (true, Some(g)) => export_hlo(&g, plan.as_deref(), &output, time_limit, no_chain),
             (true, None) => bail!("--hlo needs the HLO module file as GRAPH"),
             (false, g) => export(g.as_deref(), &source, &output),
         },
@@ -389,7 +390,13 @@ fn export(graph: Option<&Path>, src: &GraphArgs, output: &Path) -> Result<()> {
 }
 
 /// `export --hlo`: the module relisted in the plan's order.
-fn export_hlo(module: &Path, plan: Option<&Path>, output: &Path, time_limit: f64) -> Result<()> {
+fn export_hlo(
+    module: &Path,
+    plan: Option<&Path>,
+    output: &Path,
+    time_limit: f64,
+    no_chain: bool,
+) -> Result<()> {
     use memplan::io::hlo;
     let text = memplan::io::read_text(module)?;
     if !hlo::looks_like_hlo(&text) {
@@ -417,7 +424,7 @@ fn export_hlo(module: &Path, plan: Option<&Path>, output: &Path, time_limit: f64
         }
         None => solve(&g, time_limit)?,
     };
-    let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order)
+    let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order, !no_chain)
         .with_context(|| format!("relisting {}", module.display()))?;
     memplan::io::write_text(output, &out)?;
     let xla_order = g

@@ -163,6 +163,10 @@ pub enum Command {
         /// With --hlo and no --plan: time budget for the solve, in seconds.
         #[arg(long, value_name = "S", default_value_t = 10.0)]
         time_limit: f64,
+        /// With --hlo: do not chain the entry's instructions with control
+        /// predecessors (XLA's CPU compiler then schedules them again).
+        #[arg(long, requires = "hlo")]
+        no_chain: bool,
     },
     /// Benchmark memplan against the lower bound and the baselines on many
     /// graphs; keep or check the peak record.

@@ -27,6 +27,7 @@
 //! so garbage, truncated files and adversarial nesting give an error naming
 //! the line and column, never a panic or unbounded memory.
 
+pub mod assignment;
 pub mod import;
 pub mod lexer;
 pub mod parser;

@@ -123,7 +123,20 @@ impl Lister<'_> {
 
 /// `text` (the module `m` was parsed from) with its entry computation listed
 /// in `order` and marked scheduled.
-pub fn scheduled_text(text: &str, m: &Module, g: &Graph, order: &[OpId]) -> Result<String, Error> {
+///
+/// With `chain`, every entry instruction but the first also gets its
+/// predecessor in the listing as a control predecessor. XLA's CPU compiler
+/// schedules every module again before assigning buffers, whatever the
+/// module says (`CompileCpuExecutable` calls its DFS memory scheduler
+/// unconditionally); the chain leaves that scheduler a single valid order,
+/// ours. The chain orders, it moves no data, so results are unchanged.
+pub fn scheduled_text(
+    text: &str,
+    m: &Module,
+    g: &Graph,
+    order: &[OpId],
+    chain: bool,
+) -> Result<String, Error> {
     let entry = m.entry();
     if order.len() != g.num_ops() {
         return Err(fail(format!(
@@ -152,12 +165,16 @@ pub fn scheduled_text(text: &str, m: &Module, g: &Graph, order: &[OpId]) -> Resu
     for (k, line) in lines.iter().enumerate() {
         let l = k + 1;
         if l == first {
+            let mut prev: Option<&str> = None;
             for &i in &listing {
-                let src = lines[entry.instrs[i.index()].line as usize - 1];
-                out.push_str(src);
-                if !src.ends_with('\n') {
-                    out.push('\n');
+                let ins = &entry.instrs[i.index()];
+                let src = lines[ins.line as usize - 1].trim_end_matches(['\n', '\r']);
+                match prev.filter(|_| chain) {
+                    Some(p) => out.push_str(&with_control_pred(src, p)),
+                    None => out.push_str(src),
                 }
+                out.push('\n');
+                prev = Some(&ins.name);
             }
         }
         if seen.contains(&l) {
@@ -172,6 +189,18 @@ pub fn scheduled_text(text: &str, m: &Module, g: &Graph, order: &[OpId]) -> Resu
     }
     verify(&out, m, &listing)?;
     Ok(out)
+}
+
+/// An instruction line with `%pred` added to its control predecessors.
+fn with_control_pred(line: &str, pred: &str) -> String {
+    const KEY: &str = "control-predecessors={";
+    match line.find(KEY) {
+        Some(at) => {
+            let (a, b) = line.split_at(at + KEY.len());
+            format!("{a}%{pred}, {b}")
+        }
+        None => format!("{line}, control-predecessors={{%{pred}}}"),
+    }
 }
 
 /// The `HloModule` line with `is_scheduled=true`.
@@ -242,11 +271,11 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
             g.op_by_name("b").unwrap(),
             g.op_by_name("d").unwrap(),
         );
-        let out = scheduled_text(TEXT, &m, &g, &[b, a, d]).unwrap();
+        let out = scheduled_text(TEXT, &m, &g, &[b, a, d], false).unwrap();
         assert!(out.starts_with("HloModule m, is_scheduled=true, entry_computation_layout"));
         assert_eq!(names(&out), ["p", "b", "a", "c", "d"]);
         // The original order round-trips to the same text but the header.
-        let same = scheduled_text(TEXT, &m, &g, &[a, b, d]).unwrap();
+        let same = scheduled_text(TEXT, &m, &g, &[a, b, d], false).unwrap();
         assert_eq!(same.replace(", is_scheduled=true", ""), TEXT);
     }
 
@@ -259,7 +288,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
             g.op_by_name("b").unwrap(),
             g.op_by_name("d").unwrap(),
         );
-        let e = scheduled_text(TEXT, &m, &g, &[d, a, b]).unwrap_err();
+        let e = scheduled_text(TEXT, &m, &g, &[d, a, b], false).unwrap_err();
         assert!(e.to_string().contains("runs %d before"), "{e}");
     }
 
@@ -283,10 +312,40 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
                 .iter()
                 .any(|&t| g.tensor(t).producer == Some(a))
         );
-        assert!(scheduled_text(&text, &m, &g, &[b, a, d]).is_err());
+        assert!(scheduled_text(&text, &m, &g, &[b, a, d], false).is_err());
         assert_eq!(
-            names(&scheduled_text(&text, &m, &g, &[a, b, d]).unwrap()),
+            names(&scheduled_text(&text, &m, &g, &[a, b, d], false).unwrap()),
             ["p", "a", "b", "c", "d"]
+        );
+    }
+
+    #[test]
+    fn a_chain_leaves_one_order() {
+        let m = parse_module(TEXT).unwrap();
+        let g = import_module(&m, &ImportOptions::default()).unwrap();
+        let (a, b, d) = (
+            g.op_by_name("a").unwrap(),
+            g.op_by_name("b").unwrap(),
+            g.op_by_name("d").unwrap(),
+        );
+        let out = scheduled_text(TEXT, &m, &g, &[b, a, d], true).unwrap();
+        let again = parse_module(&out).unwrap();
+        let e = again.entry();
+        let preds: Vec<Vec<&str>> = e
+            .instrs
+            .iter()
+            .map(|i| {
+                i.control_preds
+                    .iter()
+                    .map(|p| e.instrs[p.index()].name.as_str())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(preds, [vec![], vec!["p"], vec!["b"], vec!["a"], vec!["c"]]);
+        // An existing control predecessor is kept beside the chain's.
+        assert_eq!(
+            with_control_pred("%x = f32[] negate(%y), control-predecessors={%z}", "w"),
+            "%x = f32[] negate(%y), control-predecessors={%w, %z}"
         );
     }
 }

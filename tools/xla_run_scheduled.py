@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Run an XLA module in memplan's order on XLA's own CPU compiler, and compare
+results and XLA's memory report with the module as XLA ordered it.
+
+    .venv/bin/pip install "jax[cpu]" pypjrt lammps-jax-pjrt-cpu
+    cargo build --release --bin memplan
+    .venv/bin/python tools/xla_run_scheduled.py fixtures/hlo/mlp/cpu_after_optimizations.txt.gz
+
+What it does, for one optimized module (`*_after_optimizations.txt[.gz]`):
+
+1. `memplan plan MODULE -o plan.json --json`: memplan's order and its
+   predicted peak; `memplan export --hlo MODULE --plan plan.json`: the module
+   relisted in that order, `is_scheduled=true`, its entry instructions chained
+   with control predecessors.
+2. Compiles the original and the relisted module with XLA's CPU compiler,
+   HLO passes off (`run_backend_only`), each in a fresh process with
+   `--xla_dump_to`, and runs both on the same random inputs.
+3. Checks that the compiled relisted module lists its entry in memplan's
+   order (XLA's dump of what it compiled), that both give the same outputs,
+   and prints XLA's `Total bytes` (its memory-usage report) for both next
+   to memplan's prediction.
+
+Why not jaxlib's own `compile`: in jaxlib it accepts MLIR only, and the
+HLO -> StableHLO conversion drops the schedule, control dependencies, fusion
+backend configs and layouts. So the module goes, as an HloModuleProto parsed
+by jaxlib, to XLA's CPU PJRT plugin through the PJRT C API
+(`PJRT_Client_Compile` with format "hlo"): the plugin comes from the PyPI
+package `lammps-jax-pjrt-cpu` (XLA's `pjrt_c_api_cpu_plugin.so`) and is driven
+with `pypjrt` (ctypes). Why the chain: XLA's CPU compiler schedules every
+module again before buffer assignment (`CompileCpuExecutable` calls
+`CreateHloSchedule` whatever the module says), and the control predecessors
+leave it one valid order.
+"""
+
+import argparse
+import ctypes
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+# CompileOptionsProto: executable_build_options (3) { run_backend_only (11): true }
+RUN_BACKEND_ONLY = b"\x1a\x02\x58\x01"
+NP = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "s32": np.int32,
+      "s64": np.int64, "s8": np.int8, "u8": np.uint8, "u32": np.uint32, "pred": np.bool_}
+
+
+def read_text(path):
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return f.read()
+
+
+def entry_lines(text):
+    lines = text.split("\n")
+    start = next(i for i, l in enumerate(lines) if l.startswith("ENTRY"))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    return lines[start + 1:end]
+
+
+def entry_order(text):
+    return [re.match(r"\s*(?:ROOT )?%?([\w.\-]+) =", l).group(1) for l in entry_lines(text)]
+
+
+def entry_params(text):
+    out = []
+    for l in entry_lines(text):
+        m = re.search(r"= (\w+)\[([\d,]*)\]\S* parameter\((\d+)\)", l)
+        if m:
+            dims = tuple(int(d) for d in m.group(2).split(",") if d)
+            out.append((int(m.group(3)), m.group(1), dims))
+    return sorted(out)
+
+
+def random_arg(rng, ty, dims):
+    dt = NP[ty]
+    if np.issubdtype(dt, np.floating):
+        return (0.1 * rng.random(dims)).astype(dt)  # >= 0 keeps Adam's sqrt(nu) finite
+    if dt == np.bool_:
+        return rng.integers(0, 2, dims).astype(np.bool_)
+    return rng.integers(0, 8, dims).astype(dt)
+
+
+def plugin_path():
+    import lammps_jax_pjrt_cpu
+    return os.path.join(os.path.dirname(lammps_jax_pjrt_cpu.__file__), "pjrt_c_api_cpu_plugin.so")
+
+
+def compile_and_run(module, out_npz, seed):
+    """In this process: compile `module` (XLA_FLAGS already set), run it,
+    save the outputs."""
+    import pypjrt
+    from pypjrt import client as pc
+    from pypjrt import typing as pt
+    from jax._src.lib import _jax, xla_client as xc
+
+    text = read_text(module)
+    proto = xc.hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    opts = _jax.CompileOptions().SerializeAsString() + RUN_BACKEND_ONLY
+    client = pypjrt.Client.create(plugin_path())
+    P = client._plugin
+    code = ctypes.create_string_buffer(proto, len(proto))
+    fmt = ctypes.create_string_buffer(b"hlo", 3)
+    ob = ctypes.create_string_buffer(opts, len(opts))
+    prog = P.args("PJRT_Program", code=ctypes.cast(code, pc._VOIDP), code_size=len(proto),
+                  format=ctypes.cast(fmt, pc._VOIDP), format_size=3)
+    args = P.args("PJRT_Client_Compile_Args", client=client._check(),
+                  program=ctypes.addressof(prog), compile_options=ctypes.cast(ob, pc._VOIDP),
+                  compile_options_size=len(opts))
+    P.call("PJRT_Client_Compile", args)
+    exe = pc.Executable(P, args.executable, client)
+    stats = {k: int(v) for k, v in exe.compiled_memory_stats().items()
+             if isinstance(v, (int, np.integer))}
+    codes = {"f32": pt.F32, "f64": pt.F64, "f16": pt.F16, "s32": pt.S32, "s64": pt.S64,
+             "s8": pt.S8, "u8": pt.U8, "u32": pt.U32, "pred": pt.PRED}
+    rng = np.random.default_rng(seed)
+    outs = {}
+    with client.devices() as devs:
+        bufs = []
+        for _, ty, dims in entry_params(text):
+            x = np.ascontiguousarray(random_arg(rng, ty, dims))
+            bufs.append(client.buffer_from_host(x, codes[ty].code, list(dims), devs[0]))
+        for k, o in enumerate(exe(*bufs)):
+            name = pt.by_code(o.element_type).name
+            host = np.empty(o.dimensions, dtype=NP.get(name, np.uint8))
+            o.to_host(host.reshape(-1).view(np.uint8) if host.size else bytearray(0))
+            outs[f"out{k}"] = host
+    np.savez(out_npz, **outs)
+    with open(out_npz + ".json", "w") as f:
+        json.dump(stats, f)
+
+
+def newest(folder, suffix):
+    files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(suffix)]
+    return max(files, key=os.path.getmtime) if files else None
+
+
+def xla_run(module, work, tag, seed):
+    """Compiles and runs `module` in a fresh process (XLA reads XLA_FLAGS once)."""
+    dump = os.path.join(work, f"dump_{tag}")
+    os.makedirs(dump, exist_ok=True)
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}", JAX_PLATFORMS="cpu")
+    out = os.path.join(work, f"{tag}.npz")
+    subprocess.run([sys.executable, __file__, "--one", module, "--out", out, "--seed", str(seed)],
+                   env=env, check=True)
+    report = newest(dump, "cpu_after_optimizations-memory-usage-report.txt")
+    total = None
+    if report:
+        m = re.search(r"Total bytes: (\d+)", open(report).read())
+        total = int(m.group(1)) if m else None
+    compiled = newest(dump, "cpu_after_optimizations.txt")
+    order = entry_order(open(compiled).read()) if compiled else None
+    outs = np.load(out)
+    return {"total": total, "order": order,
+            "outs": [outs[f"out{k}"] for k in range(len(outs.files))]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("module")
+    ap.add_argument("--memplan", default="target/release/memplan")
+    ap.add_argument("--time-limit", default="10")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", help="folder for the plan, the relisted module and XLA's dumps")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        compile_and_run(a.module, a.out, a.seed)
+        return
+
+    work = a.work or tempfile.mkdtemp(prefix="xla_run_scheduled_")
+    os.makedirs(work, exist_ok=True)
+    plan, relisted = os.path.join(work, "plan.json"), os.path.join(work, "relisted.txt")
+    res = subprocess.run([a.memplan, "plan", a.module, "-o", plan, "--json",
+                          "--time-limit", a.time_limit], check=True, capture_output=True, text=True)
+    planned = json.loads(res.stdout)
+    subprocess.run([a.memplan, "export", "--hlo", a.module, "--plan", plan, "-o", relisted],
+                   check=True, capture_output=True)
+
+    orig = xla_run(a.module, work, "original", a.seed)
+    mine = xla_run(relisted, work, "memplan", a.seed)
+    want = entry_order(read_text(relisted))
+    kept = mine["order"] == want
+    same = len(orig["outs"]) == len(mine["outs"]) and all(
+        x.shape == y.shape and np.array_equal(x, y, equal_nan=True)
+        for x, y in zip(orig["outs"], mine["outs"]))
+    close = same or all(np.allclose(x, y, rtol=1e-6, atol=1e-6, equal_nan=True)
+                        for x, y in zip(orig["outs"], mine["outs"]))
+    pred = planned["max_live_bytes"]
+    result = {
+        "module": a.module,
+        "instructions": len(want),
+        "xla_kept_memplan_order": kept,
+        "outputs": len(mine["outs"]),
+        "outputs_bitwise_equal": same,
+        "outputs_close": close,
+        "memplan_max_live_bytes": pred,
+        "memplan_arena_bytes": planned["peak_bytes"],
+        "memplan_lower_bound_bytes": planned["lower_bound_bytes"],
+        "xla_total_bytes_original": orig["total"],
+        "xla_total_bytes_memplan_order": mine["total"],
+        "xla_memplan_order_vs_prediction": mine["total"] / pred if mine["total"] and pred else None,
+        "work": work,
+    }
+    if a.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for k, v in result.items():
+            print(f"{k:34} {v:.4f}" if isinstance(v, float) else f"{k:34} {v}")
+    if not (kept and close):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
