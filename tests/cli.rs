@@ -365,3 +365,71 @@ fn fit_writes_a_plan_that_checks_and_refuses_what_cannot_fit() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--budget"), "{}", stderr(&o));
 }
+
+#[test]
+fn export_hlo_writes_the_planned_order_scheduled_and_chained() {
+    let dir = std::env::temp_dir().join(format!("memplan-export-hlo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let module = "fixtures/hlo/cnn/cpu_after_optimizations.txt.gz";
+    let plan = dir.join("plan.json");
+    let out = dir.join("scheduled.txt");
+    ok(&[
+        "plan",
+        module,
+        "-o",
+        plan.to_str().unwrap(),
+        "--time-limit",
+        "2",
+    ]);
+    ok(&[
+        "export",
+        "--hlo",
+        module,
+        "--plan",
+        plan.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.starts_with("HloModule jit_step_cnn, is_scheduled=true"));
+    // The relisted module's own schedule is the plan's order.
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let planned: Vec<String> = v["order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_str().unwrap().to_string())
+        .collect();
+    let g = memplan::io::load_graph(&out).unwrap();
+    let (_, order) = g
+        .extra_orders
+        .iter()
+        .find(|(n, _)| n == "xla-order")
+        .unwrap();
+    let listed: Vec<String> = order.iter().map(|&o| g.op(o).name.clone()).collect();
+    assert_eq!(listed, planned);
+    assert!(text.contains("control-predecessors={%"));
+    // A plan of another module is refused, naming what is wrong.
+    let e = memplan(&[
+        "export",
+        "--hlo",
+        "fixtures/hlo/mlp/cpu_after_optimizations.txt.gz",
+        "--plan",
+        plan.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!e.status.success());
+    assert!(stderr(&e).contains("plan"), "{}", stderr(&e));
+    // --hlo needs an HLO module.
+    let e = memplan(&[
+        "export",
+        "--hlo",
+        "fixtures/graphs/linear-sgd.json",
+        "-o",
+        "x.txt",
+    ]);
+    assert!(!e.status.success());
+    std::fs::remove_dir_all(&dir).ok();
+}
