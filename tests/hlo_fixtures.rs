@@ -21,6 +21,17 @@ fn xla_order_live(g: &Graph) -> Option<u64> {
     Some(solver::evaluate(&low.problem, &Lowered::from_op_ids(order)).peak)
 }
 
+/// The case folders under `dir`, sorted.
+fn case_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    cases.sort();
+    cases
+}
+
 fn plan_and_check(path: &Path) -> (Graph, memplan::Plan) {
     let g = memplan::io::load_graph(path).unwrap_or_else(|e| panic!("{e}"));
     let opts = memplan::Options {
@@ -228,12 +239,7 @@ fn figures(g: &Graph) -> Figures {
 /// After a deliberate change to the importer, print the new table with
 /// `MEMPLAN_RECORD_HLO_FIGURES=1 cargo test --test hlo_fixtures -- --nocapture`.
 fn record() {
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(fixtures())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
+    let cases = case_dirs(&fixtures());
     for case in cases {
         for file in ["before_optimizations", "cpu_after_optimizations"] {
             let path = case.join(format!("{file}.txt.gz"));
@@ -317,12 +323,7 @@ fn every_shared_module_imports_plans_and_checks() {
         return;
     };
     let mut n = 0;
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
+    let cases = case_dirs(&dir);
     for case in cases {
         for file in [
             "before_optimizations.txt.gz",
@@ -372,12 +373,7 @@ fn spmd_modules_mark_their_collectives() {
 #[test]
 fn relisted_modules_carry_the_plan_order() {
     use memplan::io::hlo;
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(fixtures())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir())
-        .collect();
-    cases.sort();
+    let cases = case_dirs(&fixtures());
     for case in cases {
         let path = case.join("cpu_after_optimizations.txt.gz");
         let text = memplan::io::read_text(&path).unwrap();
@@ -425,8 +421,8 @@ fn the_bound_is_never_above_what_xla_realised() {
         return;
     };
     let mut n = 0;
-    for case in std::fs::read_dir(&dir).unwrap() {
-        let path = case.unwrap().path().join("cpu_after_optimizations.txt.gz");
+    for case in case_dirs(&dir) {
+        let path = case.join("cpu_after_optimizations.txt.gz");
         let Some(values) = assignment::find(&path).unwrap() else {
             continue;
         };

@@ -408,7 +408,8 @@ fn export_hlo(
     let m = hlo::parse_module(&text).map_err(|e| {
         anyhow!(memplan::error::Error::from(e)).context(format!("reading {}", module.display()))
     })?;
-    let g = hlo::parse_graph(&text, module, &hlo::ImportOptions::default())?;
+    let g = hlo::import::import_module(&m, &hlo::ImportOptions::default())
+        .map_err(|e| e.in_file(module))?;
     let plan = match plan {
         Some(p) => {
             let t = memplan::io::read_text(p)?;

@@ -113,7 +113,7 @@ pub fn realised_peak(g: &Graph, values: &[Placed]) -> Option<Realised> {
     let ev = solver::evaluate(&low.problem, &Lowered::from_op_ids(order));
     let at: HashMap<String, &Placed> = values
         .iter()
-        .map(|v| (value_name(&v.instr, &v.index), v))
+        .map(|v| (super::import::tensor_name(&v.instr, &v.index), v))
         .collect();
     let steps = order.len().max(1);
     let mut live: Vec<Vec<(u32, u64, u64)>> = vec![Vec::new(); steps];
@@ -133,16 +133,6 @@ pub fn realised_peak(g: &Graph, values: &[Placed]) -> Option<Realised> {
     }
     let peak = live.iter_mut().map(|s| covered(s)).max().unwrap_or(0);
     Some(Realised { peak, unplaced })
-}
-
-/// The name memplan's importer gives the tensor of a value.
-fn value_name(instr: &str, index: &[u32]) -> String {
-    if index.is_empty() {
-        instr.to_string()
-    } else {
-        let p: Vec<String> = index.iter().map(|i| i.to_string()).collect();
-        format!("{instr}{{{}}}", p.join(","))
-    }
 }
 
 /// Bytes covered by the ranges, overlaps once.

@@ -329,12 +329,7 @@ impl Builder<'_> {
     }
 
     fn leaf_name(ins: &Instr, path: &[u32], whole: bool) -> String {
-        if whole {
-            ins.name.clone()
-        } else {
-            let p: Vec<String> = path.iter().map(|i| i.to_string()).collect();
-            format!("{}{{{}}}", ins.name, p.join(","))
-        }
+        tensor_name(&ins.name, if whole { &[] } else { path })
     }
 
     /// New tensors for every leaf of the instruction's shape.
@@ -440,6 +435,17 @@ impl Builder<'_> {
             t = b;
         }
         t
+    }
+}
+
+/// The name of the tensor for the leaf at `path` of an instruction's result
+/// (`name` for an array, `name{i,j}` for a tuple's leaf), as XLA names values.
+pub fn tensor_name(instr: &str, path: &[u32]) -> String {
+    if path.is_empty() {
+        instr.to_string()
+    } else {
+        let p: Vec<String> = path.iter().map(|i| i.to_string()).collect();
+        format!("{instr}{{{}}}", p.join(","))
     }
 }
 

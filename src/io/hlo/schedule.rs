@@ -23,13 +23,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::HloError;
 use super::parser::{InstrIdx, Module, parse_module};
 use crate::error::Error;
 use crate::graph::{Graph, OpId};
 
 fn fail(msg: impl Into<String>) -> Error {
-    Error::from(HloError::new(1, 1, msg))
+    Error::Invalid(msg.into())
 }
 
 /// The entry computation's instructions in the order a plan runs its ops
@@ -257,6 +256,14 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
   ROOT %d = f32[4]{0} add(f32[4]{0} %a, f32[4]{0} %c)\n\
 }\n";
 
+    /// The module of `text`, its graph, and the ops `a`, `b`, `d`.
+    fn setup(text: &str) -> (Module, Graph, [OpId; 3]) {
+        let m = parse_module(text).unwrap();
+        let g = import_module(&m, &ImportOptions::default()).unwrap();
+        let ops = ["a", "b", "d"].map(|n| g.op_by_name(n).unwrap());
+        (m, g, ops)
+    }
+
     fn names(text: &str) -> Vec<String> {
         let m = parse_module(text).unwrap();
         m.entry().instrs.iter().map(|i| i.name.clone()).collect()
@@ -264,13 +271,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
 
     #[test]
     fn relists_the_entry_in_the_given_order() {
-        let m = parse_module(TEXT).unwrap();
-        let g = import_module(&m, &ImportOptions::default()).unwrap();
-        let (a, b, d) = (
-            g.op_by_name("a").unwrap(),
-            g.op_by_name("b").unwrap(),
-            g.op_by_name("d").unwrap(),
-        );
+        let (m, g, [a, b, d]) = setup(TEXT);
         let out = scheduled_text(TEXT, &m, &g, &[b, a, d], false).unwrap();
         assert!(out.starts_with("HloModule m, is_scheduled=true, entry_computation_layout"));
         assert_eq!(names(&out), ["p", "b", "a", "c", "d"]);
@@ -281,13 +282,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
 
     #[test]
     fn refuses_an_order_that_breaks_a_dependency() {
-        let m = parse_module(TEXT).unwrap();
-        let g = import_module(&m, &ImportOptions::default()).unwrap();
-        let (a, b, d) = (
-            g.op_by_name("a").unwrap(),
-            g.op_by_name("b").unwrap(),
-            g.op_by_name("d").unwrap(),
-        );
+        let (m, g, [a, b, d]) = setup(TEXT);
         let e = scheduled_text(TEXT, &m, &g, &[d, a, b], false).unwrap_err();
         assert!(e.to_string().contains("runs %d before"), "{e}");
     }
@@ -298,13 +293,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
             "%b = f32[4]{0} negate(f32[4]{0} %p)",
             "%b = f32[4]{0} negate(f32[4]{0} %p), control-predecessors={%a}",
         );
-        let m = parse_module(&text).unwrap();
-        let g = import_module(&m, &ImportOptions::default()).unwrap();
-        let (a, b, d) = (
-            g.op_by_name("a").unwrap(),
-            g.op_by_name("b").unwrap(),
-            g.op_by_name("d").unwrap(),
-        );
+        let (m, g, [a, b, d]) = setup(&text);
         // The importer made the control edge a dependency of the graph.
         assert!(
             g.op(b)
@@ -321,13 +310,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {\n\
 
     #[test]
     fn a_chain_leaves_one_order() {
-        let m = parse_module(TEXT).unwrap();
-        let g = import_module(&m, &ImportOptions::default()).unwrap();
-        let (a, b, d) = (
-            g.op_by_name("a").unwrap(),
-            g.op_by_name("b").unwrap(),
-            g.op_by_name("d").unwrap(),
-        );
+        let (m, g, [a, b, d]) = setup(TEXT);
         let out = scheduled_text(TEXT, &m, &g, &[b, a, d], true).unwrap();
         let again = parse_module(&out).unwrap();
         let e = again.entry();
