@@ -1,4 +1,5 @@
-//! Property tests of the two graph readers (HLO text and memplan JSON):
+//! Property tests of the graph readers (HLO text, memplan JSON and
+//! networkx node-link JSON):
 //! whatever the input — garbage, truncated files, unknown opcodes, huge
 //! shapes, cycles, deep nesting — the result is a graph or a clear error
 //! naming where the problem is, never a panic, and memory stays bounded.
@@ -6,7 +7,7 @@
 use std::path::Path;
 
 use memplan::io::hlo::{ImportOptions, import_str};
-use memplan::io::json;
+use memplan::io::{json, nx};
 use memplan::{Error, checker};
 use proptest::prelude::*;
 
@@ -157,6 +158,87 @@ proptest! {
         let cut = cut.min(text.len().saturating_sub(1));
         let e = json::parse_graph(&text[..cut], Path::new("g.json")).unwrap_err();
         prop_assert!(e.to_string().starts_with("g.json"), "{e}");
+    }
+}
+
+/// A node-link document: `n` nodes with sizes and costs (some bad when
+/// `bad` picks them), and links drawn from `links` (forward ones make a
+/// DAG; backward ones may close cycles; ids ≥ n dangle).
+fn node_link(n: usize, sizes: &[i64], links: &[(usize, usize)], bad: Option<usize>) -> String {
+    let nodes: Vec<String> = (0..n)
+        .map(|i| {
+            let ram = if bad == Some(i) {
+                "\"big\"".to_string()
+            } else {
+                sizes[i % sizes.len()].to_string()
+            };
+            format!(r#"{{"id": {i}, "name": "v{i}", "cost_ram": {ram}, "cost_cpu": {}, "backward": {}}}"#, i + 1, i >= n / 2)
+        })
+        .collect();
+    let links: Vec<String> = links
+        .iter()
+        .map(|(s, t)| format!(r#"{{"source": {s}, "target": {t}}}"#))
+        .collect();
+    format!(
+        r#"{{"directed": true, "multigraph": false, "graph": {{"name": "p"}}, "nodes": [{}], "links": [{}]}}"#,
+        nodes.join(","),
+        links.join(",")
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn node_link_dags_import_plan_and_check(
+        n in 1usize..24,
+        sizes in prop::collection::vec(0i64..5000, 1..8),
+        raw in prop::collection::vec((0usize..24, 0usize..24), 0..48),
+    ) {
+        // Forward links only (lower id to higher id): a DAG.
+        let links: Vec<(usize, usize)> = raw
+            .iter()
+            .map(|&(a, b)| (a % n, b % n))
+            .filter(|(a, b)| a < b)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let text = node_link(n, &sizes, &links, None);
+        let g = nx::parse_graph(&text, Path::new("g.json")).unwrap();
+        prop_assert_eq!(g.num_ops(), n);
+        let reads: usize = g.ops().iter().map(|o| o.inputs.len()).sum();
+        prop_assert_eq!(reads, links.len());
+        let opts = memplan::Options {
+            time_limit: std::time::Duration::from_millis(50),
+            ..Default::default()
+        };
+        let plan = memplan::plan(&g, &opts).unwrap();
+        checker::check(&g, &plan).unwrap();
+    }
+
+    #[test]
+    fn node_link_bad_documents_give_located_errors(
+        n in 1usize..12,
+        raw in prop::collection::vec((0usize..16, 0usize..16), 1..24),
+        bad in prop::option::of(0usize..12),
+        cut in prop::option::of(0usize..400),
+    ) {
+        // Any links: cycles, self-links and dangling ids included.
+        let mut text = node_link(n, &[8], &raw, bad);
+        if let Some(c) = cut {
+            text.truncate(c.min(text.len()));
+        }
+        if let Err(e) = nx::parse_graph(&text, Path::new("g.json")) {
+            prop_assert!(e.to_string().starts_with("g.json"), "{e}");
+        }
+    }
+
+    #[test]
+    fn node_link_garbage_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let text = String::from_utf8_lossy(&bytes);
+        let framed = format!("{{\"nodes\": [{text}], \"links\": []}}");
+        let _ = nx::parse_graph(&framed, Path::new("g.json"));
+        let _ = nx::parse_graph(&text, Path::new("g.json"));
     }
 }
 

@@ -29,12 +29,25 @@
 //!    matrix products).
 //! 3. **Pruning**: the greedy overshoots, so each chosen candidate, most
 //!    expensive first, is dropped again if the step still fits without it.
+//! 4. **Local search** (with the same patience as step 5): drop one chosen candidate (or
+//!    two), let
+//!    the greedy repair the step without it, prune, and keep the result
+//!    when it is cheaper (a cheap candidate or two can stand in for an
+//!    expensive one that pruning alone cannot remove).
+//! 5. **Iterated local search** with the time that is left: drop a random
+//!    part of the best set, repair, prune, keep what is cheaper; it stops
+//!    after [`FitParams::patience`] tries without a gain, or after as long
+//!    without a gain as half the time the search took before it (at least
+//!    2 s); step 4 stops by the same rule.
 //!
 //! Every probe is a full plan of a transformed step, so the search is
 //! bounded by time ([`Budget`]) and keeps the cheapest fitting set found;
 //! when nothing fits it keeps the set with the lowest peak.
 
+use std::time::{Duration, Instant};
+
 use crate::Budget;
+use crate::random::Rng;
 
 /// One recomputable op, as the search sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,6 +88,13 @@ pub struct FitParams {
     pub exact_candidates: usize,
     /// Probes the exact search may spend before the greedy takes over.
     pub exact_probes: usize,
+    /// Tries without a gain after which the iterated local search stops.
+    pub patience: usize,
+    /// It also stops after this long without a gain: the time the search
+    /// took before it, times [`FitParams::patience_factor`], but at least
+    /// this many seconds.
+    pub patience_secs: f64,
+    pub patience_factor: f64,
 }
 
 impl Default for FitParams {
@@ -82,6 +102,9 @@ impl Default for FitParams {
         FitParams {
             exact_candidates: 14,
             exact_probes: 20_000,
+            patience: 200,
+            patience_secs: 2.0,
+            patience_factor: 0.5,
         }
     }
 }
@@ -191,7 +214,15 @@ impl<O: Oracle> Search<'_, O> {
     /// raises the peak (recomputed chains can be live together) is undone
     /// and its groups are tried one at a time; groups that raise the peak
     /// on their own are not tried again.
-    fn greedy(&mut self, mut chosen: Vec<bool>, mut p: Probe) -> (Vec<bool>, Probe) {
+    /// Groups holding a candidate marked in `excluded` are never added.
+    /// With `one_by_one`, each round adds only the best idle group.
+    fn greedy(
+        &mut self,
+        mut chosen: Vec<bool>,
+        mut p: Probe,
+        excluded: &[bool],
+        one_by_one: bool,
+    ) -> (Vec<bool>, Probe) {
         let mut banned: Vec<Vec<usize>> = Vec::new();
         // Share of the excess one round tries to cover: halved after a
         // round that raised the peak, doubled after one that lowered it.
@@ -201,7 +232,12 @@ impl<O: Oracle> Search<'_, O> {
             let mut idle: Vec<(f64, Vec<usize>, u64)> = p
                 .idle
                 .iter()
-                .filter(|(g, b)| *b > 0 && g.iter().any(|&i| !chosen[i]) && !banned.contains(g))
+                .filter(|(g, b)| {
+                    *b > 0
+                        && g.iter().any(|&i| !chosen[i])
+                        && !g.iter().any(|&i| excluded[i])
+                        && !banned.contains(g)
+                })
                 .map(|(g, b)| {
                     let cost: f64 = g.iter().map(|&i| self.cands[i].cost).sum();
                     (*b as f64 / cost.max(1e-30), g.clone(), *b)
@@ -223,7 +259,7 @@ impl<O: Oracle> Search<'_, O> {
                 }
                 taken.push(group.clone());
                 covered += b;
-                if covered >= excess {
+                if covered >= excess || one_by_one {
                     break;
                 }
             }
@@ -304,6 +340,121 @@ impl<O: Oracle> Search<'_, O> {
         }
         (chosen, p)
     }
+
+    /// Local search on a fitting set: drop one chosen candidate (most
+    /// expensive first), let the greedy repair the step without it, prune,
+    /// and keep the result when it is cheaper; repeat until no drop helps
+    /// or time runs out. Pruning alone stops at sets where no single
+    /// candidate can go; this also finds cheaper candidates that can
+    /// replace an expensive one.
+    fn improve(
+        &mut self,
+        mut chosen: Vec<bool>,
+        mut p: Probe,
+        patience_time: Duration,
+    ) -> (Vec<bool>, Probe) {
+        let mut tried: Vec<Vec<bool>> = Vec::new();
+        let mut last_gain = Instant::now();
+        'outer: loop {
+            let mut order: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i]).collect();
+            order.sort_by(|&a, &b| {
+                self.cands[b]
+                    .cost
+                    .total_cmp(&self.cands[a].cost)
+                    .then(a.cmp(&b))
+            });
+            // Single drops, then pairs (most expensive first).
+            let singles = order.iter().map(|&i| vec![i]);
+            let pairs = (0..order.len())
+                .flat_map(|a| (a + 1..order.len()).map(move |b| (a, b)))
+                .map(|(a, b)| vec![order[a], order[b]]);
+            let current = self.cost(&chosen);
+            for drop in singles.chain(pairs) {
+                if self.time.expired() || last_gain.elapsed() >= patience_time {
+                    break 'outer;
+                }
+                let mut start = chosen.clone();
+                let mut excluded = vec![false; chosen.len()];
+                for &i in &drop {
+                    start[i] = false;
+                    excluded[i] = true;
+                }
+                if tried.contains(&start) {
+                    continue;
+                }
+                tried.push(start.clone());
+                let q = self.probe(&start);
+                for one_by_one in [false, true] {
+                    let (c, q) = self.greedy(start.clone(), q.clone(), &excluded, one_by_one);
+                    if q.peak > self.budget_bytes {
+                        continue;
+                    }
+                    let (c, q) = self.prune(c, q);
+                    if q.peak <= self.budget_bytes && self.cost(&c) < current * (1.0 - 1e-12) {
+                        (chosen, p) = (c, q);
+                        last_gain = Instant::now();
+                        continue 'outer;
+                    }
+                }
+            }
+            break;
+        }
+        (chosen, p)
+    }
+}
+
+impl<O: Oracle> Search<'_, O> {
+    /// Iterated local search from a fitting set: drop a random part of it
+    /// (at least one candidate, which may not come back), sometimes force
+    /// a random other candidate in, repair with the greedy, prune, and keep
+    /// the result when it is cheaper. Stops after `patience` tries without
+    /// a gain, or when time runs out. Seeded, so a run is repeatable.
+    fn perturb(
+        &mut self,
+        mut chosen: Vec<bool>,
+        mut p: Probe,
+        rng: &mut Rng,
+        patience: usize,
+        patience_time: Duration,
+    ) -> (Vec<bool>, Probe) {
+        let n = chosen.len();
+        let mut stale = 0;
+        let mut last_gain = Instant::now();
+        while stale < patience && last_gain.elapsed() < patience_time && !self.time.expired() {
+            stale += 1;
+            let on: Vec<usize> = (0..n).filter(|&i| chosen[i]).collect();
+            if on.is_empty() {
+                break;
+            }
+            let mut start = chosen.clone();
+            let mut excluded = vec![false; n];
+            let forced = on[rng.below(on.len() as u64) as usize];
+            for &i in &on {
+                if i == forced || rng.chance(0.5) {
+                    start[i] = false;
+                    excluded[i] = i == forced || rng.chance(0.5);
+                }
+            }
+            if rng.chance(0.5) {
+                let off: Vec<usize> = (0..n).filter(|&i| !start[i] && !excluded[i]).collect();
+                if !off.is_empty() {
+                    start[off[rng.below(off.len() as u64) as usize]] = true;
+                }
+            }
+            let q = self.probe(&start);
+            let (c, q) = self.greedy(start, q, &excluded, rng.chance(0.5));
+            if q.peak > self.budget_bytes {
+                continue;
+            }
+            let (c, q) = self.prune(c, q);
+            if q.peak <= self.budget_bytes && self.cost(&c) < self.cost(&chosen) * (1.0 - 1e-12) {
+                (chosen, p) = (c, q);
+                stale = 0;
+                last_gain = Instant::now();
+            }
+        }
+        (chosen, p)
+    }
 }
 
 /// Chooses candidates to recompute so that the planned peak is at most
@@ -320,6 +471,7 @@ pub fn select<O: Oracle>(
     time: &Budget,
     seeds: &[Vec<bool>],
 ) -> Selection {
+    let started = Instant::now();
     let n = cands.len();
     let mut s = Search {
         cands,
@@ -347,7 +499,10 @@ pub fn select<O: Oracle>(
                 proven = all_proven;
             }
             None => {
-                let mut starts = vec![s.greedy(none, p0)];
+                let mut starts = vec![
+                    s.greedy(none.clone(), p0.clone(), &none, false),
+                    s.greedy(none.clone(), p0, &none, true),
+                ];
                 for seed in seeds.iter().filter(|x| x.len() == n) {
                     if s.time.expired() {
                         break;
@@ -360,7 +515,13 @@ pub fn select<O: Oracle>(
                     .filter(|(_, p)| p.peak <= budget_bytes)
                     .min_by(|a, b| s.cost(&a.0).total_cmp(&s.cost(&b.0)));
                 if let Some((chosen, p)) = fitting {
-                    s.prune(chosen, p);
+                    let (chosen, p) = s.prune(chosen, p);
+                    let patience_time = Duration::from_secs_f64(
+                        (started.elapsed().as_secs_f64() * params.patience_factor)
+                            .max(params.patience_secs),
+                    );
+                    let (chosen, p) = s.improve(chosen, p, patience_time);
+                    s.perturb(chosen, p, &mut Rng::new(1), params.patience, patience_time);
                 }
             }
         }

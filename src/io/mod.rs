@@ -1,11 +1,13 @@
 //! Reading and writing graphs and plans.
 //!
 //! [`load_graph`] reads a graph file of any supported kind, plain or
-//! gzip-compressed (`.gz`): memplan's JSON graph format ([`json`]) or XLA
-//! HLO text ([`hlo`]), told apart by content.
+//! gzip-compressed (`.gz`): memplan's JSON graph format ([`json`]), XLA
+//! HLO text ([`hlo`]) or a networkx node-link graph as Checkmate and
+//! Moccasin publish theirs ([`nx`]), told apart by content.
 
 pub mod hlo;
 pub mod json;
+pub mod nx;
 
 use std::io::Read;
 use std::path::Path;
@@ -67,11 +69,33 @@ pub fn write_text(path: &Path, text: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Whether JSON text is a node-link graph rather than memplan's format: it
+/// has `nodes` and `links` (or `edges`) and no `format`.
+fn is_node_link(text: &str) -> bool {
+    use serde::de::IgnoredAny;
+    #[derive(serde::Deserialize)]
+    struct Keys {
+        format: Option<IgnoredAny>,
+        nodes: Option<IgnoredAny>,
+        links: Option<IgnoredAny>,
+        edges: Option<IgnoredAny>,
+    }
+    match serde_json::from_str::<Keys>(text) {
+        Ok(k) => {
+            k.format.is_none() && k.nodes.is_some() && (k.links.is_some() || k.edges.is_some())
+        }
+        Err(_) => false,
+    }
+}
+
 /// Loads a graph file, choosing the reader by its content.
 pub fn load_graph(path: &Path) -> Result<Graph, Error> {
     let text = read_text(path)?;
     let start = text.trim_start();
     if start.starts_with('{') {
+        if is_node_link(&text) {
+            return nx::parse_graph(&text, path);
+        }
         return json::parse_graph(&text, path);
     }
     if hlo::looks_like_hlo(&text) {
@@ -80,7 +104,7 @@ pub fn load_graph(path: &Path) -> Result<Graph, Error> {
     Err(Error::Graph {
         path: Some(path.to_path_buf()),
         source: GraphError::Other(
-            "unrecognised graph file: expected memplan JSON (starting with '{') or XLA HLO text (starting with 'HloModule')".into(),
+            "unrecognised graph file: expected memplan JSON or networkx node-link JSON (starting with '{') or XLA HLO text (starting with 'HloModule')".into(),
         ),
     })
 }
