@@ -26,7 +26,7 @@ import tempfile
 import time
 import types
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkmate")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "checkmate")
 GRAPHS = ["vgg16", "vgg19", "fcn8", "segnet", "unet", "mobilenet", "resnet50"]
 
 
@@ -107,19 +107,22 @@ def main():
     a = ap.parse_args()
     cp, util = import_moccasin(a.moccasin, a.workers)
     rows = []
+    output = os.path.abspath(a.output) if a.output else None
     with tempfile.TemporaryDirectory() as log_dir:
+        # Moccasin writes its solution log into the working directory.
+        os.chdir(log_dir)
         for name in a.graphs:
             for share in a.shares:
                 row = run_one(cp, util, name, share, a.timeout, log_dir)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    if a.output:
+    if output:
         meta = {
             "tool": "Moccasin (github.com/haoming-codes/moccasin), via tools/moccasin_reference.py",
             "timeout_per_phase_s": a.timeout, "workers": a.workers,
             "machine_cpus": os.cpu_count(),
         }
-        with open(a.output, "w") as f:
+        with open(output, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
             f.write("\n")
 
