@@ -84,6 +84,7 @@ def run_one(cp, util, name, share, timeout, log_dir):
     row = {
         "graph": name, "share": share, "budget": budget, "topo_mem": topo_mem,
         "topo_cost": topo_cpu, "status": r.get("status"), "wall_s": round(wall, 2),
+        "timeout_per_phase_s": timeout,
     }
     if "obj_val" in r:
         row["cost"] = r["obj_val"]

@@ -124,6 +124,23 @@ class Harness:
 
 
 class CapturedStepsMatchEager(unittest.TestCase):
+    def test_matrix_products_carry_pytorchs_flop_count(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters())
+        batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+        step = mt.capture(model, opt, batch, classify, plan=False)
+        mm = [o for o in step.graph["ops"] if "addmm" in o["type"] or o["type"].startswith("aten.mm")]
+        self.assertTrue(mm)
+        for o in mm:
+            self.assertIn("flops", o, o["type"])
+        total = sum(o["flops"] for o in mm)
+        # forward: 2·8·16·32 + 2·8·32·4; backward: the input and weight
+        # gradients of the second layer, the weight gradient of the first.
+        fwd = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
+        self.assertEqual(total, fwd + 2 * (2 * 8 * 32 * 4) + 2 * 8 * 16 * 32)
+        self.assertTrue(all("flops" not in o for o in step.graph["ops"] if "relu" in o["type"]))
+
     def test_random_small_models_with_every_optimizer(self):
         rng = random.Random(7)
         for case in range(12):

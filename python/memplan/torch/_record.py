@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 # Namespaces whose ops are bookkeeping, not computation on tensors.
@@ -70,6 +71,20 @@ DTYPE_NAMES = {
     torch.bool: "bool",
 }
 
+
+
+def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> Optional[int]:
+    """FLOPs of one aten call by PyTorch's own formulas
+    (``torch.utils.flop_counter``: matrix products, convolutions, attention);
+    None for ops it has no formula for, which memplan's cost model then
+    prices by the bytes they write."""
+    count = flop_registry.get(getattr(func, "_overloadpacket", None))
+    if count is None:
+        return None
+    try:
+        return int(count(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not take this overload's arguments
+        return None
 
 class UnsupportedStep(ValueError):
     """A step memplan cannot run in another order; the message names the
@@ -317,6 +332,9 @@ class Recorder(TorchDispatchMode):
         if not (inputs or updates or outputs):
             return out
         op: Dict[str, Any] = {"id": f"o{len(self.ops)}", "kind": self.phase, "type": str(func)}
+        flops = op_flops(func, args, kwargs, out)
+        if flops is not None:
+            op["flops"] = flops
         for field, ts in (("inputs", inputs), ("outputs", outputs), ("updates", updates)):
             if ts:
                 op[field] = [self.tensors[i]["id"] for i in ts]

@@ -884,6 +884,7 @@ fn add_op(
     .inputs(inputs)
     .outputs(outputs.iter().copied())
     .attr("hlo_opcode", ins.opcode.clone());
+    spec.flops = Some(super::flops::instruction(bl.m, bl.comp, ins, 0));
     if let Some(k) = &ins.fusion_kind {
         spec = spec.attr("fusion_kind", k.clone());
     }

@@ -18,6 +18,8 @@
 //!    `while`/`conditional`/`call` a temporary holding the body's own peak,
 //!    computed by importing the body the same way (memoised, recursion and
 //!    depth checked);
+//!    Each op's FLOPs come from [`flops`] (dots and convolutions from their
+//!    shapes, fusions and loops from their bodies);
 //! 4. [`report`] reads `Total bytes` from XLA's memory-usage report beside
 //!    the file, kept as the reference peak `xla`; a scheduled module's entry
 //!    order is kept as the order `xla-order`.
@@ -28,6 +30,7 @@
 //! the line and column, never a panic or unbounded memory.
 
 pub mod assignment;
+pub mod flops;
 pub mod import;
 pub mod lexer;
 pub mod parser;

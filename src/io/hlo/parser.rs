@@ -125,6 +125,10 @@ pub struct Instr {
     /// `control-predecessors={...}`: instructions that must run before this
     /// one although it reads nothing of theirs (defined before it).
     pub control_preds: Vec<InstrIdx>,
+    /// `dot`'s `lhs_contracting_dims`.
+    pub lhs_contracting_dims: Vec<u32>,
+    /// `convolution`'s `dim_labels` (e.g. `b01f_01io->b01f`).
+    pub dim_labels: Option<String>,
 }
 
 impl Instr {
@@ -728,6 +732,8 @@ impl<'a> Parser<'a> {
             op_name: None,
             custom_call_target: None,
             control_preds: Vec::new(),
+            lhs_contracting_dims: Vec::new(),
+            dim_labels: None,
         };
         self.expect_punct(b'(')?;
         match opcode {
@@ -831,6 +837,11 @@ impl<'a> Parser<'a> {
                     }
                 }
                 "metadata" => ins.op_name = self.metadata()?,
+                "lhs_contracting_dims" => ins.lhs_contracting_dims = self.shape_index()?,
+                "dim_labels" => {
+                    let (w, _) = self.expect_word("dimension labels")?;
+                    ins.dim_labels = Some(w.to_string());
+                }
                 "control-predecessors" => {
                     for (n, nt) in self.name_list()? {
                         let Some(&p) = names.get(bare(n)) else {
