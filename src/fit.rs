@@ -421,6 +421,17 @@ fn segment_seeds(g: &Graph, cands: &[RematCandidate]) -> Vec<Vec<bool>> {
         .collect()
 }
 
+/// What the fit minimises.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum Objective {
+    /// The estimated added time (the cost model's roofline, or `cost`).
+    #[default]
+    Time,
+    /// The added floating-point operations.
+    Flops,
+}
+
 /// How to fit.
 #[derive(Clone, Debug)]
 pub struct FitOptions {
@@ -432,6 +443,7 @@ pub struct FitOptions {
     pub probe_time: Duration,
     pub cost_model: CostModel,
     pub search: FitParams,
+    pub objective: Objective,
 }
 
 impl Default for FitOptions {
@@ -442,6 +454,7 @@ impl Default for FitOptions {
             probe_time: Duration::from_millis(1500),
             cost_model: CostModel::default(),
             search: FitParams::default(),
+            objective: Objective::default(),
         }
     }
 }
@@ -615,7 +628,10 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     let search: Vec<Candidate> = cands
         .iter()
         .map(|c| Candidate {
-            cost: c.cost.seconds,
+            cost: match opts.objective {
+                Objective::Time => c.cost.seconds,
+                Objective::Flops => c.cost.flops,
+            },
             bytes: c.bytes,
         })
         .collect();

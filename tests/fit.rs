@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use memplan::fit::{FitOptions, candidates, fit, fit_floor, recompute};
+use memplan::fit::{FitOptions, Objective, candidates, fit, fit_floor, recompute};
 use memplan::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
 use memplan::models::gpt2::{self, Gpt2Config};
 use memplan::models::llama::{self, LlamaConfig};
@@ -296,4 +296,65 @@ fn exact_fit_equals_brute_force_on_random_steps() {
         }
     }
     assert!(checked >= 40, "{checked}");
+}
+
+/// With `Objective::Flops` the exact search minimises added FLOPs, which
+/// here run against the time estimate (an op's FLOPs are 11 − its cost), so
+/// the two objectives choose differently.
+#[test]
+fn exact_fit_minimises_flops_when_asked() {
+    let mut differ = 0;
+    for seed in 0..20 {
+        let mut g = random_step(seed, 3 + (seed % 2) as usize);
+        let flops: Vec<f64> = g.ops().iter().map(|o| 11.0 - o.cost.unwrap()).collect();
+        g.set_flops(&flops);
+        let cands = candidates(&g, &Default::default());
+        let sets: Vec<(f64, u64)> = (0..1u32 << cands.len())
+            .map(|m| {
+                let pick = |i: &usize| m >> i & 1 == 1;
+                let chosen: Vec<OpId> =
+                    (0..cands.len()).filter(pick).map(|i| cands[i].op).collect();
+                let f = (0..cands.len())
+                    .filter(pick)
+                    .map(|i| cands[i].cost.flops)
+                    .sum();
+                (f, brute_min_peak(&recompute(&g, &chosen).unwrap()))
+            })
+            .collect();
+        let lowest = sets.iter().map(|s| s.1).min().unwrap();
+        let highest = sets.iter().map(|s| s.1).max().unwrap();
+        let budget = (lowest + highest) / 2;
+        let Some(want) = sets
+            .iter()
+            .filter(|s| s.1 <= budget)
+            .map(|s| s.0)
+            .min_by(f64::total_cmp)
+        else {
+            continue;
+        };
+        let by = |objective| {
+            fit(
+                &g,
+                &FitOptions {
+                    objective,
+                    ..opts(budget)
+                },
+            )
+            .unwrap()
+        };
+        let f = by(Objective::Flops);
+        checker::check(&f.graph, &f.plan).unwrap();
+        assert!(f.plan.arena_bytes <= budget && f.optimal);
+        assert!(
+            (f.added.flops - want).abs() < 1e-9,
+            "seed {seed}: {} vs {want}",
+            f.added.flops
+        );
+        let t = by(Objective::Time);
+        assert!(t.added.seconds <= f.added.seconds + 1e-9, "seed {seed}");
+        if f.added.flops < t.added.flops - 1e-9 {
+            differ += 1;
+        }
+    }
+    assert!(differ > 0, "the objectives never chose differently");
 }

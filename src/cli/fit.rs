@@ -43,6 +43,9 @@ pub struct FitArgs {
     /// List every recomputed op.
     #[arg(long)]
     pub list: bool,
+    /// What to minimise: the estimated added time, or the added FLOPs.
+    #[arg(long, value_enum, default_value = "time", alias = "minimize")]
+    pub minimise: memplan::fit::Objective,
     /// The budget / added-cost curve instead of one fit: budgets from the
     /// plan without recomputation down to the floor, in steps of 5%.
     #[arg(long, conflicts_with_all = ["budget", "max_batch"])]
@@ -119,6 +122,7 @@ pub fn run(a: FitArgs) -> Result<()> {
     let opts = FitOptions {
         budget,
         time_limit: limit,
+        objective: a.minimise,
         ..FitOptions::default()
     };
     let f = fit(&g, &opts)?;
@@ -215,6 +219,7 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
         .collect();
     let opts = FitOptions {
         time_limit: limit,
+        objective: a.minimise,
         ..FitOptions::default()
     };
     let points = memplan::fit::pareto(g, &budgets, &opts);
@@ -304,6 +309,7 @@ fn batch_fits(a: &FitArgs, batch: u64, budget: u64, limit: Duration, kind: usize
             let opts = FitOptions {
                 budget,
                 time_limit: limit,
+                objective: a.minimise,
                 ..FitOptions::default()
             };
             base_arena(&g)? <= budget || fit(&g, &opts).is_ok()
