@@ -77,17 +77,21 @@ fn main() -> anyhow::Result<()> {
             let m_added = m.and_then(|m| m["added"].as_f64());
             let m_cells = format!(
                 "{} | {} | {}",
-                m_added.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
+                m_added.map_or("-".into(), |a| format!("{:.3}%", a * 100.0)),
                 m.and_then(|m| m["status"].as_str()).unwrap_or("-"),
                 m.and_then(|m| m["wall_s"].as_f64())
-                    .map_or("-".into(), |s| format!("{s:.1}")),
+                    .map_or("-".into(), |s| format!(
+                        "{s:.1} (limit {} per phase)",
+                        m.and_then(|m| m["timeout_per_phase_s"].as_f64())
+                            .unwrap_or(f64::NAN)
+                    )),
             );
             match r {
                 Ok(f) => {
                     let total = f.step.seconds + f.added.seconds;
                     let ratio = m_cost.map_or("-".into(), |c| format!("{:.4}", total / c));
                     println!(
-                        "| {name} | {} | {share}% | {:.2}% | {} | {} | {secs:.1} | {m_cells} | {ratio} |",
+                        "| {name} | {} | {share}% | {:.3}% | {} | {} | {secs:.1} | {m_cells} | {ratio} |",
                         g.num_ops(),
                         100.0 * f.added.seconds / f.step.seconds,
                         f.plan.arena_bytes,
