@@ -232,9 +232,18 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
             copy[t.index()] = Some(b.add_tensor(s));
         }
     }
+    // Views follow their base to its copy: copies of views, and views that
+    // non-forward ops make (they read the copy of the base).
     for t in g.tensor_ids() {
-        if let (Some(c), Some(base)) = (copy[t.index()], g.tensor(t).view_of) {
+        let Some(base) = g.tensor(t).view_of else {
+            continue;
+        };
+        if let Some(c) = copy[t.index()] {
             b.tensor_spec_mut(c).view_of = Some(copy[base.index()].unwrap_or(base));
+        } else if let Some(cb) = copy[base.index()]
+            && g.tensor(t).producer.is_some_and(|p| late(g, p))
+        {
+            b.tensor_spec_mut(t).view_of = Some(cb);
         }
     }
     let read = |t: TensorId| copy[t.index()].unwrap_or(t);

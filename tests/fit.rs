@@ -358,3 +358,42 @@ fn exact_fit_minimises_flops_when_asked() {
     }
     assert!(differ > 0, "the objectives never chose differently");
 }
+
+/// A view that a backward op makes of a recomputed tensor is a view of the
+/// copy, so the original dies at its last forward use (AOTAutograd's
+/// backward graphs `detach` saved tensors before reading them).
+#[test]
+fn backward_views_of_recomputed_tensors_follow_the_copy() {
+    let mut b = GraphBuilder::new("views");
+    let x = b.add_tensor(TensorSpec::new("x", 8).role(Role::Input).persistent());
+    let a = b.add_tensor(TensorSpec::new("a", 1000));
+    let l = b.add_tensor(TensorSpec::new("l", 8));
+    let big = b.add_tensor(TensorSpec::new("big", 500));
+    let g1 = b.add_tensor(TensorSpec::new("g1", 8));
+    let av = b.add_tensor(TensorSpec::new("a.detach", 1000).view_of(a));
+    let grad = b.add_tensor(TensorSpec::new("grad", 8).role(Role::Output).persistent());
+    let op = |name: &str, kind| OpSpec::new(name, kind, name).cost(1.0);
+    b.add_op(op("f", OpKind::Forward).inputs([x]).outputs([a]));
+    b.add_op(op("loss", OpKind::Forward).inputs([a]).outputs([l]));
+    b.add_op(op("tmp", OpKind::Backward).inputs([l]).outputs([big]));
+    b.add_op(op("back1", OpKind::Backward).inputs([big]).outputs([g1]));
+    b.add_op(op("detach", OpKind::Backward).inputs([a]).outputs([av]));
+    b.add_op(
+        op("back2", OpKind::Backward)
+            .inputs([av, g1])
+            .outputs([grad]),
+    );
+    let g = b.build().unwrap();
+    let r = recompute(&g, &[g.op_by_name("f").unwrap()]).unwrap();
+    let copy = r.tensor_by_name("recompute.a").expect("a copy of a");
+    let view = r.tensor_by_name("a.detach").unwrap();
+    assert_eq!(r.tensor(view).view_of, Some(copy));
+    // Without recomputation `a` is live with `big`: x + a + l + big. With
+    // it, the copy is made after `big` dies: x + a' + g1 + grad.
+    let opts = memplan::Options::default();
+    let plain = memplan::plan(&g, &opts).unwrap();
+    let fitted = memplan::plan(&r, &opts).unwrap();
+    checker::check(&r, &fitted).unwrap();
+    assert_eq!(plain.stats.max_live_bytes, 1516);
+    assert_eq!(fitted.stats.max_live_bytes, 1024);
+}
