@@ -433,3 +433,21 @@ fn export_hlo_writes_the_planned_order_scheduled_and_chained() {
     assert!(!e.status.success());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn an_error_names_its_cause_once() {
+    let dir = std::env::temp_dir().join(format!("memplan-cli-dup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dup.json");
+    std::fs::write(
+        &path,
+        r#"{"format": "memplan-graph", "version": 1, "tensors": [{"id": "t", "size": 4}, {"id": "t", "size": 4}], "ops": []}"#,
+    )
+    .unwrap();
+    let o = memplan(&["plan", path.to_str().unwrap()]);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert_eq!(err.matches("is defined twice").count(), 1, "{err}");
+    assert!(err.contains("dup.json"), "{err}");
+}

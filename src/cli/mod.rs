@@ -193,8 +193,22 @@ pub fn main() -> i32 {
     match commands::run(cli.command) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("memplan: {e:#}");
+            eprintln!("memplan: {}", message(&e));
             1
         }
     }
+}
+
+/// The error and its causes, each cause once: errors that already print
+/// their cause (`path: cause`) do not get it appended again.
+fn message(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }
