@@ -17,7 +17,8 @@ use super::format::{grouped, human_bytes, table};
 
 #[derive(Args, Debug)]
 pub struct FitArgs {
-    /// Graph file (memplan JSON, optionally .gz).
+    /// Graph file: memplan JSON, XLA HLO text or a networkx node-link graph
+    /// (Checkmate, Moccasin), optionally .gz.
     #[arg(required_unless_present = "example")]
     pub graph: Option<PathBuf>,
     #[command(flatten)]

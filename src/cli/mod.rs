@@ -86,7 +86,8 @@ pub struct GraphArgs {
 pub enum Command {
     /// Plan a graph: choose the order and every tensor's offset.
     Plan {
-        /// Graph file (memplan JSON, optionally .gz).
+        /// Graph file: memplan JSON, XLA HLO text or a networkx node-link graph
+        /// (Checkmate, Moccasin), optionally .gz.
         #[arg(required_unless_present = "example")]
         graph: Option<PathBuf>,
         #[command(flatten)]
@@ -144,7 +145,8 @@ pub enum Command {
     /// or with --hlo an XLA module relisted in memplan's order, scheduled,
     /// for XLA to run as planned.
     Export {
-        /// Graph file (memplan JSON or HLO text); with --hlo, the HLO module.
+        /// Graph file (memplan JSON, HLO text or node-link JSON); with --hlo,
+        /// the HLO module.
         graph: Option<PathBuf>,
         #[command(flatten)]
         source: GraphArgs,
