@@ -154,6 +154,18 @@ impl<O: Oracle> Search<'_, O> {
             .sum()
     }
 
+    /// The chosen candidates, most expensive first (ties by index).
+    fn most_expensive_first(&self, chosen: &[bool]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i]).collect();
+        order.sort_by(|&a, &b| {
+            self.cands[b]
+                .cost
+                .total_cmp(&self.cands[a].cost)
+                .then(a.cmp(&b))
+        });
+        order
+    }
+
     fn probe(&mut self, chosen: &[bool]) -> Probe {
         self.probes += 1;
         let p = self.oracle.probe(chosen);
@@ -309,13 +321,7 @@ impl<O: Oracle> Search<'_, O> {
             }
             p = self.probe(&chosen);
         }
-        let mut order: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i]).collect();
-        order.sort_by(|&a, &b| {
-            self.cands[b]
-                .cost
-                .total_cmp(&self.cands[a].cost)
-                .then(a.cmp(&b))
-        });
+        let order = self.most_expensive_first(&chosen);
         let mut runs: Vec<&[usize]> = order.chunks(16).rev().collect();
         while let Some(run) = runs.pop() {
             if self.time.expired() {
@@ -356,13 +362,7 @@ impl<O: Oracle> Search<'_, O> {
         let mut tried: Vec<Vec<bool>> = Vec::new();
         let mut last_gain = Instant::now();
         'outer: loop {
-            let mut order: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i]).collect();
-            order.sort_by(|&a, &b| {
-                self.cands[b]
-                    .cost
-                    .total_cmp(&self.cands[a].cost)
-                    .then(a.cmp(&b))
-            });
+            let order = self.most_expensive_first(&chosen);
             // Single drops, then pairs (most expensive first).
             let singles = order.iter().map(|&i| vec![i]);
             let pairs = (0..order.len())
