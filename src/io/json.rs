@@ -96,23 +96,55 @@ pub struct OpRecord {
     pub attrs: serde_json::Map<String, serde_json::Value>,
 }
 
+/// The top-level keys a JSON graph file is told apart by: memplan's
+/// `format` and `version`, or a networkx node-link graph's `nodes` and
+/// `links` (or `edges`). Read in one pass that skips everything else.
 #[derive(Deserialize)]
-struct Header {
+pub struct Header {
     format: Option<String>,
     version: Option<u64>,
+    nodes: Option<serde::de::IgnoredAny>,
+    links: Option<serde::de::IgnoredAny>,
+    edges: Option<serde::de::IgnoredAny>,
 }
 
-/// Parses a graph from JSON text. `path` is only used in messages.
-pub fn parse_graph(text: &str, path: &std::path::Path) -> Result<Graph, Error> {
-    let parse_err = |e: serde_json::Error| Error::Parse {
+fn parse_error(path: &std::path::Path, e: serde_json::Error) -> Error {
+    Error::Parse {
         path: path.to_path_buf(),
         line: e.line(),
         column: e.column(),
         msg: e.to_string(),
-    };
+    }
+}
+
+impl Header {
+    /// Reads the header of JSON text. `path` is only used in messages.
+    pub fn read(text: &str, path: &std::path::Path) -> Result<Header, Error> {
+        serde_json::from_str(text).map_err(|e| parse_error(path, e))
+    }
+
+    /// A networkx node-link graph (`crate::io::nx`) rather than memplan's
+    /// format: it has `nodes` and `links` or `edges`, and no `format`.
+    pub fn is_node_link(&self) -> bool {
+        self.format.is_none()
+            && self.nodes.is_some()
+            && (self.links.is_some() || self.edges.is_some())
+    }
+}
+
+/// Parses a graph from JSON text. `path` is only used in messages.
+pub fn parse_graph(text: &str, path: &std::path::Path) -> Result<Graph, Error> {
     // The header first, so a newer version is reported as such rather than
     // as an unknown field.
-    let header: Header = serde_json::from_str(text).map_err(parse_err)?;
+    parse_with_header(text, path, Header::read(text, path)?)
+}
+
+/// [`parse_graph`] with the header already read.
+pub fn parse_with_header(
+    text: &str,
+    path: &std::path::Path,
+    header: Header,
+) -> Result<Graph, Error> {
     let fmt = header.format.unwrap_or_default();
     if fmt != GRAPH_FORMAT {
         return Err(Error::from(GraphError::WrongFormat {
@@ -129,7 +161,7 @@ pub fn parse_graph(text: &str, path: &std::path::Path) -> Result<Graph, Error> {
         })
         .in_file(path));
     }
-    let file: GraphFile = serde_json::from_str(text).map_err(parse_err)?;
+    let file: GraphFile = serde_json::from_str(text).map_err(|e| parse_error(path, e))?;
     from_file(file).map_err(|e| Error::from(e).in_file(path))
 }
 

@@ -69,34 +69,16 @@ pub fn write_text(path: &Path, text: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// Whether JSON text is a node-link graph rather than memplan's format: it
-/// has `nodes` and `links` (or `edges`) and no `format`.
-fn is_node_link(text: &str) -> bool {
-    use serde::de::IgnoredAny;
-    #[derive(serde::Deserialize)]
-    struct Keys {
-        format: Option<IgnoredAny>,
-        nodes: Option<IgnoredAny>,
-        links: Option<IgnoredAny>,
-        edges: Option<IgnoredAny>,
-    }
-    match serde_json::from_str::<Keys>(text) {
-        Ok(k) => {
-            k.format.is_none() && k.nodes.is_some() && (k.links.is_some() || k.edges.is_some())
-        }
-        Err(_) => false,
-    }
-}
-
 /// Loads a graph file, choosing the reader by its content.
 pub fn load_graph(path: &Path) -> Result<Graph, Error> {
     let text = read_text(path)?;
     let start = text.trim_start();
     if start.starts_with('{') {
-        if is_node_link(&text) {
+        let header = json::Header::read(&text, path)?;
+        if header.is_node_link() {
             return nx::parse_graph(&text, path);
         }
-        return json::parse_graph(&text, path);
+        return json::parse_with_header(&text, path, header);
     }
     if hlo::looks_like_hlo(&text) {
         return hlo::parse_graph(&text, path, &hlo::ImportOptions::default());
