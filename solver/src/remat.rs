@@ -44,6 +44,7 @@
 //! bounded by time ([`Budget`]) and keeps the cheapest fitting set found;
 //! when nothing fits it keeps the set with the lowest peak.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use crate::Budget;
@@ -359,7 +360,7 @@ impl<O: Oracle> Search<'_, O> {
         mut p: Probe,
         patience_time: Duration,
     ) -> (Vec<bool>, Probe) {
-        let mut tried: Vec<Vec<bool>> = Vec::new();
+        let mut tried: HashSet<Vec<bool>> = HashSet::new();
         let mut last_gain = Instant::now();
         'outer: loop {
             let order = self.most_expensive_first(&chosen);
@@ -379,10 +380,9 @@ impl<O: Oracle> Search<'_, O> {
                     start[i] = false;
                     excluded[i] = true;
                 }
-                if tried.contains(&start) {
+                if !tried.insert(start.clone()) {
                     continue;
                 }
-                tried.push(start.clone());
                 let q = self.probe(&start);
                 for one_by_one in [false, true] {
                     let (c, q) = self.greedy(start.clone(), q.clone(), &excluded, one_by_one);
