@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use memplan::cost::OpCost;
 use memplan::fit::{FitOptions, Objective, candidates, fit, fit_floor, recompute};
 use memplan::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
 use memplan::models::gpt2::{self, Gpt2Config};
@@ -250,26 +251,29 @@ fn brute_min_peak(g: &Graph) -> u64 {
     best[(1usize << n) - 1]
 }
 
+/// Every set of recomputation candidates of `g`: its summed price (`price`
+/// of each candidate's cost) and its least max live bytes over every order.
+fn every_set(g: &Graph, price: impl Fn(&OpCost) -> f64) -> Vec<(f64, u64)> {
+    let cands = candidates(g, &Default::default());
+    (0..1u32 << cands.len())
+        .map(|m| {
+            let pick = |i: &usize| m >> i & 1 == 1;
+            let chosen: Vec<OpId> = (0..cands.len()).filter(pick).map(|i| cands[i].op).collect();
+            let total = (0..cands.len())
+                .filter(pick)
+                .map(|i| price(&cands[i].cost))
+                .sum();
+            (total, brute_min_peak(&recompute(g, &chosen).unwrap()))
+        })
+        .collect()
+}
+
 #[test]
 fn exact_fit_equals_brute_force_on_random_steps() {
     let mut checked = 0;
     for seed in 0..30 {
         let g = random_step(seed, 2 + (seed % 3) as usize);
-        let cands = candidates(&g, &Default::default());
-        // Every set of candidates, at its best order.
-        let sets: Vec<(f64, u64)> = (0..1u32 << cands.len())
-            .map(|m| {
-                let chosen: Vec<OpId> = (0..cands.len())
-                    .filter(|i| m >> i & 1 == 1)
-                    .map(|i| cands[i].op)
-                    .collect();
-                let cost = (0..cands.len())
-                    .filter(|i| m >> i & 1 == 1)
-                    .map(|i| cands[i].cost.seconds)
-                    .sum();
-                (cost, brute_min_peak(&recompute(&g, &chosen).unwrap()))
-            })
-            .collect();
+        let sets = every_set(&g, |c| c.seconds);
         let lowest = sets.iter().map(|s| s.1).min().unwrap();
         let highest = sets.iter().map(|s| s.1).max().unwrap();
         for budget in [lowest, (lowest + highest) / 2, lowest - 1] {
@@ -308,19 +312,7 @@ fn exact_fit_minimises_flops_when_asked() {
         let mut g = random_step(seed, 3 + (seed % 2) as usize);
         let flops: Vec<f64> = g.ops().iter().map(|o| 11.0 - o.cost.unwrap()).collect();
         g.set_flops(&flops);
-        let cands = candidates(&g, &Default::default());
-        let sets: Vec<(f64, u64)> = (0..1u32 << cands.len())
-            .map(|m| {
-                let pick = |i: &usize| m >> i & 1 == 1;
-                let chosen: Vec<OpId> =
-                    (0..cands.len()).filter(pick).map(|i| cands[i].op).collect();
-                let f = (0..cands.len())
-                    .filter(pick)
-                    .map(|i| cands[i].cost.flops)
-                    .sum();
-                (f, brute_min_peak(&recompute(&g, &chosen).unwrap()))
-            })
-            .collect();
+        let sets = every_set(&g, |c| c.flops);
         let lowest = sets.iter().map(|s| s.1).min().unwrap();
         let highest = sets.iter().map(|s| s.1).max().unwrap();
         let budget = (lowest + highest) / 2;
