@@ -31,6 +31,7 @@ knapsack over saved bytes, the "dp" solver by default). This script:
 
 import argparse
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -41,7 +42,7 @@ import torch._functorch.config as functorch_config
 from functorch.compile import default_partition, make_boxed_func, min_cut_rematerialization_partition
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
+from memplan.torch._record import op_flops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_eager_gpt2  # noqa: E402
@@ -79,13 +80,12 @@ def _nbytes(v):
 
 
 def _flops(node, out):
-    count = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if count is not None:
-        val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
-        try:
-            return int(count(*tree_map(val, node.args), **tree_map(val, node.kwargs), out_val=out))
-        except Exception:
-            pass
+    """PyTorch's count where it has a formula (memplan.torch's recorder
+    uses the same), else one per output element."""
+    val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    flops = op_flops(node.target, tree_map(val, node.args), tree_map(val, node.kwargs), out)
+    if flops is not None:
+        return flops
     return sum(x.numel() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
 
 
@@ -95,6 +95,7 @@ class Converter:
     def __init__(self, name):
         self.name = name
         self.tensors, self.ops = [], []
+        self.record = {}  # tensor id -> its record
         self.by_name = {}  # fx value name (forward and backward share saved names)
 
     def tensor(self, key, val, role="activation", lifetime="transient", view_of=None):
@@ -103,6 +104,7 @@ class Converter:
         if view_of:
             rec["view_of"] = view_of
         self.tensors.append(rec)
+        self.record[key] = rec
         return key
 
     def graph(self, gm, kind, placeholder):
@@ -117,7 +119,7 @@ class Converter:
 
     def call(self, n, kind):
         val = n.meta.get("val")
-        if n.target is __import__("operator").getitem:
+        if n.target is operator.getitem:
             base = self.by_name.get(n.args[0].name)
             if isinstance(base, list):
                 self.by_name[n.name] = base[n.args[1]]
@@ -144,9 +146,7 @@ class Converter:
         self.ops.append(op)
 
     def mark(self, key, role, lifetime):
-        for t in self.tensors:
-            if t["id"] == key:
-                t["role"], t["lifetime"] = role, lifetime
+        self.record[key]["role"], self.record[key]["lifetime"] = role, lifetime
 
     def result(self):
         return {"format": "memplan-graph", "version": 1, "name": self.name,
