@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use crate::batch::{BatchLine, max_batch, recorded_batch};
 use crate::error::Error;
+use crate::fit::{FitOptions, Objective, fit};
 use crate::graph::Graph;
 use crate::plan::Plan;
 use crate::{checker, io, pipeline};
@@ -28,14 +30,7 @@ fn graph(text: &str) -> Result<Graph, Error> {
 /// in `stats` the lower bound and the gap to it). The plan has passed the
 /// independent checker.
 pub fn plan_json(graph_json: &str, time_limit_s: f64) -> Result<String, Error> {
-    let time_limit = Duration::try_from_secs_f64(time_limit_s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            Error::Invalid(format!(
-                "time limit must be a positive number of seconds, got {time_limit_s}"
-            ))
-        })?;
+    let time_limit = seconds(time_limit_s, "time limit")?;
     let g = graph(graph_json)?;
     let opts = pipeline::Options {
         time_limit,
@@ -60,6 +55,120 @@ pub fn check_json(graph_json: &str, plan_json: &str) -> Result<String, Error> {
         "tensors_placed": r.tensors_placed,
     })
     .to_string())
+}
+
+fn seconds(s: f64, what: &str) -> Result<Duration, Error> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "{what} must be a positive number of seconds, got {s}"
+            ))
+        })
+}
+
+fn objective(name: &str) -> Result<Objective, Error> {
+    match name {
+        "time" => Ok(Objective::Time),
+        "flops" => Ok(Objective::Flops),
+        _ => Err(Error::Invalid(format!(
+            "unknown objective {name:?} (time or flops)"
+        ))),
+    }
+}
+
+/// Fits the graph in `graph_json` into `budget` bytes by recomputation
+/// ([`crate::fit::fit`]): returns `{"graph": the step with its
+/// recomputation, "plan": its checked plan, "recomputed_ops", "added_flops",
+/// "added_seconds_estimate", "no_recompute_arena_bytes", "optimal", ...}`.
+/// A budget nothing fits is an error that states the bound.
+pub fn fit_json(
+    graph_json: &str,
+    budget: u64,
+    time_limit_s: f64,
+    minimise: &str,
+) -> Result<String, Error> {
+    let g = graph(graph_json)?;
+    let opts = FitOptions {
+        budget,
+        time_limit: seconds(time_limit_s, "time limit")?,
+        objective: objective(minimise)?,
+        ..FitOptions::default()
+    };
+    let f = fit(&g, &opts)?;
+    let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&f.graph))
+        .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+    let plan: serde_json::Value = serde_json::from_str(&f.plan.to_json(&f.graph))
+        .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+    Ok(json!({
+        "graph": graph,
+        "plan": plan,
+        "budget_bytes": f.budget,
+        "arena_bytes": f.plan.arena_bytes,
+        "no_recompute_arena_bytes": f.base_arena,
+        "recomputed_ops": f.recomputed,
+        "added_flops": f.added.flops,
+        "added_seconds_estimate": f.added.seconds,
+        "step_flops": f.step.flops,
+        "optimal": f.optimal,
+    })
+    .to_string())
+}
+
+/// The line through one step captured twice (`graph1_json` at batch `b1`,
+/// `graph2_json` at `b2`; see [`crate::batch`]). A batch size of 0 means
+/// the one the graph's metadata records.
+fn line(graph1_json: &str, b1: u64, graph2_json: &str, b2: u64) -> Result<BatchLine, Error> {
+    let read = |text: &str, b: u64, doc: &str| -> Result<(Graph, u64), Error> {
+        let g = io::json::parse_graph(text, Path::new(doc))?;
+        let b = match b {
+            0 => recorded_batch(&g).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{doc}: its metadata records no \"batch\"; give the batch sizes"
+                ))
+            })?,
+            b => b,
+        };
+        Ok((g, b))
+    };
+    let (g1, b1) = read(graph1_json, b1, "<graph at the first batch>")?;
+    let (g2, b2) = read(graph2_json, b2, "<graph at the second batch>")?;
+    BatchLine::new(g1, b1, g2, b2)
+}
+
+/// The step at `batch`, extrapolated from two captures (see
+/// [`crate::batch`]), as a graph document.
+pub fn graph_at_batch_json(
+    graph1_json: &str,
+    b1: u64,
+    graph2_json: &str,
+    b2: u64,
+    batch: u64,
+) -> Result<String, Error> {
+    let g = line(graph1_json, b1, graph2_json, b2)?.at(batch)?;
+    Ok(io::json::write_graph(&g))
+}
+
+/// The largest batch that fits `budget` bytes, from two captures: PyTorch
+/// eager's (caching-allocator simulation), memplan's without and with
+/// recomputation (`{"eager", "planned", "fitted", "cap", "budget_bytes"}`);
+/// each fit probe gets `probe_time_s`.
+pub fn max_batch_json(
+    graph1_json: &str,
+    b1: u64,
+    graph2_json: &str,
+    b2: u64,
+    budget: u64,
+    probe_time_s: f64,
+) -> Result<String, Error> {
+    let line = line(graph1_json, b1, graph2_json, b2)?;
+    let opts = FitOptions {
+        time_limit: seconds(probe_time_s, "probe time")?,
+        ..FitOptions::default()
+    };
+    let r = max_batch(&mut |b| line.at(b), budget, &opts, 1 << 16)?;
+    serde_json::to_string(&r).map_err(|e| Error::Invalid(format!("internal error: {e}")))
 }
 
 #[cfg(test)]
@@ -87,5 +196,62 @@ mod tests {
         bad["arena_bytes"] = json!(16);
         let e = check_json(&text, &bad.to_string()).unwrap_err().to_string();
         assert!(e.contains(PLAN_DOC), "{e}");
+    }
+
+    fn doc(batch: u64) -> String {
+        let opts = ExampleOptions {
+            batch: Some(batch),
+            layers: Some(2),
+            ..ExampleOptions::default()
+        };
+        io::json::write_graph(&example("gpt2-tiny", &opts).unwrap())
+    }
+
+    #[test]
+    fn fits_checks_and_extrapolates_over_the_batch() {
+        let text = doc(16);
+        let base: serde_json::Value =
+            serde_json::from_str(&plan_json(&text, 2.0).unwrap()).unwrap();
+        let (floor, _) = crate::fit::fit_floor(&graph(&text).unwrap());
+        let budget = (base["arena_bytes"].as_u64().unwrap() + floor) / 2;
+        let f: serde_json::Value =
+            serde_json::from_str(&fit_json(&text, budget, 4.0, "flops").unwrap()).unwrap();
+        assert!(f["arena_bytes"].as_u64().unwrap() <= budget);
+        assert!(!f["recomputed_ops"].as_array().unwrap().is_empty());
+        let report = check_json(&f["graph"].to_string(), &f["plan"].to_string()).unwrap();
+        let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+        assert!(report["max_live_bytes"].as_u64().unwrap() <= budget);
+        let e = fit_json(&text, 1 << 20, 5.0, "time")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs at least"), "{e}");
+        let e = fit_json(&text, budget, 5.0, "speed")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown objective"), "{e}");
+
+        let at = graph_at_batch_json(&doc(2), 2, &doc(3), 3, 16).unwrap();
+        let (x, y) = (graph(&at).unwrap(), graph(&text).unwrap());
+        assert!(x.tensor_ids().all(|t| x.tensor(t).size == y.tensor(t).size));
+        let r: serde_json::Value =
+            serde_json::from_str(&max_batch_json(&doc(2), 2, &doc(3), 3, 300 << 20, 2.0).unwrap())
+                .unwrap();
+        assert!(r["eager"].as_u64().unwrap() >= 1, "{r}");
+        assert!(r["fitted"].as_u64() >= r["planned"].as_u64(), "{r}");
+        let e = max_batch_json(&doc(2), 2, &doc(3), 2, 1 << 30, 2.0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("two different"), "{e}");
+        // Batch sizes from the graphs' metadata.
+        let at0 = graph_at_batch_json(&doc(2), 0, &doc(3), 0, 16).unwrap();
+        assert_eq!(at0, at);
+        let bare = doc(3).replace("\"batch\"", "\"batch_size\"");
+        let e = graph_at_batch_json(&doc(2), 0, &bare, 0, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("second batch") && e.contains("records no"),
+            "{e}"
+        );
     }
 }

@@ -237,6 +237,17 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// A builder holding this graph's tensors and ops under the same ids, to
+    /// amend and build again (the program order is kept; known orders,
+    /// reference peaks and metadata are not part of a builder).
+    pub fn to_builder(&self) -> GraphBuilder {
+        GraphBuilder {
+            name: self.name.clone(),
+            tensors: self.tensors.iter().map(TensorSpec::from).collect(),
+            ops: self.ops.iter().map(OpSpec::from).collect(),
+        }
+    }
+
     /// Adds a named order after checking it holds every op once and respects
     /// every dependency.
     pub fn add_order(
@@ -516,6 +527,27 @@ impl OpSpec {
     pub fn attr(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
         self.attrs.insert(key.to_string(), value.into());
         self
+    }
+}
+
+impl From<&Op> for OpSpec {
+    /// The spec that adds a copy of an existing op (same name, tensor and op
+    /// ids) to another builder.
+    fn from(o: &Op) -> Self {
+        OpSpec {
+            name: o.name.clone(),
+            kind: o.kind,
+            op_type: o.op_type.clone(),
+            inputs: o.inputs.clone(),
+            outputs: o.outputs.clone(),
+            updates: o.updates.clone(),
+            reuse: o.reuse.clone(),
+            after: o.after.clone(),
+            cost: o.cost,
+            flops: o.flops,
+            stream: o.stream,
+            attrs: o.attrs.clone(),
+        }
     }
 }
 

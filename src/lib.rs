@@ -14,7 +14,8 @@
 //! - [`exec`]: a graph and its plan lowered to the executor's program
 //!   (`memplan-runtime`), and the unplanned reference.
 //! - [`fit`]: fitting a step into a memory budget by recomputation
-//!   (`memplan fit`), priced by [`cost`] (FLOPs, bytes, roofline time).
+//!   (`memplan fit`), priced by [`cost`] (FLOPs, bytes, roofline time);
+//!   [`batch`]: a step at other batch sizes and the largest that fits.
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
 //! - [`bench`]: benchmarks over many graphs and the peak record;
@@ -50,6 +51,7 @@
 
 pub mod api;
 pub mod baselines;
+pub mod batch;
 pub mod bench;
 pub mod checker;
 pub mod cost;

@@ -451,3 +451,60 @@ fn an_error_names_its_cause_once() {
     assert_eq!(err.matches("is defined twice").count(), 1, "{err}");
     assert!(err.contains("dup.json"), "{err}");
 }
+
+#[test]
+fn max_batch_of_a_graph_file_from_two_captures() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-max-batch");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |b: &str| {
+        dir.join(format!("mlp-b{b}.json"))
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let (f2, f3) = (file("2"), file("3"));
+    for (b, f) in [("2", &f2), ("3", &f3)] {
+        ok(&["export", "--example", "mlp", "--batch", b, "-o", f]);
+    }
+    let budget = ["--budget", "60MB", "--time-limit", "10"];
+    let mut args = vec!["fit", &f2, "--batch-graph", &f3, "--max-batch", "--json"];
+    args.extend(budget);
+    let from_files = json(&args);
+    let mut args = vec!["fit", "--example", "mlp", "--max-batch", "--json"];
+    args.extend(budget);
+    let from_example = json(&args);
+    assert_eq!(
+        from_files["planned"], from_example["planned"],
+        "{from_files}"
+    );
+    assert_eq!(from_files["eager"], from_example["eager"], "{from_files}");
+    assert!(from_files["planned"].as_u64().unwrap() >= 1, "{from_files}");
+    // A graph file alone has no batch line.
+    let o = memplan(&["fit", &f2, "--max-batch", "--budget", "1GB"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--batch-graph"), "{}", stderr(&o));
+    // Two captures of different steps are refused by name.
+    let other = dir.join("gpt2.json");
+    ok(&[
+        "export",
+        "--example",
+        "gpt2-tiny",
+        "--layers",
+        "1",
+        "-o",
+        other.to_str().unwrap(),
+    ]);
+    let o = memplan(&[
+        "fit",
+        &f2,
+        "--batch-graph",
+        other.to_str().unwrap(),
+        "--batches",
+        "2,3",
+        "--max-batch",
+        "--budget",
+        "1GB",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("differ"), "{}", stderr(&o));
+}

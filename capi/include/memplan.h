@@ -28,6 +28,16 @@ int memplan_plan(const char *graph_json, double time_limit_seconds, char **out);
  * {"max_live_bytes", "used_bytes", "ops", "tensors_placed"}. */
 int memplan_check(const char *graph_json, const char *plan_json, char **out);
 
+/* Fits `graph_json` into `budget_bytes` by recomputation (docs/fit.md):
+ * the cheapest set of forward ops to run again in the backward pass, with
+ * `minimise` "time" (the default, also for NULL) or "flops". On success
+ * *out is {"graph": the step with the recomputed ops, "plan": its checked
+ * plan, "recomputed_ops", "added_flops", "added_seconds_estimate",
+ * "arena_bytes", "no_recompute_arena_bytes", "optimal", ...}; a budget no
+ * plan reaches is an error stating the bound. */
+int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double time_limit_seconds,
+                const char *minimise, char **out);
+
 /* Frees a string this library returned (NULL is allowed). */
 void memplan_string_free(char *s);
 

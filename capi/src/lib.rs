@@ -90,6 +90,33 @@ pub unsafe extern "C" fn memplan_check(
     }
 }
 
+/// Fits `graph_json` into `budget_bytes` by recomputation; see `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_fit(
+    graph_json: *const c_char,
+    budget_bytes: u64,
+    time_limit_seconds: f64,
+    minimise: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let m = if minimise.is_null() {
+                "time"
+            } else {
+                text(minimise, "minimise")?
+            };
+            memplan::api::fit_json(g, budget_bytes, time_limit_seconds, m)
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
 /// Frees a string returned by this library.
 ///
 /// # Safety

@@ -5,7 +5,9 @@
 use std::ffi::{CStr, CString, c_char};
 use std::ptr;
 
-use memplan_capi::{memplan_check, memplan_plan, memplan_string_free, memplan_version};
+use memplan_capi::{
+    memplan_check, memplan_fit, memplan_plan, memplan_string_free, memplan_version,
+};
 
 fn take(p: *mut c_char) -> String {
     // SAFETY: a string the library returned, freed once here.
@@ -44,6 +46,57 @@ fn plans_and_checks_through_the_c_abi() {
         .to_str()
         .unwrap();
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
+}
+
+/// `h` (4096 bytes) is read again by the backward op `b2`: recomputing `f`
+/// there lets it die after `g`, below the peak at `g2`.
+const REMAT: &str = r#"{"format": "memplan-graph", "version": 1, "name": "remat",
+  "tensors": [
+    {"id": "x", "size": 1024, "role": "input", "lifetime": "persistent"},
+    {"id": "h", "size": 4096},
+    {"id": "y", "size": 8192},
+    {"id": "s", "size": 1024},
+    {"id": "d", "size": 1024},
+    {"id": "z", "size": 1024, "role": "output", "lifetime": "persistent"}],
+  "ops": [
+    {"id": "f", "kind": "forward", "inputs": ["x"], "outputs": ["h"], "flops": 10},
+    {"id": "g", "kind": "forward", "inputs": ["h"], "outputs": ["y"], "flops": 1000},
+    {"id": "g2", "kind": "forward", "inputs": ["y"], "outputs": ["s"], "flops": 1000},
+    {"id": "b1", "kind": "backward", "inputs": ["s"], "outputs": ["d"]},
+    {"id": "b2", "kind": "backward", "inputs": ["d", "h"], "outputs": ["z"]}]}"#;
+
+#[test]
+fn fits_through_the_c_abi() {
+    let g = CString::new(REMAT).unwrap();
+    let mut out = ptr::null_mut();
+    // SAFETY: valid strings and out pointer.
+    let rc = unsafe { memplan_plan(g.as_ptr(), 1.0, &mut out) };
+    let base: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0);
+    let budget = base["arena_bytes"].as_u64().unwrap() - 1;
+    let flops = CString::new("flops").unwrap();
+    let rc = unsafe { memplan_fit(g.as_ptr(), budget, 5.0, flops.as_ptr(), &mut out) };
+    let fitted = take(out);
+    assert_eq!(rc, 0, "{fitted}");
+    let v: serde_json::Value = serde_json::from_str(&fitted).unwrap();
+    assert!(v["arena_bytes"].as_u64().unwrap() <= budget, "{v}");
+    assert_eq!(v["recomputed_ops"], serde_json::json!(["f"]));
+    assert_eq!(v["added_flops"], 10.0);
+    // The fitted graph and plan check through the same ABI.
+    let (fg, fp) = (
+        CString::new(v["graph"].to_string()).unwrap(),
+        CString::new(v["plan"].to_string()).unwrap(),
+    );
+    let rc = unsafe { memplan_check(fg.as_ptr(), fp.as_ptr(), &mut out) };
+    assert_eq!(rc, 0, "{}", take(out));
+    // Below the floor: an error with the bound; a bad objective by name.
+    let rc = unsafe { memplan_fit(g.as_ptr(), 100, 5.0, ptr::null(), &mut out) };
+    assert_eq!(rc, 1);
+    assert!(take(out).contains("needs at least"));
+    let bad = CString::new("speed").unwrap();
+    let rc = unsafe { memplan_fit(g.as_ptr(), budget, 5.0, bad.as_ptr(), &mut out) };
+    assert_eq!(rc, 1);
+    assert!(take(out).contains("unknown objective"));
 }
 
 #[test]

@@ -10,6 +10,13 @@ paths to files (`.json`, or `.json.gz`).
     plan["arena_bytes"], plan["order"][:3], plan["stats"]["lower_bound_bytes"]
     memplan.check("step.json", plan)   # the independent checker's report
 
+    # What to recompute so the step fits in 24 GiB:
+    fitted = memplan.fit("step.json", budget=24 << 30)
+    fitted["recomputed_ops"], fitted["added_flops"], fitted["plan"]["arena_bytes"]
+
+    # The largest batch that fits, from the step captured at two batch sizes:
+    memplan.max_batch("step-b2.json", "step-b3.json", budget=24 << 30)
+
 Every error (a malformed graph, a plan that breaks a dependency or overlaps
 two live tensors, a bad argument) raises `MemplanError`, whose message says
 which document and which element is wrong.
@@ -20,7 +27,7 @@ import os
 
 from . import _memplan
 
-__all__ = ["MemplanError", "plan", "check", "__version__"]
+__all__ = ["MemplanError", "plan", "check", "fit", "at_batch", "max_batch", "__version__"]
 __version__ = _memplan.__version__
 
 
@@ -71,3 +78,68 @@ def check(graph, plan):
         return json.loads(_memplan.check_json(_text(graph, "graph"), _text(plan, "plan")))
     except ValueError as e:
         raise MemplanError(str(e)) from None
+
+
+def _call(fn, *args):
+    try:
+        return json.loads(fn(*args))
+    except ValueError as e:
+        raise MemplanError(str(e)) from None
+
+
+def _budget(budget):
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise TypeError(f"budget must be a number of bytes (a non-negative int), not {budget!r}")
+    return budget
+
+
+def fit(graph, budget, time_limit=60.0, minimise="time"):
+    """The cheapest recomputation that fits `graph` into `budget` bytes.
+
+    memplan chooses forward ops to run again in the backward pass, then
+    orders and lays out the step so its arena is at most `budget`,
+    minimising the added estimated time (``minimise="time"``) or the added
+    FLOPs (``"flops"``). Returns a dict: `graph` (the step with the
+    recomputed ops added, as a graph document), `plan` (its checked plan),
+    `recomputed_ops`, `added_flops`, `added_seconds_estimate`,
+    `arena_bytes`, `no_recompute_arena_bytes`, `optimal` (proven cheapest).
+    A budget no plan reaches raises `MemplanError` stating the bound.
+    """
+    return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), float(time_limit),
+                 str(minimise))
+
+
+def _batches(batches):
+    if batches is None:
+        return 0, 0
+    b1, b2 = batches
+    return int(b1), int(b2)
+
+
+def at_batch(graph1, graph2, batch, batches=None):
+    """The step at `batch`, from the same step captured at two batch sizes.
+
+    Sizes, shapes, FLOPs and numeric attributes are extrapolated along the
+    line through the two captures (docs/fit.md, "Largest batch"). The batch
+    sizes of the two captures are `batches` (b1, b2), or what each graph's
+    metadata records as ``"batch"``. Capture at two sizes above 1: PyTorch
+    can trace batch 1 differently (squeezed dimensions).
+    """
+    b1, b2 = _batches(batches)
+    return _call(_memplan.graph_at_batch_json, _text(graph1, "graph1"), b1,
+                 _text(graph2, "graph2"), b2, int(batch))
+
+
+def max_batch(graph1, graph2, budget, batches=None, probe_time=5.0):
+    """The largest batch whose step fits `budget` bytes, three ways: PyTorch
+    eager (the caching allocator simulated over program order), memplan's
+    plan without recomputation, and memplan with recomputation.
+
+    `graph1` and `graph2` are the step captured at two batch sizes (see
+    :func:`at_batch`). Returns ``{"eager", "planned", "fitted",
+    "budget_bytes", "cap"}``; an answer equal to `cap` means "at least".
+    Each trial fit gets `probe_time` seconds.
+    """
+    b1, b2 = _batches(batches)
+    return _call(_memplan.max_batch_json, _text(graph1, "graph1"), b1, _text(graph2, "graph2"),
+                 b2, _budget(budget), float(probe_time))

@@ -26,6 +26,46 @@ fn check_json(graph_json: &str, plan_json: &str) -> PyResult<String> {
     memplan::api::check_json(graph_json, plan_json).map_err(err)
 }
 
+/// Fits the graph document into `budget` bytes by recomputation; returns
+/// the fitted step, its plan and what the recomputation costs (JSON).
+#[pyfunction]
+#[pyo3(signature = (graph_json, budget, time_limit, minimise))]
+fn fit_json(
+    py: Python<'_>,
+    graph_json: &str,
+    budget: u64,
+    time_limit: f64,
+    minimise: &str,
+) -> PyResult<String> {
+    let (g, m) = (graph_json.to_string(), minimise.to_string());
+    py.detach(move || memplan::api::fit_json(&g, budget, time_limit, &m))
+        .map_err(err)
+}
+
+/// The step at `batch` from two captures at batches `b1` and `b2` (0: the
+/// batch the graph's metadata records).
+#[pyfunction]
+fn graph_at_batch_json(g1: &str, b1: u64, g2: &str, b2: u64, batch: u64) -> PyResult<String> {
+    memplan::api::graph_at_batch_json(g1, b1, g2, b2, batch).map_err(err)
+}
+
+/// The largest batch that fits `budget`, eager / planned / fitted (JSON).
+#[pyfunction]
+#[pyo3(signature = (g1, b1, g2, b2, budget, probe_time))]
+fn max_batch_json(
+    py: Python<'_>,
+    g1: &str,
+    b1: u64,
+    g2: &str,
+    b2: u64,
+    budget: u64,
+    probe_time: f64,
+) -> PyResult<String> {
+    let (g1, g2) = (g1.to_string(), g2.to_string());
+    py.detach(move || memplan::api::max_batch_json(&g1, b1, &g2, b2, budget, probe_time))
+        .map_err(err)
+}
+
 /// The text of a graph or plan file (gzip-compressed when it ends in `.gz`).
 #[pyfunction]
 fn read_text(path: std::path::PathBuf) -> PyResult<String> {
@@ -37,6 +77,9 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
     m.add_function(wrap_pyfunction!(read_text, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_json, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;
+    m.add_function(wrap_pyfunction!(max_batch_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -66,7 +66,7 @@ def make_optimizer(kind, params):
 class Harness:
     """A model captured by memplan next to its eager twin."""
 
-    def __init__(self, test, model, batch, loss_fn, opt="adamw"):
+    def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None):
         torch.manual_seed(0)
         self.test = test
         self.model = model.train()
@@ -76,6 +76,14 @@ class Harness:
         self.batch = batch
         self.loss_fn = loss_fn
         self.step = mt.capture(self.model, self.opt, batch, loss_fn, time_limit=5)
+        if budget_share is not None:
+            # Fitted by recomputation: from here on the step runs the
+            # recomputed ops, and run() checks it like any plan.
+            budget = int(self.step.plan["arena_bytes"] * budget_share)
+            fitted = self.step.fit(budget, time_limit=10)
+            test.assertLessEqual(fitted["arena_bytes"], budget)
+            test.assertTrue(fitted["recomputed_ops"])
+            test.assertEqual(self.step.plan["arena_bytes"], fitted["arena_bytes"])
 
     def eager_step(self):
         loss = self.loss_fn(self.ref, self.batch)
@@ -221,6 +229,80 @@ class CapturedStepsMatchEager(unittest.TestCase):
             ref_opt.zero_grad()
             torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
         self.assertIsNotNone(train_step.step.plan)
+
+
+def gpt2(layers=2, width=64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=256, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+class FittedStepsRecompute(unittest.TestCase):
+    """Step.fit: the step runs memplan's recomputation within the budget,
+    with eager's results."""
+
+    def test_gpt2_fitted_into_80_percent(self):
+        h = Harness(self, gpt2(), torch.randint(0, 256, (8, 64)), causal_lm, budget_share=0.8)
+        tracked = h.run()
+        self.assertLessEqual(tracked, h.step.fitted["budget_bytes"])
+        self.assertIn("recompute.", " ".join(op["id"] for op in h.step.graph["ops"]))
+
+    def test_random_residual_model_fitted(self):
+        rng = random.Random(11)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), Residual(32, 128, True), Residual(32, 128, False),
+                              nn.Linear(32, 3))
+        batch = (torch.randn(64, 6), torch.tensor([rng.randrange(3) for _ in range(64)]))
+        Harness(self, model, batch, classify, "adam", budget_share=0.85).run()
+
+    def test_a_budget_below_the_floor_is_refused_with_the_bound(self):
+        model = gpt2()
+        step = mt.capture(model, torch.optim.AdamW(model.parameters()), torch.randint(0, 256, (2, 16)),
+                          causal_lm, plan=False)
+        with self.assertRaisesRegex(memplan.MemplanError, "needs at least"):
+            step.fit(1 << 10, time_limit=2)
+
+
+class LargestBatch(unittest.TestCase):
+    """The step at other batch sizes from two captures, and max_batch."""
+
+    def test_two_captures_give_the_capture_at_another_batch(self):
+        model = gpt2()
+        opt = torch.optim.AdamW(model.parameters())
+
+        def at(b):
+            return mt.capture(model, opt, torch.randint(0, 256, (b, 32)), causal_lm, plan=False).graph
+
+        g2, g3, g7 = at(2), at(3), at(7)
+        self.assertEqual(g7["metadata"]["batch"], 7)
+        line = memplan.at_batch(g2, g3, 7)
+        self.assertEqual(len(line["tensors"]), len(g7["tensors"]))
+        for x, y in zip(line["tensors"], g7["tensors"]):
+            self.assertEqual((x["id"], x["size"], x.get("shape")), (y["id"], y["size"], y.get("shape")))
+        for x, y in zip(line["ops"], g7["ops"]):
+            self.assertAlmostEqual(x.get("flops", 0), y.get("flops", 0), delta=1e-9 * y.get("flops", 1))
+        # The plan of the extrapolated step is the plan of the real one.
+        self.assertEqual(memplan.plan(line, 5)["arena_bytes"], memplan.plan(g7, 5)["arena_bytes"])
+
+    def test_max_batch_of_a_model(self):
+        model = gpt2()
+        opt = torch.optim.AdamW(model.parameters())
+        budget = 64 << 20
+        r = mt.max_batch(model, opt, lambda b: torch.randint(0, 256, (b, 64)), causal_lm, budget,
+                         probe_time=2)
+        self.assertGreaterEqual(r["eager"], 1)
+        self.assertLessEqual(r["eager"], r["planned"])
+        self.assertLess(r["planned"], r["fitted"])
+        self.assertLess(r["fitted"], r["cap"])
+        g = memplan.at_batch(*r["graphs"], r["planned"])
+        self.assertLessEqual(memplan.plan(g, 5)["arena_bytes"], budget)
+        g = memplan.at_batch(*r["graphs"], r["fitted"])
+        self.assertLessEqual(memplan.fit(g, budget, time_limit=5)["arena_bytes"], budget)
+        with self.assertRaisesRegex(memplan.MemplanError, "differ"):
+            memplan.max_batch(r["graphs"][0], memplan.at_batch(*r["graphs"], 4) | {"ops": []}, budget)
 
 
 class BadInputIsRefusedByName(unittest.TestCase):

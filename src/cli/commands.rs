@@ -64,7 +64,11 @@ pub fn run(cmd: Command) -> Result<()> {
 /// Loads the graph a command names: a file or `--example`, sharded over
 /// `--world-size` ranks if given.
 pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
-    let g = load_unsharded(graph, src)?;
+    shard(load_unsharded(graph, src)?, src)
+}
+
+/// `g` sharded as --world-size asks (unchanged without it).
+pub fn shard(g: Graph, src: &GraphArgs) -> Result<Graph> {
     match src.world_size {
         Some(w) if w > 1 => {
             let opts = memplan::models::fsdp::FsdpOptions {
@@ -81,7 +85,7 @@ pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
     }
 }
 
-fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
+pub fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
     match (&src.example, graph) {
         (Some(_), Some(p)) => bail!(
             "give either a graph file ({}) or --example, not both",

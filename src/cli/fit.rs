@@ -12,7 +12,7 @@ use memplan::fit::{FitOptions, Fitted, fit};
 use memplan::graph::Graph;
 
 use super::GraphArgs;
-use super::commands::load;
+use super::commands::{load, shard};
 use super::format::{grouped, human_bytes, table};
 
 #[derive(Args, Debug)]
@@ -54,11 +54,26 @@ pub struct FitArgs {
     /// With --pareto: also draw the curve as SVG here.
     #[arg(long, value_name = "OUT.svg", requires = "pareto")]
     pub svg: Option<PathBuf>,
-    /// The largest batch of a built-in example that fits --budget (bytes or
-    /// a unit, not %), with and without recomputation, next to PyTorch
-    /// eager's (caching-allocator simulation).
-    #[arg(long, requires = "example")]
+    /// The largest batch that fits --budget (bytes or a unit, not %), with
+    /// and without recomputation, next to PyTorch eager's (caching-allocator
+    /// simulation). Works on a built-in example, or on a graph file with
+    /// --batch-graph (the same step captured at another batch size).
+    #[arg(long)]
     pub max_batch: bool,
+    /// With --max-batch and a graph file: the same step captured at another
+    /// batch size. Sizes, shapes and FLOPs are extrapolated along the line
+    /// through the two captures (docs/fit.md).
+    #[arg(long, value_name = "GRAPH", requires = "max_batch")]
+    pub batch_graph: Option<PathBuf>,
+    /// The batch sizes of GRAPH and --batch-graph, when their metadata does
+    /// not record them (`"batch"`).
+    #[arg(
+        long,
+        value_name = "B1,B2",
+        value_delimiter = ',',
+        requires = "batch_graph"
+    )]
+    pub batches: Option<Vec<u64>>,
 }
 
 /// A budget as the user wrote it, resolved against the plan without
@@ -293,29 +308,48 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Whether a built-in example at `batch` fits `budget`: planned without
-/// recomputation, fitted with it, and PyTorch eager's simulated reserved
-/// bytes.
-/// (`kind` 0, 1, 2: eager, planned, fitted).
-fn batch_fits(a: &FitArgs, batch: u64, budget: u64, limit: Duration, kind: usize) -> Result<bool> {
-    let src = GraphArgs {
-        batch: Some(batch),
-        ..a.source.clone()
-    };
-    let g = load(None, &src)?;
-    Ok(match kind {
-        0 => memplan::baselines::pytorch_caching(&g).max_reserved <= budget,
-        1 => base_arena(&g)? <= budget,
-        _ => {
-            let opts = FitOptions {
-                budget,
-                time_limit: limit,
-                objective: a.minimise,
-                ..FitOptions::default()
+/// The step at any batch: the built-in example built at that batch, or the
+/// line through two captures of a graph file.
+type GraphAt = Box<dyn FnMut(u64) -> memplan::Result<Graph>>;
+
+fn graph_at(a: &FitArgs) -> Result<GraphAt> {
+    let src = a.source.clone();
+    let Some(path) = &a.graph else {
+        return Ok(Box::new(move |batch| {
+            let src = GraphArgs {
+                batch: Some(batch),
+                ..src.clone()
             };
-            base_arena(&g)? <= budget || fit(&g, &opts).is_ok()
+            load(None, &src).map_err(|e| memplan::Error::Invalid(format!("{e:#}")))
+        }));
+    };
+    let Some(second) = &a.batch_graph else {
+        bail!(
+            "--max-batch on a graph file needs --batch-graph: the same step captured at another batch size"
+        );
+    };
+    let g1 = memplan::io::load_graph(path)?;
+    let g2 = memplan::io::load_graph(second)?;
+    let (b1, b2) = match a.batches.as_deref() {
+        Some(&[b1, b2]) => (b1, b2),
+        Some(other) => bail!("--batches takes two batch sizes, B1,B2; got {other:?}"),
+        None => {
+            let of = |g: &Graph, p: &Path| {
+                memplan::batch::recorded_batch(g).with_context(|| {
+                    format!(
+                        "{}: its metadata records no \"batch\"; give the two batch sizes with --batches B1,B2",
+                        p.display()
+                    )
+                })
+            };
+            (of(&g1, path)?, of(&g2, second)?)
         }
-    })
+    };
+    let line = memplan::batch::BatchLine::new(g1, b1, g2, b2)?;
+    Ok(Box::new(move |batch| {
+        let g = line.at(batch)?;
+        shard(g, &src).map_err(|e| memplan::Error::Invalid(format!("{e:#}")))
+    }))
 }
 
 fn max_batch(a: &FitArgs, limit: Duration) -> Result<()> {
@@ -326,44 +360,33 @@ fn max_batch(a: &FitArgs, limit: Duration) -> Result<()> {
         bail!("--max-batch needs --budget in bytes (e.g. 80GiB), not a share");
     }
     let budget = parse_budget(text, || Ok(0))?;
-    // Doubling, then bisection, for each of the three.
-    let mut best = [0u64; 3];
-    let per = limit.div_f64(24.0);
-    for (k, name) in ["PyTorch eager", "memplan", "memplan + recomputation"]
-        .iter()
-        .enumerate()
-    {
-        let mut lo = 0u64;
-        let mut hi = 1u64;
-        while hi <= 1 << 16 && batch_fits(a, hi, budget, per, k)? {
-            lo = hi;
-            hi *= 2;
-        }
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if batch_fits(a, mid, budget, per, k)? {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        best[k] = lo;
-        if !a.json {
-            println!(
-                "{name}: largest batch within {} is {lo}",
-                human_bytes(budget)
-            );
-        }
-    }
+    let mut at = graph_at(a)?;
+    let opts = FitOptions {
+        time_limit: limit.div_f64(24.0),
+        objective: a.minimise,
+        ..FitOptions::default()
+    };
+    let r = memplan::batch::max_batch(&mut *at, budget, &opts, 1 << 16)?;
     if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let at_least = |b: u64| {
+        if b == r.cap {
+            format!("at least {b}")
+        } else {
+            b.to_string()
+        }
+    };
+    for (name, b) in [
+        ("PyTorch eager", r.eager),
+        ("memplan", r.planned),
+        ("memplan + recomputation", r.fitted),
+    ] {
         println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "budget_bytes": budget,
-                "eager_max_batch": best[0],
-                "planned_max_batch": best[1],
-                "fitted_max_batch": best[2],
-            }))?
+            "{name}: largest batch within {} is {}",
+            human_bytes(budget),
+            at_least(b)
         );
     }
     Ok(())

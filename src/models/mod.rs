@@ -100,14 +100,17 @@ macro_rules! decoder_options {
 }
 
 /// Builds a built-in example by name, every op with its FLOPs
-/// ([`crate::cost`]).
+/// ([`crate::cost`]); its metadata names the example and its batch size.
 pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
-    let mut g = build_example(name, opts)?;
+    let (mut g, batch) = build_example(name, opts)?;
     crate::cost::fill_flops(&mut g);
+    g.metadata.insert("example".into(), name.into());
+    g.metadata.insert("batch".into(), batch.into());
     Ok(g)
 }
 
-fn build_example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
+/// The example's graph and batch size.
+fn build_example(name: &str, opts: &ExampleOptions) -> Result<(Graph, u64), Error> {
     if name == "mlp" {
         if opts.mixed_precision {
             return Err(Error::Invalid(
@@ -124,11 +127,11 @@ fn build_example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
         if let Some(d) = opts.dtype {
             c.dtype = d;
         }
-        return mlp::build(&c);
+        return Ok((mlp::build(&c)?, c.batch));
     }
     if let Some(mut c) = llama::LlamaConfig::preset(name) {
         decoder_options!(c, opts);
-        return llama::build(&c);
+        return Ok((llama::build(&c)?, c.batch));
     }
     let Some(mut c) = gpt2::Gpt2Config::preset(name) else {
         return Err(Error::UnknownExample {
@@ -138,5 +141,5 @@ fn build_example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
     };
     decoder_options!(c, opts);
     c.fused_attention = opts.fused_attention;
-    gpt2::build(&c)
+    Ok((gpt2::build(&c)?, c.batch))
 }

@@ -101,10 +101,12 @@ class GraphBuilder:
         updates: Iterable[int] = (),
         reuse: Iterable[Tuple[int, int]] = (),
         attrs: Optional[Dict[str, Any]] = None,
+        flops: Optional[float] = None,
     ) -> int:
         """Adds an op (tensors by index) and returns its index. ``reuse``
         lists ``(output, input)`` pairs: the output may take the input's
-        bytes if this op is the input's last use."""
+        bytes if this op is the input's last use. ``flops``: the
+        floating-point operations it performs, when known."""
         if kind not in KINDS:
             raise GraphError(f"op {id!r}: unknown kind {kind!r}")
         o: Dict[str, Any] = {"id": id, "kind": kind, "type": type}
@@ -117,6 +119,10 @@ class GraphBuilder:
             o["reuse"] = reuse
         if attrs:
             o["attrs"] = dict(attrs)
+        if flops is not None:
+            if not flops >= 0:
+                raise GraphError(f"op {id!r}: flops must be a number >= 0, got {flops!r}")
+            o["flops"] = flops
         self.ops.append(o)
         return len(self.ops) - 1
 

@@ -40,37 +40,19 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+# Shared with memplan.torch's recorder: which namespaces are bookkeeping,
+# element type names, storage identity, and PyTorch's FLOP formulas.
+from memplan.torch._record import DTYPE_NAMES, SKIPPED_NAMESPACES, op_flops, storage_key
+
 from .graph import GraphBuilder
-
-# Namespaces whose ops are bookkeeping, not computation on tensors.
-SKIPPED_NAMESPACES = ("prim", "profiler")
-
-_DTYPE_NAMES = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "bool",
-}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of `t`'s storage (shared by all views of it)."""
-    return StorageWeakRef(t.untyped_storage()).cdata
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
 class Recorder(TorchDispatchMode):
@@ -258,6 +240,7 @@ class Recorder(TorchDispatchMode):
             outputs=outputs,
             updates=updates,
             reuse=reuse,
+            flops=op_flops(func, args, kwargs, out),
         )
         for i in inputs + updates + outputs:
             r = self._root(i)

@@ -152,6 +152,7 @@ def export(
             "source": "tools/torch_export",
             "model": w.name,
             "config": w.config,
+            "batch": w.config.get("batch", batch),
             "dtype": dtype,
             "optimizer": OPTIMIZERS[optimizer][1],
             "trace_device": device,

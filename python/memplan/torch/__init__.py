@@ -43,10 +43,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 import memplan
 
 from . import _optim
-from ._record import Recorder, UnsupportedStep
+from ._record import Call, Recorder, Ref, UnsupportedStep
 from ._run import Arena, Program, StorageTracker
 
-__all__ = ["capture", "compile", "Step", "UnsupportedStep"]
+__all__ = ["capture", "compile", "max_batch", "Step", "UnsupportedStep"]
 
 
 def _path_name(path) -> str:
@@ -79,6 +79,9 @@ class Step:
         self._programs: Dict[str, Program] = {}
         self.tracked_peak_bytes: Optional[int] = None
         self._layouts = rec.layouts
+        # The step as captured (graph, calls, layouts): what `fit` starts from.
+        self._captured = (graph, rec.calls, rec.layouts)
+        self.fitted: Optional[Dict[str, Any]] = None
         self._arena: Optional[Arena] = None
         self._placed: Dict[int, torch.Tensor] = {}
         self._batch_slots: Dict[int, torch.Tensor] = {}
@@ -93,6 +96,31 @@ class Step:
         self._programs.pop("planned", None)
         return self.plan
 
+    def fit(self, budget: int, time_limit: float = 60.0, minimise: str = "time") -> Dict[str, Any]:
+        """Fits the step into `budget` bytes by recomputation.
+
+        memplan chooses the forward ops to run again in the backward pass
+        (:func:`memplan.fit`), and from then on the step runs them: the
+        graph, the plan and the program become the fitted step's, so its
+        live bytes stay within `budget`. Returns what the fit reports
+        (`recomputed_ops`, `added_flops`, `arena_bytes`, ...); raises
+        :class:`memplan.MemplanError` with the bound when nothing fits.
+        Fitting again starts from the captured step.
+        """
+        if self._arena is not None:
+            raise ValueError("the step already runs in its arena; fit before the first arena run")
+        base = self._captured
+        t0 = time.perf_counter()
+        fitted = memplan.fit(base[0], budget, time_limit=time_limit, minimise=minimise)
+        self.plan_seconds = time.perf_counter() - t0
+        self.graph = fitted.pop("graph")
+        self.plan = fitted.pop("plan")
+        self._calls, self._layouts = _recomputed_program(base[0], base[1], base[2], self.graph)
+        self._optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
+        self._programs.clear()
+        self.fitted = fitted
+        return fitted
+
     def program(self, order: str = "planned") -> Program:
         """The program in the planned order or in the recorded (eager) one."""
         if order not in self._programs:
@@ -101,7 +129,8 @@ class Step:
             elif order == "planned":
                 if self.plan is None:
                     self.make_plan()
-                seq = [int(op[1:]) for op in self.plan["order"]]
+                index = {op["id"]: k for k, op in enumerate(self.graph["ops"])}
+                seq = [index[op] for op in self.plan["order"]]
             else:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
             keep = list(self._bound) + [self._loss]
@@ -210,10 +239,53 @@ class Step:
     __call__ = run
 
 
+_RECOMPUTE = "recompute."
+
+
+def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitted: Dict[str, Any]):
+    """The calls and tensor layouts of `fitted`, the step `graph` with
+    recomputed ops added by memplan (docs/fit.md): one call per op of
+    `fitted`, in its order. Tensors keep their indices (memplan appends the
+    copies after the captured tensors); a recomputed op is its original's
+    call on the copies of its inputs, writing the copies of its outputs,
+    and an op that now reads a copy has its arguments redirected."""
+    index = {t["id"]: i for i, t in enumerate(fitted["tensors"])}
+    original = {op["id"]: k for k, op in enumerate(graph["ops"])}
+    new_layouts = list(layouts) + [None] * (len(fitted["tensors"]) - len(layouts))
+    new_calls = []
+    for op in fitted["ops"]:
+        oid = op["id"]
+        if oid in original:
+            k = original[oid]
+        else:
+            at = oid.find(_RECOMPUTE)
+            k = original.get(oid[at + len(_RECOMPUTE):]) if at >= 0 else None
+            if k is None:
+                raise memplan.MemplanError(f"fitted step: op {oid!r} is neither captured nor a recomputation")
+        was = graph["ops"][k]
+        remap: Dict[int, int] = {}
+        for field in ("inputs", "outputs", "updates"):
+            old, new = was.get(field, []), op.get(field, [])
+            if len(old) != len(new):
+                raise memplan.MemplanError(f"fitted step: op {oid!r} has other {field} than {was['id']!r}")
+            for a, b in zip(old, new):
+                remap[index[a]] = index[b]
+                if new_layouts[index[b]] is None:
+                    new_layouts[index[b]] = layouts[index[a]]
+        c = calls[k]
+
+        def ref(x):
+            return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
+
+        new_calls.append(Call(c.func, tree_map(ref, c.args), tree_map(ref, c.kwargs),
+                              [(p, remap.get(i, i)) for p, i in c.outputs]))
+    return new_calls, new_layouts
+
+
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, plan: bool = True,
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
-            meta_device: str = "cpu") -> Step:
+            meta_device: str = "cpu", budget: Optional[int] = None) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -221,7 +293,12 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     must have). `optimizer` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD``
     over the model's parameters; its state is made (zeros) if no step ran
     yet, as its first ``step()`` would. With ``plan=False`` the step is not
-    planned until :meth:`Step.make_plan` or the first planned run.
+    planned until :meth:`Step.make_plan` or the first planned run. With
+    `budget` (bytes), the step is fitted into it by recomputation instead
+    (:meth:`Step.fit`, within `time_limit` seconds).
+
+    The graph's metadata records the batch size (``"batch"``: the leading
+    dimension every batch tensor shares), which :func:`max_batch` uses.
 
     A model built on the ``meta`` device (no memory: how a GPT-2 XL step is
     planned on a laptop) is traced as if it were on `meta_device`, so the
@@ -309,14 +386,44 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     for i, value in rec.constants.items():
         bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
     label = name or f"{type(model).__name__}-step"
-    graph = rec.finish(label, {"source": "memplan.torch.capture", "torch": torch.__version__,
-                              "device": device, "optimizer": type(optimizer).__name__})
+    meta = {"source": "memplan.torch.capture", "torch": torch.__version__, "device": device,
+            "optimizer": type(optimizer).__name__}
+    leading = {shape[0] if shape else None for _, shape, *_ in batch_layouts}
+    if len(leading) == 1 and None not in leading:
+        meta["batch"] = leading.pop()
+    graph = rec.finish(label, meta)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     step = Step(model, optimizer, rec, graph, bound, spec, batch_layouts, loss_index, updated, hyper,
                 optimizer_calls, time.perf_counter() - t0)
-    if plan:
+    if budget is not None:
+        step.fit(budget, time_limit=time_limit)
+    elif plan:
         step.make_plan(time_limit)
     return step
+
+
+def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              make_batch: Callable[[int], Any], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+              budget: int, *, batches=(2, 3), probe_time: float = 5.0, meta_device: str = "cpu"
+              ) -> Dict[str, Any]:
+    """The largest batch whose training step fits `budget` bytes: PyTorch
+    eager's (caching allocator simulated over the recorded order),
+    memplan's plan's, and memplan's with recomputation.
+
+    The step is captured at the two batch sizes `batches` (``make_batch(b)``
+    returns a batch of `b` samples; nothing runs, so a model on the
+    ``meta`` device works) and every other batch is extrapolated along the
+    line through them (:func:`memplan.max_batch`). Sizes above 1: PyTorch
+    can trace batch 1 differently (squeezed dimensions). Returns
+    ``{"eager", "planned", "fitted", "budget_bytes", "cap", "graphs"}``,
+    `graphs` being the two captured graph documents.
+    """
+    b1, b2 = batches
+    graphs = [capture(model, optimizer, make_batch(b), loss_fn, plan=False, meta_device=meta_device).graph
+              for b in (b1, b2)]
+    r = memplan.max_batch(graphs[0], graphs[1], budget, batches=(b1, b2), probe_time=probe_time)
+    r["graphs"] = graphs
+    return r
 
 
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

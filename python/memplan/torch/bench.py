@@ -2,6 +2,8 @@
 
     python -m memplan.torch.bench                 # small real models, run on the CPU
     python -m memplan.torch.bench --gpt2-xl out/  # GPT-2 XL b1 capture + plan (meta)
+    python -m memplan.torch.bench --max-batch 2   # largest batch in 2 GiB, small models
+    python -m memplan.torch.bench --max-batch 80 --gpt2-xl-batch   # GPT-2 XL in 80 GiB
 
 For each small model (Hugging Face GPT-2 and Llama from configs, torchvision
 ResNet-50 and ViT) it runs three steps from the same weights and measures
@@ -22,6 +24,11 @@ tracked peak in that mode (the arena plus the results of ops without an
 meta device, traced as a CPU step, plans it, reports the times and writes
 the graph to ``DIR/gpt2-xl-b1.json.gz`` for ``memplan compare`` (which
 simulates PyTorch's caching allocator on it).
+``--max-batch GIB`` captures each model at batch 2 and 3 and reports the
+largest batch whose step fits GIB GiB (:func:`memplan.torch.max_batch`):
+PyTorch eager's (caching allocator simulated over the recorded order),
+memplan's plan's, and memplan's with recomputation; ``--gpt2-xl-batch``
+does it for GPT-2 XL (sequence 1024, built on the meta device).
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import capture
+from torch.utils._pytree import tree_map
+
+from . import capture, max_batch
 from ._run import StorageTracker
 
 
@@ -148,13 +157,48 @@ def gpt2_xl(out_dir: str, time_limit: float):
     print(f"graph written to {path}; `memplan compare {path}` sets it against PyTorch's allocator")
 
 
+def _resized(batch):
+    """make_batch for max_batch: `batch`'s first sample repeated `b` times."""
+    return lambda b: tree_map(lambda x: x[:1].expand(b, *x.shape[1:]).clone(), batch)
+
+
+def largest(gib: float, probe_time: float, xl: bool):
+    budget = int(gib * (1 << 30))
+    if xl:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(cfg)
+        cases = {"gpt2-xl-s1024": (model, lambda b: torch.randint(0, 50257, (b, 1024), device="meta"),
+                                   _causal_lm)}
+    else:
+        cases = {n: (m, _resized(b), f) for n, (m, b, f) in models().items()}
+    print(f"largest batch within {gib:g} GiB (captured at batch 2 and 3, extrapolated; "
+          f"{probe_time:g} s per fit probe)")
+    print(f"{'model':18} {'eager':>7} {'memplan':>8} {'+recompute':>11} {'seconds':>8}")
+    for name, (model, make, loss_fn) in cases.items():
+        t0 = time.perf_counter()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        r = max_batch(model, opt, make, loss_fn, budget, probe_time=probe_time)
+        print(f"{name:18} {r['eager']:7} {r['planned']:8} {r['fitted']:11} "
+              f"{time.perf_counter() - t0:8.1f}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpt2-xl", metavar="DIR", help="capture and plan GPT-2 XL b1, write its graph here")
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--max-batch", metavar="GIB", type=float,
+                    help="the largest batch within GIB GiB, eager vs memplan vs memplan + recomputation")
+    ap.add_argument("--gpt2-xl-batch", action="store_true", help="with --max-batch: GPT-2 XL")
+    ap.add_argument("--time-limit", type=float, default=10.0,
+                    help="seconds to plan (with --max-batch: per fit probe)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    if args.gpt2_xl:
+    if args.max_batch:
+        largest(args.max_batch, args.time_limit, args.gpt2_xl_batch)
+    elif args.gpt2_xl:
         gpt2_xl(args.gpt2_xl, args.time_limit)
     else:
         small(args.time_limit)

@@ -288,6 +288,21 @@ class StepTest(unittest.TestCase):
             if t["role"] == "activation" and t["id"] in live["death"]:
                 self.assertLessEqual(live["death"][t["id"]], last_bwd, t["id"])
 
+    def test_flops_are_pytorchs_formulas(self):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from tools.torch_export import workloads
+
+        w = workloads.mlp(batch=8)
+        with FlopCounterMode(display=False) as counter:
+            w.loss(w.model, w.batch).backward()
+        total = sum(o.get("flops", 0) for o in self.mlp["ops"])
+        self.assertGreater(total, 0)
+        self.assertEqual(total, counter.get_total_flops())
+        mm = [o for o in self.mlp["ops"] if o["type"].startswith(("aten.addmm", "aten.mm"))]
+        self.assertTrue(mm and all(o["flops"] > 0 for o in mm))
+        self.assertEqual(self.mlp["metadata"]["batch"], 8)
+
     def test_attention_takes_the_cuda_kernel(self):
         types = [o["type"] for o in self.attn["ops"]]
         self.assertIn("aten._scaled_dot_product_efficient_attention.default", types)

@@ -1,0 +1,457 @@
+//! A step at other batch sizes, and the largest batch that fits a budget.
+//!
+//! # Two captures make a line ([`BatchLine`])
+//! A training step captured at batch `b1` and again at `b2` runs the same
+//! ops over the same tensors; only sizes differ. Activations grow with the
+//! batch, parameters, gradients and optimizer state do not, and almost
+//! every size in a step is affine in the batch, `a·b + c`: activations
+//! `[B, T, C]`, attention scores `[B, H, T, T]`, flattened `[B·T, C]`,
+//! a loss's scalar. So two captures fix the step at every batch.
+//! [`BatchLine::new`] checks that the two graphs have the same structure
+//! (names, roles, producers, views, every op's reads and writes) and
+//! [`BatchLine::at`] extrapolates sizes, shapes, FLOPs, costs and numeric
+//! attributes (a matmul's `m`, an attention's `batch`) along the line.
+//!
+//! A size that shrinks as the batch grows, or grows by a fraction of a
+//! byte per sample, is an error that names the tensor: such a step is not
+//! linear in the batch (batch-dependent padding, a bucketed kernel), and an
+//! extrapolation would be a guess. Shapes and attributes that do not fit a
+//! whole-number line keep the first capture's value; they are
+//! informational for planning (an executor needs a real capture).
+//!
+//! # The search ([`max_batch`])
+//! The largest batch whose step fits a budget, three ways: PyTorch eager's
+//! caching allocator simulated over program order
+//! ([`crate::baselines::pytorch_caching`]), memplan's plan without
+//! recomputation, and [`crate::fit::fit`] with recomputation. Each is a
+//! doubling search followed by bisection, which assumes that a batch fits
+//! when a larger one does (memory grows with the batch; the planners are
+//! heuristics, so a rare non-monotone probe can make the answer one batch
+//! short, never one that does not fit: every answer was itself probed).
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::error::Error;
+use crate::fit::{FitOptions, fit};
+use crate::graph::{Graph, OpId, TensorId};
+use crate::pipeline::Options;
+
+/// `base + per · batch`, in whole units.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Affine {
+    base: i128,
+    per: i128,
+}
+
+impl Affine {
+    /// The line through `(b1, y1)` and `(b2, y2)`, if its slope is whole.
+    fn through(b1: u64, y1: u64, b2: u64, y2: u64) -> Option<Affine> {
+        let db = b2 as i128 - b1 as i128;
+        let dy = y2 as i128 - y1 as i128;
+        (dy % db == 0).then(|| {
+            let per = dy / db;
+            Affine {
+                base: y1 as i128 - per * b1 as i128,
+                per,
+            }
+        })
+    }
+
+    fn at(self, batch: u64) -> i128 {
+        self.base + self.per * batch as i128
+    }
+}
+
+/// One step captured at two batch sizes: the step at any batch (see the
+/// module docs).
+#[derive(Clone, Debug)]
+pub struct BatchLine {
+    first: Graph,
+    second: Graph,
+    batches: (u64, u64),
+    sizes: Vec<Affine>,
+}
+
+/// The batch size a graph records in its metadata (`"batch"`), if any.
+pub fn recorded_batch(g: &Graph) -> Option<u64> {
+    g.metadata.get("batch").and_then(Value::as_u64)
+}
+
+fn differ(b: (u64, u64), what: String) -> Error {
+    Error::Invalid(format!(
+        "the steps captured at batch {} and {} differ: {what}",
+        b.0, b.1
+    ))
+}
+
+impl BatchLine {
+    /// The line through `first` (captured at batch `b1`) and `second` (at
+    /// `b2`); an error names the first element where the two steps differ
+    /// in structure or where a size is not affine in the batch.
+    pub fn new(first: Graph, b1: u64, second: Graph, b2: u64) -> Result<BatchLine, Error> {
+        let batches = (b1, b2);
+        if b1 == b2 || b1 == 0 || b2 == 0 {
+            return Err(Error::Invalid(format!(
+                "extrapolating over the batch needs two different positive batch sizes, got {b1} and {b2}"
+            )));
+        }
+        same_structure(&first, &second, batches)?;
+        let mut sizes = Vec::with_capacity(first.num_tensors());
+        for t in first.tensor_ids() {
+            let (x, y) = (first.tensor(t), second.tensor(t));
+            let line = Affine::through(b1, x.size, b2, y.size)
+                .filter(|l| l.per >= 0)
+                .ok_or_else(|| {
+                    differ(
+                        batches,
+                        format!(
+                            "tensor {:?} has {} bytes at batch {b1} and {} at batch {b2}, which is not a size that grows by whole bytes per sample",
+                            x.name, x.size, y.size
+                        ),
+                    )
+                })?;
+            sizes.push(line);
+        }
+        Ok(BatchLine {
+            first,
+            second,
+            batches,
+            sizes,
+        })
+    }
+
+    /// The two batch sizes the line was made from.
+    pub fn batches(&self) -> (u64, u64) {
+        self.batches
+    }
+
+    /// The step at `batch`.
+    pub fn at(&self, batch: u64) -> Result<Graph, Error> {
+        let (b1, b2) = self.batches;
+        let (g1, g2) = (&self.first, &self.second);
+        let mut b = g1.to_builder();
+        for t in g1.tensor_ids() {
+            let size = self.sizes[t.index()].at(batch);
+            let size = u64::try_from(size).map_err(|_| {
+                Error::Invalid(format!(
+                    "tensor {:?} would have {size} bytes at batch {batch} (extrapolated from batch {b1} and {b2})",
+                    g1.tensor(t).name
+                ))
+            })?;
+            let spec = b.tensor_spec_mut(t);
+            spec.size = size;
+            spec.shape = match (&g1.tensor(t).shape, &g2.tensor(t).shape) {
+                (Some(s1), Some(s2)) => shape_at(s1, s2, self.batches, batch),
+                _ => None,
+            };
+        }
+        for o in g1.op_ids() {
+            let (x, y) = (g1.op(o), g2.op(o));
+            let spec = b.op_spec_mut(o);
+            spec.cost = real_at(x.cost, y.cost, self.batches, batch);
+            spec.flops = real_at(x.flops, y.flops, self.batches, batch);
+            for (k, v) in spec.attrs.iter_mut() {
+                if let Some(v2) = y.attrs.get(k) {
+                    *v = value_at(v, v2, self.batches, batch);
+                }
+            }
+        }
+        let mut g = b.build()?;
+        g.extra_orders = g1.extra_orders.clone();
+        g.metadata = g1.metadata.clone();
+        g.metadata.insert("batch".into(), batch.into());
+        g.metadata
+            .insert("extrapolated_from_batches".into(), vec![b1, b2].into());
+        Ok(g)
+    }
+}
+
+fn same_structure(g1: &Graph, g2: &Graph, b: (u64, u64)) -> Result<(), Error> {
+    if g1.num_tensors() != g2.num_tensors() || g1.num_ops() != g2.num_ops() {
+        let hint = if b.0.min(b.1) == 1 {
+            " (frameworks can trace batch 1 differently, e.g. with squeezed dimensions: capture at two batch sizes above 1)"
+        } else {
+            ""
+        };
+        return Err(differ(
+            b,
+            format!(
+                "{} tensors and {} ops against {} tensors and {} ops{hint}",
+                g1.num_tensors(),
+                g1.num_ops(),
+                g2.num_tensors(),
+                g2.num_ops()
+            ),
+        ));
+    }
+    for t in g1.tensor_ids() {
+        let (x, y) = (g1.tensor(t), g2.tensor(t));
+        let what = if x.name != y.name {
+            Some("name")
+        } else if x.role != y.role || x.lifetime != y.lifetime {
+            Some("role or lifetime")
+        } else if x.producer != y.producer || x.view_of != y.view_of {
+            Some("producer or view base")
+        } else if x.align != y.align || x.dtype != y.dtype {
+            Some("alignment or dtype")
+        } else {
+            None
+        };
+        if let Some(w) = what {
+            return Err(differ(
+                b,
+                format!(
+                    "tensor {} ({:?} against {:?}): {w}",
+                    t.index(),
+                    x.name,
+                    y.name
+                ),
+            ));
+        }
+    }
+    for o in g1.op_ids() {
+        if let Some(w) = op_difference(g1, g2, o) {
+            return Err(differ(
+                b,
+                format!(
+                    "op {} ({:?} against {:?}): {w}",
+                    o.index(),
+                    g1.op(o).name,
+                    g2.op(o).name
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn op_difference(g1: &Graph, g2: &Graph, o: OpId) -> Option<&'static str> {
+    let (x, y) = (g1.op(o), g2.op(o));
+    let same = |a: &[TensorId], b: &[TensorId]| a == b;
+    if x.name != y.name {
+        Some("name")
+    } else if x.kind != y.kind || x.op_type != y.op_type {
+        Some("kind or type")
+    } else if !same(&x.inputs, &y.inputs) || !same(&x.outputs, &y.outputs) {
+        Some("inputs or outputs")
+    } else if !same(&x.updates, &y.updates) || x.reuse != y.reuse {
+        Some("in-place updates or reuse hints")
+    } else if x.after != y.after || x.stream != y.stream {
+        Some("control edges or stream")
+    } else {
+        None
+    }
+}
+
+fn shape_at(s1: &[u64], s2: &[u64], b: (u64, u64), batch: u64) -> Option<Vec<u64>> {
+    if s1.len() != s2.len() {
+        return None;
+    }
+    s1.iter()
+        .zip(s2)
+        .map(|(&x, &y)| {
+            let d = Affine::through(b.0, x, b.1, y)?.at(batch);
+            u64::try_from(d).ok()
+        })
+        .collect()
+}
+
+fn real_at(x: Option<f64>, y: Option<f64>, b: (u64, u64), batch: u64) -> Option<f64> {
+    let (x, y) = (x?, y?);
+    let t = (batch as f64 - b.0 as f64) / (b.1 as f64 - b.0 as f64);
+    Some((x + (y - x) * t).max(0.0))
+}
+
+/// A real attribute at `batch`: `1 / n` for a whole `n` on a whole-number
+/// line (a mean's scale, `1 / (B·T)`), else linear.
+fn float_at(x: Option<f64>, y: Option<f64>, b: (u64, u64), batch: u64) -> Option<f64> {
+    let whole = |v: f64| {
+        let n = (1.0 / v).round();
+        (v > 0.0 && n >= 1.0 && n < 1e15 && (n * v - 1.0).abs() < 1e-12).then_some(n as u64)
+    };
+    if let (Some(n1), Some(n2)) = (whole(x?), whole(y?))
+        && let Some(line) = Affine::through(b.0, n1, b.1, n2)
+        && line.at(batch) > 0
+    {
+        return Some(1.0 / line.at(batch) as f64);
+    }
+    real_at(x, y, b, batch)
+}
+
+/// An attribute at `batch`: whole numbers on a whole-number line, other
+/// numbers as [`float_at`] says, arrays and objects element by element; anything else
+/// (or a mismatch) keeps the first capture's value.
+fn value_at(v1: &Value, v2: &Value, b: (u64, u64), batch: u64) -> Value {
+    match (v1, v2) {
+        (Value::Number(x), Value::Number(y)) if x == y => v1.clone(),
+        (Value::Number(x), Value::Number(y)) => {
+            if let (Some(x), Some(y)) = (x.as_u64(), y.as_u64()) {
+                let at = Affine::through(b.0, x, b.1, y).map(|l| l.at(batch));
+                match at.and_then(|a| u64::try_from(a).ok()) {
+                    Some(a) => a.into(),
+                    None => v1.clone(),
+                }
+            } else {
+                float_at(x.as_f64(), y.as_f64(), b, batch).map_or(v1.clone(), Value::from)
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => Value::Array(
+            x.iter()
+                .zip(y)
+                .map(|(p, q)| value_at(p, q, b, batch))
+                .collect(),
+        ),
+        (Value::Object(x), Value::Object(y)) => Value::Object(
+            x.iter()
+                .map(|(k, p)| {
+                    let q = y.get(k).map_or(p.clone(), |q| value_at(p, q, b, batch));
+                    (k.clone(), q)
+                })
+                .collect(),
+        ),
+        _ => v1.clone(),
+    }
+}
+
+/// The largest batch of one step that fits a budget, three ways (see the
+/// module docs); `0` where not even batch 1 fits.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MaxBatch {
+    pub budget_bytes: u64,
+    /// PyTorch eager: the caching allocator's simulated reserved bytes.
+    pub eager: u64,
+    /// memplan's plan without recomputation.
+    pub planned: u64,
+    /// memplan with recomputation ([`crate::fit::fit`]).
+    pub fitted: u64,
+    /// The largest batch the search tried; an answer equal to it means
+    /// "at least".
+    pub cap: u64,
+}
+
+/// Which of the three ways a probe measures.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Way {
+    Eager,
+    Planned,
+    Fitted,
+}
+
+/// The largest batch up to `cap` whose step, made by `graph_at`, fits
+/// `budget` each way. `opts` are the options of each fit probe (its
+/// budget is replaced by `budget`); plans without recomputation get the
+/// same time limit per probe.
+pub fn max_batch(
+    graph_at: &mut dyn FnMut(u64) -> Result<Graph, Error>,
+    budget: u64,
+    opts: &FitOptions,
+    cap: u64,
+) -> Result<MaxBatch, Error> {
+    let fit_opts = FitOptions {
+        budget,
+        ..opts.clone()
+    };
+    let plan_opts = Options {
+        time_limit: opts.time_limit.min(Duration::from_secs(5)),
+        ..Options::default()
+    };
+    let mut fits = |way: Way, batch: u64| -> Result<bool, Error> {
+        let g = graph_at(batch)?;
+        Ok(match way {
+            Way::Eager => crate::baselines::pytorch_caching(&g).max_reserved <= budget,
+            Way::Planned => crate::plan(&g, &plan_opts)?.arena_bytes <= budget,
+            Way::Fitted => match fit(&g, &fit_opts) {
+                Ok(_) => true,
+                Err(Error::DoesNotFit(_)) => false,
+                Err(e) => return Err(e),
+            },
+        })
+    };
+    let eager = largest(|b| fits(Way::Eager, b), 0, cap)?;
+    let planned = largest(|b| fits(Way::Planned, b), 0, cap)?;
+    // A batch that fits without recomputation fits with it.
+    let fitted = largest(|b| fits(Way::Fitted, b), planned, cap)?;
+    Ok(MaxBatch {
+        budget_bytes: budget,
+        eager,
+        planned,
+        fitted,
+        cap,
+    })
+}
+
+/// The largest batch in `known..=cap` that `fits`, given that `known`
+/// fits (0: nothing known): doubling, then bisection.
+fn largest(
+    mut fits: impl FnMut(u64) -> Result<bool, Error>,
+    known: u64,
+    cap: u64,
+) -> Result<u64, Error> {
+    let mut lo = known.min(cap);
+    let mut hi = lo.max(1);
+    while hi <= cap && (hi == lo || fits(hi)?) {
+        lo = hi;
+        hi = hi.saturating_mul(2);
+    }
+    let mut hi = hi.min(cap + 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn largest_finds_the_threshold_from_any_start() {
+        for t in 0..70u64 {
+            for known in [0, t / 2, t] {
+                let mut calls = 0;
+                let got = largest(
+                    |b| {
+                        calls += 1;
+                        Ok(b <= t)
+                    },
+                    known,
+                    64,
+                )
+                .unwrap();
+                assert_eq!(got, t.min(64), "threshold {t}, known {known}");
+                assert!(calls <= 16, "{calls} probes");
+            }
+        }
+    }
+
+    #[test]
+    fn affine_lines_need_whole_slopes() {
+        assert_eq!(
+            Affine::through(1, 10, 3, 30),
+            Some(Affine { base: 0, per: 10 })
+        );
+        assert_eq!(Affine::through(2, 10, 4, 11), None);
+        assert_eq!(Affine::through(1, 7, 2, 7).unwrap().at(100), 7);
+    }
+
+    #[test]
+    fn attributes_follow_their_line() {
+        let v1: Value = serde_json::json!({"m": 128, "heads": 12, "eps": 1e-5, "dims": [2, 64],
+            "mode": "a", "scale": 1.0 / 128.0, "lr": 0.5});
+        let v2: Value = serde_json::json!({"m": 256, "heads": 12, "eps": 1e-5, "dims": [4, 64],
+            "mode": "b", "scale": 1.0 / 256.0, "lr": 1.0});
+        let at = value_at(&v1, &v2, (1, 2), 8);
+        assert_eq!(
+            at,
+            serde_json::json!({"m": 1024, "heads": 12, "eps": 1e-5, "dims": [16, 64], "mode": "a",
+                "scale": 1.0 / 1024.0, "lr": 4.0})
+        );
+    }
+}
