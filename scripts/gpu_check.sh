@@ -10,7 +10,8 @@
 # on CUDA with --compare-cpu (CUDA losses and final parameters against the
 # CPU executor), and, when python3 has torch with CUDA, the same GPT-2 small
 # step in PyTorch eager (tools/torch_eager_gpt2.py) for peak memory and step
-# time side by side. Logs and JSON go to OUT_DIR (default gpu-check/).
+# time side by side; the same for a Llama 3 1B step in bf16 mixed precision
+# (tools/torch_eager_llama.py). Logs and JSON go to OUT_DIR (default gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/memplan}
@@ -65,6 +66,13 @@ fused() {
   run xl_fused_cuda run --example gpt2-xl --fused-attention --device cuda --steps 5 --json
 }
 
+llama() {
+  # Llama (bf16 mixed precision, fused attention) against the CPU executor,
+  # then peak and time next to PyTorch eager (tools/torch_eager_llama.py).
+  run llama_tiny_cmp run --example llama-tiny --mixed-precision --device cuda --steps 3 --compare-cpu
+  run llama_1b_cuda run --example llama3-1b --mixed-precision --seq 1024 --device cuda --steps 5 --json
+}
+
 torch_side() {
   if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     for cfg in small xl; do
@@ -77,12 +85,17 @@ torch_side() {
         python3 tools/torch_eager_gpt2.py --config gpt2-$cfg --steps 10 --sdpa --memplan "$OUT/${cfg}_fused_cuda.out" 2>&1 | tee "$OUT/torch_${cfg}_sdpa.out"
       fi
     done
+    if [ -s "$OUT/llama_1b_cuda.out" ]; then
+      echo "== PyTorch eager, llama3-1b seq 1024, bf16 autocast vs memplan --mixed-precision"
+      python3 tools/torch_eager_llama.py --config llama3-1b --seq 1024 --mixed-precision --steps 5 \
+        --memplan "$OUT/llama_1b_cuda.out" 2>&1 | tee "$OUT/torch_llama_1b.out"
+    fi
   else
     echo "python3 has no CUDA torch: skipping the PyTorch eager side"
   fi
 }
 
 # SECTIONS picks what runs (default: all).
-for section in ${SECTIONS:-explicit fused torch_side}; do
+for section in ${SECTIONS:-explicit fused llama torch_side}; do
   "$section"
 done

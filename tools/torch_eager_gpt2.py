@@ -139,18 +139,37 @@ def build(a, torch):
 
 def main(argv=None):
     a = parse_args(argv)
+    torch = import_torch("torch_eager_gpt2.py", a.device)
+    torch.manual_seed(a.seed)
+    model = build(a, torch)
+    out = measure(a, torch, model, {"attention": "sdpa" if a.sdpa else "explicit"})
+    report(a, out)
+
+
+def import_torch(script, device):
+    """torch, with TF32 off (memplan's cuBLAS calls are full f32), or exit
+    with why not."""
     try:
         import torch
     except ImportError:
-        sys.exit("torch_eager_gpt2.py: PyTorch is not installed (pip install torch)")
-    cuda = a.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        sys.exit("torch_eager_gpt2.py: no CUDA device visible to PyTorch (use --device cpu for a smoke run)")
+        sys.exit(f"{script}: PyTorch is not installed (pip install torch)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"{script}: no CUDA device visible to PyTorch (use --device cpu for a smoke run)")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.manual_seed(a.seed)
+    return torch
+
+
+def measure(a, torch, model, extra, autocast=None):
+    """Runs `a.steps` eager steps of `model(tokens, targets)` (AdamW or Adam,
+    optional clipping, under `autocast` if given) and returns the record:
+    per-step loss and time, the median step time without the first step,
+    and on CUDA max_memory_allocated / max_memory_reserved."""
+    import contextlib
+
+    cuda = a.device.startswith("cuda")
     dev = torch.device(a.device)
-    model = build(a, torch).to(dev)
+    model = model.to(dev)
     params = sum(p.numel() for p in model.parameters())
     opt_cls = torch.optim.AdamW if a.optimizer == "adamw" else torch.optim.Adam
     wd = a.weight_decay if a.optimizer == "adamw" else 0.0
@@ -167,7 +186,8 @@ def main(argv=None):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(tokens, targets)
+        with autocast() if autocast else contextlib.nullcontext():
+            loss = model(tokens, targets)
         loss.backward()
         if a.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad_norm)
@@ -177,27 +197,32 @@ def main(argv=None):
         steps.append({"loss": loss.item(), "seconds": time.perf_counter() - t0})
     times = [s["seconds"] for s in steps]
     steady = times[1:] if len(times) > 1 else times
-    out = {
+    return {
         "config": a.config,
         "layers": a.layers, "width": a.width, "heads": a.heads, "seq": a.seq, "batch": a.batch, "vocab": a.vocab,
         "parameters": params,
         "device": str(dev),
         "torch": torch.__version__,
-        "attention": "sdpa" if a.sdpa else "explicit",
+        **extra,
         "foreach": a.foreach,
         "steps": steps,
         "median_step_seconds": statistics.median(steady),
         "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None,
         "max_memory_reserved": torch.cuda.max_memory_reserved() if cuda else None,
     }
+
+
+def report(a, out):
+    """Prints the record (as JSON with --json), and the side-by-side table
+    with --memplan."""
     if a.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"PyTorch {torch.__version__} eager, {a.config} ({params:,} parameters) on {dev}")
-        for i, s in enumerate(steps):
+        print(f"PyTorch {out['torch']} eager, {a.config} ({out['parameters']:,} parameters) on {out['device']}")
+        for i, s in enumerate(out["steps"]):
             print(f"step {i + 1}: loss {s['loss']:.4f}, {s['seconds']:.4f} s")
         print(f"median step time {out['median_step_seconds']:.4f} s")
-        if cuda:
+        if out["max_memory_allocated"] is not None:
             print(f"max_memory_allocated {out['max_memory_allocated']:,} bytes")
             print(f"max_memory_reserved  {out['max_memory_reserved']:,} bytes")
     if a.memplan:
