@@ -399,3 +399,100 @@ fn load_graph_detects_hlo_by_content_plain_or_gzip() {
     assert!(e.starts_with(&format!("{}:", bad.display())), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// One module for the remaining in-place rules of docs/hlo.md: `scatter`
+/// (alone and fused), variadic `sort` (result i in operand i), a
+/// multi-output fusion whose tuple holds an in-place update and an
+/// elementwise result, `triangular-solve` (operand 1), and ops XLA never
+/// writes in place: `select-and-scatter`, `copy`, `transpose`.
+#[test]
+fn in_place_rules_one_module_each() {
+    let g = import(
+        r#"HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%ge (x: f32[], y: f32[]) -> pred[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %c = pred[] compare(%x, %y), direction=GE
+}
+
+%lt (p0: f32[], p1: f32[], p2: s32[], p3: s32[]) -> pred[] {
+  %p0 = f32[] parameter(0)
+  %p1 = f32[] parameter(1)
+  %p2 = s32[] parameter(2)
+  %p3 = s32[] parameter(3)
+  ROOT %c.1 = pred[] compare(%p0, %p1), direction=LT
+}
+
+%fused_scatter (fp0: f32[16,8], fp1: s32[4,1], fp2: f32[4,8]) -> f32[16,8] {
+  %fp0 = f32[16,8]{1,0} parameter(0)
+  %fp1 = s32[4,1]{1,0} parameter(1)
+  %fp2 = f32[4,8]{1,0} parameter(2)
+  ROOT %sc.1 = f32[16,8]{1,0} scatter(%fp0, %fp1, %fp2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+%multi (mp0: f32[16,8], mp1: f32[8], mp2: s32[]) -> (f32[16,8], f32[16,8]) {
+  %mp0 = f32[16,8]{1,0} parameter(0)
+  %mp1 = f32[8]{0} parameter(1)
+  %mp2 = s32[] parameter(2)
+  %row = f32[1,8]{1,0} bitcast(%mp1)
+  %z = s32[] constant(0)
+  %u = f32[16,8]{1,0} dynamic-update-slice(%mp0, %row, %mp2, %z)
+  %e = f32[16,8]{1,0} exponential(%mp0)
+  ROOT %t = (f32[16,8]{1,0}, f32[16,8]{1,0}) tuple(%u, %e)
+}
+
+ENTRY %e {
+  %x = f32[16,8]{1,0} parameter(0)
+  %idx = s32[4,1]{1,0} parameter(1)
+  %upd = f32[4,8]{1,0} parameter(2)
+  %keys = f32[16]{0} parameter(3)
+  %vals = s32[16]{0} parameter(4)
+  %a = f32[8,8]{1,0} parameter(5)
+  %rhs = f32[8,8]{1,0} parameter(6)
+  %row = f32[8]{0} parameter(7)
+  %i = s32[] parameter(8)
+  %init = f32[] constant(0)
+  %x1 = f32[16,8]{1,0} negate(%x)
+  %sc = f32[16,8]{1,0} scatter(%x1, %idx, %upd), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+  %x2 = f32[16,8]{1,0} negate(%sc)
+  %fs = f32[16,8]{1,0} fusion(%x2, %idx, %upd), kind=kInput, calls=%fused_scatter
+  %x3 = f32[16,8]{1,0} negate(%fs)
+  %mo = (f32[16,8]{1,0}, f32[16,8]{1,0}) fusion(%x3, %row, %i), kind=kLoop, calls=%multi
+  %k2 = f32[16]{0} negate(%keys)
+  %v2 = s32[16]{0} negate(%vals)
+  %so = (f32[16]{0}, s32[16]{0}) sort(%k2, %v2), dimensions={0}, is_stable=true, to_apply=%lt
+  %rhs2 = f32[8,8]{1,0} negate(%rhs)
+  %ts = f32[8,8]{1,0} triangular-solve(%a, %rhs2), left_side=true, lower=true, transpose_a=NO_TRANSPOSE, unit_diagonal=false
+  %src = f32[16,8]{1,0} negate(%x)
+  %ss = f32[16,8]{1,0} select-and-scatter(%src, %src, %init), window={size=1x1}, select=%ge, scatter=%add
+  %cp = f32[16,8]{1,0} copy(%ss)
+  %tr = f32[8,16]{0,1} transpose(%cp), dimensions={1,0}
+  ROOT %out = (f32[16,8]{1,0}, f32[16,8]{1,0}, f32[16]{0}, s32[16]{0}, f32[8,8]{1,0}, f32[8,16]{0,1}) tuple(%mo, %so, %ts, %tr)
+}
+"#,
+    );
+    let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+    // scatter writes into operand 0, alone and as a fusion's root.
+    assert_eq!(hints(&g, "sc"), [pair("sc", "x1")]);
+    assert_eq!(hints(&g, "fs"), [pair("fs", "x2")]);
+    // The multi-output fusion: its update slot takes the updated operand's
+    // bytes. The elementwise slot does not: the fused parameter also feeds
+    // the dynamic-update-slice, so not all its uses are elementwise (XLA's
+    // AreTransitiveUsesElementwiseOrTuple).
+    assert_eq!(hints(&g, "mo"), [pair("mo{0}", "x3")]);
+    // Variadic sort: each result in its own operand's buffer.
+    assert_eq!(hints(&g, "so"), [pair("so{0}", "k2"), pair("so{1}", "v2")]);
+    // triangular-solve: the result in the right-hand side (operand 1).
+    assert_eq!(hints(&g, "ts"), [pair("ts", "rhs2")]);
+    // Never in place: select-and-scatter, copy, transpose.
+    for op in ["ss", "cp", "tr"] {
+        assert!(hints(&g, op).is_empty(), "{op}: {:?}", hints(&g, op));
+    }
+}
