@@ -305,6 +305,48 @@ class LargestBatch(unittest.TestCase):
             memplan.max_batch(r["graphs"][0], memplan.at_batch(*r["graphs"], 4) | {"ops": []}, budget)
 
 
+class AgainstTorchCompile(unittest.TestCase):
+    """The measurement behind the torch.compile comparison
+    (``python -m memplan.torch.bench --compile``)."""
+
+    def test_allocator_events_agree_with_the_storage_tracker(self):
+        from memplan.torch._run import allocator_peak
+        from memplan.torch.bench import eager_tracked
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 64), Residual(64, 256, True), nn.Linear(64, 3))
+        opt = torch.optim.AdamW(model.parameters())
+        batch = (torch.randn(128, 6), torch.randint(0, 3, (128,)))
+
+        def step():
+            classify(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        tracked = eager_tracked(model, opt, batch, classify)
+        resident = (list(model.parameters()) + list(batch)
+                    + [v for st in opt.state.values() for v in st.values()])
+        events = allocator_peak(step, resident)
+        # The allocator also sees the few non-tensor buffers autograd makes.
+        self.assertGreaterEqual(events, tracked)
+        self.assertLess(events - tracked, 4096, (events, tracked))
+
+    def test_a_compiled_step_is_measured_with_inductors_estimates(self):
+        from memplan.torch.bench import compiled
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 64), nn.GELU(), nn.Linear(64, 3))
+        batch = (torch.randn(256, 6), torch.randint(0, 3, (256,)))
+        tracked, estimate, _ = compiled(model, batch, classify)
+        params = sum(p.numel() * 4 for p in model.parameters())
+        hidden = 256 * 64 * 4
+        # Parameters, two AdamW moments, the batch, and at least one hidden
+        # activation live at once; Inductor estimated its graphs.
+        self.assertGreaterEqual(tracked, 3 * params + hidden)
+        self.assertGreater(estimate, 0)
+
+
 class BadInputIsRefusedByName(unittest.TestCase):
     def capture(self, model, batch=None, loss_fn=classify, opt=None):
         batch = batch if batch is not None else (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))

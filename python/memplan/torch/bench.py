@@ -4,6 +4,7 @@
     python -m memplan.torch.bench --gpt2-xl out/  # GPT-2 XL b1 capture + plan (meta)
     python -m memplan.torch.bench --max-batch 2   # largest batch in 2 GiB, small models
     python -m memplan.torch.bench --max-batch 80 --gpt2-xl-batch   # GPT-2 XL in 80 GiB
+    python -m memplan.torch.bench --compile       # against torch.compile (Inductor)
 
 For each small model (Hugging Face GPT-2 and Llama from configs, torchvision
 ResNet-50 and ViT) it runs three steps from the same weights and measures
@@ -37,16 +38,19 @@ import argparse
 import copy
 import gzip
 import json
+import logging
 import os
+import re
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
 
-from torch.utils._pytree import tree_map
+import memplan
 
 from . import capture, max_batch
-from ._run import StorageTracker
+from ._run import StorageTracker, allocator_peak
 
 
 def _causal_lm(m, b):
@@ -101,6 +105,105 @@ def eager_tracked(model, opt, batch, loss_fn) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return tracker.peak_bytes
+
+
+class InductorEstimates(logging.Handler):
+    """Inductor's own peak estimates, one per graph it compiles: the peak of
+    the order its ``reorder_for_peak_memory`` pass keeps (the least over
+    the orders it tries), read from the pass's log. An estimate covers the
+    buffers of one graph, not the tensors alive outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs = []
+
+    def emit(self, record) -> None:
+        msg = record.getMessage()
+        if msg.startswith("Reordering for peak memory"):
+            self.graphs.append(None)
+        m = re.search(r"peak memory: (\d+)", msg)
+        if m and self.graphs:
+            v = int(m.group(1))
+            self.graphs[-1] = v if self.graphs[-1] is None else min(self.graphs[-1], v)
+
+    def __enter__(self):
+        log = logging.getLogger("torch._inductor.memory")
+        self._level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log = logging.getLogger("torch._inductor.memory")
+        log.removeHandler(self)
+        log.setLevel(self._level)
+
+
+def compiled(model, batch, loss_fn):
+    """The step as ``torch.compile`` users run it: the model compiled with
+    Inductor's defaults (``reorder_for_peak_memory`` on), ``backward()``,
+    the AdamW step compiled too, ``zero_grad``. Returns the step's peak
+    bytes measured by the allocator's events (after two steps that compile
+    and make the optimizer state), the largest of Inductor's per-graph
+    estimates, and the compile time."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    cm = torch.compile(model)
+
+    @torch.compile
+    def update():
+        opt.step()
+
+    def step():
+        loss_fn(cm, batch).backward()
+        update()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    # No cached graphs: Inductor's memory pass (and its estimate) runs only
+    # when it compiles.
+    with InductorEstimates() as est, torch.compiler.config.patch(force_disable_caches=True):
+        step()
+        step()
+    seconds = time.perf_counter() - t0
+    resident = (list(model.parameters()) + list(model.buffers()) + tree_flatten(batch)[0]
+                + [v for st in opt.state.values() for v in st.values()])
+    peak = allocator_peak(step, resident)
+    estimate = max((g for g in est.graphs if g is not None), default=0)
+    return peak, estimate, seconds
+
+
+def against_compile(time_limit: float):
+    """torch.compile (Inductor) next to memplan's plan, and next to memplan
+    fitted by recomputation into the compiled step's peak (Inductor's
+    partitioner recomputes cheap ops in the backward too)."""
+    mib = 1 << 20
+    print(f"{'model':18} {'eager':>8} {'compile':>8} {'ind.est':>8} {'memplan':>8} {'fitted':>8} "
+          f"{'+FLOPs':>7} {'compile s':>9}")
+    for name, (model, batch, loss_fn) in models().items():
+        model.train()
+        comp = copy.deepcopy(model)
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01)
+        loss_fn(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        eager = eager_tracked(ref, ref_opt, batch, loss_fn)
+        tracked, estimate, seconds = compiled(comp, batch, loss_fn)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        step = capture(model, opt, batch, loss_fn, time_limit=time_limit)
+        step.run(batch, track=True)
+        planned = step.tracked_peak_bytes
+        fitted, flops = "-", "-"
+        if planned > tracked:
+            try:
+                f = step.fit(tracked, time_limit=max(time_limit, 30.0), minimise="flops")
+                step.run(batch, track=True)
+                fitted = f"{step.tracked_peak_bytes / mib:7.1f}M"
+                flops = f"{100 * f['added_flops'] / f['step_flops']:6.2f}%"
+            except memplan.MemplanError:
+                fitted = "no fit"
+        print(f"{name:18} {eager / mib:7.1f}M {tracked / mib:7.1f}M {estimate / mib:7.1f}M "
+              f"{planned / mib:7.1f}M {fitted:>8} {flops:>7} {seconds:8.1f}s", flush=True)
 
 
 def small(time_limit: float):
@@ -192,11 +295,15 @@ def main(argv=None):
     ap.add_argument("--max-batch", metavar="GIB", type=float,
                     help="the largest batch within GIB GiB, eager vs memplan vs memplan + recomputation")
     ap.add_argument("--gpt2-xl-batch", action="store_true", help="with --max-batch: GPT-2 XL")
+    ap.add_argument("--compile", action="store_true",
+                    help="the small models against torch.compile (Inductor), measured by allocator events")
     ap.add_argument("--time-limit", type=float, default=10.0,
                     help="seconds to plan (with --max-batch: per fit probe)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    if args.max_batch:
+    if args.compile:
+        against_compile(args.time_limit)
+    elif args.max_batch:
         largest(args.max_batch, args.time_limit, args.gpt2_xl_batch)
     elif args.gpt2_xl:
         gpt2_xl(args.gpt2_xl, args.time_limit)
