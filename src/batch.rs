@@ -269,7 +269,7 @@ fn real_at(x: Option<f64>, y: Option<f64>, b: (u64, u64), batch: u64) -> Option<
 fn float_at(x: Option<f64>, y: Option<f64>, b: (u64, u64), batch: u64) -> Option<f64> {
     let whole = |v: f64| {
         let n = (1.0 / v).round();
-        (v > 0.0 && n >= 1.0 && n < 1e15 && (n * v - 1.0).abs() < 1e-12).then_some(n as u64)
+        (v > 0.0 && (1.0..1e15).contains(&n) && (n * v - 1.0).abs() < 1e-12).then_some(n as u64)
     };
     if let (Some(n1), Some(n2)) = (whole(x?), whole(y?))
         && let Some(line) = Affine::through(b.0, n1, b.1, n2)
