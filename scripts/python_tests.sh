@@ -4,7 +4,8 @@
 # runs its tests. Called by scripts/test.sh. PyTorch (PyPI's wheel, used on
 # the CPU), torchvision and transformers are installed into the same .venv
 # when missing, once per checkout (pip's cache makes a second checkout
-# cheap): memplan.torch's tests run real models and must not skip. The tests build the extension
+# cheap): memplan.torch's tests run real models and must not skip; so do
+# jax's CPU wheel and XLA's CPU PJRT plugin, for the tools' XLA test. The tests build the extension
 # without the HiGHS back end (`--no-default-features`), which spares a
 # second HiGHS build (the Rust tests build it in another profile); a wheel
 # for users (`maturin build --release`) has it.
@@ -19,6 +20,12 @@ fi
 if ! .venv/bin/python -c 'import torch, torchvision, transformers' >/dev/null 2>&1; then
   echo "installing torch, torchvision and transformers into .venv (about 3.5 GB, once)"
   .venv/bin/pip install --quiet "torch>=2.5,<3" torchvision "transformers>=4.45"
+fi
+# XLA's CPU compiler through its PJRT C API plugin, for the test that XLA
+# runs memplan's order (tools/test_xla_run_scheduled.py; docs/hlo.md).
+if ! .venv/bin/python -c 'import jax, pypjrt, lammps_jax_pjrt_cpu' >/dev/null 2>&1; then
+  echo "installing jax[cpu], pypjrt and lammps-jax-pjrt-cpu into .venv (XLA's CPU plugin, once)"
+  .venv/bin/pip install --quiet "jax[cpu]>=0.10,<0.11" pypjrt lammps-jax-pjrt-cpu
 fi
 export VIRTUAL_ENV="$PWD/.venv"
 (cd python && ../.venv/bin/maturin develop --quiet --no-default-features)

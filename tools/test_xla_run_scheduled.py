@@ -1,0 +1,61 @@
+"""XLA runs memplan's order: tools/xla_run_scheduled.py on two committed
+optimized modules (the MLP and GPT-2 tiny training steps). XLA's CPU
+compiler must keep the relisted entry order, the outputs must equal the
+original module's bit for bit, and XLA's own memory report for memplan's
+order must be below its report for its own order and within the recorded
+packing overhead of memplan's prediction (docs/hlo.md).
+
+Needs jax[cpu], pypjrt and lammps-jax-pjrt-cpu in .venv (scripts/
+python_tests.sh installs them) and a memplan binary (cargo test builds
+target/debug/memplan; MEMPLAN_BIN names another)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def memplan_binary():
+    if os.environ.get("MEMPLAN_BIN"):
+        return os.environ["MEMPLAN_BIN"]
+    found = [p for p in (os.path.join(ROOT, "target", k, "memplan") for k in ("debug", "release"))
+             if os.path.exists(p)]
+    if not found:
+        raise RuntimeError("no memplan binary: run `cargo build --bin memplan` (or set MEMPLAN_BIN)")
+    return max(found, key=os.path.getmtime)
+
+
+class XlaRunsMemplansOrder(unittest.TestCase):
+    def run_module(self, name):
+        module = os.path.join(ROOT, "fixtures", "hlo", name, "cpu_after_optimizations.txt.gz")
+        with tempfile.TemporaryDirectory() as work:
+            res = subprocess.run(
+                [sys.executable, os.path.join(ROOT, "tools", "xla_run_scheduled.py"), module,
+                 "--memplan", memplan_binary(), "--work", work, "--json", "--time-limit", "5"],
+                capture_output=True, text=True, cwd=ROOT)
+            self.assertEqual(res.returncode, 0, res.stderr[-3000:] + res.stdout[-2000:])
+            return json.loads(res.stdout)
+
+    def check(self, name, overhead):
+        r = self.run_module(name)
+        self.assertTrue(r["xla_kept_memplan_order"], r)
+        self.assertTrue(r["outputs_bitwise_equal"], r)
+        self.assertLess(r["xla_total_bytes_memplan_order"], r["xla_total_bytes_original"], r)
+        # XLA places memplan's order with its own heap simulator: its total
+        # is at least the plan's max live, and above it only by packing.
+        self.assertGreaterEqual(r["xla_total_bytes_memplan_order"], r["memplan_max_live_bytes"], r)
+        self.assertLessEqual(r["xla_memplan_order_vs_prediction"], overhead, r)
+
+    def test_mlp(self):
+        self.check("mlp", 1.03)
+
+    def test_gpt2_tiny(self):
+        self.check("xla_gpt2_tiny", 1.10)
+
+
+if __name__ == "__main__":
+    unittest.main()
