@@ -58,3 +58,31 @@ class ConvertTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class FakeTracingTest(unittest.TestCase):
+    def test_fake_tensors_give_the_real_runs_graphs(self):
+        """--fake: the same memplan graphs (ops, reads, writes, sizes, FLOPs)
+        as a real run, for the saved and a recomputing partition of the
+        script's GPT-2."""
+        import sys
+
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        sys.path.insert(0, "tools")
+        import torch_eager_gpt2
+
+        cfg = torch_eager_gpt2.parse_args(["--config", "gpt2-tiny", "--device", "cpu", "--layers", "1"])
+
+        def graphs(partition, budget):
+            torch.manual_seed(0)
+            model = torch_eager_gpt2.build(cfg, torch)
+            tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+            return trc.to_memplan(*trc.capture(model, (tokens, tokens), partition, budget), "g")
+
+        for partition, budget in ((default_partition, 1.0), (min_cut_rematerialization_partition, 0.3)):
+            real = graphs(partition, budget)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = graphs(partition, budget)
+            self.assertEqual(real["ops"], fake["ops"])
+            self.assertEqual(real["tensors"], fake["tensors"])

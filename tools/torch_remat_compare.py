@@ -27,9 +27,15 @@ knapsack over saved bytes, the "dp" solver by default). This script:
 
     .venv/bin/python tools/torch_remat_compare.py --config gpt2-small \
         --budgets 1.0 0.75 0.5 0.25 0.0 --shares 0.9 0.75 0.6
+    .venv/bin/python tools/torch_remat_compare.py --config gpt2-xl --fake   # no memory
+
+With --fake, the model and the step are traced on fake tensors: AOTAutograd
+and its partitioners see the same shapes and ops, so the graphs are the ones
+a real run gives (tested on GPT-2 tiny), without the memory.
 """
 
 import argparse
+import contextlib
 import json
 import operator
 import os
@@ -41,6 +47,7 @@ import torch
 import torch._functorch.config as functorch_config
 from functorch.compile import default_partition, make_boxed_func, min_cut_rematerialization_partition
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from memplan.torch._record import op_flops
 
@@ -191,6 +198,9 @@ def main(argv=None):
     ap.add_argument("--memplan", default="target/release/memplan")
     ap.add_argument("--time-limit", type=float, default=60)
     ap.add_argument("--keep", help="write the graphs into this folder")
+    ap.add_argument("--fake", action="store_true",
+                    help="trace on fake tensors (no memory, no arithmetic: how GPT-2 XL fits a "
+                         "laptop); the graphs are the ones a real run makes")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     margs = ["--config", a.config, "--device", "cpu"]
@@ -202,6 +212,11 @@ def main(argv=None):
     for k, v in zip(("layers", "width", "heads", "seq", "batch"), torch_eager_gpt2.PRESETS[a.config]):
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
+    with FakeTensorMode(allow_non_fake_inputs=True) if a.fake else contextlib.nullcontext():
+        return compare(a, cfg)
+
+
+def compare(a, cfg):
     torch.manual_seed(0)
     model = torch_eager_gpt2.build(cfg, torch)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
