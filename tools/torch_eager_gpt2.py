@@ -37,15 +37,9 @@ PRESETS = {
 }
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="gpt2-tiny", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int)
-    p.add_argument("--width", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", type=int)
-    p.add_argument("--vocab", type=int, default=50257)
+def step_args(p):
+    """The options every eager baseline shares: steps, device, optimizer,
+    checkpointing, clipping, seed, output."""
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (time only)")
     p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw"])
@@ -55,10 +49,22 @@ def parse_args(argv):
                    help="multi-tensor Adam (PyTorch's CUDA default); off = single-tensor, as memplan's graph models")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     p.add_argument("--clip-grad-norm", type=float)
-    p.add_argument("--sdpa", action="store_true", help="fused attention instead of the explicit one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--memplan", metavar="FILE", help="`memplan run --json` output to compare with")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="gpt2-tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--sdpa", action="store_true", help="fused attention instead of the explicit one")
+    step_args(p)
     a = p.parse_args(argv)
     layers, width, heads, seq, batch = PRESETS[a.config]
     a.layers = a.layers or layers

@@ -42,19 +42,8 @@ def parse_args(argv):
     p.add_argument("--config", default="llama-tiny", choices=sorted(PRESETS))
     for name in ("layers", "seq", "batch"):
         p.add_argument(f"--{name}", type=int)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (time only)")
-    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw"])
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--foreach", action="store_true",
-                   help="multi-tensor Adam (PyTorch's CUDA default); off = single-tensor, as memplan's graph models")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 autocast over f32 parameters")
-    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
-    p.add_argument("--clip-grad-norm", type=float)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--memplan", metavar="FILE", help="`memplan run --json` output to compare with")
+    common.step_args(p)
     a = p.parse_args(argv)
     layers, a.width, a.heads, a.kv_heads, a.ffn, a.vocab, seq, batch, a.tied, a.theta = PRESETS[a.config]
     a.layers = a.layers or layers
