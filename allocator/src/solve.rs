@@ -475,8 +475,11 @@ fn minimise_leaf(
         } else {
             step.unwrap_or(gap.div_ceil(2)).clamp(1, gap)
         };
+        // Heights come in multiples of `g`, so the goal rounds down: a
+        // layout within the goal is within its multiple below (rounding up
+        // could ask for no less than the height the leaf already has).
         let cap = if first {
-            goal.max(lo).next_multiple_of(g)
+            (goal / g * g).max(lo)
         } else {
             ((l.height - s) / g * g).max(lo)
         };

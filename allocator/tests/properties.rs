@@ -166,3 +166,20 @@ proptest! {
         prop_assert!(out.solution.height >= p.max_live());
     }
 }
+
+/// A case proptest found: b0 (size 2, aligned to 4) and b1 (size 2) live
+/// together, then b2 (size 5) alone. The floor is 5 and a layout reaches it
+/// (b0 at 0, b1 at 2); the first leaf's goal used to round up to 6, its
+/// height already, so it was never searched.
+#[test]
+fn aligned_pair_then_a_larger_buffer_is_solved_to_the_floor() {
+    let p = Problem::new(vec![
+        Buffer::new("b0", 0, 1, 2).aligned(4),
+        Buffer::new("b1", 0, 2, 2),
+        Buffer::new("b2", 2, 3, 5),
+    ]);
+    let out = solve(&p, Mode::Minimize, &params()).unwrap();
+    assert_eq!(validate(&p, &out.solution, None), Ok(()));
+    assert_eq!(out.solution.height, brute_force(&p));
+    assert_eq!(out.status, Status::Optimal);
+}

@@ -323,6 +323,12 @@ fn graph_at(a: &FitArgs) -> Result<GraphAt> {
             load(None, &src).map_err(|e| memplan::Error::Invalid(format!("{e:#}")))
         }));
     };
+    if a.source.example.is_some() {
+        bail!(
+            "give either a graph file ({}) or --example, not both",
+            path.display()
+        );
+    }
     let Some(second) = &a.batch_graph else {
         bail!(
             "--max-batch on a graph file needs --batch-graph: the same step captured at another batch size"
