@@ -79,9 +79,10 @@ fn objective(name: &str) -> Result<Objective, Error> {
 }
 
 /// Fits the graph in `graph_json` into `budget` bytes by recomputation
-/// ([`crate::fit::fit`]): returns `{"graph": the step with its
-/// recomputation, "plan": its checked plan, "recomputed_ops", "added_flops",
-/// "added_seconds_estimate", "no_recompute_arena_bytes", "optimal", ...}`.
+/// ([`crate::fit::fit`]): returns [`crate::fit::Fitted::summary_json`]
+/// (`recomputed_ops`, `added_flops`, `added_seconds_estimate`,
+/// `no_recompute_arena_bytes`, `optimal`, ...) with `graph` the step with
+/// its recomputation (a graph document) and `plan` its checked plan.
 /// A budget nothing fits is an error that states the bound.
 pub fn fit_json(
     graph_json: &str,
@@ -101,19 +102,10 @@ pub fn fit_json(
         .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
     let plan: serde_json::Value = serde_json::from_str(&f.plan.to_json(&f.graph))
         .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
-    Ok(json!({
-        "graph": graph,
-        "plan": plan,
-        "budget_bytes": f.budget,
-        "arena_bytes": f.plan.arena_bytes,
-        "no_recompute_arena_bytes": f.base_arena,
-        "recomputed_ops": f.recomputed,
-        "added_flops": f.added.flops,
-        "added_seconds_estimate": f.added.seconds,
-        "step_flops": f.step.flops,
-        "optimal": f.optimal,
-    })
-    .to_string())
+    let mut report = f.summary_json();
+    report["graph"] = graph;
+    report["plan"] = plan;
+    Ok(report.to_string())
 }
 
 /// The line through one step captured twice (`graph1_json` at batch `b1`,

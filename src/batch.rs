@@ -35,7 +35,7 @@ use serde_json::Value;
 
 use crate::error::Error;
 use crate::fit::{FitOptions, fit};
-use crate::graph::{Graph, OpId, TensorId};
+use crate::graph::{Graph, OpId};
 use crate::pipeline::Options;
 
 /// `base + per · batch`, in whole units.
@@ -229,14 +229,13 @@ fn same_structure(g1: &Graph, g2: &Graph, b: (u64, u64)) -> Result<(), Error> {
 
 fn op_difference(g1: &Graph, g2: &Graph, o: OpId) -> Option<&'static str> {
     let (x, y) = (g1.op(o), g2.op(o));
-    let same = |a: &[TensorId], b: &[TensorId]| a == b;
     if x.name != y.name {
         Some("name")
     } else if x.kind != y.kind || x.op_type != y.op_type {
         Some("kind or type")
-    } else if !same(&x.inputs, &y.inputs) || !same(&x.outputs, &y.outputs) {
+    } else if x.inputs != y.inputs || x.outputs != y.outputs {
         Some("inputs or outputs")
-    } else if !same(&x.updates, &y.updates) || x.reuse != y.reuse {
+    } else if x.updates != y.updates || x.reuse != y.reuse {
         Some("in-place updates or reuse hints")
     } else if x.after != y.after || x.stream != y.stream {
         Some("control edges or stream")

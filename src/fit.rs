@@ -491,6 +491,30 @@ pub struct Fitted {
     pub seconds: f64,
 }
 
+impl Fitted {
+    /// The fit's figures as JSON (`memplan fit --json`; the bindings add
+    /// the graph and plan documents).
+    pub fn summary_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "graph": self.graph.name,
+            "budget_bytes": self.budget,
+            "arena_bytes": self.plan.arena_bytes,
+            "max_live_bytes": self.plan.stats.max_live_bytes,
+            "lower_bound_bytes": self.plan.stats.lower_bound_bytes,
+            "no_recompute_arena_bytes": self.base_arena,
+            "recomputed_ops": self.recomputed,
+            "added_flops": self.added.flops,
+            "added_seconds_estimate": self.added.seconds,
+            "step_flops": self.step.flops,
+            "step_seconds_estimate": self.step.seconds,
+            "optimal": self.optimal,
+            "candidates": self.candidates,
+            "probes": self.probes,
+            "solve_seconds": self.seconds,
+        })
+    }
+}
+
 /// The planner as the search's oracle: one plan per set of choices.
 struct Planner<'a> {
     g: &'a Graph,

@@ -50,6 +50,14 @@ def _text(doc, what):
     raise TypeError(f"{what} must be a dict, a JSON string or a path, not {type(doc).__name__}")
 
 
+def _call(fn, *args):
+    """`fn(*args)`'s JSON answer, its errors as MemplanError."""
+    try:
+        return json.loads(fn(*args))
+    except ValueError as e:
+        raise MemplanError(str(e)) from None
+
+
 def plan(graph, time_limit=10.0):
     """Plans `graph` within `time_limit` seconds.
 
@@ -59,11 +67,7 @@ def plan(graph, time_limit=10.0):
     `stats` (among others `lower_bound_bytes`, the floor no order can beat,
     and `peak_bytes`). The plan has passed memplan's independent checker.
     """
-    try:
-        text = _memplan.plan_json(_text(graph, "graph"), float(time_limit))
-    except ValueError as e:
-        raise MemplanError(str(e)) from None
-    return json.loads(text)
+    return _call(_memplan.plan_json, _text(graph, "graph"), float(time_limit))
 
 
 def check(graph, plan):
@@ -74,17 +78,7 @@ def check(graph, plan):
     Returns the report (`max_live_bytes`, `used_bytes`, `ops`,
     `tensors_placed`); raises `MemplanError` naming the first violation.
     """
-    try:
-        return json.loads(_memplan.check_json(_text(graph, "graph"), _text(plan, "plan")))
-    except ValueError as e:
-        raise MemplanError(str(e)) from None
-
-
-def _call(fn, *args):
-    try:
-        return json.loads(fn(*args))
-    except ValueError as e:
-        raise MemplanError(str(e)) from None
+    return _call(_memplan.check_json, _text(graph, "graph"), _text(plan, "plan"))
 
 
 def _budget(budget):

@@ -144,7 +144,7 @@ pub fn run(a: FitArgs) -> Result<()> {
     let f = fit(&g, &opts)?;
     write_outputs(&f, a.output.as_deref(), a.output_graph.as_deref())?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&fitted_json(&f))?);
+        println!("{}", serde_json::to_string_pretty(&f.summary_json())?);
     } else {
         print_fitted(&g, &f, a.list);
     }
@@ -172,26 +172,6 @@ fn write_outputs(f: &Fitted, plan: Option<&Path>, graph: Option<&Path>) -> Resul
         memplan::io::save_graph(&f.graph, p)?;
     }
     Ok(())
-}
-
-pub fn fitted_json(f: &Fitted) -> serde_json::Value {
-    json!({
-        "graph": f.graph.name,
-        "budget_bytes": f.budget,
-        "arena_bytes": f.plan.arena_bytes,
-        "max_live_bytes": f.plan.stats.max_live_bytes,
-        "lower_bound_bytes": f.plan.stats.lower_bound_bytes,
-        "no_recompute_arena_bytes": f.base_arena,
-        "recomputed_ops": f.recomputed,
-        "added_flops": f.added.flops,
-        "added_seconds_estimate": f.added.seconds,
-        "step_flops": f.step.flops,
-        "step_seconds_estimate": f.step.seconds,
-        "optimal": f.optimal,
-        "candidates": f.candidates,
-        "probes": f.probes,
-        "solve_seconds": f.seconds,
-    })
 }
 
 fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
