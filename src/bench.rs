@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::baselines::{self, Baseline};
 use crate::error::Error;
 use crate::graph::Graph;
-use crate::models::fsdp::FsdpOptions;
+use crate::models::fsdp::{FsdpOptions, ShardLayout};
 use crate::models::{DType, EXAMPLES, ExampleOptions};
 use crate::pipeline::Options;
 
@@ -95,6 +95,7 @@ impl Source {
                         .map_err(|_| bad(format!("prefetch must be a whole number, got {v:?}")))?;
                 }
                 "noreshard" if value.is_none() => fsdp.reshard_after_forward = false,
+                "flat" if value.is_none() => fsdp.layout = ShardLayout::Flat,
                 "reduce" if value == Some("bf16") => fsdp.reduce_in_compute_dtype = true,
                 "reduce" if value == Some("f32") => fsdp.reduce_in_compute_dtype = false,
                 "dtype" => {
@@ -116,7 +117,7 @@ impl Source {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, reduce=bf16|f32, checkpoint, fused, mixed)"
+                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, flat, reduce=bf16|f32, checkpoint, fused, mixed)"
                     )));
                 }
             }

@@ -149,6 +149,14 @@ impl<'a> Attrs<'a> {
             )),
         }
     }
+    fn chunks(&self) -> Result<rt::ChunkLayout, Error> {
+        Ok(rt::ChunkLayout {
+            world: self.world()?,
+            shard: self.u64("shard")?,
+            offsets: self.u64_list("offsets")?,
+            chunks: self.u64_list("chunks")?,
+        })
+    }
     fn world(&self) -> Result<u32, Error> {
         let w = self.u64("world_size")?;
         u32::try_from(w).map_err(|_| bad_op(self.op, format!("world_size {w} is too large")))
@@ -270,6 +278,8 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
             offsets: a.u64_list("offsets")?,
             elements: elements()?,
         },
+        "chunk_cat" => Kernel::ChunkCat(a.chunks()?),
+        "copy_out" => Kernel::CopyOut(a.chunks()?),
         "all_gather" => Kernel::AllGather { world: a.world()? },
         "reduce_scatter" => Kernel::ReduceScatter {
             world: a.world()?,

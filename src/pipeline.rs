@@ -217,7 +217,7 @@ pub fn layout(
 }
 
 /// Largest layout problem the pipeline runs the exact search on.
-const LAYOUT_EXACT_MAX_BUFFERS: usize = 3_000;
+const LAYOUT_EXACT_MAX_BUFFERS: usize = 4_000;
 
 /// A layout within this fraction of max live ends the layout search: on
 /// the HLO and PyTorch steps the heuristics land a few hundred bytes above
@@ -236,7 +236,7 @@ pub const LAYOUT_BACKSTOP: Duration = Duration::from_secs(30);
 /// layout near a second or less on one core of a 2-core machine.
 fn layout_node_budget(n: usize) -> u64 {
     let n = n.max(1) as u64;
-    (100_000_000_000 / n.saturating_mul(n)).clamp(1_000, 100_000)
+    (1_000_000_000_000 / n.saturating_mul(n)).clamp(1_000, 100_000)
 }
 
 /// The allocator's settings for a step graph's layout of `buffers`

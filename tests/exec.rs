@@ -165,9 +165,20 @@ fn unshard(s: &Graph, rep: &RunReport) -> HashMap<String, Vec<f32>> {
 /// `build(b)`: the step with batch `b`; the step with batch `batch` sharded
 /// over `world` ranks against one device with batch `world · batch`.
 fn sharded_matches_one_device(build: &dyn Fn(u64) -> Graph, batch: u64, world: u64, steps: usize) {
+    sharded_with_matches_one_device(build, batch, &fsdp::FsdpOptions::new(world), steps)
+}
+
+/// [`sharded_matches_one_device`] sharded as `opts` says.
+fn sharded_with_matches_one_device(
+    build: &dyn Fn(u64) -> Graph,
+    batch: u64,
+    opts: &fsdp::FsdpOptions,
+    steps: usize,
+) {
+    let world = opts.world;
     let g1 = build(batch * world);
     let one = run(&g1, &plan(&g1), steps);
-    let s = fsdp::shard(&build(batch), world).unwrap();
+    let s = fsdp::shard_with(&build(batch), opts, &fsdp::default_unit).unwrap();
     let many = run(&s, &plan(&s), steps);
     for (x, y) in many.steps.iter().zip(&one.steps) {
         close("loss", &[x.loss], &[y.loss], 1e-5, 1e-6);
@@ -202,9 +213,19 @@ fn fsdp_over_ranks_equals_one_device_with_the_whole_batch() {
     sharded_matches_one_device(&a, 1, 2, 2);
     let b = gpt2_with(Gpt2Config::small_config(1, 32, 4, 8, 1, 48));
     sharded_matches_one_device(&b, 1, 4, 2);
+    // Three ranks: no row count divides, every shard is padded.
+    sharded_matches_one_device(&b, 1, 3, 2);
     let mut clipped = Gpt2Config::small_config(1, 32, 2, 8, 1, 64);
     clipped.clip_grad_norm = Some(0.1);
-    sharded_matches_one_device(&gpt2_with(clipped), 1, 2, 2);
+    sharded_matches_one_device(&gpt2_with(clipped.clone()), 1, 2, 2);
+    // FSDP1's flat shards compute the same step.
+    for world in [2, 4] {
+        let flat = fsdp::FsdpOptions {
+            layout: fsdp::ShardLayout::Flat,
+            ..fsdp::FsdpOptions::new(world)
+        };
+        sharded_with_matches_one_device(&gpt2_with(clipped.clone()), 1, &flat, 2);
+    }
 }
 
 #[test]
@@ -532,4 +553,25 @@ fn mixed_precision_steps_match_their_reference_and_stay_near_f32() {
     gcfg.checkpoint = true;
     gcfg.clip_grad_norm = Some(0.5);
     planned_matches_unplanned(&gpt2::build(&gcfg).unwrap(), 2);
+}
+
+/// A per-parameter layout whose chunks do not cover a parameter is refused
+/// by name when the program is built, not copied short.
+#[test]
+fn a_copy_out_that_misses_elements_is_refused() {
+    let s = fsdp::shard(&gpt2::build(&tiny()).unwrap(), 2).unwrap();
+    let o = s
+        .op_ids()
+        .find(|&o| s.op(o).op_type == "copy_out")
+        .expect("a copy-out");
+    let mut b = s.to_builder();
+    let spec = b.op_spec_mut(o);
+    let n = spec.attrs["chunks"].as_array().unwrap().len();
+    spec.attrs
+        .insert("chunks".into(), serde_json::json!(vec![1; n]));
+    let bad = b.build().unwrap();
+    let e = memplan::exec::program(&bad, &plan(&bad))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("copy_out") && e.contains("do not cover"), "{e}");
 }

@@ -219,12 +219,83 @@ pub enum Kernel {
     View,
     /// in `[x₁, x₂, …]`, out `[flat E]`: `xᵢ` at element `offsets[i]`, zeros elsewhere.
     Pack { offsets: Vec<u64>, elements: u64 },
+    /// in `[x₁, x₂, …]`, out `[flat WS]`: FSDP2's gradient packing
+    /// (`chunk_cat`): chunk `r` of every `xᵢ` in rank `r`'s segment.
+    ChunkCat(ChunkLayout),
+    /// in `[full WS]`, out `[x₁, x₂, …]`: FSDP2's copy-out after an
+    /// all-gather, the inverse of [`Kernel::ChunkCat`] (padding dropped).
+    CopyOut(ChunkLayout),
     /// in `[shard S]`, out `[full WS]`: rank `r`'s shard lands at `rS`.
     AllGather { world: u32 },
     /// in `[full WS]`, out `[shard S]`: rank `r` gets chunk `r` combined over ranks.
     ReduceScatter { world: u32, op: ReduceOp },
     /// updates `[x]`: combined over ranks, in place.
     AllReduce { world: u32, op: ReduceOp },
+}
+
+/// Where per-parameter shards sit in a flat buffer of `world` segments of
+/// `shard` elements (FSDP2): segment `r` holds chunk `r` of every parameter
+/// `i`, that is elements `[r·cᵢ, (r+1)·cᵢ)` of the parameter (`cᵢ =
+/// chunks[i]`, zero past its end), at element `offsets[i]` of the segment.
+/// Sharding along dim 0 of a row-major tensor is exactly this chunking.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkLayout {
+    pub world: u32,
+    pub shard: u64,
+    pub offsets: Vec<u64>,
+    pub chunks: Vec<u64>,
+}
+
+impl ChunkLayout {
+    /// `(rank, element in flat, element in xᵢ, length)` of every nonempty
+    /// piece of parameter `i` of `elements` elements.
+    pub fn pieces(&self, i: usize, elements: u64) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let (off, c) = (self.offsets[i], self.chunks[i]);
+        (0..self.world as u64).filter_map(move |r| {
+            let lo = r * c;
+            (lo < elements).then(|| (r * self.shard + off, lo, c.min(elements - lo)))
+        })
+    }
+
+    /// Checks the layout against the parameters' element counts: one
+    /// offset and chunk each, in order, disjoint, inside a segment, and
+    /// `world` chunks covering each parameter.
+    fn check(&self, elements: &[u64]) -> Result<(), String> {
+        if self.world == 0 || self.shard == 0 {
+            return Err("world_size and shard must be positive".into());
+        }
+        if self.offsets.len() != elements.len() || self.chunks.len() != elements.len() {
+            return Err(format!(
+                "{} offsets and {} chunks for {} parameters",
+                self.offsets.len(),
+                self.chunks.len(),
+                elements.len()
+            ));
+        }
+        let mut end = 0u64;
+        for (i, ((&off, &c), &n)) in self
+            .offsets
+            .iter()
+            .zip(&self.chunks)
+            .zip(elements)
+            .enumerate()
+        {
+            if off < end || off.saturating_add(c) > self.shard {
+                return Err(format!(
+                    "parameter {i}: chunk of {c} at element {off} overlaps the previous one or passes the segment's end ({})",
+                    self.shard
+                ));
+            }
+            if c.saturating_mul(self.world as u64) < n {
+                return Err(format!(
+                    "parameter {i}: {} chunks of {c} do not cover its {n} elements",
+                    self.world
+                ));
+            }
+            end = off + c;
+        }
+        Ok(())
+    }
 }
 
 /// Operand list of an instruction.
@@ -285,6 +356,8 @@ impl Kernel {
             Kernel::Adam(_) => "adam",
             Kernel::View => "view",
             Kernel::Pack { .. } => "pack",
+            Kernel::ChunkCat(_) => "chunk_cat",
+            Kernel::CopyOut(_) => "copy_out",
             Kernel::AllGather { .. } => "all_gather",
             Kernel::ReduceScatter { .. } => "reduce_scatter",
             Kernel::AllReduce { .. } => "all_reduce",
@@ -707,6 +780,28 @@ impl Kernel {
                     .map(|&t| Float(p.tensor(t).elements()))
                     .collect();
                 (i, vec![Float(*elements)], vec![])
+            }
+            Kernel::ChunkCat(l) | Kernel::CopyOut(l) => {
+                let (parts, flat) = match self {
+                    Kernel::ChunkCat(_) => (&ins.inputs, &ins.outputs),
+                    _ => (&ins.outputs, &ins.inputs),
+                };
+                let sizes: Vec<u64> = parts.iter().map(|&t| p.tensor(t).elements()).collect();
+                l.check(&sizes)?;
+                if let Some(&t) = parts.iter().chain(flat).find(|&&t| {
+                    p.tensor(t).dtype != p.tensor(flat.first().copied().unwrap_or(t)).dtype
+                }) {
+                    return Err(format!(
+                        "{:?} differs in dtype from the flat buffer (the copy converts nothing)",
+                        p.tensor(t).name
+                    ));
+                }
+                let parts: Vec<Want> = sizes.into_iter().map(Float).collect();
+                let flat = vec![Float(l.world as u64 * l.shard)];
+                match self {
+                    Kernel::ChunkCat(_) => (parts, flat, vec![]),
+                    _ => (flat, parts, vec![]),
+                }
             }
             Kernel::AllGather { world } => {
                 let s = shard_of(p, ins, Slot::Input)?;

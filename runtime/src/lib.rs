@@ -69,5 +69,5 @@ pub use comm::{Communicator, SingleRank, ThreadComm, run_ranks};
 pub use cpu::CpuExecutor;
 pub use error::{Result, RuntimeError};
 pub use init::{Fill, Init, InitSegment};
-pub use kernel::{AdamParams, Attention, Kernel, Matmul, ReduceOp, Rope};
+pub use kernel::{AdamParams, Attention, ChunkLayout, Kernel, Matmul, ReduceOp, Rope};
 pub use program::{DType, Instr, InstrIdx, Program, Role, StreamId, TensorDesc, TensorIdx};

@@ -3,7 +3,7 @@
 
 use memplan_runtime::cpu::kernels as k;
 use memplan_runtime::init::{hash_key, normal};
-use memplan_runtime::{AdamParams, Attention};
+use memplan_runtime::{AdamParams, Attention, ChunkLayout};
 
 fn rand(key: &str, n: usize, std: f32) -> Vec<f32> {
     let h = hash_key(1, key);
@@ -354,4 +354,26 @@ fn pack_places_inputs_and_zeroes_the_rest() {
     let mut out = vec![9.0; 10];
     k::pack(&[&[1.0, 2.0], &[3.0]], &[1, 6], &mut out);
     assert_eq!(out, vec![0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0]);
+}
+
+#[test]
+fn chunk_cat_and_copy_out_are_inverse_with_padding() {
+    // Two ranks; a has 5 elements (chunks of 3, the last padded), b has 2.
+    let l = ChunkLayout {
+        world: 2,
+        shard: 6,
+        offsets: vec![0, 4],
+        chunks: vec![3, 1],
+    };
+    let (a, b) = ([1.0f32, 2.0, 3.0, 4.0, 5.0], [6.0f32, 7.0]);
+    let mut flat = vec![9.0; 12];
+    k::chunk_cat(&[&a, &b], &l, &mut flat);
+    let want = [1.0, 2.0, 3.0, 0.0, 6.0, 0.0, 4.0, 5.0, 0.0, 0.0, 7.0, 0.0];
+    assert_eq!(flat, want);
+    let (mut a2, mut b2) = ([0.0f32; 5], [0.0f32; 2]);
+    k::copy_out(&flat, &l, &mut [&mut a2[..], &mut b2[..]]);
+    assert_eq!((a2, b2), (a, b));
+    // Rank r's segment is rank r's dim-0 shard of each parameter.
+    let pieces: Vec<_> = l.pieces(0, 5).collect();
+    assert_eq!(pieces, [(0, 0, 3), (6, 3, 2)]);
 }

@@ -27,7 +27,7 @@ pub const GPT2_PRESETS: [&str; 5] = [
 pub struct BenchArgs {
     /// Graph files, folders of graph files (walked recursively; files that
     /// are not graphs are skipped with a warning), or built-in examples
-    /// written `example:NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,prefetch=N,noreshard,reduce=bf16,checkpoint,fused,mixed]`.
+    /// written `example:NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,prefetch=N,noreshard,flat,reduce=bf16,checkpoint,fused,mixed]`.
     #[arg(value_name = "PATH")]
     pub paths: Vec<String>,
     /// Add every built-in GPT-2 preset (gpt2-tiny, -small, -medium, -large, -xl).

@@ -76,6 +76,11 @@ pub fn shard(g: Graph, src: &GraphArgs) -> Result<Graph> {
                 prefetch: src.prefetch,
                 reshard_after_forward: !src.no_reshard_after_forward,
                 reduce_in_compute_dtype: src.reduce_bf16,
+                layout: if src.flat_shards {
+                    memplan::models::fsdp::ShardLayout::Flat
+                } else {
+                    memplan::models::fsdp::ShardLayout::PerParameter
+                },
             };
             let unit = &memplan::models::fsdp::default_unit;
             Ok(memplan::models::fsdp::shard_with(&g, &opts, unit)?)

@@ -80,6 +80,11 @@ pub struct GraphArgs {
     /// bf16 (FSDP2's `reduce_dtype=bf16`) instead of f32.
     #[arg(long, requires = "world_size")]
     pub reduce_bf16: bool,
+    /// With --world-size: shard each unit as one flat buffer (FSDP1 /
+    /// ZeRO-3: ops read views of the gathered buffer, one update per unit)
+    /// instead of FSDP2's per-parameter shards.
+    #[arg(long, requires = "world_size")]
+    pub flat_shards: bool,
 }
 
 #[derive(Subcommand, Debug)]

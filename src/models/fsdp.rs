@@ -8,25 +8,37 @@
 //! - Parameters are grouped into *units* (by default the first dotted
 //!   component of the name, with the next one when it is a list index:
 //!   `h3.attn.c_attn.weight` → `h3`, `layers.3.attention.wo` → `layers.3`,
-//!   `wte` → `wte`), as PyTorch FSDP wraps modules. A unit's parameters are laid end to end
-//!   in one flat buffer (each segment starting on a 256-byte boundary),
-//!   padded to a multiple of `W`; each rank holds one shard of `S` elements
-//!   of the flat parameter and of its Adam moments (persistent).
+//!   `wte` → `wte`), as PyTorch FSDP wraps modules. A unit is gathered and
+//!   reduced as one collective.
+//! - Shards ([`ShardLayout`]). FSDP2 (the default): every parameter and
+//!   each of its Adam moments is its own persistent tensor of `⌈rows/W⌉`
+//!   rows of dim 0 (a row-major tensor's dim-0 shard is a contiguous
+//!   chunk, so the shard is elements `[r·c, (r+1)·c)` of the parameter
+//!   padded to `W·c`). A rank's segment `S` of the unit lays its shards end
+//!   to end, each on a 256-byte boundary. FSDP1 / ZeRO-3 (`Flat`): the
+//!   unit's parameters end to end in one flat buffer padded to `W·S`, and
+//!   each rank holds one `S`-element slice of it and of its moments.
 //! - Before a run of ops that use a unit's parameters, an `all_gather`
 //!   (kind collective, stream 1) fills a planned buffer of `W·S` elements
-//!   (role communication) and a `view` op cuts it into one view per
-//!   parameter; the ops read the views. A new gather starts whenever ops of
-//!   another unit ran since the unit's last use — so a layer is gathered
-//!   once before its forward and again before its backward, and the buffer
-//!   dies in between (the planner sees all of it).
-//! - After the last op that produces a unit's gradients, a `pack` copies
-//!   them into a flat buffer (zero padding) and a `reduce_scatter` (average
-//!   over ranks) leaves this rank's shard of the averaged gradient.
-//! - The updates become one Adam/AdamW per unit on the shards, with the
-//!   hyper-parameters of the original updates and `init_segments` telling
-//!   the executor how the flat shard is initialized (the same values as the
-//!   unsharded parameters). Global-norm clipping becomes a `grad_norm` of
-//!   the squared norm of the local shards and an `all_reduce` (sum).
+//!   (role communication). Per parameter, a `pack` first concatenates the
+//!   rank's shards (FSDP2's copy-in) and a `copy_out` afterwards copies
+//!   every parameter out of the `W` segments into its own tensor, after
+//!   which the gathered buffer dies; flat, a `view` op cuts the gathered
+//!   buffer into one view per parameter. A new gather starts whenever ops
+//!   of another unit ran since the unit's last use — so a layer is
+//!   gathered once before its forward and again before its backward, and
+//!   its parameters die in between (the planner sees all of it).
+//! - After the last op that produces a unit's gradients, they are packed
+//!   into a `W·S` buffer (per parameter `chunk_cat`: segment `r` holds
+//!   chunk `r` of every gradient; flat `pack`) and a `reduce_scatter`
+//!   (average over ranks) leaves this rank's `S`-element gradient shard.
+//! - The updates: per parameter, the original Adam/AdamW of each
+//!   parameter on its shard, reading its view of the gradient shard; flat,
+//!   one update per unit on the flat shards, with the hyper-parameters of
+//!   the original updates (which must agree). `init_segments` tell the
+//!   executor how a shard is initialized (the same values as the unsharded
+//!   parameters). Global-norm clipping becomes a `grad_norm` of the squared
+//!   norm of the local shards and an `all_reduce` (sum).
 //!
 //! The loss is each rank's mean over its own batch; gradients are averaged
 //! over ranks, so `W` ranks with batch `b` each compute the same update as
@@ -62,6 +74,22 @@ fn invalid(why: impl Into<String>) -> Error {
     Error::Invalid(format!("fsdp: {}", why.into()))
 }
 
+/// How a unit's parameters are cut into shards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardLayout {
+    /// FSDP2: every parameter is its own tensor, sharded along dim 0 (rows
+    /// padded to a multiple of `W`); a gather concatenates the rank's
+    /// shards (`pack`), all-gathers them and copies every parameter out of
+    /// the gathered buffer (`copy_out`), which then dies; gradients are
+    /// packed chunk by chunk (`chunk_cat`) for the reduce-scatter, and each
+    /// parameter has its own update on its own shard.
+    PerParameter,
+    /// FSDP1 / ZeRO-3: a unit's parameters end to end in one flat buffer,
+    /// sharded as a whole; the ops read views of the gathered buffer and one
+    /// update per unit runs on the flat shards.
+    Flat,
+}
+
 /// How to shard: FSDP2's knobs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FsdpOptions {
@@ -80,6 +108,8 @@ pub struct FsdpOptions {
     /// (FSDP2's `reduce_dtype=bf16`) and cast the shard to f32, instead of
     /// casting each gradient to f32 and reducing in f32 (the default).
     pub reduce_in_compute_dtype: bool,
+    /// Per-parameter shards (FSDP2, the default) or flat ones (FSDP1).
+    pub layout: ShardLayout,
 }
 
 impl FsdpOptions {
@@ -90,6 +120,7 @@ impl FsdpOptions {
             prefetch: 1,
             reshard_after_forward: true,
             reduce_in_compute_dtype: false,
+            layout: ShardLayout::PerParameter,
         }
     }
 }
@@ -120,13 +151,17 @@ impl Param {
     }
 }
 
-/// A flat unit of parameters.
+/// A unit of parameters: gathered together, reduced together.
 struct Unit {
     name: String,
     params: Vec<usize>,
-    /// Element offset of each parameter in the flat buffer.
+    /// Flat: element offset of each parameter in the flat buffer.
+    /// Per parameter: element offset of each parameter's shard in a rank's
+    /// segment of the gathered buffer.
     offsets: Vec<u64>,
-    /// Shard elements per rank.
+    /// Per parameter: each parameter's shard elements (dim 0 chunked).
+    chunks: Vec<u64>,
+    /// Shard elements per rank (the whole unit's).
     shard: u64,
     dtype: String,
     elem_bytes: u64,
@@ -135,10 +170,9 @@ struct Unit {
     gather_dtype: String,
     gather_bytes: u64,
     align: u64,
-    /// New tensors.
-    shard_t: TensorId,
-    m_t: TensorId,
-    v_t: TensorId,
+    /// The persistent shards `[param, adam_m, adam_v]`: one triple for a
+    /// flat unit, one per parameter otherwise.
+    state: Vec<[TensorId; 3]>,
     /// The op (old id) after which the gradients are complete.
     last_grad_op: OpId,
 }
@@ -174,7 +208,7 @@ pub fn shard_with(
         )));
     }
     let found = find_params(g, opts)?;
-    let (units, unit_of_param) = group_units(g, &found.params, world, unit_of)?;
+    let (units, unit_of_param) = group_units(g, &found.params, world, opts.layout, unit_of)?;
     let mut s = Sharder {
         g,
         opts: *opts,
@@ -201,6 +235,11 @@ pub fn shard_with(
         "fsdp_reshard_after_forward".into(),
         json!(opts.reshard_after_forward),
     );
+    let layout = match opts.layout {
+        ShardLayout::PerParameter => "per-parameter",
+        ShardLayout::Flat => "flat",
+    };
+    out.metadata.insert("fsdp_layout".into(), json!(layout));
     Ok(out)
 }
 
@@ -361,6 +400,7 @@ fn group_units(
     g: &Graph,
     params: &[Param],
     world: u64,
+    layout: ShardLayout,
     unit_of: &dyn Fn(&str) -> String,
 ) -> Result<(Vec<Unit>, HashMap<TensorId, usize>), Error> {
     let mut units: Vec<Unit> = Vec::new();
@@ -379,9 +419,8 @@ fn group_units(
                 gather_dtype: String::new(),
                 gather_bytes: 0,
                 align: 1,
-                shard_t: TensorId(0),
-                m_t: TensorId(0),
-                v_t: TensorId(0),
+                chunks: Vec::new(),
+                state: Vec::new(),
                 last_grad_op: OpId(0),
             });
             units.len() - 1
@@ -394,9 +433,18 @@ fn group_units(
         pos[o.index()] = i;
     }
     for u in &mut units {
-        u.lay_out(g, params, world, &pos)?;
+        u.lay_out(g, params, world, layout, &pos)?;
     }
     Ok((units, unit_of_param))
+}
+
+/// Elements of one rank's dim-0 shard of a tensor of `shape`: `⌈rows /
+/// W⌉` rows (FSDP2 pads dim 0 to a multiple of `W`).
+fn dim0_chunk(shape: &[u64], world: u64) -> u64 {
+    match shape.split_first() {
+        None => 1u64.div_ceil(world),
+        Some((rows, rest)) => rows.div_ceil(world) * rest.iter().product::<u64>(),
+    }
 }
 
 fn elements(g: &Graph, t: TensorId) -> Result<u64, Error> {
@@ -408,14 +456,16 @@ fn elements(g: &Graph, t: TensorId) -> Result<u64, Error> {
 }
 
 impl Unit {
-    /// Checks that the unit's parameters agree in dtype and optimizer, and
-    /// places them end to end (each segment aligned) in a flat buffer padded
-    /// to whole shards.
+    /// Checks that the unit's parameters agree in dtype (and, flat, in
+    /// optimizer), and places them end to end (each segment aligned): flat,
+    /// whole in a buffer padded to whole shards; per parameter, each one's
+    /// dim-0 shard in a rank's segment.
     fn lay_out(
         &mut self,
         g: &Graph,
         params: &[Param],
         world: u64,
+        layout: ShardLayout,
         pos: &[usize],
     ) -> Result<(), Error> {
         let first = &params[self.params[0]];
@@ -453,11 +503,12 @@ impl Unit {
                 )));
             }
             let upd = g.op(p.update);
-            if upd.op_type != upd0.op_type
+            // One flat update runs all of a unit's parameters.
+            let differ = upd.op_type != upd0.op_type
                 || SHARED_ATTRS
                     .iter()
-                    .any(|k| upd.attrs.get(*k) != upd0.attrs.get(*k))
-            {
+                    .any(|k| upd.attrs.get(*k) != upd0.attrs.get(*k));
+            if layout == ShardLayout::Flat && differ {
                 return Err(invalid(format!(
                     "unit {:?}: updates {:?} and {:?} differ in optimizer or hyper-parameters",
                     self.name, upd0.name, upd.name
@@ -465,9 +516,21 @@ impl Unit {
             }
             let off = end.div_ceil(seg_align) * seg_align;
             self.offsets.push(off);
-            end = off + elements(g, p.w)?;
+            let n = elements(g, p.w)?;
+            end = off
+                + match layout {
+                    ShardLayout::Flat => n,
+                    ShardLayout::PerParameter => {
+                        let c = dim0_chunk(x.shape.as_deref().unwrap_or(&[]), world);
+                        self.chunks.push(c);
+                        c
+                    }
+                };
         }
-        self.shard = end.div_ceil(world).div_ceil(seg_align) * seg_align;
+        self.shard = match layout {
+            ShardLayout::Flat => end.div_ceil(world).div_ceil(seg_align) * seg_align,
+            ShardLayout::PerParameter => end.div_ceil(seg_align).max(1) * seg_align,
+        };
         self.last_grad_op = self
             .params
             .iter()
@@ -539,11 +602,36 @@ impl Sharder<'_> {
         )
     }
 
-    /// The tensor a gather reads: the shard, or under mixed precision the
-    /// shard cast to the compute dtype.
+    /// The tensor a gather reads: the flat shard, or per parameter the
+    /// rank's shards packed end to end; under mixed precision cast to the
+    /// compute dtype.
     fn gather_source(&mut self, ui: usize, k: usize) -> TensorId {
         let u = &self.units[ui];
-        let (name, shard_t, shard) = (u.name.clone(), u.shard_t, u.shard);
+        let (name, shard) = (u.name.clone(), u.shard);
+        let shard_t = match self.opts.layout {
+            ShardLayout::Flat => u.state[0][0],
+            ShardLayout::PerParameter => {
+                let (shards, offsets) = (
+                    u.state.iter().map(|s| s[0]).collect::<Vec<_>>(),
+                    u.offsets.clone(),
+                );
+                let input = self.flat(
+                    ui,
+                    format!("{name}.all_gather_input{k}"),
+                    shard,
+                    Role::Communication,
+                );
+                self.b.add_op(
+                    OpSpec::new(format!("{name}.copy_in{k}"), OpKind::Other, "pack")
+                        .inputs(shards)
+                        .outputs([input])
+                        .attr("offsets", json!(offsets))
+                        .attr("elements", shard),
+                );
+                input
+            }
+        };
+        let u = &self.units[ui];
         if u.gather_dtype == u.dtype {
             return shard_t;
         }
@@ -589,20 +677,29 @@ impl Sharder<'_> {
         Ok(())
     }
 
-    /// Each unit's persistent parameter shard and Adam moment shards.
+    /// The persistent parameter and Adam moment shards: each unit's flat
+    /// ones, or each parameter's.
     fn add_shards(&mut self) {
         for ui in 0..self.units.len() {
-            let (name, s) = (self.units[ui].name.clone(), self.units[ui].shard);
-            let w = self.flat(ui, format!("{name}.flat_param.shard"), s, Role::Parameter);
-            let m_name = format!("{name}.flat_param.shard.adam_m");
-            let m = self.flat(ui, m_name, s, Role::OptimizerState);
-            let v_name = format!("{name}.flat_param.shard.adam_v");
-            let v = self.flat(ui, v_name, s, Role::OptimizerState);
-            for t in [w, m, v] {
-                self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+            let u = &self.units[ui];
+            let shards: Vec<(String, u64)> = match self.opts.layout {
+                ShardLayout::Flat => vec![(format!("{}.flat_param", u.name), u.shard)],
+                ShardLayout::PerParameter => u
+                    .params
+                    .iter()
+                    .zip(&u.chunks)
+                    .map(|(&pi, &c)| (self.g.tensor(self.params[pi].w).name.clone(), c))
+                    .collect(),
+            };
+            for (base, n) in shards {
+                let w = self.flat(ui, format!("{base}.shard"), n, Role::Parameter);
+                let m = self.flat(ui, format!("{base}.shard.adam_m"), n, Role::OptimizerState);
+                let v = self.flat(ui, format!("{base}.shard.adam_v"), n, Role::OptimizerState);
+                for t in [w, m, v] {
+                    self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+                }
+                self.units[ui].state.push([w, m, v]);
             }
-            let u = &mut self.units[ui];
-            (u.shard_t, u.m_t, u.v_t) = (w, m, v);
         }
     }
 
@@ -668,12 +765,11 @@ impl Sharder<'_> {
         let name = self.units[ui].name.clone();
         let source = self.gather_source(ui, k);
         let full = world * self.units[ui].shard;
-        let gathered = self.flat_gathered(
-            ui,
-            format!("{name}.flat_param.gathered{k}"),
-            full,
-            Role::Communication,
-        );
+        let gathered_name = match self.opts.layout {
+            ShardLayout::Flat => format!("{name}.flat_param.gathered{k}"),
+            ShardLayout::PerParameter => format!("{name}.all_gather_output{k}"),
+        };
+        let gathered = self.flat_gathered(ui, gathered_name, full, Role::Communication);
         let gather = self.b.add_op(
             OpSpec::new(
                 format!("{name}.all_gather{k}"),
@@ -686,6 +782,7 @@ impl Sharder<'_> {
             .attr("world_size", world)
             .attr("elements", full),
         );
+        let flat = self.opts.layout == ShardLayout::Flat;
         let views: Vec<TensorId> = self.units[ui]
             .params
             .iter()
@@ -697,19 +794,36 @@ impl Sharder<'_> {
                     align: x.align,
                     role: Role::Parameter,
                     lifetime: Lifetime::Transient,
-                    view_of: Some(gathered),
+                    view_of: flat.then_some(gathered),
                     dtype: x.dtype.clone(),
                     shape: x.shape.clone(),
                 })
             })
             .collect();
-        self.b.add_op(
+        let spec = if flat {
             OpSpec::new(format!("{name}.unflatten{k}"), OpKind::Other, "view")
-                .inputs([gathered])
+        } else {
+            self.chunk_attrs(
+                ui,
+                OpSpec::new(format!("{name}.copy_out{k}"), OpKind::Other, "copy_out"),
+            )
+        };
+        self.b.add_op(
+            spec.inputs([gathered])
                 .outputs(views.iter().copied())
                 .attr("offsets", json!(self.units[ui].offsets)),
         );
         (gather, views)
+    }
+
+    /// The attributes of a `chunk_cat` or `copy_out` of unit `ui` (all but
+    /// `offsets`).
+    fn chunk_attrs(&self, ui: usize, spec: OpSpec) -> OpSpec {
+        let u = &self.units[ui];
+        spec.attr("world_size", self.opts.world)
+            .attr("shard", u.shard)
+            .attr("chunks", json!(u.chunks))
+            .attr("elements", self.opts.world * u.shard)
     }
 
     /// The new tensor an old op's operand `t` becomes: the open view of a
@@ -833,12 +947,20 @@ impl Sharder<'_> {
             }
         };
         let flat_grad = flat(self, format!("{name}.flat_grad"), full, Role::Communication);
+        let pack = match self.opts.layout {
+            ShardLayout::Flat => {
+                OpSpec::new(format!("{name}.pack_grads"), OpKind::Backward, "pack")
+                    .attr("elements", full)
+            }
+            ShardLayout::PerParameter => self.chunk_attrs(
+                ui,
+                OpSpec::new(format!("{name}.chunk_cat"), OpKind::Backward, "chunk_cat"),
+            ),
+        };
         self.b.add_op(
-            OpSpec::new(format!("{name}.pack_grads"), OpKind::Backward, "pack")
-                .inputs(grads)
+            pack.inputs(grads)
                 .outputs([flat_grad])
-                .attr("offsets", json!(self.units[ui].offsets))
-                .attr("elements", full),
+                .attr("offsets", json!(self.units[ui].offsets)),
         );
         let dt = self.units[ui].gather_dtype.clone();
         let rs_name = if narrow {
@@ -908,25 +1030,111 @@ impl Sharder<'_> {
         }
     }
 
-    /// The Adam/AdamW update of unit `ui`'s shards, with the original
-    /// hyper-parameters and how each parameter's segment is initialized.
+    /// The Adam/AdamW updates of unit `ui`: one on its flat shards, or one
+    /// per parameter on views of the unit's gradient shard.
     fn update(&mut self, ui: usize, norm: Option<TensorId>) {
         let g = self.g;
-        let first = g.op(self.params[self.units[ui].params[0]].update);
-        let mut inputs = vec![self.grad_shards[ui]];
-        inputs.extend(norm);
         let u = &self.units[ui];
-        let mut spec = OpSpec::new(
-            format!("{}.update", u.name),
-            OpKind::Optimizer,
-            first.op_type.clone(),
-        )
-        .inputs(inputs)
-        .updates([u.shard_t, u.m_t, u.v_t]);
-        let (name, shard) = (u.name.clone(), u.shard);
+        let (name, grad_shard) = (u.name.clone(), self.grad_shards[ui]);
+        match self.opts.layout {
+            ShardLayout::Flat => {
+                let segments: Vec<Value> = u
+                    .params
+                    .iter()
+                    .zip(&u.offsets)
+                    .map(|(&pi, &off)| self.init_segment(pi, off))
+                    .collect();
+                let (state, shard) = (u.state[0], u.shard);
+                let first = self.params[u.params[0]].update;
+                let op_name = format!("{name}.update");
+                self.add_update(first, op_name, grad_shard, state, shard, segments, norm);
+            }
+            ShardLayout::PerParameter => {
+                let grads: Vec<TensorId> = u
+                    .params
+                    .iter()
+                    .zip(&u.chunks)
+                    .map(|(&pi, &c)| {
+                        let x = g.tensor(self.params[pi].w);
+                        let spec =
+                            TensorSpec::new(format!("{}.shard.grad", x.name), c * u.elem_bytes)
+                                .role(Role::Gradient)
+                                .align(u.align)
+                                .dtype(u.dtype.clone())
+                                .shape([c]);
+                        TensorSpec {
+                            view_of: Some(grad_shard),
+                            ..spec
+                        }
+                    })
+                    .map(|spec| self.b.add_tensor(spec))
+                    .collect();
+                let u = &self.units[ui];
+                self.b.add_op(
+                    OpSpec::new(format!("{name}.grad_shards"), OpKind::Optimizer, "view")
+                        .inputs([grad_shard])
+                        .outputs(grads.iter().copied())
+                        .attr("offsets", json!(u.offsets)),
+                );
+                let per_param: Vec<(usize, u64, [TensorId; 3])> = u
+                    .params
+                    .iter()
+                    .zip(&u.chunks)
+                    .zip(&u.state)
+                    .map(|((&pi, &c), &st)| (pi, c, st))
+                    .collect();
+                for ((pi, c, state), grad) in per_param.into_iter().zip(grads) {
+                    let orig = self.params[pi].update;
+                    let segments = vec![self.init_segment(pi, 0)];
+                    let op_name = g.op(orig).name.clone();
+                    self.add_update(orig, op_name, grad, state, c, segments, norm);
+                }
+            }
+        }
+    }
+
+    /// How parameter `pi` initializes its part of a sharded buffer, from
+    /// element `offset` of the unsharded (flat or padded) buffer.
+    fn init_segment(&self, pi: usize, offset: u64) -> Value {
+        let p = &self.params[pi];
+        let x = self.g.tensor(p.w);
+        let n: u64 = x.shape.as_ref().map_or(0, |s| s.iter().product());
+        let init = self.g.op(p.update).attrs.get("init").cloned();
+        json!({
+            "name": x.name,
+            "offset": offset,
+            "elements": n,
+            "init": init.unwrap_or(json!("zeros")),
+        })
+    }
+
+    /// An Adam/AdamW update like old op `orig` of the sharded `state` of
+    /// `elements` elements, reading `grad` (and the squared norm).
+    #[allow(clippy::too_many_arguments)]
+    fn add_update(
+        &mut self,
+        orig: OpId,
+        name: String,
+        grad: TensorId,
+        state: [TensorId; 3],
+        elements: u64,
+        segments: Vec<Value>,
+        norm: Option<TensorId>,
+    ) {
+        let first = self.g.op(orig);
+        let mut inputs = vec![grad];
+        inputs.extend(norm);
+        let mut spec = OpSpec::new(name, OpKind::Optimizer, first.op_type.clone())
+            .inputs(inputs)
+            .updates(state);
         if !first.outputs.is_empty() {
-            let denom = format!("{name}.flat_param.shard.adam_denom");
-            let d = self.flat(ui, denom, shard, Role::Temporary);
+            let w = self.b.tensor_spec(state[0]).clone();
+            let d = self.b.add_tensor(TensorSpec {
+                name: format!("{}.adam_denom", w.name),
+                role: Role::Temporary,
+                lifetime: Lifetime::Transient,
+                ..w
+            });
             spec = spec.outputs([d]);
         }
         let mut attrs = serde_json::Map::new();
@@ -935,24 +1143,7 @@ impl Sharder<'_> {
                 attrs.insert(k.to_string(), v.clone());
             }
         }
-        let u = &self.units[ui];
-        let segments: Vec<Value> = u
-            .params
-            .iter()
-            .zip(&u.offsets)
-            .map(|(&pi, &off)| {
-                let p = &self.params[pi];
-                let x = g.tensor(p.w);
-                let n: u64 = x.shape.as_ref().map_or(0, |s| s.iter().product());
-                json!({
-                    "name": x.name,
-                    "offset": off,
-                    "elements": n,
-                    "init": g.op(p.update).attrs.get("init").cloned().unwrap_or(json!("zeros")),
-                })
-            })
-            .collect();
-        attrs.insert("elements".into(), json!(shard));
+        attrs.insert("elements".into(), json!(elements));
         attrs.insert("init_segments".into(), Value::Array(segments));
         attrs.insert("sharded".into(), json!(true));
         attrs.insert("world_size".into(), json!(self.opts.world));
@@ -980,19 +1171,34 @@ mod tests {
                 .filter(|o| o.op_type == ty && o.name.starts_with(prefix))
                 .count()
         };
+        let block_params = g
+            .tensors()
+            .iter()
+            .filter(|t| t.role == Role::Parameter && t.name.starts_with("h0."))
+            .count();
         for l in 0..2 {
             let h = format!("h{l}.");
             assert_eq!(count("all_gather", &h), 2, "block {l}");
+            assert_eq!(count("copy_out", &h), 2);
             assert_eq!(count("reduce_scatter", &h), 1);
-            assert_eq!(count("adamw", &h), 1);
+            assert_eq!(count("chunk_cat", &h), 1);
+            assert_eq!(count("adamw", &h), block_params);
         }
+        let flat = FsdpOptions {
+            layout: ShardLayout::Flat,
+            ..FsdpOptions::new(4)
+        };
+        let f = shard_with(&g, &flat, &default_unit).unwrap();
+        let count_f = |ty: &str| f.ops().iter().filter(|o| o.op_type == ty).count();
+        assert_eq!(count_f("adamw"), 3 + 2, "one per block, wte, wpe, ln_f");
+        assert_eq!(count_f("copy_out") + count_f("chunk_cat"), 0);
         // wte: the embedding, then the tied head (forward and backward).
         assert_eq!(count("all_gather", "wte."), 2);
         // Every parameter, gradient and moment is a 1/4 shard.
         let params: u64 = s
             .tensors()
             .iter()
-            .filter(|t| t.role == Role::Parameter && t.view_of.is_none())
+            .filter(|t| t.role == Role::Parameter && t.lifetime == Lifetime::Persistent)
             .map(|t| t.size)
             .sum();
         let full: u64 = g
@@ -1054,10 +1260,23 @@ mod tests {
             );
         }
         let g = b.build().unwrap();
-        let e = shard_with(&g, &FsdpOptions::new(2), &|_| "all".to_string())
+        let flat = FsdpOptions {
+            layout: ShardLayout::Flat,
+            ..FsdpOptions::new(2)
+        };
+        let e = shard_with(&g, &flat, &|_| "all".to_string())
             .unwrap_err()
             .to_string();
         assert!(e.contains("differ in optimizer or hyper-parameters"), "{e}");
+        // Per parameter, each keeps its own update and learning rate.
+        let s = shard_with(&g, &FsdpOptions::new(2), &|_| "all".to_string()).unwrap();
+        let lrs: Vec<f64> = s
+            .ops()
+            .iter()
+            .filter(|o| o.op_type == "adam")
+            .map(|o| o.attrs["lr"].as_f64().unwrap())
+            .collect();
+        assert_eq!(lrs, [0.1, 0.2]);
         // One unit per parameter is fine: each gets its own gather.
         let s = shard(&g, 2).unwrap();
         assert_eq!(

@@ -11,7 +11,7 @@
 use rayon::prelude::*;
 
 use super::gemm::{MatMut, MatPtr, gemm_serial, matmul};
-use crate::kernel::{AdamParams, Attention};
+use crate::kernel::{AdamParams, Attention, ChunkLayout};
 
 /// Elements per parallel task of an elementwise kernel.
 const CHUNK: usize = 1 << 14;
@@ -732,6 +732,27 @@ pub fn adam(
 }
 
 /// `out[offsets[i] ..] = inputs[i]`, zeros elsewhere.
+/// FSDP2's `chunk_cat`: chunk `r` of every input into segment `r` of `out`.
+pub fn chunk_cat(inputs: &[&[f32]], l: &ChunkLayout, out: &mut [f32]) {
+    out.fill(0.0);
+    for (i, x) in inputs.iter().enumerate() {
+        for (at, from, n) in l.pieces(i, x.len() as u64) {
+            let (at, from, n) = (at as usize, from as usize, n as usize);
+            out[at..at + n].copy_from_slice(&x[from..from + n]);
+        }
+    }
+}
+
+/// FSDP2's copy-out: every parameter from its chunks in `full`.
+pub fn copy_out(full: &[f32], l: &ChunkLayout, outs: &mut [&mut [f32]]) {
+    for (i, x) in outs.iter_mut().enumerate() {
+        for (at, to, n) in l.pieces(i, x.len() as u64) {
+            let (at, to, n) = (at as usize, to as usize, n as usize);
+            x[to..to + n].copy_from_slice(&full[at..at + n]);
+        }
+    }
+}
+
 pub fn pack(inputs: &[&[f32]], offsets: &[u64], out: &mut [f32]) {
     let mut end = 0usize;
     for (x, &off) in inputs.iter().zip(offsets) {

@@ -710,6 +710,12 @@ unsafe fn run_instr(
             }
             Kernel::View => {}
             Kernel::Pack { offsets, .. } => k::pack(&ops.all_inputs(), offsets, ops.output(0)),
+            Kernel::ChunkCat(l) => k::chunk_cat(&ops.all_inputs(), l, ops.output(0)),
+            Kernel::CopyOut(l) => {
+                let mut outs: Vec<&mut [f32]> =
+                    (0..ops.ins.outputs.len()).map(|i| ops.output(i)).collect();
+                k::copy_out(ops.input_ro(0), l, &mut outs)
+            }
             Kernel::AllGather { .. } => comm.all_gather(ops.input_ro(0), ops.output(0))?,
             Kernel::ReduceScatter { op, .. } => {
                 comm.reduce_scatter(ops.input_ro(0), ops.output(0), *op)?

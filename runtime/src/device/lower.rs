@@ -70,6 +70,8 @@ pub fn lower(
         Kernel::GradNorm { .. } | Kernel::Adam(_) => optimizer(&a, &mut ops)?,
         Kernel::View
         | Kernel::Pack { .. }
+        | Kernel::ChunkCat(_)
+        | Kernel::CopyOut(_)
         | Kernel::AllGather { .. }
         | Kernel::ReduceScatter { .. }
         | Kernel::AllReduce { .. } => layout_and_collectives(&a, &mut ops)?,
@@ -731,6 +733,35 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                     dst: out.offset + off * x.dtype.size(),
                     bytes: x.bytes(),
                 });
+            }
+        }
+        Kernel::ChunkCat(l) => {
+            let out = prog.tensor(ins.outputs[0]);
+            ops.push(DevOp::Memset {
+                at: out.offset,
+                bytes: out.bytes(),
+            });
+            let size = out.dtype.size();
+            for (pos, &t) in ins.inputs.iter().enumerate() {
+                for (at, from, n) in l.pieces(pos, elems(t)) {
+                    ops.push(DevOp::Copy {
+                        src: a.i(pos) + from * size,
+                        dst: out.offset + at * size,
+                        bytes: n * size,
+                    });
+                }
+            }
+        }
+        Kernel::CopyOut(l) => {
+            let size = prog.tensor(ins.inputs[0]).dtype.size();
+            for (pos, &t) in ins.outputs.iter().enumerate() {
+                for (at, to, n) in l.pieces(pos, elems(t)) {
+                    ops.push(DevOp::Copy {
+                        src: a.i(0) + at * size,
+                        dst: a.o(pos) + to * size,
+                        bytes: n * size,
+                    });
+                }
             }
         }
         Kernel::AllGather { .. } => ops.push(DevOp::Collective(CollectiveOp::AllGather {
