@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import memplan
 
-from . import capture, max_batch
+from . import capture, inductor, max_batch
 from ._run import StorageTracker, allocator_peak
 
 
@@ -116,14 +116,18 @@ class InductorEstimates(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.graphs = []
+        # Per graph: each method's estimate ("Baseline", "topological_sort_lpmf", ..., "memplan").
+        self.methods = []
 
     def emit(self, record) -> None:
         msg = record.getMessage()
         if msg.startswith("Reordering for peak memory"):
             self.graphs.append(None)
-        m = re.search(r"peak memory: (\d+)", msg)
+            self.methods.append({})
+        m = re.match(r"(\w+) peak memory: (\d+)", msg)
         if m and self.graphs:
-            v = int(m.group(1))
+            v = int(m.group(2))
+            self.methods[-1][m.group(1)] = v
             self.graphs[-1] = v if self.graphs[-1] is None else min(self.graphs[-1], v)
 
     def __enter__(self):
@@ -175,10 +179,13 @@ def compiled(model, batch, loss_fn):
 def against_compile(time_limit: float):
     """torch.compile (Inductor) next to memplan's plan, and next to memplan
     fitted by recomputation into the compiled step's peak (Inductor's
-    partitioner recomputes cheap ops in the backward too)."""
+    partitioner recomputes cheap ops in the backward too). ``+mp ord`` and
+    ``+mp est`` are the compiled step again with memplan among the orders
+    Inductor's peak-memory pass tries (:mod:`memplan.torch.inductor`):
+    the measured peak and Inductor's largest per-graph estimate."""
     mib = 1 << 20
-    print(f"{'model':18} {'eager':>8} {'compile':>8} {'ind.est':>8} {'memplan':>8} {'fitted':>8} "
-          f"{'+FLOPs':>7} {'compile s':>9}")
+    print(f"{'model':18} {'eager':>8} {'compile':>8} {'ind.est':>8} {'+mp ord':>8} {'+mp est':>8} "
+          f"{'memplan':>8} {'fitted':>8} {'+FLOPs':>7} {'compile s':>9}")
     for name, (model, batch, loss_fn) in models().items():
         model.train()
         comp = copy.deepcopy(model)
@@ -189,6 +196,9 @@ def against_compile(time_limit: float):
         ref_opt.zero_grad(set_to_none=True)
         eager = eager_tracked(ref, ref_opt, batch, loss_fn)
         tracked, estimate, seconds = compiled(comp, batch, loss_fn)
+        # The same, with memplan as one of the orders Inductor's pass tries.
+        with inductor.ordering(time_limit=min(time_limit, 5.0)):
+            with_memplan, estimate_mp, _ = compiled(copy.deepcopy(model), batch, loss_fn)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         step = capture(model, opt, batch, loss_fn, time_limit=time_limit)
         step.run(batch, track=True)
@@ -203,6 +213,7 @@ def against_compile(time_limit: float):
             except memplan.MemplanError:
                 fitted = "no fit"
         print(f"{name:18} {eager / mib:7.1f}M {tracked / mib:7.1f}M {estimate / mib:7.1f}M "
+              f"{with_memplan / mib:7.1f}M {estimate_mp / mib:7.1f}M "
               f"{planned / mib:7.1f}M {fitted:>8} {flops:>7} {seconds:8.1f}s", flush=True)
 
 
