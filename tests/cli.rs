@@ -284,8 +284,21 @@ fn llama_mixed_precision_and_fsdp_options() {
     ]);
     let peak = |v: &serde_json::Value| v["peak_bytes"].as_u64().expect("a peak");
     assert!(peak(&kept) > peak(&resharded), "{kept} vs {resharded}");
+    // FSDP1's flat units: fewer ops (no copy-outs, one update per unit).
+    let flat = json(&[
+        "plan",
+        "--example",
+        "llama-tiny",
+        "--world-size",
+        "2",
+        "--flat-shards",
+        "--json",
+    ]);
+    let ops = |v: &serde_json::Value| v["ops"].as_u64().expect("an op count");
+    assert!(ops(&flat) < ops(&resharded), "{flat} vs {resharded}");
     for args in [
-        &["plan", "--example", "llama-tiny", "--prefetch", "2"][..],
+        &["plan", "--example", "llama-tiny", "--flat-shards"][..],
+        &["plan", "--example", "llama-tiny", "--prefetch", "2"],
         &["plan", "--example", "llama-tiny", "--reduce-bf16"],
         &[
             "plan",
