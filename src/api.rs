@@ -129,6 +129,22 @@ fn line(graph1_json: &str, b1: u64, graph2_json: &str, b2: u64) -> Result<BatchL
     BatchLine::new(g1, b1, g2, b2)
 }
 
+/// A built-in example step as a graph document. `spec` is written as for
+/// `memplan bench`: `NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,
+/// prefetch=N,noreshard,flat,reduce=bf16,checkpoint,fused,mixed]`, with or
+/// without the `example:` prefix (`llama3-8b,world=8,mixed,checkpoint`:
+/// one rank's FSDP2 step).
+pub fn example_json(spec: &str) -> Result<String, Error> {
+    let spec = spec.trim();
+    let full = if spec.starts_with(crate::bench::EXAMPLE_PREFIX) {
+        spec.to_string()
+    } else {
+        format!("{}{spec}", crate::bench::EXAMPLE_PREFIX)
+    };
+    let g = crate::bench::Source::parse(&full)?.load()?;
+    Ok(io::json::write_graph(&g))
+}
+
 /// The step at `batch`, extrapolated from two captures (see
 /// [`crate::batch`]), as a graph document.
 pub fn graph_at_batch_json(
@@ -222,6 +238,14 @@ mod tests {
             .to_string();
         assert!(e.contains("unknown objective"), "{e}");
 
+        let sharded = graph(&example_json("llama-tiny,world=2,mixed").unwrap()).unwrap();
+        assert_eq!(sharded.metadata["fsdp_layout"], "per-parameter");
+        let e = example_json("llama-tiny,world=2,wide")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown option \"wide\""), "{e}");
+        let e = example_json("gpt5").unwrap_err().to_string();
+        assert!(e.contains("unknown example"), "{e}");
         let at = graph_at_batch_json(&doc(2), 2, &doc(3), 3, 16).unwrap();
         let (x, y) = (graph(&at).unwrap(), graph(&text).unwrap());
         assert!(x.tensor_ids().all(|t| x.tensor(t).size == y.tensor(t).size));

@@ -38,6 +38,12 @@ int memplan_check(const char *graph_json, const char *plan_json, char **out);
 int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double time_limit_seconds,
                 const char *minimise, char **out);
 
+/* A built-in example step as a graph document, `spec` written as for
+ * `memplan bench`: "NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,
+ * prefetch=N,noreshard,flat,reduce=bf16,checkpoint,fused,mixed]", e.g.
+ * "llama3-8b,world=8,mixed,checkpoint" (one rank of an FSDP2 step). */
+int memplan_example(const char *spec, char **out);
+
 /* Frees a string this library returned (NULL is allowed). */
 void memplan_string_free(char *s);
 

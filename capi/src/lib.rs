@@ -90,6 +90,21 @@ pub unsafe extern "C" fn memplan_check(
     }
 }
 
+/// A built-in example step as a graph document; see `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for `spec`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_example(spec: *const c_char, out: *mut *mut c_char) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let s = text(spec, "spec")?;
+            memplan::api::example_json(s).map_err(|e| e.to_string())
+        })
+    }
+}
+
 /// Fits `graph_json` into `budget_bytes` by recomputation; see `memplan.h`.
 ///
 /// # Safety

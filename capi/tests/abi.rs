@@ -6,7 +6,7 @@ use std::ffi::{CStr, CString, c_char};
 use std::ptr;
 
 use memplan_capi::{
-    memplan_check, memplan_fit, memplan_plan, memplan_string_free, memplan_version,
+    memplan_check, memplan_example, memplan_fit, memplan_plan, memplan_string_free, memplan_version,
 };
 
 fn take(p: *mut c_char) -> String {
@@ -24,6 +24,26 @@ const GRAPH: &str = r#"{"format": "memplan-graph", "version": 1, "name": "two-op
   "ops": [
     {"id": "f", "inputs": ["x"], "outputs": ["h"]},
     {"id": "g", "inputs": ["h"], "outputs": ["y"]}]}"#;
+
+/// A built-in FSDP2 step from its spec, planned and checked through the ABI.
+#[test]
+fn built_in_examples_through_the_c_abi() {
+    let spec = CString::new("llama-tiny,world=2").unwrap();
+    let mut out = ptr::null_mut();
+    let rc = unsafe { memplan_example(spec.as_ptr(), &mut out) };
+    let g = take(out);
+    assert_eq!(rc, 0, "{g}");
+    let gc = CString::new(g).unwrap();
+    let rc = unsafe { memplan_plan(gc.as_ptr(), 2.0, &mut out) };
+    let plan = CString::new(take(out)).unwrap();
+    assert_eq!(rc, 0);
+    let rc = unsafe { memplan_check(gc.as_ptr(), plan.as_ptr(), &mut out) };
+    assert_eq!(rc, 0, "{}", take(out));
+    let bad = CString::new("llama-tiny,world=two").unwrap();
+    let rc = unsafe { memplan_example(bad.as_ptr(), &mut out) };
+    assert_eq!(rc, 1);
+    assert!(take(out).contains("world must be a positive integer"));
+}
 
 #[test]
 fn plans_and_checks_through_the_c_abi() {

@@ -14,6 +14,9 @@ paths to files (`.json`, or `.json.gz`).
     fitted = memplan.fit("step.json", budget=24 << 30)
     fitted["recomputed_ops"], fitted["added_flops"], fitted["plan"]["arena_bytes"]
 
+    # A built-in step: one rank of Llama 3 8B under FSDP2, bf16 compute.
+    memplan.plan(memplan.example("llama3-8b,world=8,mixed,checkpoint"))
+
     # The largest batch that fits, from the step captured at two batch sizes:
     memplan.max_batch("step-b2.json", "step-b3.json", budget=24 << 30)
 
@@ -27,7 +30,7 @@ import os
 
 from . import _memplan
 
-__all__ = ["MemplanError", "plan", "check", "fit", "at_batch", "max_batch", "__version__"]
+__all__ = ["MemplanError", "plan", "check", "fit", "at_batch", "max_batch", "example", "__version__"]
 __version__ = _memplan.__version__
 
 
@@ -101,6 +104,17 @@ def fit(graph, budget, time_limit=60.0, minimise="time"):
     """
     return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), float(time_limit),
                  str(minimise))
+
+
+def example(spec):
+    """A built-in example step as a graph dict, written as for
+    ``memplan bench``: ``"NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,
+    prefetch=N,noreshard,flat,reduce=bf16,checkpoint,fused,mixed]"``.
+    E.g. ``memplan.example("llama3-8b,world=8,mixed,checkpoint")`` is one
+    rank's step of Llama 3 8B under FSDP2 (per-parameter shards) with mixed
+    precision and activation checkpointing; ``flat`` shards FSDP1-style.
+    """
+    return _call(_memplan.example_json, str(spec))
 
 
 def _batches(batches):

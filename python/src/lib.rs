@@ -66,6 +66,12 @@ fn max_batch_json(
         .map_err(err)
 }
 
+/// A built-in example step (`memplan bench`'s spec) as a graph document.
+#[pyfunction]
+fn example_json(spec: &str) -> PyResult<String> {
+    memplan::api::example_json(spec).map_err(err)
+}
+
 /// The text of a graph or plan file (gzip-compressed when it ends in `.gz`).
 #[pyfunction]
 fn read_text(path: std::path::PathBuf) -> PyResult<String> {
@@ -80,6 +86,7 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fit_json, m)?)?;
     m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(max_batch_json, m)?)?;
+    m.add_function(wrap_pyfunction!(example_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

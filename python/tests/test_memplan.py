@@ -66,6 +66,20 @@ class PlanAndCheck(unittest.TestCase):
         with self.assertRaises(memplan.MemplanError):
             memplan.check(TWO_OPS, small)
 
+    def test_built_in_examples_plan_with_the_cli_spec(self):
+        # One rank of a per-parameter FSDP2 step over two ranks.
+        g = memplan.example("llama-tiny,world=2,mixed")
+        self.assertEqual(g["metadata"]["fsdp_layout"], "per-parameter")
+        types = {op["type"] for op in g["ops"]}
+        self.assertTrue({"all_gather", "copy_out", "chunk_cat", "reduce_scatter"} <= types, types)
+        p = memplan.plan(g, time_limit=2)
+        self.assertEqual(memplan.check(g, p)["ops"], len(g["ops"]))
+        flat = memplan.example("example:llama-tiny,world=2,mixed,flat")
+        self.assertEqual(flat["metadata"]["fsdp_layout"], "flat")
+        self.assertLess(len(flat["ops"]), len(g["ops"]))
+        with self.assertRaisesRegex(memplan.MemplanError, "unknown example"):
+            memplan.example("gpt5")
+
     def test_bad_input_raises_memplan_error(self):
         bad = copy.deepcopy(TWO_OPS)
         bad["ops"][1]["inputs"] = ["nowhere"]
