@@ -104,16 +104,8 @@ pub fn place(p: &Problem, order: Vec<OpIdx>, budget: &Budget) -> (Vec<OpIdx>, us
 /// buffer made outside the optimizer (joined when they share one): the
 /// buffer dies only when the whole group has run.
 fn update_groups(p: &Problem) -> Vec<Vec<OpIdx>> {
-    let n = p.num_ops();
-    let mut parent: Vec<usize> = (0..n).collect();
-    fn find(parent: &mut [usize], mut x: usize) -> usize {
-        while parent[x] != x {
-            parent[x] = parent[parent[x]];
-            x = parent[x];
-        }
-        x
-    }
-    let mut grouped = vec![false; n];
+    let mut sets = petgraph::unionfind::UnionFind::<usize>::new(p.num_ops());
+    let mut grouped = vec![false; p.num_ops()];
     for b in p.buf_ids() {
         let made_outside = p
             .buf(b)
@@ -125,20 +117,15 @@ fn update_groups(p: &Problem) -> Vec<Vec<OpIdx>> {
         {
             continue;
         }
-        let users: Vec<OpIdx> = p.users(b).collect();
-        for &u in &users {
+        let first = p.users(b).next().expect("two users").index();
+        for u in p.users(b) {
             grouped[u.index()] = true;
-            let (a, c) = (
-                find(&mut parent, users[0].index()),
-                find(&mut parent, u.index()),
-            );
-            parent[c] = a;
+            sets.union(first, u.index());
         }
     }
     let mut groups: std::collections::BTreeMap<usize, Vec<OpIdx>> = Default::default();
     for v in p.ops().filter(|v| grouped[v.index()]) {
-        let root = find(&mut parent, v.index());
-        groups.entry(root).or_default().push(v);
+        groups.entry(sets.find(v.index())).or_default().push(v);
     }
     groups.into_values().collect()
 }
