@@ -232,8 +232,10 @@ pub const LAYOUT_BACKSTOP: Duration = Duration::from_secs(30);
 /// Search nodes the allocator may spend on one candidate's layout of `n`
 /// buffers. A node's cost grows faster than linearly with the problem
 /// (more sections, deeper stacks), so the budget falls with `n²`: 100,000
-/// nodes up to 1,000 buffers, about 1,200 at 9,000; measured, that keeps a
-/// layout near a second or less on one core of a 2-core machine.
+/// nodes up to about 3,000 buffers, about 12,000 at 9,000. Measured, that
+/// keeps a layout near a second or less on one core of a 2-core machine
+/// (the per-parameter FSDP2 Llama 3 8B step, 3,026 buffers, needs about
+/// 100,000 to reach max live).
 fn layout_node_budget(n: usize) -> u64 {
     let n = n.max(1) as u64;
     (1_000_000_000_000 / n.saturating_mul(n)).clamp(1_000, 100_000)

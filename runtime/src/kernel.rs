@@ -788,9 +788,11 @@ impl Kernel {
                 };
                 let sizes: Vec<u64> = parts.iter().map(|&t| p.tensor(t).elements()).collect();
                 l.check(&sizes)?;
-                if let Some(&t) = parts.iter().chain(flat).find(|&&t| {
-                    p.tensor(t).dtype != p.tensor(flat.first().copied().unwrap_or(t)).dtype
-                }) {
+                if let Some(&f) = flat.first()
+                    && let Some(&t) = parts
+                        .iter()
+                        .find(|&&t| p.tensor(t).dtype != p.tensor(f).dtype)
+                {
                     return Err(format!(
                         "{:?} differs in dtype from the flat buffer (the copy converts nothing)",
                         p.tensor(t).name

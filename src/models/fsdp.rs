@@ -1050,40 +1050,31 @@ impl Sharder<'_> {
                 self.add_update(first, op_name, grad_shard, state, shard, segments, norm);
             }
             ShardLayout::PerParameter => {
-                let grads: Vec<TensorId> = u
-                    .params
-                    .iter()
-                    .zip(&u.chunks)
-                    .map(|(&pi, &c)| {
-                        let x = g.tensor(self.params[pi].w);
-                        let spec =
-                            TensorSpec::new(format!("{}.shard.grad", x.name), c * u.elem_bytes)
-                                .role(Role::Gradient)
-                                .align(u.align)
-                                .dtype(u.dtype.clone())
-                                .shape([c]);
-                        TensorSpec {
-                            view_of: Some(grad_shard),
-                            ..spec
-                        }
-                    })
-                    .map(|spec| self.b.add_tensor(spec))
-                    .collect();
-                let u = &self.units[ui];
-                self.b.add_op(
-                    OpSpec::new(format!("{name}.grad_shards"), OpKind::Optimizer, "view")
-                        .inputs([grad_shard])
-                        .outputs(grads.iter().copied())
-                        .attr("offsets", json!(u.offsets)),
-                );
-                let per_param: Vec<(usize, u64, [TensorId; 3])> = u
+                let each: Vec<(usize, u64, [TensorId; 3])> = u
                     .params
                     .iter()
                     .zip(&u.chunks)
                     .zip(&u.state)
                     .map(|((&pi, &c), &st)| (pi, c, st))
                     .collect();
-                for ((pi, c, state), grad) in per_param.into_iter().zip(grads) {
+                let offsets = json!(u.offsets);
+                // Each update reads its parameter's view of the unit's shard.
+                let grads: Vec<TensorId> = each
+                    .iter()
+                    .map(|&(pi, c, _)| {
+                        let view = format!("{}.shard.grad", g.tensor(self.params[pi].w).name);
+                        let t = self.flat(ui, view, c, Role::Gradient);
+                        self.b.tensor_spec_mut(t).view_of = Some(grad_shard);
+                        t
+                    })
+                    .collect();
+                self.b.add_op(
+                    OpSpec::new(format!("{name}.grad_shards"), OpKind::Optimizer, "view")
+                        .inputs([grad_shard])
+                        .outputs(grads.iter().copied())
+                        .attr("offsets", offsets),
+                );
+                for ((pi, c, state), grad) in each.into_iter().zip(grads) {
                     let orig = self.params[pi].update;
                     let segments = vec![self.init_segment(pi, 0)];
                     let op_name = g.op(orig).name.clone();

@@ -731,7 +731,6 @@ pub fn adam(
     }
 }
 
-/// `out[offsets[i] ..] = inputs[i]`, zeros elsewhere.
 /// FSDP2's `chunk_cat`: chunk `r` of every input into segment `r` of `out`.
 pub fn chunk_cat(inputs: &[&[f32]], l: &ChunkLayout, out: &mut [f32]) {
     out.fill(0.0);
@@ -753,6 +752,7 @@ pub fn copy_out(full: &[f32], l: &ChunkLayout, outs: &mut [&mut [f32]]) {
     }
 }
 
+/// `out[offsets[i] ..] = inputs[i]`, zeros elsewhere.
 pub fn pack(inputs: &[&[f32]], offsets: &[u64], out: &mut [f32]) {
     let mut end = 0usize;
     for (x, &off) in inputs.iter().zip(offsets) {
