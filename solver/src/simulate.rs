@@ -2,10 +2,12 @@
 //!
 //! [`evaluate`] applies the liveness rules of [`crate::problem`] to one order
 //! and returns everything the allocator and the reports need. Reuse hints are
-//! taken greedily, step by step: a hint `(op, out, inp)` is taken when `op` is
-//! `inp`'s last user, `inp` is not persistent, and neither buffer already
-//! takes part in another taken reuse at that step. Taking a hint never raises
-//! the curve, since the conversion passes only equal-size hints.
+//! taken step by step: a hint `(op, out, inp)` can be taken when `op` is
+//! `inp`'s last user and `inp` is not persistent, and at each step as many
+//! hints as possible are taken with every buffer in at most one of them (a
+//! maximum matching of the step's outputs to its inputs, in hint order).
+//! Taking a hint never raises the curve, since the conversion passes only
+//! equal-size hints.
 
 use crate::problem::{BufIdx, OpIdx, Problem, Reuse};
 
@@ -110,19 +112,57 @@ fn take_reuses(p: &Problem, order: &[OpIdx], pos: &[u32], death: &[u32]) -> Vec<
     if p.reuses().is_empty() {
         return taken;
     }
-    let mut busy_in = vec![false; p.num_bufs()];
-    let mut busy_out = vec![false; p.num_bufs()];
     for &op in order {
-        for r in p.reuses_of(op) {
-            if reuse_legal(p, r, pos, death) && !busy_in[r.inp.index()] && !busy_out[r.out.index()]
-            {
-                busy_in[r.inp.index()] = true;
-                busy_out[r.out.index()] = true;
-                taken.push(*r);
+        let legal: Vec<Reuse> = p
+            .reuses_of(op)
+            .filter(|r| reuse_legal(p, r, pos, death))
+            .copied()
+            .collect();
+        // owner: each matched input with the hint (index into `legal`) taking it.
+        let mut owner: Vec<(BufIdx, usize)> = Vec::new();
+        let mut tried: Vec<BufIdx> = Vec::new();
+        for r in &legal {
+            if !tried.contains(&r.out) {
+                tried.push(r.out);
+                augment(&legal, r.out, &mut owner, &mut Vec::new());
             }
         }
+        let mut mine: Vec<usize> = owner.into_iter().map(|(_, k)| k).collect();
+        mine.sort_unstable();
+        taken.extend(mine.into_iter().map(|k| legal[k]));
     }
     taken
+}
+
+/// Kuhn's augmenting path from output `out` over one op's legal hints, so
+/// that each input and output takes part in at most one taken hint and as
+/// many hints as possible are taken (taking hints greedily can spend the
+/// one input two outputs could use and block the second).
+fn augment(
+    legal: &[Reuse],
+    out: BufIdx,
+    owner: &mut Vec<(BufIdx, usize)>,
+    seen: &mut Vec<BufIdx>,
+) -> bool {
+    for (k, r) in legal.iter().enumerate().filter(|(_, r)| r.out == out) {
+        if seen.contains(&r.inp) {
+            continue;
+        }
+        seen.push(r.inp);
+        let at = owner.iter().position(|&(inp, _)| inp == r.inp);
+        let free = match at {
+            None => true,
+            Some(i) => augment(legal, legal[owner[i].1].out, owner, seen),
+        };
+        if free {
+            match owner.iter_mut().find(|(inp, _)| *inp == r.inp) {
+                Some(slot) => slot.1 = k,
+                None => owner.push((r.inp, k)),
+            }
+            return true;
+        }
+    }
+    false
 }
 
 /// Whether a hint can be taken given the steps and deaths of an order.
