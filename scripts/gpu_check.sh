@@ -10,8 +10,8 @@
 # on CUDA with --compare-cpu (CUDA losses and final parameters against the
 # CPU executor), and, when python3 has torch with CUDA, the same GPT-2 small
 # step in PyTorch eager (tools/torch_eager_gpt2.py) for peak memory and step
-# time side by side; the same for a Llama 3 1B step (f32,
-# tools/torch_eager_llama.py). Logs and JSON go to OUT_DIR (default gpu-check/).
+# time side by side; the same for a Llama 3 1B step (f32 and mixed
+# precision, tools/torch_eager_llama.py). Logs and JSON go to OUT_DIR (default gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/memplan}
@@ -67,13 +67,16 @@ fused() {
 }
 
 llama() {
-  # Llama (RMSNorm, RoPE, grouped-query fused attention, SwiGLU) in f32
-  # against the CPU executor, then peak and time next to PyTorch eager
-  # (tools/torch_eager_llama.py). bf16 mixed precision is refused on CUDA
-  # until its kernels exist (the last run shows the message).
+  # Llama (RMSNorm, RoPE, grouped-query fused attention, SwiGLU) in f32 and
+  # in mixed precision (bf16 kernels, bf16 gemmEx, casts) against the CPU
+  # executor, then peak and time next to PyTorch eager
+  # (tools/torch_eager_llama.py).
   run llama_tiny_cmp run --example llama-tiny --device cuda --steps 3 --compare-cpu
+  run llama_tiny_bf16_cmp run --example llama-tiny --mixed-precision --device cuda --steps 3 --compare-cpu
+  run llama_tiny_bf16_ckpt_cmp run --example llama-tiny --mixed-precision --checkpoint --device cuda --steps 3 --compare-cpu
+  run gpt2_tiny_bf16_cmp run --example gpt2-tiny --mixed-precision --device cuda --steps 3 --compare-cpu
   run llama_1b_cuda run --example llama3-1b --seq 1024 --device cuda --steps 5 --json
-  run llama_tiny_bf16 run --example llama-tiny --mixed-precision --device cuda --steps 1
+  run llama_1b_bf16_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json
 }
 
 torch_side() {
@@ -92,6 +95,11 @@ torch_side() {
       echo "== PyTorch eager, llama3-1b seq 1024, f32"
       python3 tools/torch_eager_llama.py --config llama3-1b --seq 1024 --steps 5 \
         --memplan "$OUT/llama_1b_cuda.out" 2>&1 | tee "$OUT/torch_llama_1b.out"
+    fi
+    if [ -s "$OUT/llama_1b_bf16_cuda.out" ]; then
+      echo "== PyTorch eager, llama3-1b seq 1024, bf16 autocast over f32 parameters"
+      python3 tools/torch_eager_llama.py --config llama3-1b --seq 1024 --steps 5 --mixed-precision \
+        --memplan "$OUT/llama_1b_bf16_cuda.out" 2>&1 | tee "$OUT/torch_llama_1b_bf16.out"
     fi
   else
     echo "python3 has no CUDA torch: skipping the PyTorch eager side"

@@ -10,6 +10,9 @@ bash scripts/setup.sh
 # run time, so no toolkit or GPU is needed), so it cannot rot unseen. The
 # Python extension is built and tested by maturin below, not by cargo test.
 cargo test --workspace --exclude memplan-python --all-targets --features memplan/cuda
+# The CUDA kernels' source, compiled as host C++ against a shim of CUDA's
+# built-ins (no NVRTC here): typos and type errors in kernels.cu fail CI.
+bash tools/check_cuda_syntax.sh
 cargo test --workspace --exclude memplan-python --doc --features memplan/cuda
 # The Python package (PyO3 + maturin) in the ignored .venv.
 bash scripts/python_tests.sh

@@ -17,11 +17,16 @@ cat > "$shim" <<'SHIM'
 struct dim3_ { unsigned x, y, z; };
 extern dim3_ threadIdx, blockIdx, blockDim, gridDim;
 float __shfl_xor_sync(unsigned, float, int);
+float __shfl_sync(unsigned, float, int);
 float atomicAdd(float*, float);
+int atomicAdd(int*, int);
 int atomicCAS(int*, int, int);
 void __syncthreads();
 float rsqrtf(float);
 float __int_as_float(int);
+float __uint_as_float(unsigned);
+unsigned __float_as_uint(float);
+void sincos(double, double*, double*);
 SHIM
-"${CXX:-g++}" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -include "$shim" -x c++ runtime/src/device/kernels.cu
+"${CXX:-c++}" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Wno-unknown-pragmas -include "$shim" -x c++ runtime/src/device/kernels.cu
 echo "kernels.cu: syntax OK"

@@ -151,11 +151,13 @@ pub fn check_libraries(need_nccl: bool) -> Result<()> {
     Ok(())
 }
 
-/// A device region of f32 elements and the stream a collective on it runs on.
+/// A device region of `len` elements of `dtype` (f32 or bf16) and the
+/// stream a collective on it runs on.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceSlice {
     pub ptr: drv_sys::CUdeviceptr,
     pub len: usize,
+    pub dtype: DType,
     pub stream: drv_sys::CUstream,
 }
 
@@ -193,7 +195,8 @@ fn copy_slice(op: &'static str, src: &DeviceSlice, dst: &mut DeviceSlice) -> Res
     }
     if src.ptr != dst.ptr && src.len > 0 {
         // SAFETY: both regions lie in the executor's allocation.
-        unsafe { drv::memcpy_dtod_async(dst.ptr, src.ptr, 4 * src.len, dst.stream) }
+        let bytes = src.dtype.size() as usize * src.len;
+        unsafe { drv::memcpy_dtod_async(dst.ptr, src.ptr, bytes, dst.stream) }
             .map_err(|e| driver("cuMemcpyDtoDAsync", e))?;
     }
     Ok(())
@@ -247,15 +250,6 @@ impl CudaExecutor {
     /// for the program yet: create communicators, then [`Self::allocate`].
     pub fn new(program: Program, ordinal: usize, rank: usize) -> Result<CudaExecutor> {
         program.validate()?;
-        if let Some(t) = program.tensors.iter().find(|t| t.dtype == DType::BF16) {
-            return Err(RuntimeError::Unavailable(
-                "bf16 on the CUDA backend",
-                format!(
-                    "tensor {:?} is bf16; the CUDA kernels are f32 only for now",
-                    t.name
-                ),
-            ));
-        }
         check_libraries(false)?;
         let bindings = Bindings::new(&program)?;
         let layout = DeviceLayout::new(&program, &bindings);
@@ -406,7 +400,9 @@ impl CudaExecutor {
         })
     }
 
-    fn checked(&self, t: TensorIdx, dtype: DType, len: usize) -> Result<u64> {
+    /// The address of tensor `t`, which must hold `len` elements of one of
+    /// `dtypes`.
+    fn checked(&self, t: TensorIdx, dtypes: &[DType], len: usize) -> Result<u64> {
         let x = self
             .program
             .tensors
@@ -415,7 +411,8 @@ impl CudaExecutor {
                 tensor: t.to_string(),
                 why: "no such tensor".into(),
             })?;
-        if x.dtype != dtype || x.elements() as usize != len {
+        let dtype = dtypes[0];
+        if !dtypes.contains(&x.dtype) || x.elements() as usize != len {
             return Err(RuntimeError::Access {
                 tensor: x.name.clone(),
                 why: format!("is {} × {}, not {dtype} × {len}", x.elements(), x.dtype),
@@ -424,16 +421,27 @@ impl CudaExecutor {
         Ok(self.base()? + x.offset)
     }
 
+    /// Writes float tensor `t` (rounded to bf16 on the host, when it is
+    /// bf16).
     pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) -> Result<()> {
-        let at = self.checked(t, DType::F32, v.len())?;
+        let at = self.checked(t, &[DType::F32, DType::BF16], v.len())?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver("cuCtxSetCurrent", e))?;
         // SAFETY: the tensor lies in the allocation; the device is idle.
-        unsafe { drv::memcpy_htod_sync(at, v) }.map_err(|e| driver("cuMemcpyHtoD", e))
+        if self.program.tensor(t).dtype == DType::BF16 {
+            let h: Vec<u16> = v
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            unsafe { drv::memcpy_htod_sync(at, &h) }
+        } else {
+            unsafe { drv::memcpy_htod_sync(at, v) }
+        }
+        .map_err(|e| driver("cuMemcpyHtoD", e))
     }
     pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) -> Result<()> {
-        let at = self.checked(t, DType::I32, v.len())?;
+        let at = self.checked(t, &[DType::I32], v.len())?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver("cuCtxSetCurrent", e))?;
@@ -446,11 +454,20 @@ impl CudaExecutor {
             .tensors
             .get(t.index())
             .map_or(0, |x| x.elements() as usize);
-        let at = self.checked(t, DType::F32, n)?;
-        let mut v = vec![0.0f32; n];
+        let at = self.checked(t, &[DType::F32, DType::BF16], n)?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        if self.program.tensor(t).dtype == DType::BF16 {
+            let mut h = vec![0u16; n];
+            // SAFETY: as above.
+            unsafe { drv::memcpy_dtoh_sync(&mut h, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+            return Ok(h
+                .into_iter()
+                .map(|b| half::bf16::from_bits(b).to_f32())
+                .collect());
+        }
+        let mut v = vec![0.0f32; n];
         // SAFETY: as above.
         unsafe { drv::memcpy_dtoh_sync(&mut v, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
         Ok(v)
@@ -480,24 +497,25 @@ impl CudaExecutor {
 
     fn launch(&self, l: &Launch, base: u64, stream: &CudaStream, step: u64) -> Result<()> {
         let f = &self.funcs[&l.kernel];
-        let mut vals: Vec<u64> = l
+        let mut vals: Vec<[u64; 2]> = l
             .args
             .iter()
             .map(|a| match *a {
-                Arg::Ptr(off) => base + off,
-                Arg::Null => 0,
-                Arg::I64(v) => v as u64,
-                Arg::I32(v) => v as u32 as u64,
-                Arg::F32(v) => v.to_bits() as u64,
-                Arg::F64(v) => v.to_bits(),
-                Arg::Step(first) => first + step - 1,
+                // kernels.cu's `struct Buf { void* p; int bf; }`: 16 bytes.
+                Arg::Buf(b) => [b.at.map_or(0, |at| base + at), b.bf16 as u64],
+                Arg::Ptr(off) => [base + off, 0],
+                Arg::I64(v) => [v as u64, 0],
+                Arg::I32(v) => [v as u32 as u64, 0],
+                Arg::F32(v) => [v.to_bits() as u64, 0],
+                Arg::F64(v) => [v.to_bits(), 0],
+                Arg::Step(first) => [first + step - 1, 0],
             })
             .collect();
-        // Each parameter is read from the start of its 8-byte slot: 4-byte
-        // values sit in the low half (little-endian).
+        // Each parameter is read from the start of its 16-byte slot: 4-byte
+        // values sit in the low half of the first word (little-endian).
         let mut params: Vec<*mut c_void> = vals
             .iter_mut()
-            .map(|v| v as *mut u64 as *mut c_void)
+            .map(|v| v.as_mut_ptr() as *mut c_void)
             .collect();
         // SAFETY: the arguments match the kernel's signature in kernels.cu
         // (checked on the host by the emulator tests) and point into the
@@ -528,54 +546,78 @@ impl CudaExecutor {
                 blas_sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
+        let ty = |d: DType| {
+            if d == DType::BF16 {
+                blas_sys::cudaDataType::CUDA_R_16BF
+            } else {
+                blas_sys::cudaDataType::CUDA_R_32F
+            }
+        };
         let (a, b, c) = (
-            (base + g.a) as *const f32,
-            (base + g.b) as *const f32,
-            (base + g.c) as *mut f32,
+            (base + g.a) as *const c_void,
+            (base + g.b) as *const c_void,
+            (base + g.c) as *mut c_void,
         );
-        // SAFETY: pointers into the allocation with the shapes the lowering
-        // computed; alpha and beta live on the host for the call.
+        let (alpha, beta) = (
+            &g.alpha as *const f32 as *const c_void,
+            &g.beta as *const f32 as *const c_void,
+        );
+        let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let algo = blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        // SAFETY: pointers into the allocation with the shapes and dtypes
+        // the lowering computed; alpha and beta (f32, as the compute type
+        // wants) live on the host for the call.
         unsafe {
             if g.batch == 1 {
-                blas::sgemm(
+                blas::gemm_ex(
                     h.0,
                     op(g.transa),
                     op(g.transb),
                     g.m,
                     g.n,
                     g.k,
-                    &g.alpha,
+                    alpha,
                     a,
+                    ty(g.ab),
                     g.lda,
                     b,
+                    ty(g.ab),
                     g.ldb,
-                    &g.beta,
+                    beta,
                     c,
+                    ty(g.c_dtype),
                     g.ldc,
+                    compute,
+                    algo,
                 )
-                .map_err(|e| cublas("cublasSgemm", e))
+                .map_err(|e| cublas("cublasGemmEx", e))
             } else {
-                blas::sgemm_strided_batched(
+                blas::gemm_strided_batched_ex(
                     h.0,
                     op(g.transa),
                     op(g.transb),
                     g.m,
                     g.n,
                     g.k,
-                    &g.alpha,
+                    alpha,
                     a,
+                    ty(g.ab),
                     g.lda,
                     g.stride_a,
                     b,
+                    ty(g.ab),
                     g.ldb,
                     g.stride_b,
-                    &g.beta,
+                    beta,
                     c,
+                    ty(g.c_dtype),
                     g.ldc,
                     g.stride_c,
                     g.batch,
+                    compute,
+                    algo,
                 )
-                .map_err(|e| cublas("cublasSgemmStridedBatched", e))
+                .map_err(|e| cublas("cublasGemmStridedBatchedEx", e))
             }
         }
     }
@@ -622,27 +664,40 @@ impl CudaExecutor {
                     }
                     .map_err(|e| driver("cuMemcpyDtoDAsync", e))?,
                     DevOp::Collective(c) => {
-                        let sl = |at: u64, len: u64| DeviceSlice {
+                        let sl = |at: u64, len: u64, dtype: DType| DeviceSlice {
                             ptr: base + at,
                             len: len as usize,
+                            dtype,
                             stream: stream.cu_stream(),
                         };
                         let w = comm.world_size() as u64;
                         match *c {
-                            CollectiveOp::AllGather { send, recv, count } => {
-                                comm.all_gather(&sl(send, count), &mut sl(recv, w * count))?
-                            }
+                            CollectiveOp::AllGather {
+                                send,
+                                recv,
+                                count,
+                                dtype,
+                            } => comm.all_gather(
+                                &sl(send, count, dtype),
+                                &mut sl(recv, w * count, dtype),
+                            )?,
                             CollectiveOp::ReduceScatter {
                                 send,
                                 recv,
                                 count,
                                 op,
-                            } => {
-                                comm.reduce_scatter(&sl(send, w * count), &mut sl(recv, count), op)?
-                            }
-                            CollectiveOp::AllReduce { buf, count, op } => {
-                                comm.all_reduce(&mut sl(buf, count), op)?
-                            }
+                                dtype,
+                            } => comm.reduce_scatter(
+                                &sl(send, w * count, dtype),
+                                &mut sl(recv, count, dtype),
+                                op,
+                            )?,
+                            CollectiveOp::AllReduce {
+                                buf,
+                                count,
+                                op,
+                                dtype,
+                            } => comm.all_reduce(&mut sl(buf, count, dtype), op)?,
                         }
                     }
                 }

@@ -29,6 +29,7 @@ use super::DeviceSlice;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::kernel::ReduceOp;
+use crate::program::DType;
 
 /// How long a rank waits for the others to join by default.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -271,6 +272,16 @@ impl NcclComm {
     }
 }
 
+/// NCCL's name for a collective's dtype (f32 or bf16: the lowering emits
+/// no other).
+fn nccl_type(d: DType) -> sys::ncclDataType_t {
+    if d == DType::BF16 {
+        sys::ncclDataType_t::ncclBfloat16
+    } else {
+        sys::ncclDataType_t::ncclFloat32
+    }
+}
+
 impl Communicator<DeviceSlice> for NcclComm {
     fn rank(&self) -> usize {
         self.rank
@@ -288,7 +299,7 @@ impl Communicator<DeviceSlice> for NcclComm {
                 shard.ptr as *const _,
                 full.ptr as *mut _,
                 shard.len,
-                sys::ncclDataType_t::ncclFloat32,
+                nccl_type(shard.dtype),
                 self.comm,
                 full.stream as _,
             )
@@ -310,7 +321,7 @@ impl Communicator<DeviceSlice> for NcclComm {
                 full.ptr as *const _,
                 shard.ptr as *mut _,
                 shard.len,
-                sys::ncclDataType_t::ncclFloat32,
+                nccl_type(shard.dtype),
                 red(op),
                 self.comm,
                 shard.stream as _,
@@ -325,7 +336,7 @@ impl Communicator<DeviceSlice> for NcclComm {
                 buf.ptr as *const _,
                 buf.ptr as *mut _,
                 buf.len,
-                sys::ncclDataType_t::ncclFloat32,
+                nccl_type(buf.dtype),
                 red(op),
                 self.comm,
                 buf.stream as _,

@@ -15,6 +15,7 @@ use crate::binding::Bindings;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
 use crate::program::{DType, Program, TensorIdx};
+use half::bf16;
 
 /// A program ready to run on the emulated device.
 pub struct Emulator {
@@ -31,15 +32,29 @@ struct Args<'a> {
     step: u64,
 }
 
+/// An operand: its byte address and whether it holds bf16 (integer
+/// operands are never bf16).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct B {
+    at: usize,
+    bf: bool,
+}
+
 impl Args<'_> {
-    fn ptr(&self, i: usize) -> Option<usize> {
+    fn ptr(&self, i: usize) -> Option<B> {
         match self.args[i] {
-            Arg::Ptr(p) => Some(p as usize),
-            Arg::Null => None,
+            Arg::Buf(b) => b.at.map(|at| B {
+                at: at as usize,
+                bf: b.bf16,
+            }),
+            Arg::Ptr(p) => Some(B {
+                at: p as usize,
+                bf: false,
+            }),
             ref other => panic!("argument {i} is {other:?}, not a pointer"),
         }
     }
-    fn p(&self, i: usize) -> usize {
+    fn p(&self, i: usize) -> B {
         self.ptr(i).expect("a non-null pointer")
     }
     fn n(&self, i: usize) -> usize {
@@ -69,25 +84,45 @@ impl Args<'_> {
     }
 }
 
-/// f32 / i32 access to emulated device memory by byte address.
+/// Element `i` of float operand `b`, widened.
+fn load(mem: &[u8], b: B, i: usize) -> f32 {
+    if b.bf {
+        let o = b.at + 2 * i;
+        bf16::from_ne_bytes([mem[o], mem[o + 1]]).to_f32()
+    } else {
+        let o = b.at + 4 * i;
+        f32::from_ne_bytes(mem[o..o + 4].try_into().expect("4 bytes"))
+    }
+}
+
+/// Access to emulated device memory: float operands widened to f32 and
+/// stored rounded to their dtype (`kernels.cu`'s `Buf`), and i32s.
 struct Mem<'a>(&'a mut [u8]);
 
 impl Mem<'_> {
-    fn f(&self, at: usize, i: usize) -> f32 {
-        let o = at + 4 * i;
-        f32::from_ne_bytes(self.0[o..o + 4].try_into().expect("4 bytes"))
+    fn f(&self, b: B, i: usize) -> f32 {
+        load(self.0, b, i)
     }
-    fn set(&mut self, at: usize, i: usize, v: f32) {
-        let o = at + 4 * i;
-        self.0[o..o + 4].copy_from_slice(&v.to_ne_bytes());
+    fn set(&mut self, b: B, i: usize, v: f32) {
+        if b.bf {
+            let o = b.at + 2 * i;
+            self.0[o..o + 2].copy_from_slice(&bf16::from_f32(v).to_ne_bytes());
+        } else {
+            let o = b.at + 4 * i;
+            self.0[o..o + 4].copy_from_slice(&v.to_ne_bytes());
+        }
     }
-    fn i(&self, at: usize, i: usize) -> i32 {
-        let o = at + 4 * i;
+    fn i(&self, b: B, i: usize) -> i32 {
+        let o = b.at + 4 * i;
         i32::from_ne_bytes(self.0[o..o + 4].try_into().expect("4 bytes"))
     }
-    fn fail(&mut self, err: usize, code: i32) {
+    fn set_i(&mut self, b: B, i: usize, v: i32) {
+        let o = b.at + 4 * i;
+        self.0[o..o + 4].copy_from_slice(&v.to_ne_bytes());
+    }
+    fn fail(&mut self, err: B, code: i32) {
         if self.i(err, 0) == 0 {
-            self.0[err..err + 4].copy_from_slice(&code.to_ne_bytes());
+            self.set_i(err, 0, code);
         }
     }
 }
@@ -344,27 +379,59 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 }
             }
         }
-        DevKernel::EmbeddingBwdTokens => {
-            let (dx, tok, dwte, bt, width, vocab, err, code) = (
-                a.p(0),
-                a.p(1),
-                a.p(2),
-                a.n(3),
-                a.n(4),
-                a.n(5),
-                a.p(6),
-                a.i(7),
-            );
-            for i in 0..bt * width {
-                let (r, c) = (i / width, i % width);
+        DevKernel::EmbeddingCount => {
+            let (tok, count, bt, vocab, err, code) =
+                (a.p(0), a.p(1), a.n(2), a.n(3), a.p(4), a.i(5));
+            for r in 0..bt {
                 let t = m.i(tok, r);
                 if t < 0 || t as usize >= vocab {
                     m.fail(err, code);
                 } else {
-                    let at = t as usize * width + c;
-                    let v = m.f(dwte, at) + m.f(dx, i);
-                    m.set(dwte, at, v);
+                    let c = m.i(count, t as usize + 1);
+                    m.set_i(count, t as usize + 1, c + 1);
                 }
+            }
+        }
+        DevKernel::ScanCounts => {
+            let (count, n) = (a.p(0), a.n(1));
+            let mut run = 0;
+            for i in 0..n {
+                run += m.i(count, i);
+                m.set_i(count, i, run);
+            }
+        }
+        DevKernel::EmbeddingPlace => {
+            let (tok, start, fill, order, bt, vocab) =
+                (a.p(0), a.p(1), a.p(2), a.p(3), a.n(4), a.n(5));
+            for r in 0..bt {
+                let t = m.i(tok, r);
+                if t >= 0 && (t as usize) < vocab {
+                    let k = m.i(fill, t as usize);
+                    m.set_i(fill, t as usize, k + 1);
+                    let slot = (m.i(start, t as usize) + k) as usize;
+                    m.set_i(order, slot, r as i32);
+                }
+            }
+        }
+        DevKernel::EmbeddingBwdRows => {
+            let (dx, start, order, init, dwte) = (a.p(0), a.p(1), a.p(2), a.ptr(3), a.p(4));
+            let (vocab, width) = (a.n(5), a.n(6));
+            for v in 0..vocab {
+                let (lo, hi) = (m.i(start, v) as usize, m.i(start, v + 1) as usize);
+                for c in 0..width {
+                    let mut s = init.map_or(0.0, |init| m.f(init, v * width + c));
+                    for k in lo..hi {
+                        s += m.f(dx, m.i(order, k) as usize * width + c);
+                    }
+                    m.set(dwte, v * width + c, s);
+                }
+            }
+        }
+        DevKernel::Cast => {
+            let (x, y, n) = (a.p(0), a.p(1), a.n(2));
+            for i in 0..n {
+                let v = m.f(x, i);
+                m.set(y, i, v);
             }
         }
         DevKernel::EmbeddingBwdPositions => {
@@ -571,7 +638,7 @@ impl Fa {
     fn out(&self, b: usize, h: usize, i: usize) -> usize {
         (b * self.t + i) * self.c() + h * self.d
     }
-    fn dot(&self, m: &Mem<'_>, x: (usize, usize), y: (usize, usize)) -> f32 {
+    fn dot(&self, m: &Mem<'_>, x: (B, usize), y: (B, usize)) -> f32 {
         (0..self.d).fold(0.0, |s, e| s + m.f(x.0, x.1 + e) * m.f(y.0, y.1 + e))
     }
 }
@@ -620,7 +687,12 @@ fn flash_fwd(m: &mut Mem<'_>, a: &Args<'_>) {
 fn flash_bwd(m: &mut Mem<'_>, a: &Args<'_>, kv: bool) {
     let (dout, qkv, out, lse, dqkv) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4));
     let f = Fa::new(a, 5);
+    let group = f.h / f.kvh;
     for b in 0..f.b {
+        let (mut dk, mut dv) = (
+            vec![0.0f32; f.kvh * f.t * f.d],
+            vec![0.0f32; f.kvh * f.t * f.d],
+        );
         for h in 0..f.h {
             let row = |i: usize| (b * f.h + h) * f.t + i;
             let dd: Vec<f32> = (0..f.t)
@@ -643,18 +715,19 @@ fn flash_bwd(m: &mut Mem<'_>, a: &Args<'_>, kv: bool) {
                             g2[e] += p * m.f(dout, f.out(b, h, i) + e);
                         }
                     }
-                    // The first query head of a group sets dK and dV, the
-                    // others add to them.
-                    let first = h % (f.h / f.kvh) == 0;
+                    // The query heads of a group add to their key/value
+                    // head's dK and dV in f32 (the kernel's registers),
+                    // stored after the group's last head.
+                    let at = (h / group * f.t + r) * f.d;
                     for e in 0..f.d {
-                        let (ka, va) = (f.qkv(b, h, 1, r) + e, f.qkv(b, h, 2, r) + e);
-                        let (k0, v0) = if first {
-                            (0.0, 0.0)
-                        } else {
-                            (m.f(dqkv, ka), m.f(dqkv, va))
-                        };
-                        m.set(dqkv, ka, k0 + g1[e]);
-                        m.set(dqkv, va, v0 + g2[e]);
+                        dk[at + e] += g1[e];
+                        dv[at + e] += g2[e];
+                    }
+                    if (h + 1) % group == 0 {
+                        for e in 0..f.d {
+                            m.set(dqkv, f.qkv(b, h, 1, r) + e, dk[at + e]);
+                            m.set(dqkv, f.qkv(b, h, 2, r) + e, dv[at + e]);
+                        }
                     }
                 } else {
                     for j in 0..=r {
@@ -672,15 +745,20 @@ fn flash_bwd(m: &mut Mem<'_>, a: &Args<'_>, kv: bool) {
     }
 }
 
-/// cuBLAS `sgemm(StridedBatched)` by its definition (column-major; with
-/// `beta == 0`, `C` is not read).
+/// cuBLAS `gemm(StridedBatched)Ex` by its definition (column-major, f32
+/// accumulation, `C` rounded once to its dtype; with `beta == 0`, `C` is
+/// not read).
 fn gemm(m: &mut Mem<'_>, g: &GemmCall) {
     let (mm, n, k) = (g.m as usize, g.n as usize, g.k as usize);
     let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+    let operand = |at: u64, stride: i64, dtype: DType, q: usize| B {
+        at: at as usize + dtype.size() as usize * q * stride as usize,
+        bf: dtype == DType::BF16,
+    };
     for q in 0..g.batch as usize {
-        let a = g.a as usize + 4 * q * g.stride_a as usize;
-        let b = g.b as usize + 4 * q * g.stride_b as usize;
-        let c = g.c as usize + 4 * q * g.stride_c as usize;
+        let a = operand(g.a, g.stride_a, g.ab, q);
+        let b = operand(g.b, g.stride_b, g.ab, q);
+        let c = operand(g.c, g.stride_c, g.c_dtype, q);
         for j in 0..n {
             for i in 0..mm {
                 let mut s = 0.0f32;
@@ -712,12 +790,6 @@ impl Emulator {
     /// Lowers `program` (validated here) for the emulated device.
     pub fn new(program: Program) -> Result<Emulator> {
         program.validate()?;
-        if program.tensors.iter().any(|t| t.dtype == DType::BF16) {
-            return Err(RuntimeError::Unavailable(
-                "bf16 on the emulated device",
-                program.name,
-            ));
-        }
         let b = Bindings::new(&program)?;
         let layout = DeviceLayout::new(&program, &b);
         let ops = lower_all(&program, &b, &layout)?;
@@ -740,11 +812,10 @@ impl Emulator {
         &self.ops
     }
 
+    /// Writes float tensor `t` (rounded, when it is bf16).
     pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) {
-        let off = self.program.tensor(t).offset as usize;
-        for (i, x) in v.iter().enumerate() {
-            self.mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
-        }
+        let x = self.program.tensor(t);
+        store(&mut self.mem, x.offset, v, x.dtype);
     }
     pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) {
         let off = self.program.tensor(t).offset as usize;
@@ -752,18 +823,10 @@ impl Emulator {
             self.mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
         }
     }
+    /// Reads float tensor `t` (widened, when it is bf16).
     pub fn read_f32(&self, t: TensorIdx) -> Vec<f32> {
         let x = self.program.tensor(t);
-        let off = x.offset as usize;
-        (0..x.elements() as usize)
-            .map(|i| {
-                f32::from_ne_bytes(
-                    self.mem[off + 4 * i..off + 4 * i + 4]
-                        .try_into()
-                        .expect("4 bytes"),
-                )
-            })
-            .collect()
+        floats(&self.mem, x.offset, x.elements(), x.dtype)
     }
 
     /// Fills parameters and optimizer state as the executors do.
@@ -823,44 +886,64 @@ impl Emulator {
     }
 }
 
-fn floats(mem: &[u8], at: u64, n: u64) -> Vec<f32> {
-    let at = at as usize;
-    (0..n as usize)
-        .map(|i| f32::from_ne_bytes(mem[at + 4 * i..at + 4 * i + 4].try_into().expect("4 bytes")))
-        .collect()
+/// `n` elements of `dtype` at `at`, widened.
+fn floats(mem: &[u8], at: u64, n: u64, dtype: DType) -> Vec<f32> {
+    let b = B {
+        at: at as usize,
+        bf: dtype == DType::BF16,
+    };
+    (0..n as usize).map(|i| load(mem, b, i)).collect()
 }
 
-fn store(mem: &mut [u8], at: u64, v: &[f32]) {
-    let at = at as usize;
-    for (i, x) in v.iter().enumerate() {
-        mem[at + 4 * i..at + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+/// Stores `v` at `at`, rounded to `dtype`.
+fn store(mem: &mut [u8], at: u64, v: &[f32], dtype: DType) {
+    let mut m = Mem(mem);
+    let b = B {
+        at: at as usize,
+        bf: dtype == DType::BF16,
+    };
+    for (i, &x) in v.iter().enumerate() {
+        m.set(b, i, x);
     }
 }
 
+/// A collective through the host communicator: bf16 operands travel
+/// widened and are rounded where they land (a reduction sums in f32).
 fn collective(mem: &mut [u8], c: &CollectiveOp, comm: &dyn Communicator<[f32]>) -> Result<()> {
     let w = comm.world_size() as u64;
     match *c {
-        CollectiveOp::AllGather { send, recv, count } => {
-            let s = floats(mem, send, count);
+        CollectiveOp::AllGather {
+            send,
+            recv,
+            count,
+            dtype,
+        } => {
+            let s = floats(mem, send, count, dtype);
             let mut r = vec![0.0; (w * count) as usize];
             comm.all_gather(&s, &mut r)?;
-            store(mem, recv, &r);
+            store(mem, recv, &r, dtype);
         }
         CollectiveOp::ReduceScatter {
             send,
             recv,
             count,
             op,
+            dtype,
         } => {
-            let s = floats(mem, send, w * count);
+            let s = floats(mem, send, w * count, dtype);
             let mut r = vec![0.0; count as usize];
             comm.reduce_scatter(&s, &mut r, op)?;
-            store(mem, recv, &r);
+            store(mem, recv, &r, dtype);
         }
-        CollectiveOp::AllReduce { buf, count, op } => {
-            let mut b = floats(mem, buf, count);
+        CollectiveOp::AllReduce {
+            buf,
+            count,
+            op,
+            dtype,
+        } => {
+            let mut b = floats(mem, buf, count, dtype);
             comm.all_reduce(&mut b, op)?;
-            store(mem, buf, &b);
+            store(mem, buf, &b, dtype);
         }
     }
     Ok(())

@@ -1,4 +1,10 @@
-// memplan's CUDA kernels (f32), compiled at run time with NVRTC.
+// memplan's CUDA kernels, compiled at run time with NVRTC.
+//
+// Every float operand is a `Buf`: f32, or bf16 when its `bf` flag is set.
+// Kernels read operands widened to f32, compute in f32 and round each value
+// they store to bf16 (nearest, ties to even), as the CPU executor does.
+// Outputs accumulated by atomics (the loss, the squared norm) are f32 only;
+// the lowering refuses anything else.
 //
 // Each kernel is correct when an output is the same buffer as the input
 // named in its comment ("in place: y = x"): every thread reads the elements
@@ -61,26 +67,59 @@ __device__ float block_max(float v) {
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
+// bf16 bits of x: rounded to nearest, ties to even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// A float operand (device pointer and dtype), passed by value: 16 bytes,
+// as the host's `Buf` argument. `b[i]` reads element i as f32, `b.set(i, v)`
+// stores v rounded to the operand's dtype, `b + k` is element k on.
+struct Buf {
+    void* p;
+    int bf;
+    __device__ __forceinline__ float operator[](i64 i) const {
+        return bf ? __uint_as_float((unsigned)((const unsigned short*)p)[i] << 16) : ((const float*)p)[i];
+    }
+    __device__ __forceinline__ void set(i64 i, float v) const {
+        if (bf) ((unsigned short*)p)[i] = bf16_bits(v);
+        else ((float*)p)[i] = v;
+    }
+    __device__ __forceinline__ Buf operator+(i64 k) const {
+        Buf b = {(char*)p + k * (bf ? 2 : 4), bf};
+        return b;
+    }
+    __device__ __forceinline__ bool null() const { return p == 0; }
+};
+
 // Records the first failing instruction (code = its index + 1).
 __device__ __forceinline__ void fail(int* err, int code) { atomicCAS(err, 0, code); }
 
 // y[i, j] = b[j]  (y: m x n)
-extern "C" __global__ void fill_rows(float* y, const float* b, i64 m, i64 n) {
-    GRID_STRIDE(i, m * n) y[i] = b[i % n];
+extern "C" __global__ void fill_rows(Buf y, Buf b, i64 m, i64 n) {
+    GRID_STRIDE(i, m * n) y.set(i, b[i % n]);
 }
 
 // out[j] = sum_i a[i, j]  (a: m x n), rows in order.
-extern "C" __global__ void col_sum(const float* a, float* out, i64 m, i64 n) {
+extern "C" __global__ void col_sum(Buf a, Buf out, i64 m, i64 n) {
     GRID_STRIDE(j, n) {
         float s = 0.f;
         for (i64 i = 0; i < m; ++i) s += a[i * n + j];
-        out[j] = s;
+        out.set(j, s);
     }
 }
 
 // In place: c = a or c = b.
-extern "C" __global__ void add_f32(const float* a, const float* b, float* c, i64 n) {
-    GRID_STRIDE(i, n) c[i] = a[i] + b[i];
+extern "C" __global__ void add_f32(Buf a, Buf b, Buf c, i64 n) {
+    GRID_STRIDE(i, n) c.set(i, a[i] + b[i]);
+}
+
+// y = x in y's dtype. Never in place (a cast between dtypes changes sizes).
+extern "C" __global__ void cast(Buf x, Buf y, i64 n) {
+    GRID_STRIDE(i, n) y.set(i, x[i]);
 }
 
 __device__ __forceinline__ float gelu_f(float x) {
@@ -95,31 +134,34 @@ __device__ __forceinline__ float gelu_g(float x) {
 }
 
 // In place: y = x.
-extern "C" __global__ void gelu_fwd(const float* x, float* y, i64 n) {
-    GRID_STRIDE(i, n) y[i] = gelu_f(x[i]);
+extern "C" __global__ void gelu_fwd(Buf x, Buf y, i64 n) {
+    GRID_STRIDE(i, n) y.set(i, gelu_f(x[i]));
 }
 
 // In place: dx = dy.
-extern "C" __global__ void gelu_bwd(const float* dy, const float* x, float* dx, i64 n) {
-    GRID_STRIDE(i, n) dx[i] = dy[i] * gelu_g(x[i]);
+extern "C" __global__ void gelu_bwd(Buf dy, Buf x, Buf dx, i64 n) {
+    GRID_STRIDE(i, n) dx.set(i, dy[i] * gelu_g(x[i]));
 }
 
 // In place: y = x.
-extern "C" __global__ void relu_fwd(const float* x, float* y, i64 n) {
-    GRID_STRIDE(i, n) y[i] = x[i] > 0.f ? x[i] : 0.f;
+extern "C" __global__ void relu_fwd(Buf x, Buf y, i64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        y.set(i, v > 0.f ? v : 0.f);
+    }
 }
 
 // In place: dx = dy.
-extern "C" __global__ void relu_bwd(const float* dy, const float* x, float* dx, i64 n) {
-    GRID_STRIDE(i, n) dx[i] = x[i] > 0.f ? dy[i] : 0.f;
+extern "C" __global__ void relu_bwd(Buf dy, Buf x, Buf dx, i64 n) {
+    GRID_STRIDE(i, n) dx.set(i, x[i] > 0.f ? dy[i] : 0.f);
 }
 
 // One block per row.
-extern "C" __global__ void layernorm_fwd(const float* x, const float* g, const float* b, float* y,
-                                         float* mean, float* rstd, i64 rows, i64 cols, float eps) {
+extern "C" __global__ void layernorm_fwd(Buf x, Buf g, Buf b, Buf y, Buf mean, Buf rstd, i64 rows, i64 cols,
+                                         float eps) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
-    const float* xr = x + r * cols;
+    Buf xr = x + r * cols;
     float s = 0.f;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
     float m = block_sum(s) / (float)cols;
@@ -131,15 +173,15 @@ extern "C" __global__ void layernorm_fwd(const float* x, const float* g, const f
     v = block_sum(v) / (float)cols;
     float rs = rsqrtf(v + eps);
     if (threadIdx.x == 0) {
-        mean[r] = m;
-        rstd[r] = rs;
+        mean.set(r, m);
+        rstd.set(r, rs);
     }
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) y[r * cols + j] = (xr[j] - m) * rs * g[j] + b[j];
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) y.set(r * cols + j, (xr[j] - m) * rs * g[j] + b[j]);
 }
 
 // dgamma[j] = sum_r dy[r,j] xhat[r,j], dbeta[j] = sum_r dy[r,j]: one thread per column.
-extern "C" __global__ void layernorm_bwd_params(const float* dy, const float* x, const float* mean,
-                                                const float* rstd, float* dg, float* db, i64 rows, i64 cols) {
+extern "C" __global__ void layernorm_bwd_params(Buf dy, Buf x, Buf mean, Buf rstd, Buf dg, Buf db, i64 rows,
+                                                i64 cols) {
     GRID_STRIDE(j, cols) {
         float sg = 0.f, sb = 0.f;
         for (i64 r = 0; r < rows; ++r) {
@@ -147,14 +189,14 @@ extern "C" __global__ void layernorm_bwd_params(const float* dy, const float* x,
             sg += d * (x[r * cols + j] - mean[r]) * rstd[r];
             sb += d;
         }
-        dg[j] = sg;
-        db[j] = sb;
+        dg.set(j, sg);
+        db.set(j, sb);
     }
 }
 
 // One block per row. In place: dx = dy (runs after layernorm_bwd_params).
-extern "C" __global__ void layernorm_bwd_data(const float* dy, const float* x, const float* mean,
-                                              const float* rstd, const float* g, float* dx, i64 rows, i64 cols) {
+extern "C" __global__ void layernorm_bwd_data(Buf dy, Buf x, Buf mean, Buf rstd, Buf g, Buf dx, i64 rows,
+                                              i64 cols) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     const float m = mean[r], rs = rstd[r];
@@ -168,39 +210,36 @@ extern "C" __global__ void layernorm_bwd_data(const float* dy, const float* x, c
     s2 = block_sum(s2) / (float)cols;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float xhat = (x[r * cols + j] - m) * rs;
-        dx[r * cols + j] = rs * (dy[r * cols + j] * g[j] - s1 - xhat * s2);
+        dx.set(r * cols + j, rs * (dy[r * cols + j] * g[j] - s1 - xhat * s2));
     }
 }
 
 // ---- Llama-style decoder kernels -------------------------------------------
 
 // One block per row: y = x * rstd * g, rstd = 1 / sqrt(mean(x^2) + eps).
-extern "C" __global__ void rmsnorm_fwd(const float* x, const float* g, float* y, float* rstd, i64 rows, i64 cols,
-                                       float eps) {
+extern "C" __global__ void rmsnorm_fwd(Buf x, Buf g, Buf y, Buf rstd, i64 rows, i64 cols, float eps) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
-    const float* xr = x + r * cols;
+    Buf xr = x + r * cols;
     float s = 0.f;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j] * xr[j];
     float rs = rsqrtf(block_sum(s) / (float)cols + eps);
-    if (threadIdx.x == 0) rstd[r] = rs;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) y[r * cols + j] = xr[j] * rs * g[j];
+    if (threadIdx.x == 0) rstd.set(r, rs);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) y.set(r * cols + j, xr[j] * rs * g[j]);
 }
 
 // dgamma[j] = sum_r dy[r,j] x[r,j] rstd[r]: one thread per column.
-extern "C" __global__ void rmsnorm_bwd_params(const float* dy, const float* x, const float* rstd, float* dg, i64 rows,
-                                              i64 cols) {
+extern "C" __global__ void rmsnorm_bwd_params(Buf dy, Buf x, Buf rstd, Buf dg, i64 rows, i64 cols) {
     GRID_STRIDE(j, cols) {
         float sg = 0.f;
         for (i64 r = 0; r < rows; ++r) sg += dy[r * cols + j] * x[r * cols + j] * rstd[r];
-        dg[j] = sg;
+        dg.set(j, sg);
     }
 }
 
 // One block per row. In place: dx = dy (runs after rmsnorm_bwd_params).
 // dx = rstd * (g dy - x rstd^2 mean(g dy x)).
-extern "C" __global__ void rmsnorm_bwd_data(const float* dy, const float* x, const float* rstd, const float* g,
-                                            float* dx, i64 rows, i64 cols) {
+extern "C" __global__ void rmsnorm_bwd_data(Buf dy, Buf x, Buf rstd, Buf g, Buf dx, i64 rows, i64 cols) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     const float rs = rstd[r];
@@ -208,14 +247,14 @@ extern "C" __global__ void rmsnorm_bwd_data(const float* dy, const float* x, con
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += dy[r * cols + j] * g[j] * x[r * cols + j];
     s = block_sum(s) / (float)cols * rs * rs;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x)
-        dx[r * cols + j] = rs * (dy[r * cols + j] * g[j] - x[r * cols + j] * s);
+        dx.set(r * cols + j, rs * (dy[r * cols + j] * g[j] - x[r * cols + j] * s));
 }
 
 // Rotary embedding of the query and key heads of qkv rows ([rows, (H + 2 Hkv) D]):
 // pair (i, i + D/2) of each head turns by sign * pos * theta^(-2i/D), pos = row % seq;
 // the angle is computed in double. One thread per pair, then the value part
 // is copied when y is not x. In place: y = x.
-extern "C" __global__ void rope_fwd(const float* x, float* y, i64 rows, i64 seq, i64 rot_heads, i64 width, i64 hd,
+extern "C" __global__ void rope_fwd(Buf x, Buf y, i64 rows, i64 seq, i64 rot_heads, i64 width, i64 hd,
                                     double theta, float sign) {
     i64 half = hd / 2, pairs = rot_heads * half;
     GRID_STRIDE(k, rows * pairs) {
@@ -226,45 +265,45 @@ extern "C" __global__ void rope_fwd(const float* x, float* y, i64 rows, i64 seq,
         float c = (float)cs, s = sign * (float)sn;
         i64 at = r * width + head * hd + i;
         float a = x[at], b = x[at + half];
-        y[at] = a * c - b * s;
-        y[at + half] = b * c + a * s;
+        y.set(at, a * c - b * s);
+        y.set(at + half, b * c + a * s);
     }
-    if (x == y) return;
+    if (x.p == y.p) return;
     i64 vstart = rot_heads * hd, vcols = width - vstart;
     GRID_STRIDE(k, rows * vcols) {
         i64 at = (k / vcols) * width + vstart + k % vcols;
-        y[at] = x[at];
+        y.set(at, x[at]);
     }
 }
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
 // h[r, j] = silu(gu[r, j]) * gu[r, F + j]
-extern "C" __global__ void swiglu_fwd(const float* gu, float* h, i64 rows, i64 hidden) {
+extern "C" __global__ void swiglu_fwd(Buf gu, Buf h, i64 rows, i64 hidden) {
     GRID_STRIDE(k, rows * hidden) {
         i64 r = k / hidden, j = k % hidden;
         float g = gu[r * 2 * hidden + j], u = gu[r * 2 * hidden + hidden + j];
-        h[k] = g * sigmoidf(g) * u;
+        h.set(k, g * sigmoidf(g) * u);
     }
 }
 
 // dgate = dh * up * silu'(gate), dup = dh * silu(gate)
-extern "C" __global__ void swiglu_bwd(const float* dh, const float* gu, float* dgu, i64 rows, i64 hidden) {
+extern "C" __global__ void swiglu_bwd(Buf dh, Buf gu, Buf dgu, i64 rows, i64 hidden) {
     GRID_STRIDE(k, rows * hidden) {
         i64 r = k / hidden, j = k % hidden, at = r * 2 * hidden + j;
-        float g = gu[at], u = gu[at + hidden], sg = sigmoidf(g);
-        dgu[at] = dh[k] * u * sg * (1.f + g * (1.f - sg));
-        dgu[at + hidden] = dh[k] * g * sg;
+        float g = gu[at], u = gu[at + hidden], sg = sigmoidf(g), d = dh[k];
+        dgu.set(at, d * u * sg * (1.f + g * (1.f - sg)));
+        dgu.set(at + hidden, d * g * sg);
     }
 }
 
 // One block per row of length t (row r is row r % t of its matrix).
 // In place: p = s.
-extern "C" __global__ void causal_softmax_fwd(const float* s, float* p, i64 rows, i64 t) {
+extern "C" __global__ void causal_softmax_fwd(Buf s, Buf p, i64 rows, i64 t) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     i64 i = r % t;
-    const float* sr = s + r * t;
+    Buf sr = s + r * t;
     float mx = NEG_INF;
     for (i64 j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, sr[j]);
     mx = block_max(mx);
@@ -272,41 +311,41 @@ extern "C" __global__ void causal_softmax_fwd(const float* s, float* p, i64 rows
     for (i64 j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(sr[j] - mx);
     sum = block_sum(sum);
     float inv = 1.f / sum;
-    for (i64 j = threadIdx.x; j < t; j += blockDim.x) p[r * t + j] = j <= i ? expf(sr[j] - mx) * inv : 0.f;
+    for (i64 j = threadIdx.x; j < t; j += blockDim.x) p.set(r * t + j, j <= i ? expf(sr[j] - mx) * inv : 0.f);
 }
 
 // One block per row. In place: ds = dp.
-extern "C" __global__ void causal_softmax_bwd(const float* dp, const float* p, float* ds, i64 rows, i64 t) {
+extern "C" __global__ void causal_softmax_bwd(Buf dp, Buf p, Buf ds, i64 rows, i64 t) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     float dot = 0.f;
     for (i64 j = threadIdx.x; j < t; j += blockDim.x) dot += dp[r * t + j] * p[r * t + j];
     dot = block_sum(dot);
-    for (i64 j = threadIdx.x; j < t; j += blockDim.x) ds[r * t + j] = p[r * t + j] * (dp[r * t + j] - dot);
+    for (i64 j = threadIdx.x; j < t; j += blockDim.x) ds.set(r * t + j, p[r * t + j] * (dp[r * t + j] - dot));
 }
 
 // Zero above the diagonal of `mats` t x t matrices.
-extern "C" __global__ void zero_upper(float* s, i64 mats, i64 t) {
+extern "C" __global__ void zero_upper(Buf s, i64 mats, i64 t) {
     GRID_STRIDE(k, mats * t * t) {
         i64 i = (k / t) % t, j = k % t;
-        if (j > i) s[k] = 0.f;
+        if (j > i) s.set(k, 0.f);
     }
 }
 
 // Zero the query and key parts (first 2c columns) of `rows` rows of 3c.
-extern "C" __global__ void zero_qk(float* dqkv, i64 rows, i64 c) {
+extern "C" __global__ void zero_qk(Buf dqkv, i64 rows, i64 c) {
     GRID_STRIDE(k, rows * 2 * c) {
         i64 r = k / (2 * c), j = k % (2 * c);
-        dqkv[r * 3 * c + j] = 0.f;
+        dqkv.set(r * 3 * c + j, 0.f);
     }
 }
 
-// One block per row; loss must be zero beforehand.
-extern "C" __global__ void cross_entropy_fwd(const float* logits, const int* tgt, float* loss, i64 rows,
-                                             i64 classes, int* err, int code) {
+// One block per row; loss (f32) must be zero beforehand.
+extern "C" __global__ void cross_entropy_fwd(Buf logits, const int* tgt, Buf loss, i64 rows, i64 classes, int* err,
+                                             int code) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
-    const float* x = logits + r * classes;
+    Buf x = logits + r * classes;
     float mx = NEG_INF;
     for (i64 j = threadIdx.x; j < classes; j += blockDim.x) mx = fmaxf(mx, x[j]);
     mx = block_max(mx);
@@ -316,16 +355,16 @@ extern "C" __global__ void cross_entropy_fwd(const float* logits, const int* tgt
     int t = tgt[r];
     if (threadIdx.x == 0) {
         if (t < 0 || t >= classes) fail(err, code);
-        else atomicAdd(loss, (mx + logf(s) - x[t]) / (float)rows);
+        else atomicAdd((float*)loss.p, (mx + logf(s) - x[t]) / (float)rows);
     }
 }
 
 // One block per row. In place: d = logits.
-extern "C" __global__ void cross_entropy_bwd(const float* logits, const int* tgt, float* d, i64 rows,
-                                             i64 classes, float scale, int* err, int code) {
+extern "C" __global__ void cross_entropy_bwd(Buf logits, const int* tgt, Buf d, i64 rows, i64 classes, float scale,
+                                             int* err, int code) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
-    const float* x = logits + r * classes;
+    Buf x = logits + r * classes;
     float mx = NEG_INF;
     for (i64 j = threadIdx.x; j < classes; j += blockDim.x) mx = fmaxf(mx, x[j]);
     mx = block_max(mx);
@@ -339,61 +378,118 @@ extern "C" __global__ void cross_entropy_bwd(const float* logits, const int* tgt
     }
     float k = scale / s;
     for (i64 j = threadIdx.x; j < classes; j += blockDim.x)
-        d[r * classes + j] = expf(x[j] - mx) * k - (j == t ? scale : 0.f);
+        d.set(r * classes + j, expf(x[j] - mx) * k - (j == t ? scale : 0.f));
 }
 
 // x[r, :] = wte[tok[r], :] + wpe[r % seq, :]  (wpe may be null: no positions)
-extern "C" __global__ void embedding_fwd(const int* tok, const float* wte, const float* wpe, float* x, i64 bt,
-                                         i64 seq, i64 width, i64 vocab, int* err, int code) {
+extern "C" __global__ void embedding_fwd(const int* tok, Buf wte, Buf wpe, Buf x, i64 bt, i64 seq, i64 width,
+                                         i64 vocab, int* err, int code) {
     GRID_STRIDE(i, bt * width) {
         i64 r = i / width, c = i % width;
         int t = tok[r];
         if (t < 0 || t >= vocab) {
             fail(err, code);
-            x[i] = 0.f;
+            x.set(i, 0.f);
         } else {
-            x[i] = wte[(i64)t * width + c] + (wpe ? wpe[(r % seq) * width + c] : 0.f);
+            x.set(i, wte[(i64)t * width + c] + (wpe.null() ? 0.f : wpe[(r % seq) * width + c]));
         }
     }
 }
 
-// dwte[tok[r], :] += dx[r, :]  (dwte already holds dhead or zeros)
-extern "C" __global__ void embedding_bwd_tokens(const float* dx, const int* tok, float* dwte, i64 bt, i64 width,
-                                                i64 vocab, int* err, int code) {
-    GRID_STRIDE(i, bt * width) {
-        i64 r = i / width, c = i % width;
+// The token-embedding gradient without float atomics, so a bf16 gradient
+// is rounded once per element: the positions of each token are bucketed
+// (a counting sort over `vocab` buckets in scratch memory), then one block
+// per vocabulary row sums its positions' rows in f32.
+//
+// 1. count[t + 1] += 1 for every valid token t (count zeroed beforehand,
+//    vocab + 1 entries).
+extern "C" __global__ void embedding_count(const int* tok, int* count, i64 bt, i64 vocab, int* err, int code) {
+    GRID_STRIDE(r, bt) {
         int t = tok[r];
         if (t < 0 || t >= vocab) fail(err, code);
-        else atomicAdd(&dwte[(i64)t * width + c], dx[i]);
+        else atomicAdd(&count[t + 1], 1);
+    }
+}
+
+// 2. Inclusive prefix sum of n ints in place, by one block: each thread
+//    sums a contiguous chunk, the block scans the chunk sums, and each
+//    thread rewrites its chunk. Afterwards count[t] is the first slot of
+//    token t and count[t + 1] one past its last.
+extern "C" __global__ void scan_counts(int* count, i64 n) {
+    __shared__ int sums[1024];
+    i64 chunk = (n + blockDim.x - 1) / blockDim.x;
+    i64 lo = threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    int s = 0;
+    for (i64 i = lo; i < hi; ++i) s += count[i];
+    sums[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int k = 1; k < (int)blockDim.x; ++k) sums[k] += sums[k - 1];
+    __syncthreads();
+    int run = threadIdx.x == 0 ? 0 : sums[threadIdx.x - 1];
+    for (i64 i = lo; i < hi; ++i) {
+        run += count[i];
+        count[i] = run;
+    }
+}
+
+// 3. order[start[t] + k] = r for the k-th position r of token t to arrive
+//    (fill zeroed beforehand, vocab entries). Positions of one token land
+//    in any order, so the f32 sums below may differ in their last bits
+//    between runs, as float atomics would.
+extern "C" __global__ void embedding_place(const int* tok, const int* start, int* fill, int* order, i64 bt,
+                                           i64 vocab) {
+    GRID_STRIDE(r, bt) {
+        int t = tok[r];
+        if (t >= 0 && t < vocab) order[start[t] + atomicAdd(&fill[t], 1)] = (int)r;
+    }
+}
+
+// 4. One block per vocabulary row v: dwte[v, :] = init[v, :] (or 0 when
+//    init is null) + the sum of dx's rows at v's positions. In place:
+//    dwte = init.
+extern "C" __global__ void embedding_bwd_rows(Buf dx, const int* start, const int* order, Buf init, Buf dwte,
+                                              i64 vocab, i64 width) {
+    i64 v = blockIdx.x;
+    if (v >= vocab) return;
+    int lo = start[v], hi = start[v + 1];
+    for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
+        float s = init.null() ? 0.f : init[v * width + c];
+        for (int k = lo; k < hi; ++k) s += dx[(i64)order[k] * width + c];
+        dwte.set(v * width + c, s);
     }
 }
 
 // dwpe[t, c] = sum_b dx[b, t, c]
-extern "C" __global__ void embedding_bwd_positions(const float* dx, float* dwpe, i64 batch, i64 seq, i64 width) {
+extern "C" __global__ void embedding_bwd_positions(Buf dx, Buf dwpe, i64 batch, i64 seq, i64 width) {
     GRID_STRIDE(i, seq * width) {
         float s = 0.f;
         for (i64 b = 0; b < batch; ++b) s += dx[b * seq * width + i];
-        dwpe[i] = s;
+        dwpe.set(i, s);
     }
 }
 
-// out += sum of squares (out zeroed beforehand).
-extern "C" __global__ void sum_squares(const float* x, float* out, i64 n) {
+// out (f32) += sum of squares (out zeroed beforehand).
+extern "C" __global__ void sum_squares(Buf x, Buf out, i64 n) {
     float s = 0.f;
-    GRID_STRIDE(i, n) s += x[i] * x[i];
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        s += v * v;
+    }
     s = block_sum(s);
-    if (threadIdx.x == 0) atomicAdd(out, s);
+    if (threadIdx.x == 0) atomicAdd((float*)out.p, s);
 }
 
-extern "C" __global__ void sqrt_inplace(float* x) { x[0] = sqrtf(x[0]); }
+// In place on one f32.
+extern "C" __global__ void sqrt_inplace(Buf x) { x.set(0, sqrtf(x[0])); }
 
 // PyTorch's single-tensor Adam/AdamW at step `step`; `norm` (nullable)
 // clips by the global norm; `denom` (nullable) receives the denominator.
-extern "C" __global__ void adam_step(const float* g, const float* norm, float* w, float* m, float* v, float* denom,
-                                     i64 n, float lr, float b1, float b2, float eps, float wd, int decoupled,
-                                     i64 step, float max_norm, int norm_squared) {
+extern "C" __global__ void adam_step(Buf g, Buf norm, Buf w, Buf m, Buf v, Buf denom, i64 n, float lr, float b1,
+                                     float b2, float eps, float wd, int decoupled, i64 step, float max_norm,
+                                     int norm_squared) {
     float coef = 1.f;
-    if (norm) {
+    if (!norm.null()) {
         float nn = norm[0];
         if (norm_squared) nn = sqrtf(fmaxf(nn, 0.f));
         coef = fminf(max_norm / (nn + 1e-6f), 1.f);
@@ -410,10 +506,10 @@ extern "C" __global__ void adam_step(const float* g, const float* norm, float* w
         float mi = b1 * m[i] + (1.f - b1) * gi;
         float vi = b2 * v[i] + (1.f - b2) * gi * gi;
         float d = sqrtf(vi) / bc2_sqrt + eps;
-        w[i] = wi - step_size * mi / d;
-        m[i] = mi;
-        v[i] = vi;
-        if (denom) denom[i] = d;
+        w.set(i, wi - step_size * mi / d);
+        m.set(i, mi);
+        v.set(i, vi);
+        if (!denom.null()) denom.set(i, d);
     }
 }
 
@@ -457,7 +553,7 @@ struct FaShape {
 // (so padded lanes add 0). Each thread issues FA_BATCH loads before it
 // stores any, so a tile costs a few memory latencies, not one per element.
 #define FA_BATCH 8
-__device__ void fa_load(float (*tile)[FA_DP], const float* src, i64 stride, i64 valid, i64 hd, int units) {
+__device__ void fa_load(float (*tile)[FA_DP], Buf src, i64 stride, i64 valid, i64 hd, int units) {
     int cols = 32 * units, n = 32 * cols;
     for (int base = threadIdx.x; base < n; base += FA_BATCH * blockDim.x) {
         float v[FA_BATCH];
@@ -475,7 +571,7 @@ __device__ void fa_load(float (*tile)[FA_DP], const float* src, i64 stride, i64 
 }
 
 // Lane `lane` of a row held across the warp (dims lane + 32u) into regs.
-__device__ __forceinline__ void fa_row(float* reg, const float* src, i64 hd, int lane) {
+__device__ __forceinline__ void fa_row(float* reg, Buf src, i64 hd, int lane) {
 #pragma unroll
     for (int u = 0; u < FA_U; ++u) {
         int d = lane + 32 * u;
@@ -535,8 +631,8 @@ __device__ __forceinline__ void fa_axpys(float (*acc)[FA_U], const float* w, con
 }
 
 // Grid: B * H * ceil(T / FA_ROWS) blocks of 32 * FA_WARPS threads.
-extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* lse, i64 batch, i64 heads, i64 kvh,
-                                          i64 seq, i64 hd, float scale) {
+extern "C" __global__ void flash_attn_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+                                          float scale) {
     __shared__ float ks[32][FA_DP];
     __shared__ float vs[32][FA_DP];
     FaShape sh = {batch, heads, kvh, seq, hd};
@@ -588,16 +684,15 @@ extern "C" __global__ void flash_attn_fwd(const float* qkv, float* out, float* l
 #pragma unroll
         for (int u = 0; u < FA_U; ++u) {
             int d = lane + 32 * u;
-            if (d < hd) out[sh.out(b, h, i) + d] = acc[r][u] * inv;
+            if (d < hd) out.set(sh.out(b, h, i) + d, acc[r][u] * inv);
         }
-        if (lane == 0) lse[bh * seq + i] = m[r] + logf(l[r]);
+        if (lane == 0) lse.set(bh * seq + i, m[r] + logf(l[r]));
     }
 }
 
 // dQ (the query part of dqkv). Grid and block as flash_attn_fwd.
-extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv, const float* out, const float* lse,
-                                             float* dqkv, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
-                                             float scale) {
+extern "C" __global__ void flash_attn_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                             i64 kvh, i64 seq, i64 hd, float scale) {
     __shared__ float ks[32][FA_DP];
     __shared__ float vs[32][FA_DP];
     FaShape sh = {batch, heads, kvh, seq, hd};
@@ -648,7 +743,7 @@ extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv
 #pragma unroll
         for (int u = 0; u < FA_U; ++u) {
             int d = lane + 32 * u;
-            if (d < hd) dqkv[sh.qkv(b, h, 0, i) + d] = dq[r][u];
+            if (d < hd) dqkv.set(sh.qkv(b, h, 0, i) + d, dq[r][u]);
         }
     }
 }
@@ -657,9 +752,8 @@ extern "C" __global__ void flash_attn_bwd_dq(const float* dout, const float* qkv
 // rows of one key/value head; query tiles of 32 (with their lse and
 // D = dO . O) of each query head of its group are staged in turn.
 // Grid: B * Hkv * ceil(T / FA_ROWS) blocks.
-extern "C" __global__ void flash_attn_bwd_dkv(const float* dout, const float* qkv, const float* out, const float* lse,
-                                              float* dqkv, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
-                                              float scale) {
+extern "C" __global__ void flash_attn_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                              i64 kvh, i64 seq, i64 hd, float scale) {
     __shared__ float qs[32][FA_DP];
     __shared__ float gs[32][FA_DP];
     __shared__ float lse_s[32], dd_s[32];
@@ -729,8 +823,8 @@ extern "C" __global__ void flash_attn_bwd_dkv(const float* dout, const float* qk
         for (int u = 0; u < FA_U; ++u) {
             int d = lane + 32 * u;
             if (d < hd) {
-                dqkv[sh.qkv(b, g, 1, j) + d] = dk[r][u];
-                dqkv[sh.qkv(b, g, 2, j) + d] = dv[r][u];
+                dqkv.set(sh.qkv(b, g, 1, j) + d, dk[r][u]);
+                dqkv.set(sh.qkv(b, g, 2, j) + d, dv[r][u]);
             }
         }
     }

@@ -4,13 +4,13 @@
 //! device allocation ([`DeviceLayout`]).
 
 use super::{
-    Arg, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM, FLASH_ROWS, Launch,
+    Arg, Buf, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM, FLASH_ROWS, Launch,
     RowMajor, elementwise, gemm_row_major, per_row,
 };
 use crate::binding::{Bindings, InstrBinding};
 use crate::error::{Result, RuntimeError};
 use crate::kernel::{Attention, Kernel};
-use crate::program::{Instr, Program, TensorIdx};
+use crate::program::{DType, Instr, Program, TensorIdx};
 
 /// The device operations of instruction `index` of `prog`, in order: the
 /// copies of staged inputs, then the operations of its kernel's family.
@@ -100,15 +100,15 @@ fn embedding(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             positions,
         } => {
             let bt = batch * seq;
-            let wpe = if *positions { p(a.i(2)) } else { Arg::Null };
+            let wpe = if *positions { a.fi(2) } else { null() };
             ops.push(elementwise(
                 DevKernel::EmbeddingFwd,
                 bt * width,
                 vec![
                     p(a.i(0)),
-                    p(a.i(1)),
+                    a.fi(1),
                     wpe,
-                    p(a.o(0)),
+                    a.fo(0),
                     n(bt),
                     n(*seq),
                     n(*width),
@@ -126,38 +126,52 @@ fn embedding(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             accumulate,
             positions,
         } => {
+            // The bucket sort of `embedding_count` .. `embedding_bwd_rows`
+            // in scratch: bucket starts, fill counters, token order.
             let bt = batch * seq;
-            let bytes = vocab * width * 4;
-            if *accumulate {
-                if a.i(2) != a.o(0) {
-                    ops.push(DevOp::Copy {
-                        src: a.i(2),
-                        dst: a.o(0),
-                        bytes,
-                    });
-                }
-            } else {
-                ops.push(DevOp::Memset { at: a.o(0), bytes });
-            }
+            let start = a.layout.scratch;
+            let fill = start + 4 * (vocab + 1);
+            let order = fill + 4 * vocab;
+            ops.push(DevOp::Memset {
+                at: start,
+                bytes: 4 * (2 * vocab + 1),
+            });
             ops.push(elementwise(
-                DevKernel::EmbeddingBwdTokens,
-                bt * width,
-                vec![
-                    p(a.i(0)),
-                    p(a.i(1)),
-                    p(a.o(0)),
-                    n(bt),
-                    n(*width),
-                    n(*vocab),
-                    err,
-                    code,
-                ],
+                DevKernel::EmbeddingCount,
+                bt,
+                vec![p(a.i(1)), p(start), n(bt), n(*vocab), err, code],
             ));
+            ops.push(DevOp::Launch(Launch {
+                kernel: DevKernel::ScanCounts,
+                grid: 1,
+                block: 1024,
+                args: vec![p(start), n(vocab + 1)],
+            }));
+            ops.push(elementwise(
+                DevKernel::EmbeddingPlace,
+                bt,
+                vec![p(a.i(1)), p(start), p(fill), p(order), n(bt), n(*vocab)],
+            ));
+            let init = if *accumulate { a.fi(2) } else { null() };
+            ops.push(per_row(
+                DevKernel::EmbeddingBwdRows,
+                *vocab,
+                *width,
+                vec![
+                    a.fi(0),
+                    p(start),
+                    p(order),
+                    init,
+                    a.fo(0),
+                    n(*vocab),
+                    n(*width),
+                ],
+            )?);
             if *positions {
                 ops.push(elementwise(
                     DevKernel::EmbeddingBwdPositions,
                     seq * width,
-                    vec![p(a.i(0)), p(a.o(1)), n(*batch), n(*seq), n(*width)],
+                    vec![a.fi(0), a.fo(1), n(*batch), n(*seq), n(*width)],
                 ));
             }
         }
@@ -174,10 +188,10 @@ fn decoder(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             *rows,
             *cols,
             vec![
-                p(a.i(0)),
-                p(a.i(1)),
-                p(a.o(0)),
-                p(a.o(1)),
+                a.fi(0),
+                a.fi(1),
+                a.fo(0),
+                a.fo(1),
                 n(*rows),
                 n(*cols),
                 Arg::F32(*eps),
@@ -188,25 +202,18 @@ fn decoder(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             ops.push(elementwise(
                 DevKernel::RmsnormBwdParams,
                 *cols,
-                vec![
-                    p(a.i(0)),
-                    p(a.i(1)),
-                    p(a.i(2)),
-                    p(a.o(1)),
-                    n(*rows),
-                    n(*cols),
-                ],
+                vec![a.fi(0), a.fi(1), a.fi(2), a.fo(1), n(*rows), n(*cols)],
             ));
             ops.push(per_row(
                 DevKernel::RmsnormBwdData,
                 *rows,
                 *cols,
                 vec![
-                    p(a.i(0)),
-                    p(a.i(1)),
-                    p(a.i(2)),
-                    p(a.i(3)),
-                    p(a.o(0)),
+                    a.fi(0),
+                    a.fi(1),
+                    a.fi(2),
+                    a.fi(3),
+                    a.fo(0),
                     n(*rows),
                     n(*cols),
                 ],
@@ -221,8 +228,8 @@ fn decoder(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 DevKernel::RopeFwd,
                 rows * rot_heads * (r.head_dim / 2),
                 vec![
-                    p(a.i(0)),
-                    p(a.o(0)),
+                    a.fi(0),
+                    a.fo(0),
                     n(rows),
                     n(r.seq),
                     n(rot_heads),
@@ -236,12 +243,12 @@ fn decoder(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
         Kernel::SwiGlu { rows, hidden } => ops.push(elementwise(
             DevKernel::SwigluFwd,
             rows * hidden,
-            vec![p(a.i(0)), p(a.o(0)), n(*rows), n(*hidden)],
+            vec![a.fi(0), a.fo(0), n(*rows), n(*hidden)],
         )),
         Kernel::SwiGluBackward { rows, hidden } => ops.push(elementwise(
             DevKernel::SwigluBwd,
             rows * hidden,
-            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*rows), n(*hidden)],
+            vec![a.fi(0), a.fi(1), a.fo(0), n(*rows), n(*hidden)],
         )),
         other => return Err(misrouted(other, "decoder")),
     }
@@ -256,12 +263,12 @@ fn layernorm(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             *rows,
             *cols,
             vec![
-                p(a.i(0)),
-                p(a.i(1)),
-                p(a.i(2)),
-                p(a.o(0)),
-                p(a.o(1)),
-                p(a.o(2)),
+                a.fi(0),
+                a.fi(1),
+                a.fi(2),
+                a.fo(0),
+                a.fo(1),
+                a.fo(2),
                 n(*rows),
                 n(*cols),
                 Arg::F32(*eps),
@@ -273,12 +280,12 @@ fn layernorm(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 DevKernel::LayernormBwdParams,
                 *cols,
                 vec![
-                    p(a.i(0)),
-                    p(a.i(1)),
-                    p(a.i(2)),
-                    p(a.i(3)),
-                    p(a.o(1)),
-                    p(a.o(2)),
+                    a.fi(0),
+                    a.fi(1),
+                    a.fi(2),
+                    a.fi(3),
+                    a.fo(1),
+                    a.fo(2),
                     n(*rows),
                     n(*cols),
                 ],
@@ -288,12 +295,12 @@ fn layernorm(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 *rows,
                 *cols,
                 vec![
-                    p(a.i(0)),
-                    p(a.i(1)),
-                    p(a.i(2)),
-                    p(a.i(3)),
-                    p(a.i(4)),
-                    p(a.o(0)),
+                    a.fi(0),
+                    a.fi(1),
+                    a.fi(2),
+                    a.fi(3),
+                    a.fi(4),
+                    a.fo(0),
                     n(*rows),
                     n(*cols),
                 ],
@@ -311,17 +318,17 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             ops.push(elementwise(
                 DevKernel::FillRows,
                 mm.m * mm.n,
-                vec![p(a.o(0)), p(a.i(2)), n(mm.m), n(mm.n)],
+                vec![a.fo(0), a.fi(2), n(mm.m), n(mm.n)],
             ));
             ops.push(DevOp::Gemm(gemm_row_major(
                 mm.m,
                 mm.n,
                 mm.k,
                 1.0,
-                RowMajor::new(a.i(0), mm.k),
-                RowMajor::new(a.i(1), mm.n),
+                RowMajor::new(a.i(0), mm.k, a.di(0)),
+                RowMajor::new(a.i(1), mm.n, a.di(1)),
                 1.0,
-                RowMajor::new(a.o(0), mm.n),
+                RowMajor::new(a.o(0), mm.n, a.dout(0)),
                 1,
             )?));
         }
@@ -330,10 +337,10 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             mm.k,
             mm.n,
             1.0,
-            RowMajor::new(a.i(0), mm.n),
-            RowMajor::new(a.i(1), mm.n).t(),
+            RowMajor::new(a.i(0), mm.n, a.di(0)),
+            RowMajor::new(a.i(1), mm.n, a.di(1)).t(),
             0.0,
-            RowMajor::new(a.o(0), mm.k),
+            RowMajor::new(a.o(0), mm.k, a.dout(0)),
             1,
         )?)),
         Kernel::LinearBackwardWeight(mm) => {
@@ -342,16 +349,16 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 mm.n,
                 mm.m,
                 1.0,
-                RowMajor::new(a.i(1), mm.k).t(),
-                RowMajor::new(a.i(0), mm.n),
+                RowMajor::new(a.i(1), mm.k, a.di(1)).t(),
+                RowMajor::new(a.i(0), mm.n, a.di(0)),
                 0.0,
-                RowMajor::new(a.o(0), mm.n),
+                RowMajor::new(a.o(0), mm.n, a.dout(0)),
                 1,
             )?));
             ops.push(elementwise(
                 DevKernel::ColSum,
                 mm.n,
-                vec![p(a.i(0)), p(a.o(1)), n(mm.m), n(mm.n)],
+                vec![a.fi(0), a.fo(1), n(mm.m), n(mm.n)],
             ));
         }
         Kernel::MatmulNt(mm) => ops.push(DevOp::Gemm(gemm_row_major(
@@ -359,10 +366,10 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             mm.n,
             mm.k,
             1.0,
-            RowMajor::new(a.i(0), mm.k),
-            RowMajor::new(a.i(1), mm.k).t(),
+            RowMajor::new(a.i(0), mm.k, a.di(0)),
+            RowMajor::new(a.i(1), mm.k, a.di(1)).t(),
             0.0,
-            RowMajor::new(a.o(0), mm.n),
+            RowMajor::new(a.o(0), mm.n, a.dout(0)),
             1,
         )?)),
         Kernel::MatmulNn(mm) => ops.push(DevOp::Gemm(gemm_row_major(
@@ -370,10 +377,10 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             mm.n,
             mm.k,
             1.0,
-            RowMajor::new(a.i(0), mm.k),
-            RowMajor::new(a.i(1), mm.n),
+            RowMajor::new(a.i(0), mm.k, a.di(0)),
+            RowMajor::new(a.i(1), mm.n, a.di(1)),
             0.0,
-            RowMajor::new(a.o(0), mm.n),
+            RowMajor::new(a.o(0), mm.n, a.dout(0)),
             1,
         )?)),
         Kernel::MatmulTn(mm) => ops.push(DevOp::Gemm(gemm_row_major(
@@ -381,10 +388,10 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             mm.n,
             mm.k,
             1.0,
-            RowMajor::new(a.i(0), mm.m).t(),
-            RowMajor::new(a.i(1), mm.n),
+            RowMajor::new(a.i(0), mm.m, a.di(0)).t(),
+            RowMajor::new(a.i(1), mm.n, a.di(1)),
             0.0,
-            RowMajor::new(a.o(0), mm.n),
+            RowMajor::new(a.o(0), mm.n, a.dout(0)),
             1,
         )?)),
         other => return Err(misrouted(other, "products")),
@@ -395,9 +402,27 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
 /// Explicit attention: batched cuBLAS products (one matrix per head) and
 /// row kernels.
 fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    let ins = a.ins;
+    let operands = ins.inputs.iter().chain(&ins.outputs).chain(&ins.updates);
+    if let Some(&t) = operands
+        .into_iter()
+        .find(|&&t| a.p.tensor(t).dtype != a.di(0))
+    {
+        return Err(RuntimeError::Unavailable(
+            "CUDA",
+            format!(
+                "{} {:?}: operand {:?} is {}, not {} as its first input",
+                ins.kernel.name(),
+                ins.name,
+                a.p.tensor(t).name,
+                a.p.tensor(t).dtype,
+                a.di(0)
+            ),
+        ));
+    }
     match &a.ins.kernel {
         Kernel::AttentionScores(at) => {
-            let g = Geometry::new(at);
+            let g = Geometry::new(at, a.di(0));
             for bi in 0..at.batch {
                 // scores_h = scale · Q_h K_hᵀ
                 ops.push(DevOp::Gemm(gemm_row_major(
@@ -415,7 +440,7 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             ops.push(elementwise(
                 DevKernel::ZeroUpper,
                 at.batch * at.heads * g.t * g.t,
-                vec![p(a.o(0)), n(at.batch * at.heads), n(g.t)],
+                vec![a.fo(0), n(at.batch * at.heads), n(g.t)],
             ));
         }
         Kernel::CausalSoftmax(at) => {
@@ -424,11 +449,11 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 DevKernel::CausalSoftmaxFwd,
                 rows,
                 at.seq,
-                vec![p(a.i(0)), p(a.o(0)), n(rows), n(at.seq)],
+                vec![a.fi(0), a.fo(0), n(rows), n(at.seq)],
             )?);
         }
         Kernel::AttentionValues(at) => {
-            let g = Geometry::new(at);
+            let g = Geometry::new(at, a.di(0));
             for bi in 0..at.batch {
                 ops.push(DevOp::Gemm(gemm_row_major(
                     g.t,
@@ -444,7 +469,7 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             }
         }
         Kernel::AttentionValuesBackward(at) => {
-            let g = Geometry::new(at);
+            let g = Geometry::new(at, a.di(0));
             for bi in 0..at.batch {
                 // dprobs_h = dAtt_h V_hᵀ
                 ops.push(DevOp::Gemm(gemm_row_major(
@@ -462,12 +487,12 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             ops.push(elementwise(
                 DevKernel::ZeroUpper,
                 at.batch * at.heads * g.t * g.t,
-                vec![p(a.o(0)), n(at.batch * at.heads), n(g.t)],
+                vec![a.fo(0), n(at.batch * at.heads), n(g.t)],
             ));
             ops.push(elementwise(
                 DevKernel::ZeroQk,
                 at.batch * g.t * 2 * g.c,
-                vec![p(a.o(1)), n(at.batch * g.t), n(g.c)],
+                vec![a.fo(1), n(at.batch * g.t), n(g.c)],
             ));
             for bi in 0..at.batch {
                 // dV_h = P_hᵀ dAtt_h
@@ -490,11 +515,11 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 DevKernel::CausalSoftmaxBwd,
                 rows,
                 at.seq,
-                vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(rows), n(at.seq)],
+                vec![a.fi(0), a.fi(1), a.fo(0), n(rows), n(at.seq)],
             )?);
         }
         Kernel::AttentionScoresBackward(at) => {
-            let g = Geometry::new(at);
+            let g = Geometry::new(at, a.di(0));
             for bi in 0..at.batch {
                 // dQ_h += scale · dS_h K_h
                 ops.push(DevOp::Gemm(gemm_row_major(
@@ -534,10 +559,10 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
         Kernel::FusedAttention(at) => ops.push(flash(
             DevKernel::FlashAttnFwd,
             at,
-            vec![p(a.i(0)), p(a.o(0)), p(a.o(1))],
+            vec![a.fi(0), a.fo(0), a.fo(1)],
         )?),
         Kernel::FusedAttentionBackward(at) => {
-            let args = vec![p(a.i(0)), p(a.i(1)), p(a.i(2)), p(a.i(3)), p(a.o(0))];
+            let args = vec![a.fi(0), a.fi(1), a.fi(2), a.fi(3), a.fo(0)];
             ops.push(flash(DevKernel::FlashAttnBwdDq, at, args.clone())?);
             ops.push(flash(DevKernel::FlashAttnBwdDkv, at, args)?);
         }
@@ -546,17 +571,16 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
     Ok(())
 }
 
-/// A cast between equal dtypes is a copy; other dtypes need the bf16
-/// kernels the CUDA backend does not have yet.
+/// A cast: a copy between equal dtypes, else the `cast` kernel.
 fn cast(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
     let (x, y) = (a.p.tensor(a.ins.inputs[0]), a.p.tensor(a.ins.outputs[0]));
     if x.dtype != y.dtype {
-        return Err(RuntimeError::Unavailable(
-            "bf16 on the CUDA backend",
-            format!("cast {:?} from {} to {}", a.ins.name, x.dtype, y.dtype),
+        ops.push(elementwise(
+            DevKernel::Cast,
+            y.elements(),
+            vec![a.fi(0), a.fo(0), n(y.elements())],
         ));
-    }
-    if a.i(0) != a.o(0) {
+    } else if a.i(0) != a.o(0) {
         ops.push(DevOp::Copy {
             src: a.i(0),
             dst: a.o(0),
@@ -572,27 +596,27 @@ fn pointwise(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
         Kernel::Add { elements } => ops.push(elementwise(
             DevKernel::Add,
             *elements,
-            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*elements)],
+            vec![a.fi(0), a.fi(1), a.fo(0), n(*elements)],
         )),
         Kernel::Gelu { elements } => ops.push(elementwise(
             DevKernel::GeluFwd,
             *elements,
-            vec![p(a.i(0)), p(a.o(0)), n(*elements)],
+            vec![a.fi(0), a.fo(0), n(*elements)],
         )),
         Kernel::GeluBackward { elements } => ops.push(elementwise(
             DevKernel::GeluBwd,
             *elements,
-            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*elements)],
+            vec![a.fi(0), a.fi(1), a.fo(0), n(*elements)],
         )),
         Kernel::Relu { elements } => ops.push(elementwise(
             DevKernel::ReluFwd,
             *elements,
-            vec![p(a.i(0)), p(a.o(0)), n(*elements)],
+            vec![a.fi(0), a.fo(0), n(*elements)],
         )),
         Kernel::ReluBackward { elements } => ops.push(elementwise(
             DevKernel::ReluBwd,
             *elements,
-            vec![p(a.i(0)), p(a.i(1)), p(a.o(0)), n(*elements)],
+            vec![a.fi(0), a.fi(1), a.fo(0), n(*elements)],
         )),
         other => return Err(misrouted(other, "pointwise")),
     }
@@ -614,9 +638,9 @@ fn loss(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 *rows,
                 *classes,
                 vec![
-                    p(a.i(0)),
+                    a.fi(0),
                     p(a.i(1)),
-                    p(a.o(0)),
+                    a.f32_out(0)?,
                     n(*rows),
                     n(*classes),
                     err,
@@ -633,9 +657,9 @@ fn loss(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             *rows,
             *classes,
             vec![
-                p(a.i(0)),
+                a.fi(0),
                 p(a.i(1)),
-                p(a.o(0)),
+                a.fo(0),
                 n(*rows),
                 n(*classes),
                 Arg::F32(*scale),
@@ -662,7 +686,7 @@ fn optimizer(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 ops.push(elementwise(
                     DevKernel::SumSquares,
                     elems(t),
-                    vec![p(a.i(pos)), p(a.o(0)), n(elems(t))],
+                    vec![a.fi(pos), a.f32_out(0)?, n(elems(t))],
                 ));
             }
             if !squared {
@@ -670,30 +694,30 @@ fn optimizer(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                     kernel: DevKernel::SqrtInplace,
                     grid: 1,
                     block: 1,
-                    args: vec![p(a.o(0))],
+                    args: vec![a.fo(0)],
                 }));
             }
         }
         Kernel::Adam(ad) => {
             let norm = if ad.max_norm.is_some() {
-                p(a.i(1))
+                a.fi(1)
             } else {
-                Arg::Null
+                null()
             };
             let denom = if ins.outputs.len() == 1 {
-                p(a.o(0))
+                a.fo(0)
             } else {
-                Arg::Null
+                null()
             };
             ops.push(elementwise(
                 DevKernel::AdamStep,
                 ad.elements,
                 vec![
-                    p(a.i(0)),
+                    a.fi(0),
                     norm,
-                    p(a.u(0)),
-                    p(a.u(1)),
-                    p(a.u(2)),
+                    a.fu(0),
+                    a.fu(1),
+                    a.fu(2),
                     denom,
                     n(ad.elements),
                     Arg::F32(ad.lr),
@@ -768,6 +792,7 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             send: a.i(0),
             recv: a.o(0),
             count: elems(ins.inputs[0]),
+            dtype: a.p.tensor(ins.inputs[0]).dtype,
         })),
         Kernel::ReduceScatter { op, .. } => {
             ops.push(DevOp::Collective(CollectiveOp::ReduceScatter {
@@ -775,12 +800,14 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 recv: a.o(0),
                 count: elems(ins.outputs[0]),
                 op: *op,
+                dtype: a.p.tensor(ins.outputs[0]).dtype,
             }))
         }
         Kernel::AllReduce { op, .. } => ops.push(DevOp::Collective(CollectiveOp::AllReduce {
             buf: a.u(0),
             count: elems(ins.updates[0]),
             op: *op,
+            dtype: a.p.tensor(ins.updates[0]).dtype,
         })),
         other => return Err(misrouted(other, "layout_and_collectives")),
     }
@@ -854,8 +881,55 @@ impl Addr<'_> {
     fn u(&self, pos: usize) -> u64 {
         self.off(self.ins.updates[pos])
     }
+    fn di(&self, pos: usize) -> DType {
+        self.p.tensor(self.ins.inputs[pos]).dtype
+    }
+    fn dout(&self, pos: usize) -> DType {
+        self.p.tensor(self.ins.outputs[pos]).dtype
+    }
+    fn du(&self, pos: usize) -> DType {
+        self.p.tensor(self.ins.updates[pos]).dtype
+    }
+    /// Input `pos` as a float operand.
+    fn fi(&self, pos: usize) -> Arg {
+        buf(self.i(pos), self.di(pos))
+    }
+    fn fo(&self, pos: usize) -> Arg {
+        buf(self.o(pos), self.dout(pos))
+    }
+    fn fu(&self, pos: usize) -> Arg {
+        buf(self.u(pos), self.du(pos))
+    }
+    /// Output `pos`, which kernels accumulate into with f32 atomics.
+    fn f32_out(&self, pos: usize) -> Result<Arg> {
+        if self.dout(pos) != DType::F32 {
+            return Err(RuntimeError::Unavailable(
+                "CUDA",
+                format!(
+                    "{} {:?} accumulates into {:?} with f32 atomics, which is {}",
+                    self.ins.kernel.name(),
+                    self.ins.name,
+                    self.p.tensor(self.ins.outputs[pos]).name,
+                    self.dout(pos)
+                ),
+            ));
+        }
+        Ok(self.fo(pos))
+    }
 }
 
+fn buf(at: u64, dtype: DType) -> Arg {
+    Arg::Buf(Buf {
+        at: Some(at),
+        bf16: dtype == DType::BF16,
+    })
+}
+fn null() -> Arg {
+    Arg::Buf(Buf {
+        at: None,
+        bf16: false,
+    })
+}
 fn p(x: u64) -> Arg {
     Arg::Ptr(x)
 }
@@ -864,35 +938,42 @@ fn n(x: u64) -> Arg {
 }
 
 /// Strides of attention operands, in elements.
+/// (The explicit attention kernels' operands all share one dtype.)
 struct Geometry {
     t: u64,
     d: u64,
     c: u64,
     h: u64,
+    dtype: DType,
 }
 
 impl Geometry {
-    fn new(a: &Attention) -> Self {
+    fn new(a: &Attention, dtype: DType) -> Self {
         Geometry {
             t: a.seq,
             d: a.head_dim,
             c: a.heads * a.head_dim,
             h: a.heads,
+            dtype,
         }
+    }
+    fn at(&self, base: u64, elements: u64) -> u64 {
+        base + self.dtype.size() * elements
     }
     /// Part `part` (0 query, 1 key, 2 value) of batch `b` of a `[B,T,3C]`
     /// tensor at `base`, one `T × D` matrix per head.
     fn qkv(&self, base: u64, b: u64, part: u64) -> RowMajor {
         let off = b * self.t * 3 * self.c + part * self.c;
-        RowMajor::new(base + 4 * off, 3 * self.c).stride(self.d)
+        RowMajor::new(self.at(base, off), 3 * self.c, self.dtype).stride(self.d)
     }
     /// Batch `b` of a `[B,H,T,T]` tensor, one `T × T` matrix per head.
     fn square(&self, base: u64, b: u64) -> RowMajor {
-        RowMajor::new(base + 4 * b * self.h * self.t * self.t, self.t).stride(self.t * self.t)
+        let off = b * self.h * self.t * self.t;
+        RowMajor::new(self.at(base, off), self.t, self.dtype).stride(self.t * self.t)
     }
     /// Batch `b` of a `[B,T,C]` tensor, one `T × D` matrix per head.
     fn heads_out(&self, base: u64, b: u64) -> RowMajor {
-        RowMajor::new(base + 4 * b * self.t * self.c, self.c).stride(self.d)
+        RowMajor::new(self.at(base, b * self.t * self.c), self.c, self.dtype).stride(self.d)
     }
 }
 

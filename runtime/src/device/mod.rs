@@ -6,7 +6,15 @@
 //! matrix products ([`GemmCall`], column-major as cuBLAS sees them),
 //! memsets, copies and collectives. Addresses are byte offsets into the one
 //! device allocation ([`DeviceLayout`]): the arena, then the staging
-//! workspace, then the cuBLAS workspace, then a word for kernel errors.
+//! workspace, then integer scratch (the token-embedding gradient's bucket
+//! sort), then the cuBLAS workspaces, then a word for kernel errors.
+//!
+//! Float operands are f32 or bf16 (a kernel argument [`Buf`] says which):
+//! kernels compute in f32 and round what they store, products run through
+//! cuBLAS's `gemmEx` with bf16 or f32 operands and f32 accumulation, and
+//! collectives move the operand's own dtype. A bf16 step's arithmetic is
+//! thus the CPU executor's (which widens bf16 operands around f32 kernels)
+//! up to the order of f32 additions.
 //!
 //! [`lower`] (module `lower`, one function per kernel family) produces the
 //! operations of every instruction once;
@@ -24,7 +32,7 @@ pub use lower::{lower, lower_all};
 use crate::binding::Bindings;
 use crate::error::{Result, RuntimeError};
 use crate::kernel::{Kernel, ReduceOp};
-use crate::program::Program;
+use crate::program::{DType, Program};
 
 /// Bytes of cuBLAS workspace given to each stream that runs matrix
 /// products (cuBLAS's own recommendation for Hopper is 32 MiB).
@@ -39,6 +47,9 @@ pub struct DeviceLayout {
     /// Start of the staging workspace (inputs copied before a kernel).
     pub staging: u64,
     pub staging_bytes: u64,
+    /// Start of the integer scratch some kernels need ([`scratch_bytes`]).
+    pub scratch: u64,
+    pub scratch_bytes: u64,
     /// Start of each stream's cuBLAS workspace (`None`: the stream runs no
     /// matrix product).
     pub blas: Vec<Option<u64>>,
@@ -54,7 +65,14 @@ impl DeviceLayout {
     pub fn new(p: &Program, b: &Bindings) -> DeviceLayout {
         let up = |x: u64| x.div_ceil(REGION_ALIGN) * REGION_ALIGN;
         let staging = up(p.arena_bytes);
-        let mut end = up(staging + b.workspace_bytes);
+        let scratch = up(staging + b.workspace_bytes);
+        let scratch_bytes = p
+            .instrs
+            .iter()
+            .map(|i| scratch_bytes(&i.kernel))
+            .max()
+            .unwrap_or(0);
+        let mut end = up(scratch + scratch_bytes);
         let streams = p.num_streams() as usize;
         let mut uses_blas = vec![false; streams];
         for ins in &p.instrs {
@@ -78,15 +96,29 @@ impl DeviceLayout {
             arena: p.arena_bytes,
             staging,
             staging_bytes: b.workspace_bytes,
+            scratch,
+            scratch_bytes,
             blas,
             error_word,
             total: end,
         }
     }
-    /// Bytes beyond the arena: staging, cuBLAS workspaces, error word and
-    /// alignment padding.
+    /// Bytes beyond the arena: staging, scratch, cuBLAS workspaces, error
+    /// word and alignment padding.
     pub fn workspace(&self) -> u64 {
         self.total - self.arena
+    }
+}
+
+/// Bytes of integer scratch kernel `k` needs: the token-embedding
+/// gradient's bucket sort keeps `vocab + 1` bucket starts, `vocab` fill
+/// counters and one slot per token.
+pub fn scratch_bytes(k: &Kernel) -> u64 {
+    match k {
+        Kernel::EmbeddingBackward {
+            batch, seq, vocab, ..
+        } => 4 * (2 * vocab + 1 + batch * seq),
+        _ => 0,
     }
 }
 
@@ -126,7 +158,10 @@ pub enum DevKernel {
     CrossEntropyFwd,
     CrossEntropyBwd,
     EmbeddingFwd,
-    EmbeddingBwdTokens,
+    EmbeddingCount,
+    ScanCounts,
+    EmbeddingPlace,
+    EmbeddingBwdRows,
     EmbeddingBwdPositions,
     SumSquares,
     SqrtInplace,
@@ -140,10 +175,11 @@ pub enum DevKernel {
     RopeFwd,
     SwigluFwd,
     SwigluBwd,
+    Cast,
 }
 
 impl DevKernel {
-    pub const ALL: [DevKernel; 31] = [
+    pub const ALL: [DevKernel; 35] = [
         DevKernel::FillRows,
         DevKernel::ColSum,
         DevKernel::Add,
@@ -161,7 +197,10 @@ impl DevKernel {
         DevKernel::CrossEntropyFwd,
         DevKernel::CrossEntropyBwd,
         DevKernel::EmbeddingFwd,
-        DevKernel::EmbeddingBwdTokens,
+        DevKernel::EmbeddingCount,
+        DevKernel::ScanCounts,
+        DevKernel::EmbeddingPlace,
+        DevKernel::EmbeddingBwdRows,
         DevKernel::EmbeddingBwdPositions,
         DevKernel::SumSquares,
         DevKernel::SqrtInplace,
@@ -175,6 +214,7 @@ impl DevKernel {
         DevKernel::RopeFwd,
         DevKernel::SwigluFwd,
         DevKernel::SwigluBwd,
+        DevKernel::Cast,
     ];
     /// The `extern "C"` name in `kernels.cu`.
     pub fn name(self) -> &'static str {
@@ -196,7 +236,10 @@ impl DevKernel {
             DevKernel::CrossEntropyFwd => "cross_entropy_fwd",
             DevKernel::CrossEntropyBwd => "cross_entropy_bwd",
             DevKernel::EmbeddingFwd => "embedding_fwd",
-            DevKernel::EmbeddingBwdTokens => "embedding_bwd_tokens",
+            DevKernel::EmbeddingCount => "embedding_count",
+            DevKernel::ScanCounts => "scan_counts",
+            DevKernel::EmbeddingPlace => "embedding_place",
+            DevKernel::EmbeddingBwdRows => "embedding_bwd_rows",
             DevKernel::EmbeddingBwdPositions => "embedding_bwd_positions",
             DevKernel::SumSquares => "sum_squares",
             DevKernel::SqrtInplace => "sqrt_inplace",
@@ -210,6 +253,7 @@ impl DevKernel {
             DevKernel::RopeFwd => "rope_fwd",
             DevKernel::SwigluFwd => "swiglu_fwd",
             DevKernel::SwigluBwd => "swiglu_bwd",
+            DevKernel::Cast => "cast",
         }
     }
 }
@@ -217,13 +261,23 @@ impl DevKernel {
 /// The CUDA C source of every [`DevKernel`].
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
 
+/// A float operand of a kernel: where it is (a byte offset into the
+/// allocation; `None`: a null pointer) and whether it holds bf16 (else
+/// f32). Kernels take it as `kernels.cu`'s 16-byte `Buf` (pointer, flag).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Buf {
+    pub at: Option<u64>,
+    pub bf16: bool,
+}
+
 /// A kernel argument.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub enum Arg {
-    /// A device pointer: this byte offset into the allocation.
+    /// A float operand.
+    Buf(Buf),
+    /// A device pointer to ints (token ids, targets, counts, the error
+    /// word): this byte offset into the allocation.
     Ptr(u64),
-    /// A null pointer.
-    Null,
     I64(i64),
     I32(i32),
     F32(f32),
@@ -241,13 +295,17 @@ pub struct Launch {
     pub args: Vec<Arg>,
 }
 
-/// A cuBLAS `sgemm` / `sgemmStridedBatched` call in cuBLAS's own
+/// A cuBLAS `gemmEx` / `gemmStridedBatchedEx` call in cuBLAS's own
 /// column-major terms: `C = alpha · op(A) · op(B) + beta · C`, `op(A)` is
 /// `m × k`, `op(B)` is `k × n`, `C` is `m × n`; matrix `X` has element
 /// `(i, j)` at `X + i + j·ldx`; batch `q` adds `q·stride` elements to each
-/// pointer. Pointers are byte offsets into the allocation.
+/// pointer. Pointers are byte offsets into the allocation. `A` and `B` are
+/// both `ab` (f32 or bf16), `C` is `c` (`ab`, or f32); products accumulate
+/// in f32 (`CUBLAS_COMPUTE_32F`), a bf16 `C` is rounded once at the end.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GemmCall {
+    pub ab: DType,
+    pub c_dtype: DType,
     pub transa: bool,
     pub transb: bool,
     pub m: i32,
@@ -267,20 +325,31 @@ pub struct GemmCall {
     pub batch: i32,
 }
 
-/// A collective.
+/// A collective over elements of `dtype` (f32 or bf16).
 #[derive(Clone, Debug, PartialEq)]
 pub enum CollectiveOp {
     /// `send` holds `count` elements; `recv` gets `world × count`.
-    AllGather { send: u64, recv: u64, count: u64 },
+    AllGather {
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: DType,
+    },
     /// `send` holds `world × count` elements; `recv` gets `count`.
     ReduceScatter {
         send: u64,
         recv: u64,
         count: u64,
         op: ReduceOp,
+        dtype: DType,
     },
     /// In place on `count` elements.
-    AllReduce { buf: u64, count: u64, op: ReduceOp },
+    AllReduce {
+        buf: u64,
+        count: u64,
+        op: ReduceOp,
+        dtype: DType,
+    },
 }
 
 /// One device operation.
@@ -303,22 +372,24 @@ pub enum DevOp {
 }
 
 /// A row-major operand of a product: element `(i, j)` of the stored matrix
-/// at `at + 4·(i·ld + j)`; `t`: the operand is the transpose of what is
-/// stored.
+/// at `at + size·(i·ld + j)`, `size` the bytes of `dtype`; `t`: the operand
+/// is the transpose of what is stored.
 #[derive(Copy, Clone, Debug)]
 pub struct RowMajor {
     pub at: u64,
     pub ld: u64,
+    pub dtype: DType,
     pub t: bool,
     /// Elements between consecutive batch entries.
     pub stride: u64,
 }
 
 impl RowMajor {
-    pub fn new(at: u64, ld: u64) -> Self {
+    pub fn new(at: u64, ld: u64, dtype: DType) -> Self {
         RowMajor {
             at,
             ld,
+            dtype,
             t: false,
             stride: 0,
         }
@@ -345,6 +416,7 @@ fn int(what: &str, v: u64) -> Result<i32> {
 /// The cuBLAS call computing row-major `C (m × n) = alpha · A · B + beta · C`
 /// for `batch` matrices. Row-major `X` is column-major `Xᵀ`, so cuBLAS
 /// computes `Cᵀ = op(B)ᵀ · op(A)ᵀ`: operands swap, sizes `(n, m, k)`.
+/// `A` and `B` must share a dtype; `C` has theirs or is f32.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_row_major(
     m: u64,
@@ -357,7 +429,20 @@ pub fn gemm_row_major(
     c: RowMajor,
     batch: u64,
 ) -> Result<GemmCall> {
+    let float = |d| matches!(d, DType::F32 | DType::BF16);
+    if a.dtype != b.dtype || !float(a.dtype) || !(c.dtype == a.dtype || c.dtype == DType::F32) {
+        return Err(RuntimeError::Unavailable(
+            "cuBLAS",
+            format!(
+                "a product of {} by {} into {} (operands must share f32 or bf16; the result \
+                 has their dtype or f32)",
+                a.dtype, b.dtype, c.dtype
+            ),
+        ));
+    }
     Ok(GemmCall {
+        ab: a.dtype,
+        c_dtype: c.dtype,
         transa: b.t,
         transb: a.t,
         m: int("n", n)?,
@@ -437,6 +522,7 @@ mod tests {
         };
         let l = DeviceLayout::new(&p, &Bindings::default());
         assert_eq!(l.staging, 1024);
+        assert_eq!((l.scratch, l.scratch_bytes), (1024, 0));
         assert_eq!(l.blas, vec![None]);
         assert_eq!(l.error_word, 1024);
         assert_eq!(l.total, 1280);
