@@ -220,7 +220,9 @@ pub enum Kernel {
     /// in `[x₁, x₂, …]`, out `[flat E]`: `xᵢ` at element `offsets[i]`, zeros elsewhere.
     Pack { offsets: Vec<u64>, elements: u64 },
     /// in `[x₁, x₂, …]`, out `[flat WS]`: FSDP2's gradient packing
-    /// (`chunk_cat`): chunk `r` of every `xᵢ` in rank `r`'s segment.
+    /// (`chunk_cat`): chunk `r` of every `xᵢ` in rank `r`'s segment. The
+    /// `xᵢ` share a dtype; `flat` may have another (values are converted,
+    /// as `torch._chunk_cat(..., out=)` does).
     ChunkCat(ChunkLayout),
     /// in `[full WS]`, out `[x₁, x₂, …]`: FSDP2's copy-out after an
     /// all-gather, the inverse of [`Kernel::ChunkCat`] (padding dropped).
@@ -788,14 +790,25 @@ impl Kernel {
                 };
                 let sizes: Vec<u64> = parts.iter().map(|&t| p.tensor(t).elements()).collect();
                 l.check(&sizes)?;
-                if let Some(&f) = flat.first()
+                // The parts share a dtype; `chunk_cat` may write another
+                // (FSDP2 packs bf16 gradients into an f32 reduce-scatter
+                // input), `copy_out` converts nothing.
+                let want = match (self, flat.first(), parts.first()) {
+                    (Kernel::ChunkCat(_), _, Some(&x)) => Some(x),
+                    (_, Some(&f), _) => Some(f),
+                    _ => None,
+                };
+                if let Some(w) = want
                     && let Some(&t) = parts
                         .iter()
-                        .find(|&&t| p.tensor(t).dtype != p.tensor(f).dtype)
+                        .find(|&&t| p.tensor(t).dtype != p.tensor(w).dtype)
                 {
                     return Err(format!(
-                        "{:?} differs in dtype from the flat buffer (the copy converts nothing)",
-                        p.tensor(t).name
+                        "{:?} is {}, not {} as {:?} (the copy converts nothing)",
+                        p.tensor(t).name,
+                        p.tensor(t).dtype,
+                        p.tensor(w).dtype,
+                        p.tensor(w).name
                     ));
                 }
                 let parts: Vec<Want> = sizes.into_iter().map(Float).collect();

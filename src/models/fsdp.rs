@@ -135,8 +135,8 @@ struct Param {
     /// Mixed precision: the compute copy every op reads, made by a `cast`
     /// that is the parameter's only other use.
     copy: Option<TensorId>,
-    /// Mixed precision, reducing in the compute dtype: the compute-dtype
-    /// gradient that a `cast` (dropped) turned into `grad`.
+    /// Mixed precision, per parameter or reducing in the compute dtype: the
+    /// compute-dtype gradient that a `cast` (dropped) turned into `grad`.
     grad_copy: Option<TensorId>,
 }
 
@@ -306,7 +306,10 @@ fn find_params(g: &Graph, opts: &FsdpOptions) -> Result<Found, Error> {
         });
     }
     let mut casts = find_casts(g, &mut params);
-    if opts.reduce_in_compute_dtype {
+    // Per parameter (FSDP2), gradients stay in the compute dtype up to the
+    // reduction: `chunk_cat` packs them into the reduce dtype's buffer. Flat
+    // units keep each gradient's cast unless reducing in the compute dtype.
+    if opts.reduce_in_compute_dtype || opts.layout == ShardLayout::PerParameter {
         casts.extend(find_grad_casts(g, &mut params));
     }
     if params.is_empty() {
@@ -377,9 +380,9 @@ fn find_casts(g: &Graph, params: &mut [Param]) -> Vec<OpId> {
     casts
 }
 
-/// Mixed precision, reducing in the compute dtype: a gradient made by a
-/// `cast` from a compute-dtype gradient is reduced before the cast (the
-/// cast moves to the shard); returns the casts, which sharding drops.
+/// Mixed precision: a gradient made by a `cast` from a compute-dtype
+/// gradient is packed for the reduction before the cast (the cast moves to
+/// the packing or to the shard); returns the casts, which sharding drops.
 fn find_grad_casts(g: &Graph, params: &mut [Param]) -> Vec<OpId> {
     let mut casts = Vec::new();
     for p in params {
@@ -937,8 +940,12 @@ impl Sharder<'_> {
             .iter()
             .map(|&pi| self.map_t(last, self.params[pi].reduced()))
             .collect::<Result<Vec<_>, _>>()?;
-        // In the compute dtype when the gradients' casts were dropped.
-        let narrow = self.params[self.units[ui].params[0]].grad_copy.is_some();
+        // Reduced in the compute dtype (then the shard is cast), or packed
+        // from compute-dtype gradients into f32 by `chunk_cat` (FSDP2's
+        // `reduce_dtype=f32`: no f32 copy of each gradient), or packed
+        // from f32 gradients.
+        let narrow = self.opts.reduce_in_compute_dtype
+            && self.params[self.units[ui].params[0]].grad_copy.is_some();
         let flat = |s: &mut Self, name: String, n: u64, role: Role| {
             if narrow {
                 s.flat_gathered(ui, name, n, role)

@@ -760,6 +760,8 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             }
         }
         Kernel::ChunkCat(l) => {
+            // Pieces are copies, or `cast` launches when the flat buffer
+            // has another dtype than the parts.
             let out = prog.tensor(ins.outputs[0]);
             ops.push(DevOp::Memset {
                 at: out.offset,
@@ -767,11 +769,21 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             });
             let size = out.dtype.size();
             for (pos, &t) in ins.inputs.iter().enumerate() {
+                let x = prog.tensor(t).dtype;
                 for (at, from, n) in l.pieces(pos, elems(t)) {
-                    ops.push(DevOp::Copy {
-                        src: a.i(pos) + from * size,
-                        dst: out.offset + at * size,
-                        bytes: n * size,
+                    let (src, dst) = (a.i(pos) + from * x.size(), out.offset + at * size);
+                    ops.push(if x == out.dtype {
+                        DevOp::Copy {
+                            src,
+                            dst,
+                            bytes: n * size,
+                        }
+                    } else {
+                        elementwise(
+                            DevKernel::Cast,
+                            n,
+                            vec![buf(src, x), buf(dst, out.dtype), self::n(n)],
+                        )
                     });
                 }
             }
