@@ -15,6 +15,15 @@
 //!   points by `(peak, area under the curve)`. This undoes what single-op
 //!   moves cannot: a recomputed activation and the weight-gradient op that
 //!   reads it, deferred together to the end of the backward pass.
+//! - [`tail_sink`]: an op that made a buffer live at the peak moves later
+//!   together with everything that depends on it, when that is a few ops
+//!   (a weight-gradient op with its gradient's packing, reduce-scatter and
+//!   update). Such a block can go to any later gap without breaking a
+//!   dependency, which single-op moves cannot reach: each op of the chain
+//!   is pinned by the next. The block keeps its inputs live longer and
+//!   makes its outputs later, which pays when the peak it leaves is higher
+//!   than the valley it lands in (the LM head's gradient of an FSDP step,
+//!   made while every checkpoint is live, moved past the layers' backward).
 //! - [`reinsert`]: at the first step at the peak, every op that could
 //!   lower it (the op there, producers of buffers live there that could run
 //!   later, last users that could run earlier) is scored in every gap of
@@ -319,6 +328,103 @@ pub fn chain_hoist(p: &Problem, order: Vec<OpIdx>, budget: &Budget) -> (Vec<OpId
     (cur, stats)
 }
 
+/// Most ops in a block [`tail_sink`] moves.
+const TAIL_MAX: usize = 16;
+/// Gaps [`tail_sink`] tries per block: the lowest points after the peak.
+const TAIL_GAPS: usize = 24;
+
+/// `v` and every op that depends on it, in order of position, if that is
+/// at most [`TAIL_MAX`] ops.
+fn descendants(p: &Problem, v: OpIdx, pos: &[u32]) -> Option<Vec<OpIdx>> {
+    let mut block = vec![v];
+    let mut k = 0;
+    while k < block.len() {
+        let w = block[k];
+        k += 1;
+        for s in p.succs(w) {
+            if !block.contains(&s) {
+                if block.len() == TAIL_MAX {
+                    return None;
+                }
+                block.push(s);
+            }
+        }
+    }
+    block.sort_by_key(|w| pos[w.index()]);
+    Some(block)
+}
+
+/// Peak-driven sinking of small descendant-closed blocks (see the module
+/// docs), at most `max_rounds` accepted moves. At the first step at the
+/// peak, each producer of a buffer live there (and the op there) whose
+/// descendants are at most [`TAIL_MAX`] ops is tried, with them, as a
+/// block before each of the [`TAIL_GAPS`] lowest steps after the peak and
+/// after its last member, and at the end; the best move that lowers
+/// `(peak, steps at the peak)` is applied. Moving a descendant-closed block
+/// later than all its members keeps every dependency, so every candidate
+/// order is valid.
+pub fn tail_sink(
+    p: &Problem,
+    order: Vec<OpIdx>,
+    max_rounds: usize,
+    budget: &Budget,
+) -> (Vec<OpIdx>, LocalStats) {
+    let mut prof = Profile::new(p, order);
+    let mut stats = LocalStats::default();
+    let n = prof.order.len();
+    while stats.rounds < max_rounds && n > 2 && !budget.expired() {
+        stats.rounds += 1;
+        let k = prof.ev.peak_step();
+        let mut gaps: Vec<usize> = (k + 2..n).collect();
+        gaps.sort_by_key(|&t| (prof.ev.curve[t - 1], t));
+        gaps.truncate(TAIL_GAPS);
+        gaps.push(n);
+        let mut best: Option<((u64, u32), Vec<OpIdx>)> = None;
+        for v in candidates(p, &prof, k) {
+            if budget.expired() {
+                break;
+            }
+            let i = prof.ev.pos[v.index()] as usize;
+            if i > k {
+                continue;
+            }
+            let Some(block) = descendants(p, v, &prof.ev.pos) else {
+                continue;
+            };
+            // Only later than every member: a member already past a gap
+            // would move up, before ops it depends on.
+            let last = block.last().map_or(0, |w| prof.ev.pos[w.index()] as usize);
+            for &t in gaps.iter().filter(|&&t| t > last) {
+                let mut next = Vec::with_capacity(n);
+                for (j, &o) in prof.order.iter().enumerate() {
+                    if j == t {
+                        next.extend_from_slice(&block);
+                    }
+                    if !block.contains(&o) {
+                        next.push(o);
+                    }
+                }
+                if t == n {
+                    next.extend_from_slice(&block);
+                }
+                debug_assert!(p.is_valid_order(&next));
+                let e = evaluate(p, &next);
+                let key = (
+                    e.peak,
+                    e.curve.iter().filter(|&&c| c == e.peak).count() as u32,
+                );
+                if key < prof.key() && best.as_ref().is_none_or(|b| key < b.0) {
+                    best = Some((key, next));
+                }
+            }
+        }
+        let Some((_, next)) = best else { break };
+        prof = Profile::new(p, next);
+        stats.moves += 1;
+    }
+    (prof.order, stats)
+}
+
 /// Ops that could lower the live bytes at step `k`.
 fn candidates(p: &Problem, prof: &Profile, k: usize) -> Vec<OpIdx> {
     let ev = &prof.ev;
@@ -520,10 +626,60 @@ mod tests {
             let (h, _) = chain_hoist(&p, start.clone(), &Budget::unlimited());
             prop_assert!(p.is_valid_order(&h));
             prop_assert!(evaluate(&p, &h).peak <= peak);
+            let (s, _) = tail_sink(&p, start.clone(), 200, &Budget::unlimited());
+            prop_assert!(p.is_valid_order(&s));
+            prop_assert!(evaluate(&p, &s).peak <= peak);
             let (c, _) = window_exact(&p, start, 8, 20, &ExactLimits::default(), &Budget::unlimited());
             prop_assert!(p.is_valid_order(&c));
             prop_assert!(evaluate(&p, &c).peak <= peak);
         }
+    }
+
+    /// The LM head of an FSDP step in miniature: `l` makes the logits'
+    /// gradient `d`, read by the backward-data op `bd` and the
+    /// weight-gradient op `bw`, whose gradient `g` is packed (`cc`),
+    /// reduce-scattered (`rs`) and applied (`upd`). Run right away, the
+    /// packing lands while the checkpoint `ck` is live (peak 100 + 80 +
+    /// 100 + 10 = 290). Sunk past the layer's backward `b2` as one block,
+    /// `d` (50) stays live there instead and the packing runs once `ck`
+    /// is gone: peak 180 (`g` and the packed copy).
+    #[test]
+    fn sinks_a_weight_gradient_chain_past_the_peak() {
+        use crate::problem::{OpClass, ProblemBuilder};
+        let mut b = ProblemBuilder::new();
+        let f = b.add_op(OpClass::Forward);
+        let ck = b.add_buf(100, Some(f), false);
+        let l = b.add_op(OpClass::Backward);
+        b.add_edge(f, l);
+        let d = b.add_buf(50, Some(l), false);
+        let bd = b.add_op(OpClass::Backward);
+        b.add_use(bd, d);
+        let x = b.add_buf(10, Some(bd), false);
+        let bw = b.add_op(OpClass::Backward);
+        b.add_use(bw, d);
+        let g = b.add_buf(80, Some(bw), false);
+        let cc = b.add_op(OpClass::Backward);
+        b.add_use(cc, g);
+        let flat = b.add_buf(100, Some(cc), false);
+        let rs = b.add_op(OpClass::Collective);
+        b.add_use(rs, flat);
+        let shard = b.add_buf(10, Some(rs), false);
+        let upd = b.add_op(OpClass::Optimizer);
+        b.add_use(upd, shard);
+        let b2 = b.add_op(OpClass::Backward);
+        b.add_use(b2, ck);
+        b.add_use(b2, x);
+        let y = b.add_buf(10, Some(b2), false);
+        let tail = b.add_op(OpClass::Backward);
+        b.add_use(tail, y);
+        let p = b.build().unwrap();
+        let order = vec![f, l, bd, bw, cc, rs, upd, b2, tail];
+        assert!(p.is_valid_order(&order));
+        assert_eq!(evaluate(&p, &order).peak, 290);
+        let (after, stats) = tail_sink(&p, order, 10, &Budget::unlimited());
+        assert_eq!(stats.moves, 1);
+        assert_eq!(after, vec![f, l, bd, b2, tail, bw, cc, rs, upd]);
+        assert_eq!(evaluate(&p, &after).peak, 180);
     }
 
     /// A recomputation-like op (reads an early input, makes a big output

@@ -33,6 +33,9 @@ pub struct SolverParams {
     pub chain_hoist: bool,
     /// Weight-update and collective placement into valleys of the curve.
     pub update_placement: bool,
+    /// Sinking small descendant-closed blocks past the peak
+    /// ([`crate::local::tail_sink`]).
+    pub tail_sink: bool,
     /// Peak-driven reinsertion local search with incremental scoring.
     pub reinsertion: bool,
     /// Exact re-ordering of windows around the peak in large parts.
@@ -81,6 +84,7 @@ impl Default for SolverParams {
             tidy: true,
             chain_hoist: true,
             update_placement: true,
+            tail_sink: true,
             reinsertion: true,
             window_exact: true,
             exact_search: true,
@@ -115,6 +119,7 @@ impl SolverParams {
             ("tidy", self.tidy),
             ("chain_hoist", self.chain_hoist),
             ("update_placement", self.update_placement),
+            ("tail_sink", self.tail_sink),
             ("reinsertion", self.reinsertion),
             ("window_exact", self.window_exact),
             ("exact_search", self.exact_search),
@@ -137,6 +142,7 @@ impl SolverParams {
             "tidy" => &mut self.tidy,
             "chain_hoist" => &mut self.chain_hoist,
             "update_placement" => &mut self.update_placement,
+            "tail_sink" => &mut self.tail_sink,
             "reinsertion" => &mut self.reinsertion,
             "window_exact" => &mut self.window_exact,
             "exact_search" => &mut self.exact_search,

@@ -27,7 +27,11 @@
 //! shard, which dies after the last of them. Moved one at a time, none
 //! frees anything, so each stays put. [`place`] then moves every such group
 //! as a block to the earliest gap all its members' predecessors allow, and
-//! keeps the move when it lowers the peak or the number of steps at it.
+//! keeps the move when it lowers the peak or the number of steps at it, or
+//! leaves both as they were and lowers the area under the curve (the
+//! gradient dies sooner): updates away from the peak still run as early as
+//! they may, so the memory they free is there for the ops that follow —
+//! and for later passes, which can only use a valley that exists.
 
 use crate::budget::Budget;
 use crate::problem::{OpClass, OpIdx, Problem};
@@ -92,7 +96,7 @@ pub fn place(p: &Problem, order: Vec<OpIdx>, budget: &Budget) -> (Vec<OpIdx>, us
             continue;
         };
         let next = Profile::new(p, order);
-        if next.key() < prof.key() {
+        if next.key() < prof.key() || (next.key() == prof.key() && next.area() < prof.area()) {
             prof = next;
             moved += group.len();
         }

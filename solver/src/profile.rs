@@ -101,6 +101,11 @@ impl Profile {
     pub fn key(&self) -> (u64, u32) {
         (self.peak(), self.at_peak())
     }
+    /// Sum of the curve over all steps (byte-steps): how long bytes stay
+    /// live, the tie-break among orders of equal [`Self::key`].
+    pub fn area(&self) -> u128 {
+        self.ev.curve.iter().map(|&c| c as u128).sum()
+    }
     /// Bytes live across the gap before step `g`.
     pub fn across(&self, g: usize) -> u64 {
         self.across[g]

@@ -443,6 +443,21 @@ fn improve_part(s: &mut PartState, target: u64, params: &SolverParams, budget: &
                 method.push_str("+windows");
             }
         }
+        if params.tail_sink {
+            // Last: from the order the other passes left, so it can only
+            // improve on it (run earlier, its first move can lead the
+            // later passes to a worse local optimum); reinsertion then
+            // settles around the new peak.
+            let (o, st) = local::tail_sink(&q, cur, params.reinsert_rounds, budget);
+            cur = o;
+            if st.moves > 0 {
+                method.push_str("+tail-sink");
+                if params.reinsertion {
+                    let (o, _) = local::reinsert(&q, cur, params.reinsert_rounds, budget);
+                    cur = o;
+                }
+            }
+        }
         consider(s, cur, method);
     }
     if small && !done(s) && !budget.expired() {
