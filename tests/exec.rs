@@ -493,16 +493,31 @@ fn mixed_precision_steps_match_their_reference_and_stay_near_f32() {
     }
     let dist = state_distance(&mixed, &full);
     assert!(dist < 0.01, "state {dist}");
-    // Sharded: the all-gathers move bf16, the reduce-scatters f32.
+    // Sharded: the all-gathers move bf16, the reduce-scatters f32; as in
+    // FSDP2, each gradient stays bf16 and `chunk_cat` packs it into the
+    // f32 reduce-scatter input (no f32 copy of each gradient, no cast of
+    // a gradient before the reduction).
     let s = fsdp::shard(&g, 2).unwrap();
+    let mut packed = 0;
     for o in s.ops() {
         let dt = |t: &memplan::graph::TensorId| s.tensor(*t).dtype.clone().unwrap();
         match o.op_type.as_str() {
             "all_gather" => assert_eq!(dt(&o.outputs[0]), "bf16", "{}", o.name),
             "reduce_scatter" => assert_eq!(dt(&o.outputs[0]), "f32", "{}", o.name),
+            "chunk_cat" => {
+                assert_eq!(dt(&o.outputs[0]), "f32", "{}", o.name);
+                assert!(o.inputs.iter().all(|t| dt(t) == "bf16"), "{}", o.name);
+                packed += 1;
+            }
+            "cast" => assert!(
+                o.kind != memplan::graph::OpKind::Backward,
+                "a gradient cast before the reduction: {}",
+                o.name
+            ),
             _ => {}
         }
     }
+    assert!(packed > 0);
     planned_matches_unplanned(&s, 2);
     // Reducing in bf16: the reduce-scatters move bf16, each shard is cast
     // to f32 for the update, and the step still lands near f32.
