@@ -11,7 +11,9 @@
 # CPU executor), and, when python3 has torch with CUDA, the same GPT-2 small
 # step in PyTorch eager (tools/torch_eager_gpt2.py) for peak memory and step
 # time side by side; the same for a Llama 3 1B step (f32 and mixed
-# precision, tools/torch_eager_llama.py). Logs and JSON go to OUT_DIR (default gpu-check/).
+# precision, tools/torch_eager_llama.py); then memplan.torch's arena step
+# against eager PyTorch (python -m memplan.torch.bench --device cuda). Logs
+# and JSON go to OUT_DIR (default gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/memplan}
@@ -106,7 +108,25 @@ torch_side() {
   fi
 }
 
+torch_step() {
+  # memplan.torch's arena step against eager PyTorch on the GPU, from the
+  # same weights (issue 12's GPU targets): max_memory_allocated/reserved,
+  # step time, results. The extension is built with cargo (no maturin
+  # needed; HiGHS off, so no cmake either) and found through PYTHONPATH.
+  if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    cargo build --release -p memplan-python --no-default-features \
+      && cp target/release/lib_memplan.so python/memplan/_memplan.abi3.so || return
+    local xl=
+    python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
+    echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
+      --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
+  else
+    echo "python3 has no CUDA torch: skipping memplan.torch on the GPU"
+  fi
+}
+
 # SECTIONS picks what runs (default: all).
-for section in ${SECTIONS:-explicit fused llama torch_side}; do
+for section in ${SECTIONS:-explicit fused llama torch_side torch_step}; do
   "$section"
 done

@@ -5,6 +5,7 @@
     python -m memplan.torch.bench --max-batch 2   # largest batch in 2 GiB, small models
     python -m memplan.torch.bench --max-batch 80 --gpt2-xl-batch   # GPT-2 XL in 80 GiB
     python -m memplan.torch.bench --compile       # against torch.compile (Inductor)
+    python -m memplan.torch.bench --device cuda --with-gpt2-xl   # eager vs the arena step on a GPU
 
 For each small model (Hugging Face GPT-2 and Llama from configs, torchvision
 ResNet-50 and ViT) it runs three steps from the same weights and measures
@@ -25,6 +26,12 @@ tracked peak in that mode (the arena plus the results of ops without an
 meta device, traced as a CPU step, plans it, reports the times and writes
 the graph to ``DIR/gpt2-xl-b1.json.gz`` for ``memplan compare`` (which
 simulates PyTorch's caching allocator on it).
+``--device DEV`` runs each model (and GPT-2 XL b1 with ``--with-gpt2-xl``)
+on DEV as eager PyTorch and as memplan's arena step, from the same
+weights, and prints peak allocated and reserved bytes
+(``torch.cuda.max_memory_*`` on CUDA), the planned arena, the bytes
+allocated outside it, the step-time ratio and how far losses and
+parameters are apart (:func:`on_device`).
 ``--max-batch GIB`` captures each model at batch 2 and 3 and reports the
 largest batch whose step fits GIB GiB (:func:`memplan.torch.max_batch`):
 PyTorch eager's (caching allocator simulated over the recorded order),
@@ -62,29 +69,42 @@ def _classify(m, b):
 
 
 def models():
-    """name -> (model, batch, loss_fn), small enough for a CPU."""
-    import torchvision
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """name -> (model, batch, loss_fn), small enough for a CPU. Families
+    whose library is not installed (transformers, torchvision) are left
+    out with a note on stderr."""
+    import sys
 
     torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096,
-                                      n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0))
-    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=256,
-                                         intermediate_size=688, num_attention_heads=8,
-                                         num_key_value_heads=4, vocab_size=4096,
-                                         max_position_embeddings=256))
+    cases = {}
     tokens = torch.randint(0, 4096, (4, 256))
     images = (torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)))
-    vit = torchvision.models.VisionTransformer(image_size=64, patch_size=8, num_layers=4,
-                                               num_heads=4, hidden_dim=256, mlp_dim=1024,
-                                               num_classes=10)
-    return {
-        "hf-gpt2-4l-256": (gpt2, tokens, _causal_lm),
-        "hf-llama-4l-256": (llama, tokens, _causal_lm),
-        "resnet50-64px": (torchvision.models.resnet50(num_classes=10), images, _classify),
-        "vit-4l-256": (vit, images, _classify),
-    }
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        print("transformers is not installed: no Hugging Face models", file=sys.stderr)
+    else:
+        cases["hf-gpt2-4l-256"] = (
+            GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096,
+                                       n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0)), tokens, _causal_lm)
+        cases["hf-llama-4l-256"] = (
+            LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=256,
+                                         intermediate_size=688, num_attention_heads=8,
+                                         num_key_value_heads=4, vocab_size=4096,
+                                         max_position_embeddings=256)), tokens, _causal_lm)
+    try:
+        import torchvision
+    except ImportError:
+        print("torchvision is not installed: no ResNet-50 or ViT", file=sys.stderr)
+    else:
+        cases["resnet50-64px"] = (torchvision.models.resnet50(num_classes=10), images, _classify)
+        cases["vit-4l-256"] = (
+            torchvision.models.VisionTransformer(image_size=64, patch_size=8, num_layers=4,
+                                                 num_heads=4, hidden_dim=256, mlp_dim=1024,
+                                                 num_classes=10), images, _classify)
+    if not cases:
+        raise SystemExit("no models: install transformers or torchvision")
+    return cases
 
 
 def eager_tracked(model, opt, batch, loss_fn) -> int:
@@ -246,6 +266,139 @@ def small(time_limit: float):
               f"{r[9] / mib:8.1f}M {r[10] / mib:8.1f}M")
 
 
+def _to(batch, device):
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def _timed(fn, device: torch.device, steps: int, resident):
+    """Runs `fn` `steps` times; returns (peak bytes, peak reserved bytes or
+    None, median seconds). On CUDA the peaks are the caching allocator's
+    ``max_memory_allocated`` / ``max_memory_reserved`` over the timed steps
+    (cache emptied and peaks reset first); elsewhere the peak is measured
+    from the allocator's events over one more step (:func:`allocator_peak`,
+    with `resident` the tensors alive around it) and there is no reserved
+    figure."""
+    cuda = device.type == "cuda"
+    times = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    median = times[len(times) // 2]
+    if cuda:
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), median
+    return allocator_peak(fn, resident(), device.type), None, median
+
+
+def on_device(device: str, steps: int, time_limit: float, cases=None):
+    """Each model's training step in eager PyTorch and as memplan's planned
+    step in its arena (``step(batch, arena=True)``), on `device`, from the
+    same weights and batch: peak allocated and reserved bytes (CUDA), the
+    median step time, the planned arena, and how far the losses and final
+    parameters are apart. Returns one dict per model.
+
+    Memory outside the arena in the memplan run is ``allocated - arena``:
+    the batch, the results of ops without an ``out=`` overload while they
+    are copied into place, and what kernels allocate for themselves
+    (cuBLAS workspaces). Issue 12's GPU targets read off these rows:
+    ``allocated <= arena * 1.01 + outside``, reserved against eager's, and
+    the time ratio."""
+    dev = torch.device(device)
+    rows = []
+    for name, (model, batch, loss_fn) in (cases or models()).items():
+        model.train()
+        batch = _to(batch, dev)
+        eager_model = copy.deepcopy(model).to(dev)
+        mine = copy.deepcopy(model).to(dev)
+        del model
+        opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, weight_decay=0.01)
+        eager_losses = []
+
+        def eager_step():
+            loss = loss_fn(eager_model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            eager_losses.append(loss.detach())
+
+        eager_step()  # the optimizer state exists from here on, as in the captured step
+
+        def eager_resident():
+            return (list(eager_model.parameters()) + list(eager_model.buffers()) + tree_flatten(batch)[0]
+                    + [v for st in opt.state.values() for v in st.values()])
+
+        e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
+        mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01)
+        step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit)
+        my_losses = []
+
+        def memplan_step():
+            my_losses.append(step(batch, arena=True).detach().clone())
+
+        memplan_step()
+        arena = step.place()
+
+        def memplan_resident():
+            return [arena.buffer] + tree_flatten(batch)[0]
+
+        m_alloc, m_res, m_time = _timed(memplan_step, dev, steps, memplan_resident)
+        n = min(len(eager_losses), len(my_losses))
+        loss_diff = max(abs(float(a) - float(b)) / max(abs(float(a)), 1e-12)
+                        for a, b in zip(eager_losses[:n], my_losses[:n]))
+        # Parameters after the same number of updates on both sides (the
+        # CPU peak measure ran one more step on each).
+        with torch.no_grad():
+            param_diff = max(float((p - q).norm() / max(float(p.norm()), 1e-12))
+                             for p, q in zip(eager_model.parameters(), mine.parameters()))
+        rows.append({
+            "model": name, "device": str(dev), "steps": steps,
+            "eager_allocated_bytes": e_alloc, "eager_reserved_bytes": e_res, "eager_step_seconds": e_time,
+            "memplan_allocated_bytes": m_alloc, "memplan_reserved_bytes": m_res, "memplan_step_seconds": m_time,
+            "arena_bytes": step.plan["arena_bytes"], "outside_arena_bytes": m_alloc - step.plan["arena_bytes"],
+            "outside_peak_bytes": arena.outside_peak_bytes,
+            "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
+            "loss_rel_diff": loss_diff, "param_rel_diff": param_diff,
+        })
+        del eager_model, mine, opt, mopt, step, arena
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _print_device_rows(rows):
+    mib = 1 << 20
+    print(f"{'model':18} {'eager alloc':>11} {'eager res':>10} {'memplan':>10} {'mp res':>10} {'arena':>10} "
+          f"{'outside':>9} {'res vs eager':>12} {'time ratio':>10} {'loss diff':>9} {'param diff':>10}")
+    for r in rows:
+        res = (f"{r['memplan_reserved_bytes'] / r['eager_reserved_bytes'] - 1:+11.1%}"
+               if r["eager_reserved_bytes"] else f"{'-':>11}")
+        e_res = f"{r['eager_reserved_bytes'] / mib:9.1f}M" if r["eager_reserved_bytes"] else f"{'-':>10}"
+        m_res = f"{r['memplan_reserved_bytes'] / mib:9.1f}M" if r["memplan_reserved_bytes"] else f"{'-':>10}"
+        print(f"{r['model']:18} {r['eager_allocated_bytes'] / mib:10.1f}M {e_res} "
+              f"{r['memplan_allocated_bytes'] / mib:9.1f}M {m_res} {r['arena_bytes'] / mib:9.1f}M "
+              f"{r['outside_arena_bytes'] / mib:8.1f}M {res} "
+              f"{r['memplan_step_seconds'] / r['eager_step_seconds']:10.2f} {r['loss_rel_diff']:9.1e} "
+              f"{r['param_rel_diff']:10.1e}", flush=True)
+
+
+def _gpt2_xl_case(device: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT2LMHeadModel(cfg)
+    return {"hf-gpt2-xl-b1": (model, torch.randint(0, 50257, (1, 1024)), _causal_lm)}
+
+
 def gpt2_xl(out_dir: str, time_limit: float):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -310,9 +463,23 @@ def main(argv=None):
                     help="the small models against torch.compile (Inductor), measured by allocator events")
     ap.add_argument("--time-limit", type=float, default=10.0,
                     help="seconds to plan (with --max-batch: per fit probe)")
+    ap.add_argument("--device", help="run eager and memplan's arena step on this device (e.g. cuda) and "
+                    "compare peak allocated/reserved bytes, step time and results")
+    ap.add_argument("--steps", type=int, default=5, help="with --device: timed steps per side")
+    ap.add_argument("--with-gpt2-xl", action="store_true", help="with --device: GPT-2 XL b1 (seq 1024) too")
+    ap.add_argument("--json", metavar="FILE", help="with --device: also write the rows as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    if args.compile:
+    if args.device:
+        cases = models()
+        if args.with_gpt2_xl:
+            cases.update(_gpt2_xl_case(args.device))
+        rows = on_device(args.device, args.steps, args.time_limit, cases)
+        _print_device_rows(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    elif args.compile:
         against_compile(args.time_limit)
     elif args.max_batch:
         largest(args.max_batch, args.time_limit, args.gpt2_xl_batch)
