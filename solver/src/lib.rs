@@ -38,7 +38,10 @@
 //!    ([`local::chain_hoist`]), update/collective placement into valleys
 //!    ([`placement`]), peak-driven
 //!    reinsertion with incremental scoring ([`profile`], [`local::reinsert`]),
-//!    exact windows; for small parts an exact best-first search over
+//!    exact windows, then sinking of small descendant-closed blocks past the
+//!    peak ([`local::tail_sink`]: a weight-gradient op with its gradient's
+//!    packing, reduction and update, moved where the activations it would
+//!    have met are gone); for small parts an exact best-first search over
 //!    scheduled sets with memory-bound pruning ([`exact`], Serenity-style) and
 //!    a time-indexed ILP on HiGHS ([`ilp`], MODeL/ROAM-style) where the
 //!    search's state budget runs out.
