@@ -357,8 +357,8 @@ fn descendants(p: &Problem, v: OpIdx, pos: &[u32]) -> Option<Vec<OpIdx>> {
 /// Peak-driven sinking of small descendant-closed blocks (see the module
 /// docs), at most `max_rounds` accepted moves. At the first step at the
 /// peak, each producer of a buffer live there (and the op there) whose
-/// descendants are at most [`TAIL_MAX`] ops is tried, with them, as a
-/// block before each of the [`TAIL_GAPS`] lowest steps after the peak and
+/// descendants are at most 16 ops (`TAIL_MAX`) is tried, with them, as a
+/// block before each of the 24 lowest steps after the peak (`TAIL_GAPS`) and
 /// after its last member, and at the end; the best move that lowers
 /// `(peak, steps at the peak)` is applied. Moving a descendant-closed block
 /// later than all its members keeps every dependency, so every candidate
