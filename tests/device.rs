@@ -30,10 +30,22 @@ fn program(g: &Graph) -> Program {
 /// Each rank's persistent f32 tensors by name.
 type State = Vec<Vec<(String, Vec<f32>)>>;
 
+/// Which kernels the emulator launches.
+#[derive(Copy, Clone, Debug)]
+enum Kernels {
+    /// The emulator's Rust mirrors of `kernels.cu`.
+    Mirrors,
+    /// `kernels.cu` itself, compiled for the host.
+    Source,
+}
+
 /// Losses per step and each rank's persistent f32 tensors, on the emulator.
-fn emulate(p: &Program, steps: usize) -> (Vec<f32>, State) {
+fn emulate(p: &Program, steps: usize, kernels: Kernels) -> (Vec<f32>, State) {
     let per_rank = run_ranks(p.world_size as usize, |rank, comm| {
         let mut em = Emulator::new(p.clone())?;
+        if let Kernels::Source = kernels {
+            em.use_host_kernels()?;
+        }
         em.initialize(0, rank);
         let batch = synthetic_batch(p, 1, rank)?;
         let mut losses = Vec::new();
@@ -99,23 +111,25 @@ fn matches_cpu_within(g: &Graph, steps: usize, tol: Tolerance) -> Program {
         },
     )
     .unwrap();
-    let (losses, state) = emulate(&p, steps);
-    for (s, (a, b)) in losses.iter().zip(&cpu.steps).enumerate() {
-        assert!(
-            (a - b.loss).abs() <= tol.loss * (1.0 + b.loss.abs()),
-            "step {s}: loss {a} vs {}",
-            b.loss
-        );
-    }
-    assert_eq!(state.len(), cpu.state.len());
-    for (ra, rb) in state.iter().zip(&cpu.state) {
-        for ((na, va), (nb, vb)) in ra.iter().zip(rb) {
-            assert_eq!(na, nb);
-            for (i, (x, y)) in va.iter().zip(vb).enumerate() {
-                assert!(
-                    (x - y).abs() <= tol.state * y.abs() + tol.floor,
-                    "{na}[{i}]: {x} vs {y}"
-                );
+    for kernels in [Kernels::Mirrors, Kernels::Source] {
+        let (losses, state) = emulate(&p, steps, kernels);
+        for (s, (a, b)) in losses.iter().zip(&cpu.steps).enumerate() {
+            assert!(
+                (a - b.loss).abs() <= tol.loss * (1.0 + b.loss.abs()),
+                "{kernels:?}, step {s}: loss {a} vs {}",
+                b.loss
+            );
+        }
+        assert_eq!(state.len(), cpu.state.len());
+        for (ra, rb) in state.iter().zip(&cpu.state) {
+            for ((na, va), (nb, vb)) in ra.iter().zip(rb) {
+                assert_eq!(na, nb);
+                for (i, (x, y)) in va.iter().zip(vb).enumerate() {
+                    assert!(
+                        (x - y).abs() <= tol.state * y.abs() + tol.floor,
+                        "{kernels:?}, {na}[{i}]: {x} vs {y}"
+                    );
+                }
             }
         }
     }

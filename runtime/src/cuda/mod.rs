@@ -36,7 +36,8 @@ use cudarc::driver::{
 use crate::binding::Bindings;
 use crate::comm::Communicator;
 use crate::device::{
-    Arg, CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, KERNELS_CU, Launch, lower_all,
+    CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, KERNELS_CU, Launch, kernel_params,
+    lower_all,
 };
 use crate::error::{Result, RuntimeError};
 use crate::program::{DType, Program, TensorIdx};
@@ -497,20 +498,7 @@ impl CudaExecutor {
 
     fn launch(&self, l: &Launch, base: u64, stream: &CudaStream, step: u64) -> Result<()> {
         let f = &self.funcs[&l.kernel];
-        let mut vals: Vec<[u64; 2]> = l
-            .args
-            .iter()
-            .map(|a| match *a {
-                // kernels.cu's `struct Buf { void* p; int bf; }`: 16 bytes.
-                Arg::Buf(b) => [b.at.map_or(0, |at| base + at), b.bf16 as u64],
-                Arg::Ptr(off) => [base + off, 0],
-                Arg::I64(v) => [v as u64, 0],
-                Arg::I32(v) => [v as u32 as u64, 0],
-                Arg::F32(v) => [v.to_bits() as u64, 0],
-                Arg::F64(v) => [v.to_bits(), 0],
-                Arg::Step(first) => [first + step - 1, 0],
-            })
-            .collect();
+        let mut vals = kernel_params(l, base, step);
         // Each parameter is read from the start of its 16-byte slot: 4-byte
         // values sit in the low half of the first word (little-endian).
         let mut params: Vec<*mut c_void> = vals

@@ -22,8 +22,14 @@ pub struct Emulator {
     program: Program,
     layout: DeviceLayout,
     ops: Vec<Vec<DevOp>>,
-    mem: Vec<u8>,
+    /// The device allocation is `buf[start..start + total]`, `start` chosen
+    /// so it begins on a 16-byte boundary: kernels compiled for the host
+    /// access every element type at its natural alignment.
+    buf: Vec<u8>,
+    start: usize,
     steps_done: u64,
+    /// Launch `kernels.cu` compiled for the host instead of the mirrors.
+    host_kernels: bool,
 }
 
 /// Reads an argument list positionally.
@@ -793,14 +799,41 @@ impl Emulator {
         let b = Bindings::new(&program)?;
         let layout = DeviceLayout::new(&program, &b);
         let ops = lower_all(&program, &b, &layout)?;
-        let mem = vec![0u8; layout.total as usize];
+        let buf = vec![0u8; layout.total as usize + 15];
+        let start = buf.as_ptr().align_offset(16);
         Ok(Emulator {
             program,
             layout,
             ops,
-            mem,
+            buf,
+            start,
             steps_done: 0,
+            host_kernels: false,
         })
+    }
+
+    /// From now on, launches run `kernels.cu` itself, compiled for the
+    /// host ([`super::host`]), instead of this module's Rust mirrors; an
+    /// error when the crate was built without feature `host-kernels`.
+    pub fn use_host_kernels(&mut self) -> Result<()> {
+        if cfg!(feature = "host-kernels") {
+            self.host_kernels = true;
+            Ok(())
+        } else {
+            Err(RuntimeError::Unavailable(
+                "host kernels",
+                "memplan-runtime was built without feature `host-kernels`".into(),
+            ))
+        }
+    }
+
+    fn mem(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.layout.total as usize]
+    }
+
+    fn mem_mut(&mut self) -> &mut [u8] {
+        let total = self.layout.total as usize;
+        &mut self.buf[self.start..self.start + total]
     }
 
     pub fn layout(&self) -> &DeviceLayout {
@@ -815,18 +848,21 @@ impl Emulator {
     /// Writes float tensor `t` (rounded, when it is bf16).
     pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) {
         let x = self.program.tensor(t);
-        store(&mut self.mem, x.offset, v, x.dtype);
+        let at = x.offset;
+        let dtype = x.dtype;
+        store(self.mem_mut(), at, v, dtype);
     }
     pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) {
         let off = self.program.tensor(t).offset as usize;
+        let mem = self.mem_mut();
         for (i, x) in v.iter().enumerate() {
-            self.mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+            mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
         }
     }
     /// Reads float tensor `t` (widened, when it is bf16).
     pub fn read_f32(&self, t: TensorIdx) -> Vec<f32> {
         let x = self.program.tensor(t);
-        floats(&self.mem, x.offset, x.elements(), x.dtype)
+        floats(self.mem(), x.offset, x.elements(), x.dtype)
     }
 
     /// Fills parameters and optimizer state as the executors do.
@@ -854,25 +890,27 @@ impl Emulator {
     pub fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<()> {
         let step = self.steps_done + 1;
         let ew = self.layout.error_word as usize;
-        self.mem[ew..ew + 4].fill(0);
+        let (start, total, host) = (self.start, self.layout.total as usize, self.host_kernels);
+        let mem = &mut self.buf[start..start + total];
+        mem[ew..ew + 4].fill(0);
         for ops in &self.ops {
             for op in ops {
-                let mut m = Mem(&mut self.mem);
                 match op {
-                    DevOp::Launch(l) => launch(&mut m, l, step),
-                    DevOp::Gemm(g) => gemm(&mut m, g),
+                    DevOp::Launch(l) if host => host_launch(l, mem, step)?,
+                    DevOp::Launch(l) => launch(&mut Mem(mem), l, step),
+                    DevOp::Gemm(g) => gemm(&mut Mem(mem), g),
                     DevOp::Memset { at, bytes } => {
-                        self.mem[*at as usize..(*at + *bytes) as usize].fill(0)
+                        mem[*at as usize..(*at + *bytes) as usize].fill(0)
                     }
                     DevOp::Copy { src, dst, bytes } => {
                         let (s, d, n) = (*src as usize, *dst as usize, *bytes as usize);
-                        self.mem.copy_within(s..s + n, d);
+                        mem.copy_within(s..s + n, d);
                     }
-                    DevOp::Collective(c) => collective(&mut self.mem, c, comm)?,
+                    DevOp::Collective(c) => collective(mem, c, comm)?,
                 }
             }
         }
-        let code = i32::from_ne_bytes(self.mem[ew..ew + 4].try_into().expect("4 bytes"));
+        let code = i32::from_ne_bytes(mem[ew..ew + 4].try_into().expect("4 bytes"));
         if code != 0 {
             let ins = &self.program.instrs[code as usize - 1];
             return Err(RuntimeError::Kernel {
@@ -883,6 +921,17 @@ impl Emulator {
         }
         self.steps_done = step;
         Ok(())
+    }
+}
+
+/// Launch `l` of `kernels.cu` compiled for the host.
+fn host_launch(l: &Launch, mem: &mut [u8], step: u64) -> Result<()> {
+    #[cfg(feature = "host-kernels")]
+    return super::host::launch(l, mem, step);
+    #[cfg(not(feature = "host-kernels"))]
+    {
+        let _ = (l, mem, step);
+        unreachable!("use_host_kernels refuses without feature host-kernels")
     }
 }
 

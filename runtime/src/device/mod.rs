@@ -22,9 +22,15 @@
 //! on the host with kernels that mirror `kernels.cu` line by line — so the
 //! pointer arithmetic, the row-major to column-major mapping of every
 //! product, leading dimensions, batch strides and launch arguments are
-//! tested against the CPU executor without a GPU.
+//! tested against the CPU executor without a GPU. With feature
+//! `host-kernels` ([`host`]) the emulator can launch `kernels.cu` itself,
+//! compiled for the host with a C++ shim of CUDA's threads, barriers, warp
+//! shuffles and atomics, so the same tests also check the CUDA source's own
+//! arithmetic and indexing, not only its mirror.
 
 pub mod emulate;
+#[cfg(feature = "host-kernels")]
+pub mod host;
 mod lower;
 
 pub use lower::{lower, lower_all};
@@ -293,6 +299,26 @@ pub struct Launch {
     pub grid: u32,
     pub block: u32,
     pub args: Vec<Arg>,
+}
+
+/// A launch's parameters as `cuLaunchKernel` takes them: one 16-byte slot
+/// per argument, pointers as `base + offset`. A [`Buf`] fills both words
+/// (`kernels.cu`'s `struct Buf { void* p; int bf; }`); any other argument
+/// sits at the start of the first word (little-endian, so a 4-byte value
+/// is its low half). [`Arg::Step`] becomes `first + step - 1`.
+pub fn kernel_params(l: &Launch, base: u64, step: u64) -> Vec<[u64; 2]> {
+    l.args
+        .iter()
+        .map(|a| match *a {
+            Arg::Buf(b) => [b.at.map_or(0, |at| base + at), b.bf16 as u64],
+            Arg::Ptr(off) => [base + off, 0],
+            Arg::I64(v) => [v as u64, 0],
+            Arg::I32(v) => [v as u32 as u64, 0],
+            Arg::F32(v) => [v.to_bits() as u64, 0],
+            Arg::F64(v) => [v.to_bits(), 0],
+            Arg::Step(first) => [first + step - 1, 0],
+        })
+        .collect()
 }
 
 /// A cuBLAS `gemmEx` / `gemmStridedBatchedEx` call in cuBLAS's own
