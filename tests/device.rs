@@ -85,12 +85,14 @@ fn matches_cpu(g: &Graph, steps: usize) -> Program {
 
 /// How close the emulated device must come to the CPU executor: losses
 /// within `loss` (relative), and each f32 state element within
-/// `state · |cpu| + floor`.
+/// `state · |cpu| + floor` — or, with `per_tensor`, each state tensor
+/// within `state` in relative L2 (‖Δ‖/‖cpu‖).
 #[derive(Copy, Clone, Debug)]
 struct Tolerance {
     loss: f32,
     state: f32,
     floor: f32,
+    per_tensor: bool,
 }
 
 /// f32 steps: the two sides differ only in the order of f32 additions.
@@ -98,6 +100,7 @@ const F32_TOLERANCE: Tolerance = Tolerance {
     loss: 1e-4,
     state: 1e-3,
     floor: 1e-5,
+    per_tensor: false,
 };
 
 fn matches_cpu_within(g: &Graph, steps: usize, tol: Tolerance) -> Program {
@@ -124,6 +127,20 @@ fn matches_cpu_within(g: &Graph, steps: usize, tol: Tolerance) -> Program {
         for (ra, rb) in state.iter().zip(&cpu.state) {
             for ((na, va), (nb, vb)) in ra.iter().zip(rb) {
                 assert_eq!(na, nb);
+                if tol.per_tensor {
+                    let d: f64 = va
+                        .iter()
+                        .zip(vb)
+                        .map(|(x, y)| ((x - y) as f64).powi(2))
+                        .sum();
+                    let n: f64 = vb.iter().map(|&y| (y as f64).powi(2)).sum();
+                    let rel = (d / n.max(1e-30)).sqrt();
+                    assert!(
+                        rel <= tol.state as f64,
+                        "{kernels:?}, {na}: ‖Δ‖/‖cpu‖ = {rel}"
+                    );
+                    continue;
+                }
                 for (i, (x, y)) in va.iter().zip(vb).enumerate() {
                     assert!(
                         (x - y).abs() <= tol.state * y.abs() + tol.floor,
@@ -258,6 +275,7 @@ fn mixed_precision_lowered_for_the_gpu_matches_the_cpu_executor() {
         loss: 1e-5,
         state: 2e-3,
         floor: 1e-5,
+        per_tensor: false,
     };
     let cfg = LlamaConfig {
         mixed_precision: true,
@@ -323,4 +341,30 @@ fn mixed_precision_lowered_for_the_gpu_matches_the_cpu_executor() {
     g.fused_attention = true;
     g.checkpoint = true;
     matches_cpu_within(&gpt2::build(&g).unwrap(), 2, bf16);
+}
+
+/// A vocabulary above 1024 tokens: the token-embedding gradient's bucket
+/// scan (`scan_counts`, one block of 1024 threads) gives each thread a
+/// chunk of several buckets, the tied head's gradient accumulates onto it,
+/// and the loss kernels run blocks of 1024 threads; f32 and mixed
+/// precision. Compared per tensor: most of the 2,500 rows get only the
+/// head's gradient, some of it near Adam's ε, where the first update
+/// g/(|g| + ε) turns a last-bit difference in a block reduction's order
+/// into a visible one (one element of `wte` 0.46% apart). The loosest
+/// tensor is the attention bias, whose key part has an exact gradient of
+/// zero, so both sides hold rounding noise there (4.8e-4 apart, the
+/// mirrors included).
+#[test]
+fn a_large_vocabulary_embedding_gradient_matches_the_cpu_executor() {
+    let mut cfg = Gpt2Config::small_config(1, 32, 2, 16, 2, 2500);
+    let tol = Tolerance {
+        per_tensor: true,
+        state: 2e-3,
+        ..F32_TOLERANCE
+    };
+    matches_cpu_within(&gpt2::build(&cfg).unwrap(), 1, tol);
+    cfg.mixed_precision = true;
+    cfg.dtype = memplan::models::DType::BF16;
+    let bf16 = Tolerance { loss: 1e-5, ..tol };
+    matches_cpu_within(&gpt2::build(&cfg).unwrap(), 1, bf16);
 }
