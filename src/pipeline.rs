@@ -186,9 +186,9 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
 /// ordering phase).
 const BOUND_SHARE: f64 = 0.15;
 
-/// The min-cut floor if it finishes by `deadline`, else the best bound the
-/// search reached (`min-cut-partial`) or the simple bound; with the simple
-/// bound itself.
+/// The min-cut floor if it finishes by `deadline` (`min-cut-groups` where
+/// its group search raised it), else the best bound the search reached
+/// (`min-cut-partial`) or the simple bound; with the simple bound itself.
 fn lower_bound(
     p: &solver::Problem,
     cands: &[Candidate],
@@ -196,7 +196,9 @@ fn lower_bound(
 ) -> (u64, &'static str, u64) {
     let orders: Vec<&[solver::OpIdx]> = cands.iter().map(|c| c.order.as_slice()).collect();
     let floor = solver::bounds::min_cut_floor(p, &orders, Some(deadline), &Default::default());
-    if floor.finished {
+    if floor.finished && !floor.groups.group.is_empty() {
+        (floor.bytes, "min-cut-groups", floor.simple)
+    } else if floor.finished {
         (floor.bytes, "min-cut", floor.simple)
     } else if floor.bytes > floor.simple {
         (floor.bytes, "min-cut-partial", floor.simple)

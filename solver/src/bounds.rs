@@ -80,6 +80,7 @@
 
 use std::time::Instant;
 
+use crate::group_bound::{GroupFloor, GroupParams, group_floor};
 use crate::maxflow::{FlowNetwork, INF};
 use crate::problem::{OpIdx, Problem};
 
@@ -393,11 +394,31 @@ impl<'p> CutSolver<'p> {
     /// The least live bytes at `v`'s step over every set of ops that can
     /// run before it, less what reuse can save there; see the module docs.
     pub fn cut_at(&mut self, v: OpIdx) -> Cut {
+        self.cut_with(v, &[], &[])
+            .expect("an op alone always has an order")
+    }
+
+    /// [`cut_at`](Self::cut_at) over the orders that also run every op of
+    /// `before` ahead of `v` and every op of `after` behind it: the sets `S`
+    /// must hold `before` (with its ancestors) and nothing of `after` (nor
+    /// its descendants). `None` when no valid order does that (an op of
+    /// `after` is an ancestor of `v` or of an op of `before`, or `v` is in
+    /// `before`). Used by [`crate::group_bound`].
+    pub fn cut_with(&mut self, v: OpIdx, before: &[OpIdx], after: &[OpIdx]) -> Option<Cut> {
         let p = self.p;
+        if before.contains(&v) || after.contains(&v) {
+            return None;
+        }
         let (anc, desc) = self.next_gen();
-        // Ancestors and descendants by depth-first search.
+        // Ancestors (of v and of `before`) and descendants (of v and of
+        // `after`) by depth-first search; an op on both sides means no
+        // order exists.
         self.stack.clear();
         self.stack.push(v);
+        for &b in before {
+            self.mark[b.index()] = anc;
+            self.stack.push(b);
+        }
         while let Some(x) = self.stack.pop() {
             for q in p.preds(x) {
                 if self.mark[q.index()] != anc {
@@ -406,10 +427,25 @@ impl<'p> CutSolver<'p> {
                 }
             }
         }
+        if self.mark[v.index()] == anc {
+            // v precedes an op of `before`.
+            return None;
+        }
+        for &a in after {
+            if self.mark[a.index()] == anc {
+                return None;
+            }
+            self.mark[a.index()] = desc;
+        }
         self.stack.push(v);
+        self.stack.extend_from_slice(after);
         while let Some(x) = self.stack.pop() {
             for s in p.succs(x) {
-                if self.mark[s.index()] != desc {
+                let m = self.mark[s.index()];
+                if m == anc || s == v {
+                    return None;
+                }
+                if m != desc {
                     self.mark[s.index()] = desc;
                     self.stack.push(s);
                 }
@@ -520,10 +556,10 @@ impl<'p> CutSolver<'p> {
         let flow = self.net.solve();
         let mark = &self.mark;
         let save = reuse_savings(p, v, |u| mark[u.index()] == desc);
-        Cut {
+        Some(Cut {
             bytes: fixed.saturating_add(flow).saturating_sub(save),
             free_ops,
-        }
+        })
     }
 }
 
@@ -538,6 +574,10 @@ pub struct FloorParams {
     pub best_first: bool,
     /// Add the list scheduler's order to the known orders.
     pub list_schedule_order: bool,
+    /// After the per-op cuts, search groups of ops for a stronger bound
+    /// ([`crate::group_bound`]) while the floor is below the best known
+    /// order; `None`: per-op cuts only.
+    pub groups: Option<GroupParams>,
 }
 
 impl Default for FloorParams {
@@ -546,6 +586,7 @@ impl Default for FloorParams {
             prune_by_orders: true,
             best_first: true,
             list_schedule_order: true,
+            groups: Some(GroupParams::default()),
         }
     }
 }
@@ -571,6 +612,9 @@ pub struct Floor {
     pub cuts: usize,
     /// Ops skipped because a known order showed their cut cannot matter.
     pub pruned: usize,
+    /// The group search's result (its `bytes` is at most `bytes`); the
+    /// default when it did not run.
+    pub groups: GroupFloor,
 }
 
 /// The min-cut floor: `max over v` of [`CutSolver::cut_at`], by branch and
@@ -678,6 +722,15 @@ pub fn min_cut_floor(
         }
         best = best.max(first_step_term(p, &per_op_cut, unused));
     }
+    let mut groups = GroupFloor::default();
+    if let Some(gp) = &params.groups
+        && n > 1
+        && best < upper
+        && deadline.is_none_or(|d| Instant::now() < d)
+    {
+        groups = group_floor(p, best, upper, gp, deadline);
+        best = best.max(groups.bytes);
+    }
     Floor {
         bytes: best,
         finished,
@@ -686,11 +739,12 @@ pub fn min_cut_floor(
         upper: if n == 0 { best } else { upper },
         cuts,
         pruned,
+        groups,
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::problem::{OpClass, ProblemBuilder};
     use crate::simulate::evaluate;
@@ -719,8 +773,10 @@ mod tests {
     /// Two branches, each a big buffer reduced to a small one, joined at
     /// the end. Running one branch after the other peaks at 102 (the second
     /// branch's big buffer with both small ones). The simple bound sees only
-    /// one op's own buffers (101); so does the floor: at the second
-    /// branch's reduce, the set before it may hold none of the first branch.
+    /// one op's own buffers (101); so does the per-op floor: at the second
+    /// branch's reduce, the set before it may hold none of the first
+    /// branch. The group floor closes the gap: of the two reduces, one runs
+    /// last, when the other branch's small buffer is live.
     #[test]
     fn two_branches() {
         let mut b = ProblemBuilder::new();
@@ -735,10 +791,17 @@ mod tests {
         }
         let p = b.build().unwrap();
         assert_eq!(simple_bound(&p).bytes, 101);
-        let f = min_cut_floor(&p, &[], None, &FloorParams::default());
+        let per_op = FloorParams {
+            groups: None,
+            ..Default::default()
+        };
+        let f = min_cut_floor(&p, &[], None, &per_op);
         assert_eq!(f.bytes, 101);
         assert_eq!(f.upper, 102);
         assert!(f.finished);
+        let g = min_cut_floor(&p, &[], None, &FloorParams::default());
+        assert_eq!(g.bytes, 102);
+        assert!(g.groups.finished);
     }
 
     /// A step where the floor sees what the simple bound cannot. Main
@@ -784,7 +847,7 @@ mod tests {
     }
 
     /// Every topological order of a small problem.
-    fn all_orders(p: &Problem) -> Vec<Vec<OpIdx>> {
+    pub(crate) fn all_orders(p: &Problem) -> Vec<Vec<OpIdx>> {
         fn go(
             p: &Problem,
             indeg: &mut Vec<usize>,
@@ -819,15 +882,15 @@ mod tests {
     /// edges, buffers with or without producer, persistent or not, random
     /// later users, zero sizes, and reuse hints of equal size.
     #[derive(Clone, Debug)]
-    struct Spec {
-        n: usize,
-        edges: Vec<(usize, usize)>,
-        bufs: Vec<(Option<usize>, bool, u64, Vec<usize>)>,
-        hints: Vec<(usize, usize, usize)>,
-        chain: bool,
+    pub(crate) struct Spec {
+        pub(crate) n: usize,
+        pub(crate) edges: Vec<(usize, usize)>,
+        pub(crate) bufs: Vec<(Option<usize>, bool, u64, Vec<usize>)>,
+        pub(crate) hints: Vec<(usize, usize, usize)>,
+        pub(crate) chain: bool,
     }
 
-    fn spec(max_ops: usize) -> impl Strategy<Value = Spec> {
+    pub(crate) fn spec(max_ops: usize) -> impl Strategy<Value = Spec> {
         (
             0..=max_ops,
             proptest::collection::vec((0usize..64, 0usize..64), 0..10),
@@ -852,7 +915,7 @@ mod tests {
             })
     }
 
-    fn build(s: &Spec) -> Problem {
+    pub(crate) fn build(s: &Spec) -> Problem {
         let mut b = ProblemBuilder::new();
         let n = s.n;
         let ops: Vec<OpIdx> = (0..n).map(|_| b.add_op(OpClass::Other)).collect();
@@ -914,11 +977,21 @@ mod tests {
     /// The definition of the cut at `v`, by enumerating every set of ops
     /// that can run before it (no reuse savings).
     fn brute_cut(p: &Problem, v: OpIdx) -> u64 {
+        brute_cut_with(p, v, &[], &[]).unwrap()
+    }
+
+    /// The definition of [`CutSolver::cut_with`]: the sets that can run
+    /// before `v` holding `before` and none of `after` (`None`: no such
+    /// set).
+    fn brute_cut_with(p: &Problem, v: OpIdx, before: &[OpIdx], after: &[OpIdx]) -> Option<u64> {
         let n = p.num_ops();
         let mut best = u64::MAX;
         for mask in 0u32..(1 << n) {
             let in_s = |o: OpIdx| mask >> o.index() & 1 == 1;
-            if in_s(v) {
+            if in_s(v)
+                || !before.iter().all(|&o| in_s(o))
+                || after.iter().any(|&o| in_s(o) || o == v)
+            {
                 continue;
             }
             // Closed under predecessors, and v's predecessors inside.
@@ -950,7 +1023,7 @@ mod tests {
             }
             best = best.min(live);
         }
-        best
+        (best != u64::MAX).then_some(best)
     }
 
     proptest! {
@@ -966,14 +1039,18 @@ mod tests {
             let evals: Vec<_> = orders.iter().map(|o| evaluate(&p, o)).collect();
             let best = evals.iter().map(|e| e.peak).min().unwrap_or(0);
             let simple = simple_bound(&p);
-            let fl = min_cut_floor(&p, &[], None, &FloorParams::default());
+            let fl = min_cut_floor(&p, &[], None, &FloorParams { groups: None, ..Default::default() });
             let all = min_cut_floor(&p, &[], None, &FloorParams {
                 prune_by_orders: false, best_first: false, list_schedule_order: false,
+                groups: None,
             });
+            let with_groups = min_cut_floor(&p, &[], None, &FloorParams::default());
             prop_assert!(op_footprint(&p) <= simple.bytes);
             prop_assert!(simple.bytes <= fl.bytes);
             prop_assert!(fl.bytes <= best, "floor {} > best order {}", fl.bytes, best);
             prop_assert_eq!(fl.bytes, all.bytes, "pruning changed the floor");
+            prop_assert!(fl.bytes <= with_groups.bytes);
+            prop_assert!(with_groups.bytes <= best, "group floor {} > best order {}", with_groups.bytes, best);
             prop_assert!(fl.finished);
             prop_assert!(fl.upper >= best);
             let mut cs = CutSolver::new(&p);
@@ -994,6 +1071,27 @@ mod tests {
             let mut cs = CutSolver::new(&p);
             for v in p.ops() {
                 prop_assert_eq!(cs.cut_at(v).bytes, brute_cut(&p, v), "at {}", v);
+            }
+        }
+
+        /// With ops forced before and after `v`, the cut is the minimum over
+        /// the sets that honour both, and `None` exactly when there is none.
+        #[test]
+        fn cut_with_matches_its_definition(mut s in spec(8), pick in proptest::collection::vec(0u8..3, 8)) {
+            s.hints.clear();
+            let p = build(&s);
+            let mut cs = CutSolver::new(&p);
+            for v in p.ops() {
+                let (mut before, mut after) = (Vec::new(), Vec::new());
+                for o in p.ops().filter(|&o| o != v) {
+                    match pick[o.index()] {
+                        1 => before.push(o),
+                        2 => after.push(o),
+                        _ => {}
+                    }
+                }
+                let got = cs.cut_with(v, &before, &after).map(|c| c.bytes);
+                prop_assert_eq!(got, brute_cut_with(&p, v, &before, &after), "at {}", v);
             }
         }
 

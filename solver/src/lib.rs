@@ -92,6 +92,7 @@ pub mod budget;
 pub mod dfs;
 pub mod exact;
 pub mod greedy;
+pub mod group_bound;
 #[cfg(feature = "ilp")]
 pub mod ilp;
 pub mod list_schedule;
