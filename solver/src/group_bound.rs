@@ -30,16 +30,22 @@
 //!
 //! # Choosing groups
 //! Groups that help are made of ops that each add a lot of memory where
-//! they run (for "first") or free a lot (for "last"): the ops with the
-//! largest transient outputs, resp. the largest transient inputs. The
-//! search peels: starting from the `k` largest such ops, it computes every
+//! they run, or that each free a lot: the ops with the largest transient
+//! outputs, resp. the largest transient inputs. Both rankings are tried
+//! with both ends: the first of the big allocators (the MLP above), the
+//! last of the big freers, and the mixed pairs; the last of a set of
+//! weight-gradient ops, for one, is where either the buffers their updates
+//! share are live or every other gradient still waits (a constant
+//! broadcast to a weight's shape that every layer's update reads, in
+//! unfused XLA modules). The search peels: starting from the `k` largest
+//! ops of a ranking, it computes every
 //! member's constrained cut, records the minimum when it beats the best
 //! bound so far, and drops every member whose cut is not above that best
 //! bound: its cut can only fall as the group shrinks, so no later group
 //! holding it could beat the bound. It stops when the group is empty, or
 //! at the cut budget or deadline. With `k` members that is at most
-//! `k (k + 1) / 2` cuts, each a max-flow over the ops incomparable with
-//! the member.
+//! `k (k + 1) / 2` cuts per group, each a max-flow over the ops
+//! incomparable with the member.
 
 use std::time::Instant;
 
@@ -55,12 +61,13 @@ pub enum End {
     Last,
 }
 
-/// Limits of the group search.
+/// Limits of the group search (both measured in work, not time, so the
+/// bound does not depend on the machine unless the deadline stops it).
 #[derive(Clone, Debug)]
 pub struct GroupParams {
-    /// Members of the starting group, per end.
+    /// Members of each starting group (one per end and ranking).
     pub members: usize,
-    /// Cuts the whole search may solve (both ends together).
+    /// Cuts the whole search may solve (all four groups together).
     pub max_cuts: usize,
 }
 
@@ -68,7 +75,7 @@ impl Default for GroupParams {
     fn default() -> Self {
         GroupParams {
             members: 24,
-            max_cuts: 400,
+            max_cuts: 600,
         }
     }
 }
@@ -85,16 +92,17 @@ pub struct GroupFloor {
     pub end: Option<End>,
     /// Cuts solved.
     pub cuts: usize,
-    /// Whether the search ran to its end for both ends (neither the cut
+    /// Whether the search ran to its end for every group (neither the cut
     /// budget nor the deadline stopped it).
     pub finished: bool,
 }
 
-/// Transient bytes an op adds when it runs (`First`: its outputs, less
-/// what its reuse hints may save) or may free (`Last`: its inputs).
-fn weight(p: &Problem, v: OpIdx, end: End) -> u64 {
+/// The rankings of candidates: transient bytes an op adds when it runs
+/// (`First`: its outputs, less what its reuse hints may save) or may free
+/// (`Last`: its inputs).
+fn weight(p: &Problem, v: OpIdx, by: End) -> u64 {
     let transient = |b| !p.buf(b).persistent;
-    match end {
+    match by {
         End::First => {
             let out: u64 = p
                 .outputs(v)
@@ -116,11 +124,12 @@ fn weight(p: &Problem, v: OpIdx, end: End) -> u64 {
     }
 }
 
-/// The `k` ops of largest [`weight`] (ties by index), none of weight 0.
-fn candidates(p: &Problem, end: End, k: usize) -> Vec<OpIdx> {
+/// The `k` ops of largest [`weight`] by ranking `by` (ties by index), none
+/// of weight 0.
+fn candidates(p: &Problem, by: End, k: usize) -> Vec<OpIdx> {
     let mut c: Vec<(u64, OpIdx)> = p
         .ops()
-        .map(|v| (weight(p, v, end), v))
+        .map(|v| (weight(p, v, by), v))
         .filter(|&(w, _)| w > 0)
         .collect();
     c.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -157,8 +166,14 @@ pub fn group_floor(
         ..Default::default()
     };
     let mut cs = CutSolver::new(p);
-    for end in [End::First, End::Last] {
-        let mut group = candidates(p, end, params.members);
+    let rankings = [
+        (End::First, End::First),
+        (End::Last, End::Last),
+        (End::First, End::Last),
+        (End::Last, End::First),
+    ];
+    for (end, by) in rankings {
+        let mut group = candidates(p, by, params.members);
         while group.len() > 1 && out.bytes < upper {
             if out.cuts + group.len() > params.max_cuts
                 || deadline.is_some_and(|d| Instant::now() >= d)
