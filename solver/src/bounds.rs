@@ -27,7 +27,9 @@
 //!   is a minimum s-t cut ([`CutSolver::cut_at`]). The maximum over `v` is
 //!   found by branch and bound: `L(v)` lies between the simple bound and
 //!   the live bytes at `v` in any known order, so ops whose known live bytes
-//!   cannot beat the best floor so far need no cut.
+//!   cannot beat the best floor so far need no cut. Afterwards, while the
+//!   floor is below the best known order, [`crate::group_bound`] tries
+//!   groups of ops with constrained cuts ([`CutSolver::cut_with`]).
 //!
 //! # Why the floor is a lower bound
 //! Fix an order σ and an op `v`; let `S` be the ops before `v` in σ. `S`

@@ -53,7 +53,12 @@
 //!    weight-gradient op and its recomputed input next to a late update.
 //! 5. **Bounds**: every part has a lower bound ([`part_bound`]); a part
 //!    stops as soon as it meets it, and parts whose peak is below the best
-//!    global bound are not worked on, since they cannot set the peak.
+//!    global bound are not worked on, since they cannot set the peak. The
+//!    caller's bound for the whole step is the min-cut floor
+//!    ([`bounds::min_cut_floor`]: at each op, the fewest live bytes over
+//!    every set of ops that can run before it), raised by group floors
+//!    ([`group_bound`]: of a group of big allocators or freers one runs
+//!    first and one last, which the per-op cuts cannot see).
 //!
 //! # Recomputation
 //! [`remat`] chooses which forward ops to run again in the backward pass so
