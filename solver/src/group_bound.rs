@@ -214,10 +214,9 @@ pub fn group_floor(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bounds::tests::{all_orders, build, spec};
+    use crate::bounds::tests::{best_peak, build, spec};
     use crate::bounds::{FloorParams, min_cut_floor};
     use crate::problem::{OpClass, ProblemBuilder};
-    use crate::simulate::evaluate;
     use proptest::prelude::*;
 
     /// The MLP case of the module docs in miniature: three layers, each
@@ -257,11 +256,7 @@ mod tests {
             },
         );
         assert_eq!(per_op.bytes, 20);
-        let best = all_orders(&p)
-            .iter()
-            .map(|o| evaluate(&p, o).peak)
-            .min()
-            .unwrap();
+        let best = best_peak(&p);
         assert_eq!(best, 28);
         let g = group_floor(&p, per_op.bytes, best, &GroupParams::default(), None);
         assert_eq!(g.bytes, 28);
@@ -302,7 +297,7 @@ mod tests {
         #[test]
         fn every_group_bounds_every_order(s in spec(7), pick in proptest::collection::vec(any::<bool>(), 7)) {
             let p = build(&s);
-            let best = all_orders(&p).iter().map(|o| evaluate(&p, o).peak).min().unwrap_or(0);
+            let best = best_peak(&p);
             let group: Vec<OpIdx> = p.ops().filter(|o| pick[o.index()]).collect();
             let mut cs = CutSolver::new(&p);
             for end in [End::First, End::Last] {

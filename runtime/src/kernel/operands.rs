@@ -3,7 +3,7 @@
 //! attributes (positive sizes, finite hyper-parameters). One function per
 //! family of kernels; [`Kernel::check_operands`] dispatches.
 
-use super::{Attention, Kernel, Matmul, Slot};
+use super::{AdamParams, Attention, Kernel, Matmul, Slot};
 use crate::program::{DType, Instr, Program, TensorIdx};
 
 /// What one operand must be.
@@ -341,53 +341,22 @@ impl Kernel {
     }
 
     fn optimizer_operands(&self, p: &Program, ins: &Instr) -> Checked {
-        let Kernel::Adam(a) = self else {
-            // The gradient norm reads any number of float tensors.
-            if ins.inputs.is_empty() {
-                return Err("grad_norm needs at least one input".into());
+        match self {
+            Kernel::GradNorm { .. } => {
+                // Any number of float tensors in, one f32 norm out.
+                if ins.inputs.is_empty() {
+                    return Err("grad_norm needs at least one input".into());
+                }
+                let i = ins
+                    .inputs
+                    .iter()
+                    .map(|&t| Float(p.tensor(t).elements()))
+                    .collect();
+                Ok(io(i, vec![F32(1)]))
             }
-            let i = ins
-                .inputs
-                .iter()
-                .map(|&t| Float(p.tensor(t).elements()))
-                .collect();
-            return Ok(io(i, vec![F32(1)]));
-        };
-        for (what, x) in [
-            ("lr", a.lr),
-            ("beta1", a.beta1),
-            ("beta2", a.beta2),
-            ("eps", a.eps),
-            ("weight_decay", a.weight_decay),
-        ] {
-            if !x.is_finite() {
-                return Err(format!("{what} must be finite, got {x}"));
-            }
+            Kernel::Adam(a) => adam_operands(a, ins),
+            _ => unreachable!("not an optimizer kernel"),
         }
-        if !(0.0..1.0).contains(&a.beta1) || !(0.0..1.0).contains(&a.beta2) {
-            return Err(format!(
-                "betas must lie in [0, 1), got {} and {}",
-                a.beta1, a.beta2
-            ));
-        }
-        if a.first_step == 0 {
-            return Err("the first step number is 1, got 0".into());
-        }
-        let e = a.elements;
-        let mut inputs = vec![Float(e)];
-        if a.max_norm.is_some() {
-            inputs.push(F32(1));
-        }
-        let outputs = if ins.outputs.len() == 1 {
-            vec![Float(e)]
-        } else {
-            vec![]
-        };
-        Ok(Operands {
-            inputs,
-            outputs,
-            updates: vec![Float(e), Float(e), Float(e)],
-        })
     }
 
     fn packing_operands(&self, p: &Program, ins: &Instr) -> Checked {
@@ -451,6 +420,47 @@ impl Kernel {
             _ => unreachable!("not a collective kernel"),
         })
     }
+}
+
+/// Adam's hyper-parameters must be finite with betas in `[0, 1)`; it reads
+/// the gradient (and the clip coefficient when clipping) and updates the
+/// parameter and both moments, with an optional copy of the parameter out.
+fn adam_operands(a: &AdamParams, ins: &Instr) -> Checked {
+    for (what, x) in [
+        ("lr", a.lr),
+        ("beta1", a.beta1),
+        ("beta2", a.beta2),
+        ("eps", a.eps),
+        ("weight_decay", a.weight_decay),
+    ] {
+        if !x.is_finite() {
+            return Err(format!("{what} must be finite, got {x}"));
+        }
+    }
+    if !(0.0..1.0).contains(&a.beta1) || !(0.0..1.0).contains(&a.beta2) {
+        return Err(format!(
+            "betas must lie in [0, 1), got {} and {}",
+            a.beta1, a.beta2
+        ));
+    }
+    if a.first_step == 0 {
+        return Err("the first step number is 1, got 0".into());
+    }
+    let e = a.elements;
+    let mut inputs = vec![Float(e)];
+    if a.max_norm.is_some() {
+        inputs.push(F32(1));
+    }
+    let outputs = if ins.outputs.len() == 1 {
+        vec![Float(e)]
+    } else {
+        vec![]
+    };
+    Ok(Operands {
+        inputs,
+        outputs,
+        updates: vec![Float(e), Float(e), Float(e)],
+    })
 }
 
 /// A view takes its base and makes views of it; it updates nothing.
