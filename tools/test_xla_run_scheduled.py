@@ -1,5 +1,6 @@
 """XLA runs memplan's order: tools/xla_run_scheduled.py on two committed
-optimized modules (the MLP and GPT-2 tiny training steps). XLA's CPU
+optimized modules (the MLP and GPT-2 tiny training steps, and an MLP
+sharded over a 2x4 mesh, run on 8 CPU devices). XLA's CPU
 compiler must keep the relisted entry order, the outputs must equal the
 original module's bit for bit, and XLA's own memory report for memplan's
 order must be below its report for its own order and within the recorded
@@ -49,12 +50,18 @@ class XlaRunsMemplansOrder(unittest.TestCase):
         # is at least the plan's max live, and above it only by packing.
         self.assertGreaterEqual(r["xla_total_bytes_memplan_order"], r["memplan_max_live_bytes"], r)
         self.assertLessEqual(r["xla_memplan_order_vs_prediction"], overhead, r)
+        return r
 
     def test_mlp(self):
         self.check("mlp", 1.03)
 
     def test_gpt2_tiny(self):
         self.check("xla_gpt2_tiny", 1.10)
+
+    def test_sharded_data_and_tensor_parallel(self):
+        # one program per rank on 8 CPU devices, all-reduces between them
+        r = self.check("spmd_dp2_tp4", 1.01)
+        self.assertEqual(r["devices"], 8, r)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ What it does, for one optimized module (`*_after_optimizations.txt[.gz]`):
    with control predecessors.
 2. Compiles the original and the relisted module with XLA's CPU compiler,
    HLO passes off (`run_backend_only`), each in a fresh process with
-   `--xla_dump_to`, and runs both on the same random inputs.
+   `--xla_dump_to`, and runs both on the same random inputs. A sharded
+   (SPMD) module runs on as many CPU devices as its header's
+   `replica_count` x `num_partitions` (the plugin's `cpu_device_count`),
+   every device with its own inputs, collectives included.
 3. Checks that the compiled relisted module lists its entry in memplan's
    order (XLA's dump of what it compiled), that both give the same outputs,
    and prints XLA's `Total bytes` (its memory-usage report) for both next
@@ -90,18 +93,33 @@ def plugin_path():
     return os.path.join(os.path.dirname(lammps_jax_pjrt_cpu.__file__), "pjrt_c_api_cpu_plugin.so")
 
 
-def compile_and_run(module, out_npz, seed):
-    """In this process: compile `module` (XLA_FLAGS already set), run it,
-    save the outputs."""
-    import pypjrt
-    from pypjrt import client as pc
-    from pypjrt import typing as pt
-    from jax._src.lib import _jax, xla_client as xc
+def mesh(text):
+    """(replicas, partitions) of a module, from its header (1, 1 when absent)."""
+    head = text.split("\n", 1)[0]
+    r = re.search(r"replica_count=(\d+)", head)
+    p = re.search(r"num_partitions=(\d+)", head)
+    return (int(r.group(1)) if r else 1, int(p.group(1)) if p else 1)
 
-    text = read_text(module)
+
+def compile_options(replicas, partitions):
+    """Serialized CompileOptionsProto: backend only, and for a sharded
+    (SPMD) module one device per (replica, partition), in order."""
+    from jax._src.lib import _jax, xla_client as xc
+    o = _jax.CompileOptions()
+    if replicas * partitions > 1:
+        b = o.executable_build_options
+        o.num_replicas = b.num_replicas = replicas
+        o.num_partitions = b.num_partitions = partitions
+        b.use_spmd_partitioning = partitions > 1
+        o.device_assignment = xc.DeviceAssignment.create(
+            np.arange(replicas * partitions).reshape(replicas, partitions))
+    return o.SerializeAsString() + RUN_BACKEND_ONLY
+
+
+def compile_module(client, text, opts):
+    from pypjrt import client as pc
+    from jax._src.lib import xla_client as xc
     proto = xc.hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
-    opts = _jax.CompileOptions().SerializeAsString() + RUN_BACKEND_ONLY
-    client = pypjrt.Client.create(plugin_path())
     P = client._plugin
     code = ctypes.create_string_buffer(proto, len(proto))
     fmt = ctypes.create_string_buffer(b"hlo", 3)
@@ -112,7 +130,22 @@ def compile_and_run(module, out_npz, seed):
                   program=ctypes.addressof(prog), compile_options=ctypes.cast(ob, pc._VOIDP),
                   compile_options_size=len(opts))
     P.call("PJRT_Client_Compile", args)
-    exe = pc.Executable(P, args.executable, client)
+    return pc.Executable(P, args.executable, client)
+
+
+def compile_and_run(module, out_npz, seed):
+    """In this process: compile `module` (XLA_FLAGS already set), run it on
+    as many CPU devices as its mesh has (each with its own random inputs),
+    save the outputs: `out{k}` on one device, `d{d}_out{k}` on several."""
+    import pypjrt
+    from pypjrt import typing as pt
+
+    text = read_text(module)
+    replicas, partitions = mesh(text)
+    n = replicas * partitions
+    plugin = pypjrt.Client.create(plugin_path())._plugin
+    client = pypjrt.Client(plugin, options={"cpu_device_count": max(n, 1)})
+    exe = compile_module(client, text, compile_options(replicas, partitions))
     stats = {k: int(v) for k, v in exe.compiled_memory_stats().items()
              if isinstance(v, (int, np.integer))}
     codes = {"f32": pt.F32, "f64": pt.F64, "f16": pt.F16, "s32": pt.S32, "s64": pt.S64,
@@ -120,15 +153,20 @@ def compile_and_run(module, out_npz, seed):
     rng = np.random.default_rng(seed)
     outs = {}
     with client.devices() as devs:
-        bufs = []
-        for _, ty, dims in entry_params(text):
-            x = np.ascontiguousarray(random_arg(rng, ty, dims))
-            bufs.append(client.buffer_from_host(x, codes[ty].code, list(dims), devs[0]))
-        for k, o in enumerate(exe(*bufs)):
-            name = pt.by_code(o.element_type).name
-            host = np.empty(o.dimensions, dtype=NP.get(name, np.uint8))
-            o.to_host(host.reshape(-1).view(np.uint8) if host.size else bytearray(0))
-            outs[f"out{k}"] = host
+        rows = []
+        for d in range(n):
+            row = []
+            for _, ty, dims in entry_params(text):
+                x = np.ascontiguousarray(random_arg(rng, ty, dims))
+                row.append(client.buffer_from_host(x, codes[ty].code, list(dims), devs[d]))
+            rows.append(row)
+        results = exe.execute_sharded(rows) if n > 1 else [exe(*rows[0])]
+        for d, row in enumerate(results):
+            for k, o in enumerate(row):
+                name = pt.by_code(o.element_type).name
+                host = np.empty(o.dimensions, dtype=NP.get(name, np.uint8))
+                o.to_host(host.reshape(-1).view(np.uint8) if host.size else bytearray(0))
+                outs[f"out{k}" if n == 1 else f"d{d}_out{k}"] = host
     np.savez(out_npz, **outs)
     with open(out_npz + ".json", "w") as f:
         json.dump(stats, f)
@@ -155,8 +193,7 @@ def xla_run(module, work, tag, seed):
     compiled = newest(dump, "cpu_after_optimizations.txt")
     order = entry_order(open(compiled).read()) if compiled else None
     outs = np.load(out)
-    return {"total": total, "order": order,
-            "outs": [outs[f"out{k}"] for k in range(len(outs.files))]}
+    return {"total": total, "order": order, "outs": [outs[k] for k in outs.files]}
 
 
 def main():
@@ -193,9 +230,11 @@ def main():
     close = same or all(np.allclose(x, y, rtol=1e-6, atol=1e-6, equal_nan=True)
                         for x, y in zip(orig["outs"], mine["outs"]))
     pred = planned["max_live_bytes"]
+    replicas, partitions = mesh(read_text(a.module))
     result = {
         "module": a.module,
         "instructions": len(want),
+        "devices": replicas * partitions,
         "xla_kept_memplan_order": kept,
         "outputs": len(mine["outs"]),
         "outputs_bitwise_equal": same,
