@@ -607,19 +607,107 @@ impl GraphBuilder {
         self.ops.len()
     }
 
-    /// Validates and builds the graph.
+    /// Validates and builds the graph: names, sizes, views, producers and
+    /// reads are checked in turn ([`Specs`]), then the dependencies (data,
+    /// `after`, and the order of in-place updates against reads of the same
+    /// bytes) give the program order.
     pub fn build(self) -> Result<Graph, GraphError> {
         let GraphBuilder { name, tensors, ops } = self;
-        let nt = tensors.len();
-        let no = ops.len();
-        let tname = |t: TensorId| -> String {
-            tensors
-                .get(t.index())
-                .map_or_else(|| t.to_string(), |x| x.name.clone())
+        let s = Specs {
+            tensors: &tensors,
+            ops: &ops,
         };
-
-        let mut tensor_names = HashMap::with_capacity(nt);
+        let (tensor_names, op_names) = s.names()?;
+        s.check_sizes()?;
+        let root = s.view_roots()?;
+        let producer = s.producers()?;
+        s.check_reads(&producer)?;
+        s.check_reuse(&root)?;
+        let (mut deps, readers) = s.data_deps(&producer)?;
+        let program_order = stable_topo(ops.len(), &deps).map_err(|cycle| {
+            GraphError::Cycle(cycle.iter().map(|o| ops[o.index()].name.clone()).collect())
+        })?;
+        let mut root_users = s.root_users(&root, &program_order);
+        s.in_place_deps(&root, &producer, &root_users, &mut deps);
+        // Views own no bytes: their users were folded into their root.
         for (i, t) in tensors.iter().enumerate() {
+            if t.view_of.is_some() {
+                root_users[i].clear();
+            }
+        }
+        Ok(Graph {
+            name,
+            tensors: tensors
+                .into_iter()
+                .zip(&producer)
+                .map(|(s, &producer)| Tensor {
+                    name: s.name,
+                    size: s.size,
+                    align: s.align,
+                    role: s.role,
+                    lifetime: s.lifetime,
+                    producer,
+                    view_of: s.view_of,
+                    dtype: s.dtype,
+                    shape: s.shape,
+                })
+                .collect(),
+            ops: ops
+                .into_iter()
+                .map(|s| Op {
+                    name: s.name,
+                    kind: s.kind,
+                    op_type: s.op_type,
+                    inputs: s.inputs,
+                    outputs: s.outputs,
+                    updates: s.updates,
+                    reuse: s.reuse,
+                    after: s.after,
+                    cost: s.cost,
+                    flops: s.flops,
+                    stream: s.stream,
+                    attrs: s.attrs,
+                })
+                .collect(),
+            tensor_names,
+            op_names,
+            root,
+            readers,
+            root_users,
+            deps,
+            program_order,
+            extra_orders: Vec::new(),
+            reference_peaks: Vec::new(),
+            metadata: Default::default(),
+        })
+    }
+}
+
+type NameMap<T> = HashMap<String, T>;
+/// One list of ops per op or per tensor.
+type OpLists = Vec<Vec<OpId>>;
+
+/// The specs of a graph being built, and the passes that check them and
+/// derive its structure, in the order [`GraphBuilder::build`] runs them.
+/// Each pass may assume what the earlier ones checked.
+struct Specs<'a> {
+    tensors: &'a [TensorSpec],
+    ops: &'a [OpSpec],
+}
+
+impl Specs<'_> {
+    /// A tensor's name for errors (its id when it does not exist).
+    fn tname(&self, t: TensorId) -> String {
+        self.tensors
+            .get(t.index())
+            .map_or_else(|| t.to_string(), |x| x.name.clone())
+    }
+
+    /// Name maps; rejects duplicate names, zero alignments, out-of-range
+    /// streams and negative or non-finite costs.
+    fn names(&self) -> Result<(NameMap<TensorId>, NameMap<OpId>), GraphError> {
+        let mut tensor_names = HashMap::with_capacity(self.tensors.len());
+        for (i, t) in self.tensors.iter().enumerate() {
             if tensor_names
                 .insert(t.name.clone(), TensorId(i as u32))
                 .is_some()
@@ -633,8 +721,8 @@ impl GraphBuilder {
                 });
             }
         }
-        let mut op_names = HashMap::with_capacity(no);
-        for (i, o) in ops.iter().enumerate() {
+        let mut op_names = HashMap::with_capacity(self.ops.len());
+        for (i, o) in self.ops.iter().enumerate() {
             if op_names.insert(o.name.clone(), OpId(i as u32)).is_some() {
                 return Err(GraphError::DuplicateOp(o.name.clone()));
             }
@@ -655,23 +743,27 @@ impl GraphBuilder {
                 }
             }
         }
+        Ok((tensor_names, op_names))
+    }
 
-        // Sizes: the total (with alignment slack) must fit in u64, so every
-        // sum of sizes later on is safe.
+    /// The total size (with alignment slack) must fit in u64, so every sum
+    /// of sizes later on is safe.
+    fn check_sizes(&self) -> Result<(), GraphError> {
         let mut total: u64 = 0;
-        for t in &tensors {
-            if t.view_of.is_some() {
-                continue;
-            }
+        for t in self.tensors.iter().filter(|t| t.view_of.is_none()) {
             total = total
                 .checked_add(t.size)
                 .and_then(|x| x.checked_add(t.align - 1))
                 .ok_or_else(|| GraphError::SizeOverflow(t.name.clone()))?;
         }
+        Ok(())
+    }
 
-        // Views: resolve roots, reject loops and unknown bases.
-        let mut root: Vec<TensorId> = (0..nt as u32).map(TensorId).collect();
-        for t in &tensors {
+    /// The root of every tensor's view chain (itself when not a view);
+    /// rejects unknown bases and view cycles.
+    fn view_roots(&self) -> Result<Vec<TensorId>, GraphError> {
+        let nt = self.tensors.len();
+        for t in self.tensors {
             if let Some(base) = t.view_of
                 && base.index() >= nt
             {
@@ -681,20 +773,26 @@ impl GraphBuilder {
                 });
             }
         }
-        for i in 0..nt {
-            let mut cur = i;
-            let mut steps = 0;
-            while let Some(base) = tensors[cur].view_of {
-                cur = base.index();
-                steps += 1;
-                if steps > nt {
-                    return Err(GraphError::ViewCycle(tensors[i].name.clone()));
+        (0..nt)
+            .map(|i| {
+                let mut cur = i;
+                let mut steps = 0;
+                while let Some(base) = self.tensors[cur].view_of {
+                    cur = base.index();
+                    steps += 1;
+                    if steps > nt {
+                        return Err(GraphError::ViewCycle(self.tensors[i].name.clone()));
+                    }
                 }
-            }
-            root[i] = TensorId(cur as u32);
-        }
+                Ok(TensorId(cur as u32))
+            })
+            .collect()
+    }
 
-        // Producers and reads.
+    /// The producer of every tensor; rejects references to unknown tensors
+    /// or ops and tensors with two producers.
+    fn producers(&self) -> Result<Vec<Option<OpId>>, GraphError> {
+        let (nt, no) = (self.tensors.len(), self.ops.len());
         let mut producer: Vec<Option<OpId>> = vec![None; nt];
         let check_t = |op: &OpSpec, field: &'static str, t: TensorId| {
             if t.index() >= nt {
@@ -707,7 +805,7 @@ impl GraphBuilder {
                 Ok(())
             }
         };
-        for (i, o) in ops.iter().enumerate() {
+        for (i, o) in self.ops.iter().enumerate() {
             let id = OpId(i as u32);
             for &t in &o.outputs {
                 check_t(o, "outputs", t)?;
@@ -715,8 +813,8 @@ impl GraphBuilder {
                     && first != id
                 {
                     return Err(GraphError::TwoProducers {
-                        tensor: tname(t),
-                        first: ops[first.index()].name.clone(),
+                        tensor: self.tname(t),
+                        first: self.ops[first.index()].name.clone(),
                         second: o.name.clone(),
                     });
                 }
@@ -728,39 +826,42 @@ impl GraphBuilder {
             for &t in &o.updates {
                 check_t(o, "updates", t)?;
             }
-            for &a in &o.after {
-                if a.index() >= no {
-                    return Err(GraphError::UnknownOp {
-                        op: o.name.clone(),
-                        target: a.to_string(),
-                    });
-                }
+            if let Some(a) = o.after.iter().find(|a| a.index() >= no) {
+                return Err(GraphError::UnknownOp {
+                    op: o.name.clone(),
+                    target: a.to_string(),
+                });
             }
         }
-        for o in &ops {
-            for &t in &o.inputs {
-                if o.outputs.contains(&t) {
-                    return Err(GraphError::ReadsOwnOutput {
-                        op: o.name.clone(),
-                        tensor: tname(t),
-                    });
+        Ok(producer)
+    }
+
+    /// No op reads or updates its own output, and every tensor read has a
+    /// source: a producer, or (up its view chain) a step input or a
+    /// persistent tensor.
+    fn check_reads(&self, producer: &[Option<OpId>]) -> Result<(), GraphError> {
+        for o in self.ops {
+            for (&t, update) in o
+                .inputs
+                .iter()
+                .map(|t| (t, false))
+                .chain(o.updates.iter().map(|t| (t, true)))
+            {
+                if !o.outputs.contains(&t) {
+                    continue;
                 }
-            }
-            for &t in &o.updates {
-                if o.outputs.contains(&t) {
-                    return Err(GraphError::UpdatesOwnOutput {
-                        op: o.name.clone(),
-                        tensor: tname(t),
-                    });
-                }
+                let (op, tensor) = (o.name.clone(), self.tname(t));
+                return Err(if update {
+                    GraphError::UpdatesOwnOutput { op, tensor }
+                } else {
+                    GraphError::ReadsOwnOutput { op, tensor }
+                });
             }
         }
-        // A tensor read with no producer must be a step input (possibly
-        // through its view chain).
         let has_source = |t: TensorId| -> bool {
             let mut cur = t;
             loop {
-                let x = &tensors[cur.index()];
+                let x = &self.tensors[cur.index()];
                 if producer[cur.index()].is_some()
                     || x.role.is_step_input()
                     || x.lifetime == Lifetime::Persistent
@@ -773,24 +874,28 @@ impl GraphBuilder {
                 }
             }
         };
-        for o in &ops {
-            for &t in o.inputs.iter().chain(&o.updates) {
-                if !has_source(t) {
-                    return Err(GraphError::NoProducer {
-                        tensor: tname(t),
-                        role: tensors[t.index()].role.as_str(),
-                        consumer: o.name.clone(),
-                    });
-                }
+        for o in self.ops {
+            if let Some(&t) = o.inputs.iter().chain(&o.updates).find(|&&t| !has_source(t)) {
+                return Err(GraphError::NoProducer {
+                    tensor: self.tname(t),
+                    role: self.tensors[t.index()].role.as_str(),
+                    consumer: o.name.clone(),
+                });
             }
         }
-        // Reuse hints.
-        for o in &ops {
+        Ok(())
+    }
+
+    /// Every reuse hint names an output (not a view) and an input of its op,
+    /// and the output fits in the input's bytes.
+    fn check_reuse(&self, root: &[TensorId]) -> Result<(), GraphError> {
+        let nt = self.tensors.len();
+        for o in self.ops {
             for &(out, inp) in &o.reuse {
                 let bad = |why| GraphError::BadReuse {
                     op: o.name.clone(),
-                    output: tname(out),
-                    input: tname(inp),
+                    output: self.tname(out),
+                    input: self.tname(inp),
                     why,
                 };
                 if out.index() >= nt || inp.index() >= nt {
@@ -802,103 +907,98 @@ impl GraphBuilder {
                 if !o.inputs.contains(&inp) {
                     return Err(bad("the input is not an input of this op"));
                 }
-                if tensors[out.index()].view_of.is_some() {
+                if self.tensors[out.index()].view_of.is_some() {
                     return Err(bad("the output is a view"));
                 }
-                if tensors[out.index()].size > tensors[root[inp.index()].index()].size {
+                if self.tensors[out.index()].size > self.tensors[root[inp.index()].index()].size {
                     return Err(bad("the output is larger than the input"));
                 }
             }
         }
+        Ok(())
+    }
 
-        // Data dependencies: producer of each read tensor and of every base
-        // up its view chain (the bytes must exist), plus `after`.
-        let mut deps: Vec<Vec<OpId>> = vec![Vec::new(); no];
-        let mut readers: Vec<Vec<OpId>> = vec![Vec::new(); nt];
-        for (i, o) in ops.iter().enumerate() {
-            let id = OpId(i as u32);
+    /// Data dependencies of each op (sorted, deduplicated): the producer of
+    /// each tensor it reads or updates and of every base up their view
+    /// chains (the bytes must exist), the producers of its outputs' bases
+    /// (making a view reads its base), and `after`. Also the readers of
+    /// every tensor. Rejects an op that depends on itself.
+    fn data_deps(&self, producer: &[Option<OpId>]) -> Result<(OpLists, OpLists), GraphError> {
+        let mut deps: Vec<Vec<OpId>> = vec![Vec::new(); self.ops.len()];
+        let mut readers: Vec<Vec<OpId>> = vec![Vec::new(); self.tensors.len()];
+        let chain_producers = |from: Option<TensorId>, d: &mut Vec<OpId>| {
+            let mut cur = from;
+            while let Some(c) = cur {
+                d.extend(producer[c.index()]);
+                cur = self.tensors[c.index()].view_of;
+            }
+        };
+        for (i, o) in self.ops.iter().enumerate() {
             let d = &mut deps[i];
             for &t in o.inputs.iter().chain(&o.updates) {
-                let mut cur = Some(t);
-                while let Some(c) = cur {
-                    if let Some(p) = producer[c.index()] {
-                        d.push(p);
-                    }
-                    cur = tensors[c.index()].view_of;
-                }
+                chain_producers(Some(t), d);
             }
-            // Making a view reads its base.
             for &t in &o.outputs {
-                let mut cur = tensors[t.index()].view_of;
-                while let Some(c) = cur {
-                    if let Some(p) = producer[c.index()] {
-                        d.push(p);
-                    }
-                    cur = tensors[c.index()].view_of;
-                }
+                chain_producers(self.tensors[t.index()].view_of, d);
             }
             d.extend(o.after.iter().copied());
-            for &t in &o.inputs {
-                readers[t.index()].push(id);
-            }
-        }
-        for d in deps.iter_mut() {
             d.sort_unstable();
             d.dedup();
-        }
-        for (i, d) in deps.iter().enumerate() {
             if d.contains(&OpId(i as u32)) {
-                return Err(GraphError::Cycle(vec![
-                    ops[i].name.clone(),
-                    ops[i].name.clone(),
-                ]));
+                let name = self.ops[i].name.clone();
+                return Err(GraphError::Cycle(vec![name.clone(), name]));
+            }
+            for &t in &o.inputs {
+                readers[t.index()].push(OpId(i as u32));
             }
         }
         for r in readers.iter_mut() {
             r.dedup();
         }
+        Ok((deps, readers))
+    }
 
-        let program_order = stable_topo(no, &deps).map_err(|cycle| {
-            GraphError::Cycle(cycle.iter().map(|o| ops[o.index()].name.clone()).collect())
-        })?;
-
-        // Users of each root's bytes, in program order.
-        let mut pos = vec![0usize; no];
-        for (i, &o) in program_order.iter().enumerate() {
-            pos[o.index()] = i;
+    /// The ops that read, update or view each root's bytes, in program
+    /// order (indexed by root; a view's list is empty).
+    fn root_users(&self, root: &[TensorId], program_order: &[OpId]) -> Vec<Vec<OpId>> {
+        let mut root_users: Vec<Vec<OpId>> = vec![Vec::new(); self.tensors.len()];
+        for &id in program_order {
+            let o = &self.ops[id.index()];
+            let views = o
+                .outputs
+                .iter()
+                .filter(|t| self.tensors[t.index()].view_of.is_some());
+            for &t in o.inputs.iter().chain(&o.updates).chain(views) {
+                let users = &mut root_users[root[t.index()].index()];
+                if users.last() != Some(&id) {
+                    users.push(id);
+                }
+            }
         }
-        let mut root_users: Vec<Vec<OpId>> = vec![Vec::new(); nt];
-        let mut root_updated = vec![false; nt];
-        for &id in &program_order {
-            let o = &ops[id.index()];
-            let touch = |t: TensorId, root_users: &mut Vec<Vec<OpId>>| {
-                let r = root[t.index()].index();
-                if root_users[r].last() != Some(&id) {
-                    root_users[r].push(id);
-                }
-            };
-            for &t in o.inputs.iter().chain(&o.updates) {
-                touch(t, &mut root_users);
-            }
-            for &t in &o.outputs {
-                if tensors[t.index()].view_of.is_some() {
-                    touch(t, &mut root_users);
-                }
-            }
+        root_users
+    }
+
+    /// In-place ordering: along each updated root's users in program order,
+    /// every user comes after the last writer, and every writer after the
+    /// readers since the previous write. Adds those edges to `deps`.
+    fn in_place_deps(
+        &self,
+        root: &[TensorId],
+        producer: &[Option<OpId>],
+        root_users: &[Vec<OpId>],
+        deps: &mut [Vec<OpId>],
+    ) {
+        let mut updated = vec![false; self.tensors.len()];
+        for o in self.ops {
             for &t in &o.updates {
-                root_updated[root[t.index()].index()] = true;
+                updated[root[t.index()].index()] = true;
             }
         }
-
-        // In-place ordering: walk each updated root's users in program order.
-        for r in 0..nt {
-            if !root_updated[r] {
-                continue;
-            }
+        for r in (0..self.tensors.len()).filter(|&r| updated[r]) {
             let mut last_writer = producer[r];
             let mut readers_since: Vec<OpId> = Vec::new();
             for &u in &root_users[r] {
-                let o = &ops[u.index()];
+                let o = &self.ops[u.index()];
                 let writes = o.updates.iter().any(|&t| root[t.index()].index() == r);
                 if let Some(w) = last_writer
                     && w != u
@@ -906,12 +1006,7 @@ impl GraphBuilder {
                     deps[u.index()].push(w);
                 }
                 if writes {
-                    for &rd in &readers_since {
-                        if rd != u {
-                            deps[u.index()].push(rd);
-                        }
-                    }
-                    readers_since.clear();
+                    deps[u.index()].extend(readers_since.drain(..).filter(|&rd| rd != u));
                     last_writer = Some(u);
                 } else {
                     readers_since.push(u);
@@ -922,60 +1017,6 @@ impl GraphBuilder {
             d.sort_unstable();
             d.dedup();
         }
-
-        let tensors: Vec<Tensor> = tensors
-            .into_iter()
-            .enumerate()
-            .map(|(i, s)| Tensor {
-                name: s.name,
-                size: s.size,
-                align: s.align,
-                role: s.role,
-                lifetime: s.lifetime,
-                producer: producer[i],
-                view_of: s.view_of,
-                dtype: s.dtype,
-                shape: s.shape,
-            })
-            .collect();
-        let ops: Vec<Op> = ops
-            .into_iter()
-            .map(|s| Op {
-                name: s.name,
-                kind: s.kind,
-                op_type: s.op_type,
-                inputs: s.inputs,
-                outputs: s.outputs,
-                updates: s.updates,
-                reuse: s.reuse,
-                after: s.after,
-                cost: s.cost,
-                flops: s.flops,
-                stream: s.stream,
-                attrs: s.attrs,
-            })
-            .collect();
-        // Views own no bytes: their users were folded into their root.
-        for (i, t) in tensors.iter().enumerate() {
-            if t.view_of.is_some() {
-                root_users[i].clear();
-            }
-        }
-        Ok(Graph {
-            name,
-            tensors,
-            ops,
-            tensor_names,
-            op_names,
-            root,
-            readers,
-            root_users,
-            deps,
-            program_order,
-            extra_orders: Vec::new(),
-            reference_peaks: Vec::new(),
-            metadata: Default::default(),
-        })
     }
 }
 
