@@ -153,6 +153,46 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
         step,
     };
     match l.kernel {
+        DevKernel::FillRows
+        | DevKernel::ColSum
+        | DevKernel::Add
+        | DevKernel::GeluFwd
+        | DevKernel::ReluFwd
+        | DevKernel::GeluBwd
+        | DevKernel::ReluBwd
+        | DevKernel::Cast
+        | DevKernel::SumSquares
+        | DevKernel::SqrtInplace => pointwise(m, l.kernel, &a),
+        DevKernel::LayernormFwd | DevKernel::LayernormBwdParams | DevKernel::LayernormBwdData => {
+            layernorm(m, l.kernel, &a)
+        }
+        DevKernel::CausalSoftmaxFwd
+        | DevKernel::CausalSoftmaxBwd
+        | DevKernel::ZeroUpper
+        | DevKernel::ZeroQk => attention(m, l.kernel, &a),
+        DevKernel::CrossEntropyFwd | DevKernel::CrossEntropyBwd => cross_entropy(m, l.kernel, &a),
+        DevKernel::EmbeddingFwd
+        | DevKernel::EmbeddingCount
+        | DevKernel::ScanCounts
+        | DevKernel::EmbeddingPlace
+        | DevKernel::EmbeddingBwdRows
+        | DevKernel::EmbeddingBwdPositions => embedding(m, l.kernel, &a),
+        DevKernel::RmsnormFwd
+        | DevKernel::RmsnormBwdParams
+        | DevKernel::RmsnormBwdData
+        | DevKernel::RopeFwd
+        | DevKernel::SwigluFwd
+        | DevKernel::SwigluBwd => decoder(m, l.kernel, &a),
+        DevKernel::FlashAttnFwd => flash_fwd(m, &a),
+        DevKernel::FlashAttnBwdDq => flash_bwd(m, &a, false),
+        DevKernel::FlashAttnBwdDkv => flash_bwd(m, &a, true),
+        DevKernel::AdamStep => adam(m, &a),
+    }
+}
+
+/// Fills, sums, pointwise activations, casts and the squared norm.
+fn pointwise(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    match k {
         DevKernel::FillRows => {
             let (y, b, rows, n) = (a.p(0), a.p(1), a.n(2), a.n(3));
             for i in 0..rows * n {
@@ -181,7 +221,7 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
             let (x, y, n) = (a.p(0), a.p(1), a.n(2));
             for i in 0..n {
                 let v = m.f(x, i);
-                let r = if l.kernel == DevKernel::GeluFwd {
+                let r = if k == DevKernel::GeluFwd {
                     gelu_f(v)
                 } else if v > 0.0 {
                     v
@@ -195,7 +235,7 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
             let (dy, x, dx, n) = (a.p(0), a.p(1), a.p(2), a.n(3));
             for i in 0..n {
                 let (d, v) = (m.f(dy, i), m.f(x, i));
-                let r = if l.kernel == DevKernel::GeluBwd {
+                let r = if k == DevKernel::GeluBwd {
                     d * gelu_g(v)
                 } else if v > 0.0 {
                     d
@@ -205,6 +245,34 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 m.set(dx, i, r);
             }
         }
+        DevKernel::Cast => {
+            let (x, y, n) = (a.p(0), a.p(1), a.n(2));
+            for i in 0..n {
+                let v = m.f(x, i);
+                m.set(y, i, v);
+            }
+        }
+        DevKernel::SumSquares => {
+            let (x, out, n) = (a.p(0), a.p(1), a.n(2));
+            let mut s = 0.0f32;
+            for i in 0..n {
+                s += m.f(x, i) * m.f(x, i);
+            }
+            let v = m.f(out, 0) + s;
+            m.set(out, 0, v);
+        }
+        DevKernel::SqrtInplace => {
+            let x = a.p(0);
+            let v = m.f(x, 0).sqrt();
+            m.set(x, 0, v);
+        }
+        other => unreachable!("{other:?} is not a pointwise kernel"),
+    }
+}
+
+/// LayerNorm forward and its two backward kernels.
+fn layernorm(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    match k {
         DevKernel::LayernormFwd => {
             let (x, g, b, y, mean, rstd) = (a.p(0), a.p(1), a.p(2), a.p(3), a.p(4), a.p(5));
             let (rows, cols, eps) = (a.n(6), a.n(7), a.f(8));
@@ -263,6 +331,13 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 }
             }
         }
+        other => unreachable!("{other:?} is not a layernorm kernel"),
+    }
+}
+
+/// The unfused attention kernels: causal softmax and its backward, masking.
+fn attention(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    match k {
         DevKernel::CausalSoftmaxFwd => {
             let (s, p, rows, t) = (a.p(0), a.p(1), a.n(2), a.n(3));
             for r in 0..rows {
@@ -313,6 +388,13 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 m.set(d, (k / (2 * c)) * 3 * c + k % (2 * c), 0.0);
             }
         }
+        other => unreachable!("{other:?} is not a attention kernel"),
+    }
+}
+
+/// Cross-entropy loss and its gradient (an out-of-range target sets the error flag).
+fn cross_entropy(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    match k {
         DevKernel::CrossEntropyFwd => {
             let (x, tgt, loss, rows, classes, err, code) =
                 (a.p(0), a.p(1), a.p(2), a.n(3), a.n(4), a.p(5), a.i(6));
@@ -368,6 +450,13 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 }
             }
         }
+        other => unreachable!("{other:?} is not a cross entropy kernel"),
+    }
+}
+
+/// Token and position embeddings, forward and the sorted (deterministic) backward.
+fn embedding(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    match k {
         DevKernel::EmbeddingFwd => {
             let (tok, wte, wpe, x) = (a.p(0), a.p(1), a.ptr(2), a.p(3));
             let (bt, seq, width, vocab, err, code) =
@@ -433,13 +522,6 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 }
             }
         }
-        DevKernel::Cast => {
-            let (x, y, n) = (a.p(0), a.p(1), a.n(2));
-            for i in 0..n {
-                let v = m.f(x, i);
-                m.set(y, i, v);
-            }
-        }
         DevKernel::EmbeddingBwdPositions => {
             let (dx, dwpe, batch, seq, width) = (a.p(0), a.p(1), a.n(2), a.n(3), a.n(4));
             for i in 0..seq * width {
@@ -450,64 +532,44 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
                 m.set(dwpe, i, s);
             }
         }
-        DevKernel::SumSquares => {
-            let (x, out, n) = (a.p(0), a.p(1), a.n(2));
-            let mut s = 0.0f32;
-            for i in 0..n {
-                s += m.f(x, i) * m.f(x, i);
-            }
-            let v = m.f(out, 0) + s;
-            m.set(out, 0, v);
+        other => unreachable!("{other:?} is not a embedding kernel"),
+    }
+}
+
+/// AdamW (or Adam with L2 decay) on one parameter, the gradient scaled
+/// by the clipping coefficient when a norm is given.
+fn adam(m: &mut Mem<'_>, a: &Args<'_>) {
+    let (g, norm, w, mm, v, denom) = (a.p(0), a.ptr(1), a.p(2), a.p(3), a.p(4), a.ptr(5));
+    let (n, lr, b1, b2, eps, wd) = (a.n(6), a.f(7), a.f(8), a.f(9), a.f(10), a.f(11));
+    let (decoupled, step, max_norm, norm_squared) = (a.i(12) != 0, a.n(13), a.f(14), a.i(15) != 0);
+    let mut coef = 1.0f32;
+    if let Some(np) = norm {
+        let mut nn = m.f(np, 0);
+        if norm_squared {
+            nn = nn.max(0.0).sqrt();
         }
-        DevKernel::RmsnormFwd
-        | DevKernel::RmsnormBwdParams
-        | DevKernel::RmsnormBwdData
-        | DevKernel::RopeFwd
-        | DevKernel::SwigluFwd
-        | DevKernel::SwigluBwd => decoder(m, l.kernel, &a),
-        DevKernel::FlashAttnFwd => flash_fwd(m, &a),
-        DevKernel::FlashAttnBwdDq => flash_bwd(m, &a, false),
-        DevKernel::FlashAttnBwdDkv => flash_bwd(m, &a, true),
-        DevKernel::SqrtInplace => {
-            let x = a.p(0);
-            let v = m.f(x, 0).sqrt();
-            m.set(x, 0, v);
+        coef = (max_norm / (nn + 1e-6)).min(1.0);
+    }
+    let bc1 = 1.0 - b1.powf(step as f32);
+    let bc2_sqrt = (1.0 - b2.powf(step as f32)).sqrt();
+    let step_size = lr / bc1;
+    let decay = 1.0 - lr * wd;
+    for i in 0..n {
+        let mut gi = m.f(g, i) * coef;
+        let mut wi = m.f(w, i);
+        if decoupled {
+            wi *= decay;
+        } else if wd != 0.0 {
+            gi += wd * wi;
         }
-        DevKernel::AdamStep => {
-            let (g, norm, w, mm, v, denom) = (a.p(0), a.ptr(1), a.p(2), a.p(3), a.p(4), a.ptr(5));
-            let (n, lr, b1, b2, eps, wd) = (a.n(6), a.f(7), a.f(8), a.f(9), a.f(10), a.f(11));
-            let (decoupled, step, max_norm, norm_squared) =
-                (a.i(12) != 0, a.n(13), a.f(14), a.i(15) != 0);
-            let mut coef = 1.0f32;
-            if let Some(np) = norm {
-                let mut nn = m.f(np, 0);
-                if norm_squared {
-                    nn = nn.max(0.0).sqrt();
-                }
-                coef = (max_norm / (nn + 1e-6)).min(1.0);
-            }
-            let bc1 = 1.0 - b1.powf(step as f32);
-            let bc2_sqrt = (1.0 - b2.powf(step as f32)).sqrt();
-            let step_size = lr / bc1;
-            let decay = 1.0 - lr * wd;
-            for i in 0..n {
-                let mut gi = m.f(g, i) * coef;
-                let mut wi = m.f(w, i);
-                if decoupled {
-                    wi *= decay;
-                } else if wd != 0.0 {
-                    gi += wd * wi;
-                }
-                let mi = b1 * m.f(mm, i) + (1.0 - b1) * gi;
-                let vi = b2 * m.f(v, i) + (1.0 - b2) * gi * gi;
-                let d = vi.sqrt() / bc2_sqrt + eps;
-                m.set(w, i, wi - step_size * mi / d);
-                m.set(mm, i, mi);
-                m.set(v, i, vi);
-                if let Some(dp) = denom {
-                    m.set(dp, i, d);
-                }
-            }
+        let mi = b1 * m.f(mm, i) + (1.0 - b1) * gi;
+        let vi = b2 * m.f(v, i) + (1.0 - b2) * gi * gi;
+        let d = vi.sqrt() / bc2_sqrt + eps;
+        m.set(w, i, wi - step_size * mi / d);
+        m.set(mm, i, mi);
+        m.set(v, i, vi);
+        if let Some(dp) = denom {
+            m.set(dp, i, d);
         }
     }
 }
