@@ -22,6 +22,7 @@
 //! reused input ends in the first half of the reusing op's step and the output
 //! starts in the second half.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
 use std::fmt;
 
@@ -108,253 +109,302 @@ impl fmt::Display for CheckReport {
 
 /// Checks `plan` against `graph`; see the module docs for every rule.
 pub fn check(graph: &Graph, plan: &Plan) -> Result<CheckReport, CheckError> {
-    let n = graph.num_ops();
-    let name = |t: TensorId| graph.tensor(t).name.clone();
-    let oname = |o: OpId| graph.op(o).name.clone();
+    let c = Checker { graph, plan };
+    let step = c.steps()?;
+    let (used_bytes, tensors_placed) = c.offsets()?;
+    let life = c.lifetimes(&step);
+    let reuses = c.reuses(&step, &life)?;
+    let max_live_bytes = c.sweep(&life, &reuses)?;
+    Ok(CheckReport {
+        max_live_bytes,
+        used_bytes,
+        ops: graph.num_ops(),
+        tensors_placed,
+    })
+}
 
-    // 1. Order.
-    if plan.order.len() != n {
-        return Err(CheckError::OrderLength {
-            got: plan.order.len(),
-            want: n,
-        });
+/// A plan under check, and each rule of the module docs as a method.
+struct Checker<'a> {
+    graph: &'a Graph,
+    plan: &'a Plan,
+}
+
+/// Closed lifetimes in steps, per tensor (roots carry their views' uses).
+struct Lifetimes {
+    birth: Vec<usize>,
+    death: Vec<usize>,
+}
+
+/// The claimed reuses that passed: inputs that end early, outputs that
+/// start late (each tensor at most once on each side).
+struct Reuses {
+    inputs: HashSet<TensorId>,
+    outputs: HashSet<TensorId>,
+}
+
+impl Checker<'_> {
+    fn name(&self, t: TensorId) -> String {
+        self.graph.tensor(t).name.clone()
     }
-    let mut step = vec![usize::MAX; n];
-    for (i, &o) in plan.order.iter().enumerate() {
-        if o.index() >= n {
-            return Err(CheckError::UnknownOp(o.0));
-        }
-        if step[o.index()] != usize::MAX {
-            return Err(CheckError::DuplicateOp(oname(o)));
-        }
-        step[o.index()] = i;
+    fn op_name(&self, o: OpId) -> String {
+        self.graph.op(o).name.clone()
     }
-    for o in graph.op_ids() {
-        for &d in graph.deps(o) {
-            if step[d.index()] >= step[o.index()] {
+    /// The root of `t`'s view chain, walked here rather than taken from
+    /// the graph.
+    fn root_of(&self, mut t: TensorId) -> TensorId {
+        while let Some(b) = self.graph.tensor(t).view_of {
+            t = b;
+        }
+        t
+    }
+    /// Whether `t` occupies memory: not a view, and not empty.
+    fn owns(&self, t: TensorId) -> bool {
+        let x = self.graph.tensor(t);
+        x.view_of.is_none() && x.size > 0
+    }
+
+    /// Rule 1: every op once, after every op it depends on. The step of
+    /// each op.
+    fn steps(&self) -> Result<Vec<usize>, CheckError> {
+        let (graph, order) = (self.graph, &self.plan.order);
+        let n = graph.num_ops();
+        if order.len() != n {
+            return Err(CheckError::OrderLength {
+                got: order.len(),
+                want: n,
+            });
+        }
+        let mut step = vec![usize::MAX; n];
+        for (i, &o) in order.iter().enumerate() {
+            if o.index() >= n {
+                return Err(CheckError::UnknownOp(o.0));
+            }
+            if step[o.index()] != usize::MAX {
+                return Err(CheckError::DuplicateOp(self.op_name(o)));
+            }
+            step[o.index()] = i;
+        }
+        for o in graph.op_ids() {
+            if let Some(&d) = graph
+                .deps(o)
+                .iter()
+                .find(|d| step[d.index()] >= step[o.index()])
+            {
                 return Err(CheckError::Dependency {
-                    op: oname(o),
-                    dep: oname(d),
+                    op: self.op_name(o),
+                    dep: self.op_name(d),
                     op_step: step[o.index()],
                     dep_step: step[d.index()],
                 });
             }
         }
+        Ok(step)
     }
 
-    // Roots by walking view chains ourselves.
-    let nt = graph.num_tensors();
-    let root_of = |mut t: TensorId| {
-        while let Some(b) = graph.tensor(t).view_of {
-            t = b;
+    /// Rule 2: an aligned offset inside the arena for exactly the tensors
+    /// that own bytes. The highest byte used and the number placed.
+    fn offsets(&self) -> Result<(u64, usize), CheckError> {
+        let (graph, plan) = (self.graph, self.plan);
+        if plan.offsets.len() != graph.num_tensors() {
+            return Err(CheckError::OffsetsLength {
+                got: plan.offsets.len(),
+                want: graph.num_tensors(),
+            });
         }
-        t
-    };
-    let owns = |t: TensorId| {
-        let x = graph.tensor(t);
-        x.view_of.is_none() && x.size > 0
-    };
-
-    // 2. Offsets.
-    if plan.offsets.len() != nt {
-        return Err(CheckError::OffsetsLength {
-            got: plan.offsets.len(),
-            want: nt,
-        });
-    }
-    let mut used = 0u64;
-    let mut placed = 0;
-    for t in graph.tensor_ids() {
-        let x = graph.tensor(t);
-        match (owns(t), plan.offsets[t.index()]) {
-            (true, None) => return Err(CheckError::MissingOffset(name(t))),
-            (false, Some(_)) => return Err(CheckError::NeedlessOffset(name(t))),
-            (false, None) => {}
-            (true, Some(off)) => {
-                if off % x.align.max(1) != 0 {
-                    return Err(CheckError::Misaligned {
-                        tensor: name(t),
-                        offset: off,
-                        align: x.align,
-                    });
-                }
-                let end = off as u128 + x.size as u128;
-                if end > plan.arena_bytes as u128 {
-                    return Err(CheckError::OutsideArena {
-                        tensor: name(t),
-                        offset: off,
-                        end,
-                        arena: plan.arena_bytes,
-                    });
-                }
-                used = used.max(end as u64);
-                placed += 1;
+        let mut used = 0u64;
+        let mut placed = 0;
+        for t in graph.tensor_ids() {
+            let x = graph.tensor(t);
+            let off = match (self.owns(t), plan.offsets[t.index()]) {
+                (true, None) => return Err(CheckError::MissingOffset(self.name(t))),
+                (false, Some(_)) => return Err(CheckError::NeedlessOffset(self.name(t))),
+                (false, None) => continue,
+                (true, Some(off)) => off,
+            };
+            if off % x.align.max(1) != 0 {
+                return Err(CheckError::Misaligned {
+                    tensor: self.name(t),
+                    offset: off,
+                    align: x.align,
+                });
             }
+            let end = off as u128 + x.size as u128;
+            if end > plan.arena_bytes as u128 {
+                return Err(CheckError::OutsideArena {
+                    tensor: self.name(t),
+                    offset: off,
+                    end,
+                    arena: plan.arena_bytes,
+                });
+            }
+            used = used.max(end as u64);
+            placed += 1;
         }
+        Ok((used, placed))
     }
 
-    // Lifetimes, from the graph's ops directly.
-    let last = n.saturating_sub(1);
-    let mut birth = vec![0usize; nt];
-    let mut death = vec![0usize; nt];
-    let mut seen_use = vec![false; nt];
-    for o in graph.op_ids() {
-        let s = step[o.index()];
-        let op = graph.op(o);
-        for &t in &op.outputs {
-            if graph.tensor(t).view_of.is_none() {
-                birth[t.index()] = s;
-            } else {
-                let r = root_of(t).index();
-                death[r] = death[r].max(s);
-                seen_use[r] = true;
-            }
-        }
-        for &t in op.inputs.iter().chain(&op.updates) {
-            let r = root_of(t).index();
+    /// Lifetimes from the graph's ops directly (module docs).
+    fn lifetimes(&self, step: &[usize]) -> Lifetimes {
+        let graph = self.graph;
+        let nt = graph.num_tensors();
+        let last = graph.num_ops().saturating_sub(1);
+        let mut birth = vec![0usize; nt];
+        let mut death = vec![0usize; nt];
+        let mut seen_use = vec![false; nt];
+        let mut touch = |t: TensorId, s: usize| {
+            let r = self.root_of(t).index();
             death[r] = death[r].max(s);
             seen_use[r] = true;
+        };
+        for o in graph.op_ids() {
+            let s = step[o.index()];
+            let op = graph.op(o);
+            for &t in &op.outputs {
+                if graph.tensor(t).view_of.is_none() {
+                    birth[t.index()] = s;
+                } else {
+                    touch(t, s);
+                }
+            }
+            for &t in op.inputs.iter().chain(&op.updates) {
+                touch(t, s);
+            }
         }
-    }
-    for t in graph.tensor_ids() {
-        let i = t.index();
-        let x = graph.tensor(t);
-        if x.lifetime == Lifetime::Persistent {
-            death[i] = last;
-        } else if !seen_use[i] || death[i] < birth[i] {
-            death[i] = birth[i];
+        for t in graph.tensor_ids() {
+            let i = t.index();
+            if graph.tensor(t).lifetime == Lifetime::Persistent {
+                death[i] = last;
+            } else if !seen_use[i] || death[i] < birth[i] {
+                death[i] = birth[i];
+            }
         }
+        Lifetimes { birth, death }
     }
 
-    // 3. Reuses.
-    let mut reused_in = HashSet::new();
-    let mut reusing_out = HashSet::new();
-    let mut pair = HashSet::new();
-    for &(out, inp) in &plan.reuses {
-        let bad = |why: &str| CheckError::BadReuse {
-            output: if out.index() < nt {
-                name(out)
-            } else {
-                out.to_string()
-            },
-            input: if inp.index() < nt {
-                name(inp)
-            } else {
-                inp.to_string()
-            },
-            why: why.to_string(),
+    /// Rule 3: every claimed reuse is declared, at the input's last use, of
+    /// a transient input, inside its bytes, and each tensor in one at most.
+    fn reuses(&self, step: &[usize], life: &Lifetimes) -> Result<Reuses, CheckError> {
+        let (graph, plan) = (self.graph, self.plan);
+        let nt = graph.num_tensors();
+        let mut r = Reuses {
+            inputs: HashSet::new(),
+            outputs: HashSet::new(),
         };
-        if out.index() >= nt || inp.index() >= nt {
-            return Err(bad("unknown tensor"));
-        }
-        if !owns(out) || !owns(inp) {
-            return Err(bad("both tensors must own bytes"));
-        }
-        let Some(op) = graph.tensor(out).producer else {
-            return Err(bad("the output has no producer"));
+        let label = |t: TensorId| {
+            if t.index() < nt {
+                self.name(t)
+            } else {
+                t.to_string()
+            }
         };
-        let declared = graph
-            .op(op)
-            .reuse
-            .iter()
-            .any(|&(o, i)| o == out && root_of(i) == inp);
-        if !declared {
-            return Err(bad("its producer declares no such reuse hint"));
+        for &(out, inp) in &plan.reuses {
+            let bad = |why: &str| CheckError::BadReuse {
+                output: label(out),
+                input: label(inp),
+                why: why.to_string(),
+            };
+            if out.index() >= nt || inp.index() >= nt {
+                return Err(bad("unknown tensor"));
+            }
+            if !self.owns(out) || !self.owns(inp) {
+                return Err(bad("both tensors must own bytes"));
+            }
+            let Some(op) = graph.tensor(out).producer else {
+                return Err(bad("the output has no producer"));
+            };
+            let declared = graph
+                .op(op)
+                .reuse
+                .iter()
+                .any(|&(o, i)| o == out && self.root_of(i) == inp);
+            if !declared {
+                return Err(bad("its producer declares no such reuse hint"));
+            }
+            if graph.tensor(inp).lifetime == Lifetime::Persistent {
+                return Err(bad("the input is persistent"));
+            }
+            if life.death[inp.index()] != step[op.index()] {
+                return Err(bad(&format!(
+                    "the input's last use is at step {}, not at the reusing op's step {}",
+                    life.death[inp.index()],
+                    step[op.index()]
+                )));
+            }
+            let oo = plan.offsets[out.index()].unwrap_or(0);
+            let io = plan.offsets[inp.index()].unwrap_or(0);
+            if oo < io || oo + graph.tensor(out).size > io + graph.tensor(inp).size {
+                return Err(bad("the output does not lie within the input's bytes"));
+            }
+            if !r.inputs.insert(inp) || !r.outputs.insert(out) {
+                return Err(bad("a tensor takes part in two reuses"));
+            }
         }
-        if graph.tensor(inp).lifetime == Lifetime::Persistent {
-            return Err(bad("the input is persistent"));
-        }
-        if death[inp.index()] != step[op.index()] {
-            return Err(bad(&format!(
-                "the input's last use is at step {}, not at the reusing op's step {}",
-                death[inp.index()],
-                step[op.index()]
-            )));
-        }
-        let (oo, io) = (plan.offsets[out.index()], plan.offsets[inp.index()]);
-        let (oo, io) = (oo.unwrap_or(0), io.unwrap_or(0));
-        if oo < io || oo + graph.tensor(out).size > io + graph.tensor(inp).size {
-            return Err(bad("the output does not lie within the input's bytes"));
-        }
-        if !reused_in.insert(inp) || !reusing_out.insert(out) {
-            return Err(bad("a tensor takes part in two reuses"));
-        }
-        pair.insert((out, inp));
+        Ok(r)
     }
 
-    // 4. Sweep in half-steps: interval [2*birth, 2*death + 2), adjusted for
-    // reuse pairs.
-    let mut iv: Vec<(u64, u64, TensorId)> = Vec::new();
-    for t in graph.tensor_ids() {
-        if !owns(t) {
-            continue;
-        }
-        let i = t.index();
-        let mut lo = 2 * birth[i] as u64;
-        let mut hi = 2 * death[i] as u64 + 2;
-        if reused_in.contains(&t) {
-            hi -= 1;
-        }
-        if reusing_out.contains(&t) {
-            lo += 1;
-        }
-        iv.push((lo, hi, t));
-    }
-    iv.sort_unstable();
-    let mut by_addr: BTreeMap<(u64, u32), TensorId> = BTreeMap::new();
-    let mut ends: BinaryHeap<std::cmp::Reverse<(u64, u64, u32)>> = BinaryHeap::new();
-    let mut delta = vec![0i128; 2 * n.max(1) + 3];
-    for &(lo, hi, t) in &iv {
-        while let Some(&std::cmp::Reverse((h, off, id))) = ends.peek() {
-            if h <= lo {
+    /// Rule 4: a sweep in half-steps over the intervals
+    /// `[2·birth, 2·death + 2)`, a reused input ending one half early and
+    /// its output starting one half late, with the live tensors kept by
+    /// address; a newcomer may not touch its neighbours. Returns the max
+    /// live bytes (a reuse pair counts once in each half).
+    fn sweep(&self, life: &Lifetimes, reuses: &Reuses) -> Result<u64, CheckError> {
+        let (graph, plan) = (self.graph, self.plan);
+        let mut iv: Vec<(u64, u64, TensorId)> = graph
+            .tensor_ids()
+            .filter(|&t| self.owns(t))
+            .map(|t| {
+                let lo = 2 * life.birth[t.index()] as u64 + reuses.outputs.contains(&t) as u64;
+                let hi = 2 * life.death[t.index()] as u64 + 2 - reuses.inputs.contains(&t) as u64;
+                (lo, hi, t)
+            })
+            .collect();
+        iv.sort_unstable();
+        let mut by_addr: BTreeMap<(u64, u32), TensorId> = BTreeMap::new();
+        let mut ends: BinaryHeap<Reverse<(u64, u64, u32)>> = BinaryHeap::new();
+        let mut delta = vec![0i128; 2 * graph.num_ops().max(1) + 3];
+        for &(lo, hi, t) in &iv {
+            while let Some(&Reverse((h, off, id))) = ends.peek()
+                && h <= lo
+            {
                 ends.pop();
                 by_addr.remove(&(off, id));
-            } else {
-                break;
             }
-        }
-        let off = plan.offsets[t.index()].unwrap_or(0);
-        let size = graph.tensor(t).size;
-        let end = off + size;
-        let clash = |other: TensorId| {
-            let oo = plan.offsets[other.index()].unwrap_or(0);
-            CheckError::Overlap {
-                a: name(other),
-                a_off: oo,
-                a_end: oo + graph.tensor(other).size,
-                b: name(t),
-                b_off: off,
-                b_end: end,
-                step: (lo / 2) as usize,
+            let off = plan.offsets[t.index()].unwrap_or(0);
+            let size = graph.tensor(t).size;
+            let end = off + size;
+            let clash = |other: TensorId| {
+                let oo = plan.offsets[other.index()].unwrap_or(0);
+                CheckError::Overlap {
+                    a: self.name(other),
+                    a_off: oo,
+                    a_end: oo + graph.tensor(other).size,
+                    b: self.name(t),
+                    b_off: off,
+                    b_end: end,
+                    step: (lo / 2) as usize,
+                }
+            };
+            if let Some((&(o, _), &other)) = by_addr.range(..=(off, u32::MAX)).next_back()
+                && o + graph.tensor(other).size > off
+            {
+                return Err(clash(other));
             }
-        };
-        if let Some((&(o, _), &other)) = by_addr.range(..=(off, u32::MAX)).next_back()
-            && o + graph.tensor(other).size > off
-        {
-            return Err(clash(other));
+            if let Some((&(o, _), &other)) = by_addr.range((off, 0)..).next()
+                && o < end
+            {
+                return Err(clash(other));
+            }
+            by_addr.insert((off, t.0), t);
+            ends.push(Reverse((hi, off, t.0)));
+            delta[lo as usize] += size as i128;
+            delta[hi as usize] -= size as i128;
         }
-        if let Some((&(o, _), &other)) = by_addr.range((off, 0)..).next()
-            && o < end
-        {
-            return Err(clash(other));
+        let mut cur = 0i128;
+        let mut max_live = 0i128;
+        for d in delta {
+            cur += d;
+            max_live = max_live.max(cur);
         }
-        by_addr.insert((off, t.0), t);
-        ends.push(std::cmp::Reverse((hi, off, t.0)));
-        delta[lo as usize] += size as i128;
-        delta[hi as usize] -= size as i128;
+        Ok(max_live as u64)
     }
-    // Max live over half-steps: a reuse pair counts once in each half.
-    let mut cur = 0i128;
-    let mut max_live = 0i128;
-    for d in delta {
-        cur += d;
-        max_live = max_live.max(cur);
-    }
-    let max_live = max_live as u64;
-    Ok(CheckReport {
-        max_live_bytes: max_live,
-        used_bytes: used,
-        ops: n,
-        tensors_placed: placed,
-    })
 }
