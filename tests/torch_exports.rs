@@ -1,5 +1,5 @@
 //! The PyTorch training steps in `fixtures/torch/`, exported by
-//! `tools/torch_export` (see `docs/torch-export.md`): each loads, keeps its
+//! `memplan.torch.export` (see `docs/torch-export.md`): each loads, keeps its
 //! recorded figures, has the structure of a training step, and plans into a
 //! plan the checker accepts and that is never worse than the eager baseline.
 //!

@@ -1,6 +1,6 @@
 """Export a PyTorch training step as a memplan graph.
 
-``python -m tools.torch_export --model resnet50 --batch 32 -o resnet50.json.gz``
+``python -m memplan.torch.export --model resnet50 --batch 32 -o resnet50.json.gz``
 records one full training step (forward, loss, ``backward()``,
 ``optimizer.step()``) at the aten level and writes memplan's JSON graph.
 See ``docs/torch-export.md``.

@@ -149,7 +149,7 @@ def export(
         kinds[o["kind"]] = kinds.get(o["kind"], 0) + 1
     g.metadata.update(
         {
-            "source": "tools/torch_export",
+            "source": "memplan.torch.export",
             "model": w.name,
             "config": w.config,
             "batch": w.config.get("batch", batch),

@@ -1,6 +1,6 @@
-"""Command line: ``python -m tools.torch_export --model resnet50 --batch 32 -o FILE``.
+"""Command line: ``python -m memplan.torch.export --model resnet50 --batch 32 -o FILE``.
 
-Run ``python -m tools.torch_export --help`` for the options and
+Run ``python -m memplan.torch.export --help`` for the options and
 ``docs/torch-export.md`` for what is recorded.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tools.torch_export",
+        prog="python -m memplan.torch.export",
         description="Record one PyTorch training step (forward, loss, backward, optimizer step) "
         "at the aten level and write it as a memplan JSON graph.",
     )

@@ -4,7 +4,7 @@ import os
 import tempfile
 import unittest
 
-from tools.torch_export import graph
+from memplan.torch.export import graph
 
 
 def tiny():

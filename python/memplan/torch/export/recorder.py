@@ -27,7 +27,7 @@ Tensors on the host (``cpu`` while the step runs on an accelerator or on
 still order the ops that use them but occupy no device memory.
 
 The recorder does not decide roles on its own: the driver
-(:mod:`tools.torch_export.step`) registers parameters, buffers, optimizer
+(:mod:`memplan.torch.export.step`) registers parameters, buffers, optimizer
 state and inputs before the step, sets :attr:`Recorder.phase`, and marks the
 loss and the gradients; :meth:`Recorder.finish` then assigns the remaining
 roles (``activation`` for forward tensors the backward pass reads,

@@ -17,11 +17,11 @@ try:
 except ImportError:  # pragma: no cover - depends on the machine
     HAVE_TORCH = False
 
-from tools.torch_export import graph
+from memplan.torch.export import graph
 
 SKIP = "torch is not installed (pip install torch torchvision transformers to run these tests)"
 if not HAVE_TORCH:
-    sys.stderr.write(f"tools/torch_export: skipping the exporter's torch tests: {SKIP}\n")
+    sys.stderr.write(f"memplan.torch.export: skipping the exporter's torch tests: {SKIP}\n")
 
 
 def by_id(d):
@@ -42,7 +42,7 @@ def roots(d):
 @unittest.skipUnless(HAVE_TORCH, SKIP)
 class RecorderTest(unittest.TestCase):
     def record(self, fn, *tensors):
-        from tools.torch_export.recorder import Recorder
+        from memplan.torch.export.recorder import Recorder
 
         rec = Recorder("t", "meta")
         for i, t in enumerate(tensors):
@@ -83,7 +83,7 @@ class RecorderTest(unittest.TestCase):
         # meta storages do (CPU fake tensors stand in for CUDA ones here).
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from tools.torch_export.recorder import Recorder
+        from memplan.torch.export.recorder import Recorder
 
         with FakeTensorMode():
             x = torch.empty(4, 8)
@@ -156,7 +156,7 @@ class RecorderTest(unittest.TestCase):
 @unittest.skipUnless(HAVE_TORCH, SKIP)
 class EmulationTest(unittest.TestCase):
     def test_backend_rule(self):
-        from tools.torch_export.emulate import sdpa_backend
+        from memplan.torch.export.emulate import sdpa_backend
 
         q32 = torch.empty(2, 4, 16, 64, device="meta")
         q16 = torch.empty(2, 4, 16, 64, device="meta", dtype=torch.bfloat16)
@@ -170,9 +170,9 @@ class EmulationTest(unittest.TestCase):
     def test_emulation_is_scoped(self):
         import torch.nn.functional as F
 
-        from tools.torch_export.emulate import CudaEmulation, emulated_sdpa
+        from memplan.torch.export.emulate import CudaEmulation, emulated_sdpa
 
-        from tools.torch_export.emulate import emulated_dropout
+        from memplan.torch.export.emulate import emulated_dropout
 
         before = F.scaled_dot_product_attention, F.dropout
         with CudaEmulation():
@@ -181,8 +181,8 @@ class EmulationTest(unittest.TestCase):
         self.assertEqual((F.scaled_dot_product_attention, F.dropout), before)
 
     def test_dropout_saves_a_byte_mask(self):
-        from tools.torch_export.recorder import Recorder
-        from tools.torch_export.emulate import CudaEmulation
+        from memplan.torch.export.recorder import Recorder
+        from memplan.torch.export.emulate import CudaEmulation
 
         x = torch.empty(4, 256, device="meta", requires_grad=True)
         rec = Recorder("d", "meta")
@@ -202,7 +202,7 @@ class EmulationTest(unittest.TestCase):
         self.assertIn(mask, bwd[0]["inputs"])
 
     def test_emulated_attention_matches_math_on_cpu(self):
-        from tools.torch_export.emulate import emulated_sdpa
+        from memplan.torch.export.emulate import emulated_sdpa
 
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
@@ -225,7 +225,7 @@ class EmulationTest(unittest.TestCase):
 class StepTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from tools.torch_export import step
+        from memplan.torch.export import step
 
         cls.mlp = step.export("mlp", batch=8).to_dict()
         cls.attn = step.export("tiny-attn", batch=2, seq=16).to_dict()
@@ -291,7 +291,7 @@ class StepTest(unittest.TestCase):
     def test_flops_are_pytorchs_formulas(self):
         from torch.utils.flop_counter import FlopCounterMode
 
-        from tools.torch_export import workloads
+        from memplan.torch.export import workloads
 
         w = workloads.mlp(batch=8)
         with FlopCounterMode(display=False) as counter:
@@ -322,7 +322,7 @@ class StepTest(unittest.TestCase):
         self.assertGreater(live["max_live"], resident)
 
     def test_unknown_names_are_clear_errors(self):
-        from tools.torch_export import step
+        from memplan.torch.export import step
 
         with self.assertRaisesRegex(ValueError, "unknown model 'nope'"):
             step.export("nope")
@@ -338,7 +338,7 @@ class MeasureTest(unittest.TestCase):
         """The real-run path, on the CPU with a stand-in for CUDA's counters:
         the counters are reset once the optimizer state exists and no
         gradient is held, and the measured step really trains."""
-        from tools.torch_export import step
+        from memplan.torch.export import step
 
         seen = {}
 
@@ -379,7 +379,7 @@ class MeasureTest(unittest.TestCase):
 @unittest.skipUnless(HAVE_TORCH, SKIP)
 class CliTest(unittest.TestCase):
     def test_cli_writes_a_loadable_graph(self):
-        from tools.torch_export.__main__ import main
+        from memplan.torch.export.__main__ import main
 
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "mlp.json.gz")
@@ -394,7 +394,7 @@ class CliTest(unittest.TestCase):
             self.assertIn(f"program-order max live {live['max_live']:,} bytes", buf.getvalue())
 
     def test_cli_errors(self):
-        from tools.torch_export.__main__ import main
+        from memplan.torch.export.__main__ import main
 
         err = io.StringIO()
         with redirect_stderr(err):
