@@ -12,6 +12,8 @@ For every case the script keeps, gzip-compressed, in OUT/<case>/:
     before_optimizations.txt.gz                        the module as JAX emitted it
     cpu_after_optimizations.txt.gz                     fused and scheduled
     cpu_after_optimizations-memory-usage-report.txt.gz XLA's plan ("Total bytes: N")
+    cpu_after_optimizations-buffer-assignment.txt.gz   XLA's buffer assignment (where
+                                                       XLA wrote one)
     meta.json                                          configuration, versions,
                                                        compiled.memory_analysis()
 
@@ -94,8 +96,8 @@ def make_cases(jax, jnp, lax, scale):
         cfg = {"sizes": sizes, "batch": 32, "opt": "adam"}
         return train_step(loss_fn, adam_update), (params, adam_init(params), x, y), cfg
 
-    def transformer(scan=False, remat=False):
-        d, heads, seq, batch, vocab, layers = 64 * scale, 4, 32, 2, 256, 2
+    def transformer(scan=False, remat=False, batch=2):
+        d, heads, seq, vocab, layers = 64 * scale, 4, 32, 256, 2
 
         def block_init(k):
             ks = jax.random.split(k, 4)
@@ -248,6 +250,28 @@ def make_cases(jax, jnp, lax, scale):
                "partitioning": kind, "mesh": dict(mesh.shape)}
         return train_step(loss_fn, adam_update), (params, state, x, y), cfg, jit_kw
 
+    def spmd_transformer(devices):
+        """The 2-block decoder, FSDP-style over `devices` CPU devices: every
+        parameter and Adam moment whose first dimension divides is sharded
+        along it, the batch (one sequence per device) too; XLA all-gathers
+        the weights before use and reduce-scatters their gradients."""
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import numpy as np
+
+        step, (params, state, tokens, labels), cfg = transformer(batch=devices)
+        mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
+        spec = lambda leaf: P("d") if leaf.ndim >= 1 and leaf.shape[0] % devices == 0 else P()
+        pspec = jax.tree_util.tree_map(spec, params)
+        sspec = {"mu": pspec, "nu": pspec, "count": P()}
+        put = lambda tree, specs: jax.tree_util.tree_map(
+            lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), tree, specs)
+        params, state = put(params, pspec), put(state, sspec)
+        tokens = jax.device_put(tokens, NamedSharding(mesh, P("d")))
+        shard = lambda specs: jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs)
+        jit_kw = {"out_shardings": (shard(pspec), shard(sspec), NamedSharding(mesh, P()))}
+        cfg = dict(cfg, devices=devices, partitioning="fsdp", mesh=dict(mesh.shape))
+        return step, (params, state, tokens, tokens), cfg, jit_kw
+
     return {
         "mlp": ("4-layer ReLU MLP, Adam", mlp),
         "transformer": ("2-block decoder, Adam", lambda: transformer()),
@@ -261,6 +285,9 @@ def make_cases(jax, jnp, lax, scale):
                        lambda: spmd("fsdp", 4)),
         "spmd_dp2_tp4": ("MLP on a 2x4 mesh: data parallel x tensor parallel (SPMD)",
                          lambda: spmd("dp_tp", 8)),
+        "spmd_transformer_fsdp8": ("2-block decoder, parameters, moments and batch sharded "
+                                   "over 8 devices (SPMD, FSDP-style)",
+                                   lambda: spmd_transformer(8)),
     }
 
 
@@ -319,6 +346,12 @@ def main():
         missing = [k for k, v in want.items() if v is None]
         if missing:
             sys.exit(f"{name}: XLA wrote no {missing} in {dump} (files: {mine})")
+        # XLA's buffer assignment of the optimized module (small, compressed):
+        # lets the tests replay XLA's own order with XLA's sharing.
+        assignment = "cpu_after_optimizations-buffer-assignment.txt"
+        found = [f for f in mine if f.endswith("." + assignment)]
+        if found:
+            want[assignment] = found[0]
         out = os.path.join(args.out, name)
         os.makedirs(out, exist_ok=True)
         sizes = {}
