@@ -198,6 +198,19 @@ def make_cases(jax, jnp, lax, scale):
         cfg = {"sizes": sizes, "batch": 16, "opt": "adam", "skip_nonfinite": True}
         return step, (params, adam_init(params), x, y), cfg
 
+    def place_adam_step(mesh, pspec, params, state):
+        """Puts the parameters (by `pspec`) and their Adam state (moments as
+        the parameters, the count replicated) on `mesh`; returns them and the
+        jit keywords that keep the step's outputs placed the same way."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        sspec = {"mu": pspec, "nu": pspec, "count": P()}
+        put = lambda tree, specs: jax.tree_util.tree_map(
+            lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), tree, specs)
+        shard = lambda specs: jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs)
+        jit_kw = {"out_shardings": (shard(pspec), shard(sspec), NamedSharding(mesh, P()))}
+        return put(params, pspec), put(state, sspec), jit_kw
+
     def spmd(kind, devices):
         """An MLP step partitioned by XLA's SPMD partitioner over `devices`
         CPU devices: the dumped module is one rank's program, collectives
@@ -231,10 +244,7 @@ def make_cases(jax, jnp, lax, scale):
             data = P("data")
         state = adam_init(params)
         pspec = jax.tree_util.tree_map_with_path(spec, params)
-        sspec = {"mu": pspec, "nu": pspec, "count": P()}
-        put = lambda tree, specs: jax.tree_util.tree_map(
-            lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), tree, specs)
-        params, state = put(params, pspec), put(state, sspec)
+        params, state, jit_kw = place_adam_step(mesh, pspec, params, state)
         x = jax.device_put(jnp.ones((batch, sizes[0])), NamedSharding(mesh, data))
         y = jax.device_put(jnp.zeros((batch,), jnp.int32), NamedSharding(mesh, data))
 
@@ -244,8 +254,6 @@ def make_cases(jax, jnp, lax, scale):
                 h = jax.nn.relu(h @ layer["w"] + layer["b"])
             return xent(h @ p[-1]["w"] + p[-1]["b"], y)
 
-        shard = lambda specs: jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs)
-        jit_kw = {"out_shardings": (shard(pspec), shard(sspec), NamedSharding(mesh, P()))}
         cfg = {"sizes": sizes, "batch": batch, "opt": "adam", "devices": devices,
                "partitioning": kind, "mesh": dict(mesh.shape)}
         return train_step(loss_fn, adam_update), (params, state, x, y), cfg, jit_kw
@@ -258,17 +266,12 @@ def make_cases(jax, jnp, lax, scale):
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         import numpy as np
 
-        step, (params, state, tokens, labels), cfg = transformer(batch=devices)
+        step, (params, state, tokens, _), cfg = transformer(batch=devices)
         mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
         spec = lambda leaf: P("d") if leaf.ndim >= 1 and leaf.shape[0] % devices == 0 else P()
         pspec = jax.tree_util.tree_map(spec, params)
-        sspec = {"mu": pspec, "nu": pspec, "count": P()}
-        put = lambda tree, specs: jax.tree_util.tree_map(
-            lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), tree, specs)
-        params, state = put(params, pspec), put(state, sspec)
+        params, state, jit_kw = place_adam_step(mesh, pspec, params, state)
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("d")))
-        shard = lambda specs: jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs)
-        jit_kw = {"out_shardings": (shard(pspec), shard(sspec), NamedSharding(mesh, P()))}
         cfg = dict(cfg, devices=devices, partitioning="fsdp", mesh=dict(mesh.shape))
         return step, (params, state, tokens, tokens), cfg, jit_kw
 
