@@ -1,10 +1,12 @@
-"""XLA runs memplan's order: tools/xla_run_scheduled.py on two committed
-optimized modules (the MLP and GPT-2 tiny training steps, and an MLP
-sharded over a 2x4 mesh, run on 8 CPU devices). XLA's CPU
-compiler must keep the relisted entry order, the outputs must equal the
-original module's bit for bit, and XLA's own memory report for memplan's
-order must be below its report for its own order and within the recorded
-packing overhead of memplan's prediction (docs/hlo.md).
+"""XLA runs memplan's order: tools/xla_run_scheduled.py on four committed
+optimized modules (the MLP and GPT-2 tiny training steps, and two sharded
+steps run on 8 CPU devices: an MLP on a 2x4 mesh and a decoder under
+FSDP). XLA's CPU compiler must keep the relisted entry order, the outputs
+must equal the original module's bit for bit, and XLA's own memory report
+for memplan's order must not be above its report for its own order (below
+it, except on the decoder, where XLA's order is within 0.11% of the
+bound) and within the recorded packing overhead of memplan's prediction
+(docs/hlo.md).
 
 Needs jax[cpu], pypjrt and lammps-jax-pjrt-cpu in .venv (scripts/
 python_tests.sh installs them) and a memplan binary (cargo test builds

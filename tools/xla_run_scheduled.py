@@ -143,7 +143,7 @@ def compile_and_run(module, out_npz, seed):
     text = read_text(module)
     replicas, partitions = mesh(text)
     n = replicas * partitions
-    client = pypjrt.Client.create(plugin_path(), options={"cpu_device_count": max(n, 1)})
+    client = pypjrt.Client.create(plugin_path(), options={"cpu_device_count": n})
     exe = compile_module(client, text, compile_options(replicas, partitions))
     stats = {k: int(v) for k, v in exe.compiled_memory_stats().items()
              if isinstance(v, (int, np.integer))}
