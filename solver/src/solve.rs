@@ -34,7 +34,7 @@ use crate::greedy::{Direction, Rule, greedy};
 use crate::ilp;
 use crate::params::SolverParams;
 use crate::part_bound::part_bound;
-use crate::partition::{PartKind, SubProblem, partition};
+use crate::partition::{PartKind, Partition, SubProblem, partition};
 use crate::problem::{OpIdx, Problem};
 use crate::report::{PartReport, Progress, SolveReport};
 use crate::simulate::evaluate;
@@ -67,6 +67,40 @@ struct PartState {
     states: usize,
 }
 
+/// Wall-clock time per phase of the solve, for the report.
+struct Phases {
+    list: Vec<(String, f64)>,
+    lap: Instant,
+}
+
+impl Phases {
+    fn new() -> Self {
+        Phases {
+            list: Vec::new(),
+            lap: Instant::now(),
+        }
+    }
+
+    fn done(&mut self, name: &str) {
+        self.list
+            .push((name.to_string(), self.lap.elapsed().as_secs_f64()));
+        self.lap = Instant::now();
+    }
+}
+
+/// Runs `f` on every item, on rayon's pool when `parallel`.
+fn map_parts<T: Send, R: Send>(
+    parallel: bool,
+    items: Vec<T>,
+    f: impl Fn(T) -> R + Sync + Send,
+) -> Vec<R> {
+    if parallel {
+        items.into_par_iter().map(f).collect()
+    } else {
+        items.into_iter().map(f).collect()
+    }
+}
+
 /// Orders `p`. `given` are orders to start from and never do worse than
 /// (e.g. the program order); each must be valid.
 pub fn solve(
@@ -76,15 +110,45 @@ pub fn solve(
     budget: &Budget,
     progress: Option<&Progress>,
 ) -> Solution {
-    let start = Instant::now();
-    let mut phases: Vec<(String, f64)> = Vec::new();
-    let mut lap = Instant::now();
-    let mut phase_done = |name: &str, lap: &mut Instant| {
-        phases.push((name.to_string(), lap.elapsed().as_secs_f64()));
-        *lap = Instant::now();
-    };
-
+    let mut phases = Phases::new();
     let part = partition(p, params.key_points);
+    phases.done("partition");
+    let states = heuristics(p, &part, given, params, progress);
+    phases.done("heuristics");
+    let mut states = improve_needy(states, params, budget, progress);
+    polish(&mut states, params, budget);
+    phases.done("improvement");
+    let order = part.concat(
+        &states
+            .iter()
+            .map(|s| s.sub.to_global(&s.best))
+            .collect::<Vec<_>>(),
+    );
+    let report = combine(p, &order, &states, budget, params);
+    phases.done("combine");
+    if let Some(pr) = progress {
+        pr.best_peak
+            .store(report.peak, std::sync::atomic::Ordering::Relaxed);
+    }
+    Solution {
+        order,
+        peak: report.peak,
+        report: SolveReport {
+            phases: phases.list,
+            ..report
+        },
+    }
+}
+
+/// Step 2: every part extracted and given its heuristic incumbent, with the
+/// caller's orders restricted to it.
+fn heuristics(
+    p: &Problem,
+    part: &Partition,
+    given: &[(String, Vec<OpIdx>)],
+    params: &SolverParams,
+    progress: Option<&Progress>,
+) -> Vec<PartState> {
     // Index of every op inside its part, to restrict given orders.
     let mut local_of = vec![0u32; p.num_ops()];
     for pt in &part.parts {
@@ -92,24 +156,23 @@ pub fn solve(
             local_of[o.index()] = i as u32;
         }
     }
-    phase_done("partition", &mut lap);
-
-    let nparts = part.parts.len();
     if let Some(pr) = progress {
-        pr.start_phase("heuristics", nparts);
+        pr.start_phase("heuristics", part.parts.len());
     }
-    let heuristics = |j: usize| -> PartState {
+    let one = |j: usize| -> PartState {
         let t = Instant::now();
         let sub = part.extract(p, j);
-        let mut given_local: Vec<(String, Vec<OpIdx>)> = Vec::new();
-        for (name, order) in given {
-            let o: Vec<OpIdx> = order
-                .iter()
-                .filter(|o| part.part_of[o.index()] as usize == j)
-                .map(|o| OpIdx(local_of[o.index()]))
-                .collect();
-            given_local.push((name.clone(), o));
-        }
+        let given_local: Vec<(String, Vec<OpIdx>)> = given
+            .iter()
+            .map(|(name, order)| {
+                let o = order
+                    .iter()
+                    .filter(|o| part.part_of[o.index()] as usize == j)
+                    .map(|o| OpIdx(local_of[o.index()]))
+                    .collect();
+                (name.clone(), o)
+            })
+            .collect();
         let st = heuristic_part(&sub, part.parts[j].kind, &given_local, params);
         if let Some(pr) = progress {
             pr.part_done();
@@ -119,25 +182,27 @@ pub fn solve(
             ..st
         }
     };
-    let states: Vec<PartState> = if params.parallel {
-        (0..nparts).into_par_iter().map(heuristics).collect()
-    } else {
-        (0..nparts).map(heuristics).collect()
-    };
-    phase_done("heuristics", &mut lap);
+    map_parts(params.parallel, (0..part.parts.len()).collect(), one)
+}
 
+/// Step 3: improves the parts that can still lower the step's peak (not
+/// proven, and above the best global bound when `focus_peak_parts`), each
+/// toward the lowest peak that could still matter.
+fn improve_needy(
+    states: Vec<PartState>,
+    params: &SolverParams,
+    budget: &Budget,
+    progress: Option<&Progress>,
+) -> Vec<PartState> {
     // The best global bound: no order does better than any part's bound.
     let global_bound = states
         .iter()
         .map(|s| s.sub.base + s.bound)
         .max()
         .unwrap_or(0);
-    let needy: Vec<usize> = (0..nparts)
-        .filter(|&j| {
-            let s = &states[j];
-            !s.proven && (!params.focus_peak_parts || s.sub.base + s.peak > global_bound)
-        })
-        .collect();
+    let needy = |s: &PartState| {
+        !s.proven && (!params.focus_peak_parts || s.sub.base + s.peak > global_bound)
+    };
     if let Some(pr) = progress {
         let hp = states
             .iter()
@@ -145,19 +210,18 @@ pub fn solve(
             .max()
             .unwrap_or(0);
         pr.best_peak.store(hp, std::sync::atomic::Ordering::Relaxed);
-        pr.start_phase("improving", needy.len());
+        pr.start_phase("improving", states.iter().filter(|s| needy(s)).count());
     }
-    let target_for = |s: &PartState| -> u64 {
-        // Below this a part cannot lower the step's peak any further.
-        let mut t = s.bound;
-        if params.focus_peak_parts {
-            t = t.max(global_bound.saturating_sub(s.sub.base));
-        }
-        t
-    };
     let improve = |mut s: PartState| -> PartState {
+        if !needy(&s) {
+            return s;
+        }
         let t = Instant::now();
-        let target = target_for(&s);
+        // Below this a part cannot lower the step's peak any further.
+        let mut target = s.bound;
+        if params.focus_peak_parts {
+            target = target.max(global_bound.saturating_sub(s.sub.base));
+        }
         improve_part(&mut s, target, params, budget);
         if let Some(pr) = progress {
             pr.part_done();
@@ -165,45 +229,24 @@ pub fn solve(
         s.seconds += t.elapsed().as_secs_f64();
         s
     };
-    let mut slots: Vec<Option<PartState>> = states.into_iter().map(Some).collect();
-    let taken: Vec<(usize, PartState)> = needy
-        .iter()
-        .map(|&j| (j, slots[j].take().expect("each part once")))
-        .collect();
-    let improved: Vec<(usize, PartState)> = if params.parallel {
-        taken
-            .into_par_iter()
-            .map(|(j, s)| (j, improve(s)))
-            .collect()
-    } else {
-        taken.into_iter().map(|(j, s)| (j, improve(s))).collect()
-    };
-    for (j, s) in improved {
-        slots[j] = Some(s);
-    }
-    let mut states: Vec<PartState> = slots
-        .into_iter()
-        .map(|s| s.expect("every part solved"))
-        .collect();
+    map_parts(params.parallel, states, improve)
+}
+
+/// Last passes over every part's best order, kept only where the part's
+/// peak does not rise (`tidy`) or falls (`chain_hoist`).
+fn polish(states: &mut [PartState], params: &SolverParams, budget: &Budget) {
     if params.tidy {
         // Off-peak ops may sit anywhere that keeps the peak; move
         // allocators next to their consumers so values such as recomputed
         // activations are made just before their use. `tidy` never returns
         // a higher peak, but may return a lower one: the part's recorded
-        // peak follows, or the parts' accounting below would overstate the
-        // whole order's peak.
+        // peak follows, or the parts' accounting in `combine` would
+        // overstate the whole order's peak.
         for s in states.iter_mut().filter(|s| s.best.len() > 2) {
-            let q = &s.sub.problem;
-            let t = local::tidy(q, &s.best);
-            let tp = evaluate(q, &t).peak;
+            let t = local::tidy(&s.sub.problem, &s.best);
+            let tp = evaluate(&s.sub.problem, &t).peak;
             debug_assert!(tp <= s.peak);
-            if tp < s.peak {
-                s.peak = tp;
-                s.method.push_str("+tidy");
-                if tp <= s.bound {
-                    s.proven = true;
-                }
-            }
+            s.keep_if_lower(t.clone(), tp, "+tidy");
             s.best = t;
         }
     }
@@ -214,36 +257,35 @@ pub fn solve(
         // part's peak drops, so orders already at their best stay as they
         // are (their layouts too).
         for s in states.iter_mut().filter(|s| s.best.len() > 2 && !s.proven) {
-            let q = &s.sub.problem;
-            let (o, st) = local::chain_hoist(q, s.best.clone(), budget);
+            let (o, st) = local::chain_hoist(&s.sub.problem, s.best.clone(), budget);
             if st.moves == 0 {
                 continue;
             }
-            let peak = evaluate(q, &o).peak;
+            let peak = evaluate(&s.sub.problem, &o).peak;
             debug_assert!(peak <= s.peak);
-            if peak < s.peak {
-                s.peak = peak;
-                s.best = o;
-                s.method.push_str("+chain-hoist");
-                if peak <= s.bound {
-                    s.proven = true;
-                }
-            }
+            s.keep_if_lower(o, peak, "+chain-hoist");
         }
     }
-    phase_done("improvement", &mut lap);
+}
 
-    let orders: Vec<Vec<OpIdx>> = states.iter().map(|s| s.sub.to_global(&s.best)).collect();
-    let order = part.concat(&orders);
-    debug_assert!(p.is_valid_order(&order));
-    let ev = evaluate(p, &order);
+/// Step 4: the report of the parts' orders put together as `order`: its
+/// peak, the parts' bound, and whether the peak is proven optimal.
+fn combine(
+    p: &Problem,
+    order: &[OpIdx],
+    states: &[PartState],
+    budget: &Budget,
+    params: &SolverParams,
+) -> SolveReport {
+    debug_assert!(p.is_valid_order(order));
+    let peak = evaluate(p, order).peak;
     // The parts' accounting is exact: the whole order's live bytes at a
     // part's step are the part's constant plus the part's own live bytes.
     // An empty order has no parts (its one step may still hold unused step
     // inputs, which no part counts).
     if !order.is_empty() {
         debug_assert_eq!(
-            ev.peak,
+            peak,
             states
                 .iter()
                 .map(|s| s.sub.base + s.peak)
@@ -257,51 +299,67 @@ pub fn solve(
         .map(|s| s.sub.base + s.bound)
         .max()
         .unwrap_or(0)
-        .min(ev.peak);
-    let proven = ev.peak <= lower_bound
+        .min(peak);
+    let proven = peak <= lower_bound
         || states
             .iter()
-            .filter(|s| s.sub.base + s.peak == ev.peak)
+            .filter(|s| s.sub.base + s.peak == peak)
             .all(|s| s.proven);
-    let parts: Vec<PartReport> = states
-        .iter()
-        .enumerate()
-        .map(|(j, s)| PartReport {
-            index: j,
-            kind: s.kind,
-            ops: s.sub.ops.len(),
-            base: s.sub.base,
-            bound: s.sub.base + s.bound,
-            first_peak: s.sub.base + s.first_peak,
-            peak: s.sub.base + s.peak,
-            method: s.method.clone(),
-            proven: s.proven,
-            seconds: s.seconds,
-            states: s.states,
-        })
-        .collect();
-    phase_done("combine", &mut lap);
-    if let Some(pr) = progress {
-        pr.best_peak
-            .store(ev.peak, std::sync::atomic::Ordering::Relaxed);
-    }
-    let _ = start;
-    Solution {
-        order,
-        peak: ev.peak,
-        report: SolveReport {
-            parts,
-            phases,
-            peak: ev.peak,
-            lower_bound,
-            proven,
-            time_limit_hit: budget.was_hit(),
-            threads: if params.parallel {
-                rayon::current_num_threads()
-            } else {
-                1
-            },
+    SolveReport {
+        parts: states
+            .iter()
+            .enumerate()
+            .map(|(j, s)| s.report(j))
+            .collect(),
+        phases: Vec::new(),
+        peak,
+        lower_bound,
+        proven,
+        time_limit_hit: budget.was_hit(),
+        threads: if params.parallel {
+            rayon::current_num_threads()
+        } else {
+            1
         },
+    }
+}
+
+impl PartState {
+    /// Takes `order` (of peak `peak`) as the part's best if it is lower,
+    /// noting `method`; a best at the bound is proven.
+    fn consider(&mut self, order: Vec<OpIdx>, peak: u64, method: String) {
+        if peak < self.peak {
+            self.peak = peak;
+            self.best = order;
+            self.method = method;
+            if peak <= self.bound {
+                self.proven = true;
+            }
+        }
+    }
+
+    /// As [`PartState::consider`], but a pass over the best order: the
+    /// method gains `suffix`.
+    fn keep_if_lower(&mut self, order: Vec<OpIdx>, peak: u64, suffix: &str) {
+        let method = format!("{}{suffix}", self.method);
+        self.consider(order, peak, method);
+    }
+
+    fn report(&self, index: usize) -> PartReport {
+        let base = self.sub.base;
+        PartReport {
+            index,
+            kind: self.kind,
+            ops: self.sub.ops.len(),
+            base,
+            bound: base + self.bound,
+            first_peak: base + self.first_peak,
+            peak: base + self.peak,
+            method: self.method.clone(),
+            proven: self.proven,
+            seconds: self.seconds,
+            states: self.states,
+        }
     }
 }
 
@@ -373,24 +431,14 @@ fn heuristic_part(
     }
 }
 
-/// Improves one part until it reaches `target` or runs out of techniques.
+/// Improves one part until it reaches `target` or runs out of techniques:
+/// the local passes on its best heuristic orders, then for small parts the
+/// exact search, then the ILP.
 fn improve_part(s: &mut PartState, target: u64, params: &SolverParams, budget: &Budget) {
     let q = s.sub.problem.clone();
     let n = q.num_ops();
     let done = |s: &PartState| s.proven || (params.bound_stop && s.peak <= target);
-    let consider = |s: &mut PartState, order: Vec<OpIdx>, method: String| {
-        let peak = evaluate(&q, &order).peak;
-        if peak < s.peak {
-            s.peak = peak;
-            s.best = order;
-            s.method = method;
-            if peak <= s.bound {
-                s.proven = true;
-            }
-        }
-    };
     let small = params.exact_search && n <= params.exact_max_ops.min(exact::MAX_OPS);
-    // Local improvement on the best heuristic orders.
     let cands: Vec<(String, Vec<OpIdx>, u64)> = s
         .cands
         .iter()
@@ -401,100 +449,129 @@ fn improve_part(s: &mut PartState, target: u64, params: &SolverParams, budget: &
         if done(s) || budget.expired() {
             break;
         }
-        let mut cur = order;
-        let mut method = name;
-        if params.chain_hoist {
-            let (o, st) = local::chain_hoist(&q, cur, budget);
-            cur = o;
-            if st.moves > 0 {
-                method.push_str("+chain-hoist");
-            }
-        }
-        if params.update_placement {
-            let (o, moved) = placement::place(&q, cur, budget);
-            cur = o;
-            if moved > 0 {
-                method.push_str("+placement");
-            }
-        }
-        if params.reinsertion {
-            let before = evaluate(&q, &cur).peak;
-            let (o, st) = local::reinsert(&q, cur, params.reinsert_rounds, budget);
-            cur = o;
-            if st.moves > 0 && evaluate(&q, &cur).peak <= before {
-                method.push_str("+reinsertion");
-            }
-        }
-        if params.window_exact && !small {
-            let limits = ExactLimits {
-                max_states: params.window_states,
-                dominance: params.dominance,
-            };
-            let (o, st) = local::window_exact(
-                &q,
-                cur,
-                params.window_ops,
-                params.max_windows,
-                &limits,
-                budget,
-            );
-            cur = o;
-            if st.moves > 0 {
-                method.push_str("+windows");
-            }
-        }
-        if params.tail_sink {
-            // Last: from the order the other passes left, so it can only
-            // improve on it (run earlier, its first move can lead the
-            // later passes to a worse local optimum); reinsertion then
-            // settles around the new peak.
-            let (o, st) = local::tail_sink(&q, cur, params.reinsert_rounds, budget);
-            cur = o;
-            if st.moves > 0 {
-                method.push_str("+tail-sink");
-                if params.reinsertion {
-                    let (o, _) = local::reinsert(&q, cur, params.reinsert_rounds, budget);
-                    cur = o;
-                }
-            }
-        }
-        consider(s, cur, method);
+        let (o, method) = local_passes(&q, order, name, !small, params, budget);
+        let peak = evaluate(&q, &o).peak;
+        s.consider(o, peak, method);
     }
     if small && !done(s) && !budget.expired() {
-        let limits = ExactLimits {
-            max_states: params.exact_max_states,
-            dominance: params.dominance,
-        };
-        let r = exact::solve(&q, s.peak, &limits, budget);
-        s.states += r.states;
-        s.bound = s.bound.max(r.lower_bound.min(s.peak));
-        if let Some(o) = r.order {
-            consider(s, o, "exact-search".into());
-        }
-        if r.proven {
-            s.proven = true;
-            if !s.method.contains("exact") {
-                s.method.push_str(" (proven by exact-search)");
-            }
-        }
+        exact_search(s, &q, params, budget);
     }
     #[cfg(feature = "ilp")]
     if params.ilp && !done(s) && n <= params.ilp_max_ops && !budget.expired() {
-        let limit = budget
-            .remaining()
-            .map_or(params.ilp_time_limit, |r| r.min(params.ilp_time_limit));
-        if let Ok(r) = ilp::solve(&q, &s.best, limit) {
-            s.bound = s.bound.max(r.lower_bound.min(s.peak));
-            if let Some(o) = r.order {
-                consider(s, o, "ilp".into());
-            }
-            if r.proven && r.peak <= s.peak {
-                s.proven = true;
-            }
-        }
+        ilp_search(s, &q, params, budget);
     }
     if s.peak <= s.bound {
         s.proven = true;
+    }
+}
+
+/// The local passes, in turn, on one order: chain hoisting, update and
+/// collective placement, reinsertion, exact windows (`windows`: when the
+/// exact search will not run on the whole part), tail sinking. Returns the
+/// order and its method (`name` plus each pass that moved something).
+fn local_passes(
+    q: &Problem,
+    order: Vec<OpIdx>,
+    name: String,
+    windows: bool,
+    params: &SolverParams,
+    budget: &Budget,
+) -> (Vec<OpIdx>, String) {
+    let mut cur = order;
+    let mut method = name;
+    let mut note = |moved: bool, pass: &str| {
+        if moved {
+            method.push_str(pass);
+        }
+    };
+    if params.chain_hoist {
+        let (o, st) = local::chain_hoist(q, cur, budget);
+        cur = o;
+        note(st.moves > 0, "+chain-hoist");
+    }
+    if params.update_placement {
+        let (o, moved) = placement::place(q, cur, budget);
+        cur = o;
+        note(moved > 0, "+placement");
+    }
+    if params.reinsertion {
+        let before = evaluate(q, &cur).peak;
+        let (o, st) = local::reinsert(q, cur, params.reinsert_rounds, budget);
+        cur = o;
+        note(
+            st.moves > 0 && evaluate(q, &cur).peak <= before,
+            "+reinsertion",
+        );
+    }
+    if params.window_exact && windows {
+        let limits = ExactLimits {
+            max_states: params.window_states,
+            dominance: params.dominance,
+        };
+        let (o, st) = local::window_exact(
+            q,
+            cur,
+            params.window_ops,
+            params.max_windows,
+            &limits,
+            budget,
+        );
+        cur = o;
+        note(st.moves > 0, "+windows");
+    }
+    if params.tail_sink {
+        // Last: from the order the other passes left, so it can only
+        // improve on it (run earlier, its first move can lead the later
+        // passes to a worse local optimum); reinsertion then settles around
+        // the new peak.
+        let (o, st) = local::tail_sink(q, cur, params.reinsert_rounds, budget);
+        cur = o;
+        note(st.moves > 0, "+tail-sink");
+        if st.moves > 0 && params.reinsertion {
+            cur = local::reinsert(q, cur, params.reinsert_rounds, budget).0;
+        }
+    }
+    (cur, method)
+}
+
+/// The exact search on a small part, below its best peak; it may raise the
+/// part's bound and prove it.
+fn exact_search(s: &mut PartState, q: &Problem, params: &SolverParams, budget: &Budget) {
+    let limits = ExactLimits {
+        max_states: params.exact_max_states,
+        dominance: params.dominance,
+    };
+    let r = exact::solve(q, s.peak, &limits, budget);
+    s.states += r.states;
+    s.bound = s.bound.max(r.lower_bound.min(s.peak));
+    if let Some(o) = r.order {
+        let peak = evaluate(q, &o).peak;
+        s.consider(o, peak, "exact-search".into());
+    }
+    if r.proven {
+        s.proven = true;
+        if !s.method.contains("exact") {
+            s.method.push_str(" (proven by exact-search)");
+        }
+    }
+}
+
+/// The ILP from the part's best order, within what is left of the budget
+/// and the ILP's own time limit.
+#[cfg(feature = "ilp")]
+fn ilp_search(s: &mut PartState, q: &Problem, params: &SolverParams, budget: &Budget) {
+    let limit = budget
+        .remaining()
+        .map_or(params.ilp_time_limit, |r| r.min(params.ilp_time_limit));
+    if let Ok(r) = ilp::solve(q, &s.best, limit) {
+        s.bound = s.bound.max(r.lower_bound.min(s.peak));
+        if let Some(o) = r.order {
+            let peak = evaluate(q, &o).peak;
+            s.consider(o, peak, "ilp".into());
+        }
+        if r.proven && r.peak <= s.peak {
+            s.proven = true;
+        }
     }
 }
 
