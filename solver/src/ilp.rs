@@ -38,7 +38,8 @@ use good_lp::{
 };
 
 use crate::problem::{BufIdx, OpIdx, Problem};
-use crate::simulate::evaluate;
+use crate::simulate::{Evaluation, evaluate};
+use std::collections::{HashMap, HashSet};
 
 /// What the integer program returned.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,14 +91,81 @@ fn anc_desc(p: &Problem) -> (Vec<usize>, Vec<usize>) {
     )
 }
 
-struct Model {
+/// The integer program while it is built: the `x` variables of every op's
+/// window, the live-bytes expression of every step, the extra rows, and the
+/// start values taken from the given order.
+struct Program<'a> {
+    p: &'a Problem,
     n: usize,
+    /// Every size is a multiple of `g` bytes; the program counts in `g`s.
+    g: u64,
     asap: Vec<usize>,
     alap: Vec<usize>,
+    vars: ProblemVariables,
     x: Vec<Vec<Variable>>,
+    /// The peak, minimised.
+    z: Variable,
+    /// The given order, evaluated by the simulator.
+    start: Evaluation,
+    step: Vec<Expression>,
+    rows: Vec<good_lp::Constraint>,
+    init: Vec<(Variable, f64)>,
+    binaries: usize,
 }
 
-impl Model {
+impl<'a> Program<'a> {
+    /// The variables, with start values from `start` (a valid order).
+    fn new(p: &'a Problem, start: &[OpIdx]) -> Self {
+        let n = p.num_ops();
+        let g = p
+            .bufs()
+            .iter()
+            .map(|b| b.size)
+            .filter(|&s| s > 0)
+            .fold(0, gcd)
+            .max(1);
+        let (asap, desc) = anc_desc(p);
+        let alap: Vec<usize> = desc.iter().map(|d| n - 1 - d).collect();
+        let mut vars = ProblemVariables::new();
+        let x: Vec<Vec<Variable>> = (0..n)
+            .map(|v| {
+                (asap[v]..=alap[v])
+                    .map(|_| vars.add(variable().binary()))
+                    .collect()
+            })
+            .collect();
+        let binaries = x.iter().map(Vec::len).sum();
+        let z = vars.add(variable().min(0.0));
+        let start = evaluate(p, start);
+        let mut init: Vec<(Variable, f64)> = Vec::new();
+        for (v, xs) in x.iter().enumerate() {
+            for (k, &var) in xs.iter().enumerate() {
+                let on = start.pos[v] as usize == asap[v] + k;
+                init.push((var, if on { 1.0 } else { 0.0 }));
+            }
+        }
+        init.push((z, (start.peak / g) as f64));
+        Program {
+            p,
+            n,
+            g,
+            asap,
+            alap,
+            vars,
+            x,
+            z,
+            start,
+            step: (0..n).map(|_| Expression::default()).collect(),
+            rows: Vec::new(),
+            init,
+            binaries,
+        }
+    }
+
+    fn unit(&self, size: u64) -> f64 {
+        (size / self.g) as f64
+    }
+
     /// `X(v, t)`: op `v` has run by step `t` (`t` may be -1).
     fn done(&self, v: usize, t: i64) -> Expression {
         if t < self.asap[v] as i64 {
@@ -112,13 +180,207 @@ impl Model {
         }
         e
     }
+
+    /// Adds every buffer's bytes to the steps it may be live at.
+    fn live_bytes(&mut self) {
+        for b in self.p.buf_ids() {
+            let s = self.unit(self.p.size(b));
+            if s > 0.0 {
+                self.buffer(b, s);
+            }
+        }
+    }
+
+    /// One buffer of `s` units: by whether it has a producer, is
+    /// persistent, and how many users it has.
+    fn buffer(&mut self, b: BufIdx, s: f64) {
+        let p = self.p;
+        let buf = p.buf(b);
+        let users: Vec<usize> = p.users(b).map(|u| u.index()).collect();
+        match (buf.producer.map(|q| q.index()), buf.persistent, users.len()) {
+            (None, true, _) => {
+                for e in self.step.iter_mut() {
+                    *e += s;
+                }
+            }
+            (None, false, 0) => self.step[0] += s,
+            (Some(q), true, _) => {
+                for t in 0..self.n {
+                    let d = self.done(q, t as i64);
+                    self.step[t].add_mul(s, d);
+                }
+            }
+            (Some(q), false, 0) => {
+                for k in 0..self.x[q].len() {
+                    let var = self.x[q][k];
+                    self.step[self.asap[q] + k].add_mul(s, var);
+                }
+            }
+            (prod, false, 1) => {
+                let u = users[0];
+                for t in prod.map_or(0, |q| self.asap[q])..=self.alap[u] {
+                    let born = prod.map_or(Expression::from(1.0), |q| self.done(q, t as i64));
+                    let live = born - self.done(u, t as i64 - 1);
+                    self.step[t].add_mul(s, live);
+                }
+            }
+            (prod, false, _) => {
+                let hi = users.iter().map(|&u| self.alap[u]).max().unwrap_or(0);
+                let (bi, di) = (
+                    self.start.birth[b.index()] as usize,
+                    self.start.death[b.index()] as usize,
+                );
+                for t in prod.map_or(0, |q| self.asap[q])..=hi {
+                    let l = self.vars.add(variable().min(0.0).max(1.0));
+                    let born = prod.map_or(Expression::from(1.0), |q| self.done(q, t as i64));
+                    for &u in &users {
+                        let row = (born.clone() - self.done(u, t as i64 - 1)).leq(l);
+                        self.rows.push(row);
+                    }
+                    self.init
+                        .push((l, if bi <= t && t <= di { 1.0 } else { 0.0 }));
+                    self.step[t].add_mul(s, l);
+                }
+            }
+        }
+    }
+
+    /// A variable per reuse hint and step of its op, lowering that step by
+    /// the reused bytes; each buffer is in one taken hint per step.
+    fn reuse_hints(&mut self) {
+        let p = self.p;
+        let taken: HashSet<(u32, u32, u32)> = self
+            .start
+            .taken
+            .iter()
+            .map(|r| (r.op.0, r.out.0, r.inp.0))
+            .collect();
+        let mut by_step_buf: HashMap<(usize, u32, bool), Expression> = HashMap::new();
+        for r in p.reuses() {
+            if p.buf(r.inp).persistent || r.out == r.inp || p.size(r.out) > p.size(r.inp) {
+                continue;
+            }
+            let o = r.op.index();
+            let s = self.unit(p.size(r.out).min(p.size(r.inp)));
+            for k in 0..self.x[o].len() {
+                let t = self.asap[o] + k;
+                let rv = self.vars.add(variable().min(0.0).max(1.0));
+                self.rows.push(Expression::from(rv).leq(self.x[o][k]));
+                for u in p.users(r.inp).filter(|&u| u != r.op) {
+                    let row = Expression::from(rv).leq(self.done(u.index(), t as i64 - 1));
+                    self.rows.push(row);
+                }
+                let on =
+                    self.start.pos[o] as usize == t && taken.contains(&(r.op.0, r.out.0, r.inp.0));
+                self.init.push((rv, if on { 1.0 } else { 0.0 }));
+                self.step[t].add_mul(-s, rv);
+                *by_step_buf.entry((t, r.inp.0, false)).or_default() += rv;
+                *by_step_buf.entry((t, r.out.0, true)).or_default() += rv;
+            }
+        }
+        let mut keys: Vec<_> = by_step_buf.keys().copied().collect();
+        keys.sort_unstable();
+        for k in keys {
+            self.rows.push(by_step_buf[&k].clone().leq(1.0));
+        }
+    }
+
+    /// The order's rows: every op runs once, every step runs one op, and
+    /// dependencies in the cumulative form.
+    fn order_rows(&self) -> Vec<good_lp::Constraint> {
+        let mut rows = Vec::new();
+        for xs in &self.x {
+            rows.push(xs.iter().fold(Expression::default(), |e, &v| e + v).eq(1.0));
+        }
+        for t in 0..self.n {
+            let mut e = Expression::default();
+            for v in (0..self.n).filter(|&v| self.asap[v] <= t && t <= self.alap[v]) {
+                e += self.x[v][t - self.asap[v]];
+            }
+            rows.push(e.eq(1.0));
+        }
+        for v in 0..self.n {
+            for u in self.p.preds(OpIdx(v as u32)) {
+                let u = u.index();
+                for t in self.asap[v]..=self.alap[u].min(self.n - 1) {
+                    rows.push(self.done(v, t as i64).leq(self.done(u, t as i64 - 1)));
+                }
+            }
+        }
+        rows
+    }
+
+    /// Hands the program to HiGHS and reads its order back.
+    fn solve(mut self, time_limit: Duration) -> Result<IlpResult, IlpError> {
+        let mut rows = self.order_rows();
+        rows.append(&mut self.rows);
+        let z = self.z;
+        for e in std::mem::take(&mut self.step) {
+            rows.push(e.leq(z));
+        }
+        let mut model = std::mem::take(&mut self.vars)
+            .minimise(z)
+            .using(highs)
+            .set_time_limit(time_limit.as_secs_f64().max(0.01))
+            .set_option("mip_abs_gap", 0.5)
+            .set_option("mip_rel_gap", 0.0)
+            .set_threads(1);
+        for r in rows {
+            model.add_constraint(r);
+        }
+        let model = model.with_initial_solution(std::mem::take(&mut self.init));
+        let sol = model.solve().map_err(|e| IlpError::Solver(e.to_string()))?;
+        // With integral objective values and an absolute gap below one,
+        // HiGHS's gap-limit stop is an optimum too.
+        let optimal = matches!(
+            sol.status(),
+            SolutionStatus::Optimal | SolutionStatus::GapLimit
+        );
+        let order = self.read_order(&sol);
+        if !self.p.is_valid_order(&order) {
+            return Err(IlpError::Solver(
+                "HiGHS returned a solution that is not a valid order".into(),
+            ));
+        }
+        let peak = evaluate(self.p, &order).peak;
+        // The program may take a set of hints the simulator's greedy rule
+        // would not, so its optimum is a lower bound; it proves the order
+        // optimal only when the simulator agrees with it.
+        let lower_bound = if optimal {
+            ((sol.value(z) - 0.5 - 1e-6).ceil().max(0.0) as u64).saturating_mul(self.g)
+        } else {
+            0
+        };
+        Ok(IlpResult {
+            order: Some(order),
+            peak,
+            proven: optimal && peak <= lower_bound,
+            lower_bound: lower_bound.min(peak),
+            binaries: self.binaries,
+        })
+    }
+
+    /// Every op at the step its largest `x` says, sorted by step.
+    fn read_order(&self, sol: &impl Solution) -> Vec<OpIdx> {
+        let mut at: Vec<(usize, usize)> = (0..self.n)
+            .map(|v| {
+                let t = self.x[v]
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| sol.value(*a.1).total_cmp(&sol.value(*b.1)))
+                    .map_or(self.asap[v], |(k, _)| self.asap[v] + k);
+                (t, v)
+            })
+            .collect();
+        at.sort_unstable();
+        at.iter().map(|&(_, v)| OpIdx(v as u32)).collect()
+    }
 }
 
 /// Solves `p` exactly with HiGHS within `time_limit`, starting from
 /// `start` (a valid order). Returns the best order HiGHS found.
 pub fn solve(p: &Problem, start: &[OpIdx], time_limit: Duration) -> Result<IlpResult, IlpError> {
-    let n = p.num_ops();
-    if n == 0 {
+    if p.num_ops() == 0 {
         return Ok(IlpResult {
             order: Some(Vec::new()),
             peak: 0,
@@ -127,216 +389,10 @@ pub fn solve(p: &Problem, start: &[OpIdx], time_limit: Duration) -> Result<IlpRe
             binaries: 0,
         });
     }
-    let g = p
-        .bufs()
-        .iter()
-        .map(|b| b.size)
-        .filter(|&s| s > 0)
-        .fold(0, gcd)
-        .max(1);
-    let unit = |s: u64| (s / g) as f64;
-    let (anc, desc) = anc_desc(p);
-    let asap: Vec<usize> = anc;
-    let alap: Vec<usize> = desc.iter().map(|d| n - 1 - d).collect();
-    let mut vars = ProblemVariables::new();
-    let mut binaries = 0;
-    let x: Vec<Vec<Variable>> = (0..n)
-        .map(|v| {
-            (asap[v]..=alap[v])
-                .map(|_| {
-                    binaries += 1;
-                    vars.add(variable().binary())
-                })
-                .collect()
-        })
-        .collect();
-    let z = vars.add(variable().min(0.0));
-    let m = Model {
-        n,
-        asap: asap.clone(),
-        alap: alap.clone(),
-        x,
-    };
-
-    // Start values from the given order.
-    let ev = evaluate(p, start);
-    let mut init: Vec<(Variable, f64)> = Vec::new();
-    for (v, &first) in asap.iter().enumerate().take(n) {
-        for (k, &var) in m.x[v].iter().enumerate() {
-            let t = first + k;
-            init.push((var, if ev.pos[v] as usize == t { 1.0 } else { 0.0 }));
-        }
-    }
-
-    // Live bytes at each step, as expressions.
-    let mut step: Vec<Expression> = (0..n).map(|_| Expression::default()).collect();
-    let mut rows: Vec<good_lp::Constraint> = Vec::new();
-    let max_alap = |b: BufIdx| p.users(b).map(|u| alap[u.index()]).max();
-    for b in p.buf_ids() {
-        let s = unit(p.size(b));
-        if s == 0.0 {
-            continue;
-        }
-        let buf = p.buf(b);
-        let users: Vec<usize> = p.users(b).map(|u| u.index()).collect();
-        match (buf.producer.map(|q| q.index()), buf.persistent, users.len()) {
-            (None, true, _) => {
-                for e in step.iter_mut() {
-                    *e += s;
-                }
-            }
-            (None, false, 0) => step[0] += s,
-            (Some(q), true, _) => {
-                for (t, e) in step.iter_mut().enumerate() {
-                    e.add_mul(s, m.done(q, t as i64));
-                }
-            }
-            (Some(q), false, 0) => {
-                for (k, &var) in m.x[q].iter().enumerate() {
-                    step[asap[q] + k].add_mul(s, var);
-                }
-            }
-            (prod, false, 1) => {
-                let u = users[0];
-                let hi = alap[u];
-                let lo = prod.map_or(0, |q| asap[q]);
-                for (t, e) in step.iter_mut().enumerate().take(hi + 1).skip(lo) {
-                    let born = prod.map_or(Expression::from(1.0), |q| m.done(q, t as i64));
-                    e.add_mul(s, born - m.done(u, t as i64 - 1));
-                }
-            }
-            (prod, false, _) => {
-                let hi = max_alap(b).unwrap_or(0);
-                let lo = prod.map_or(0, |q| asap[q]);
-                for (t, e) in step.iter_mut().enumerate().take(hi + 1).skip(lo) {
-                    let l = vars.add(variable().min(0.0).max(1.0));
-                    let born = prod.map_or(Expression::from(1.0), |q| m.done(q, t as i64));
-                    for &u in &users {
-                        rows.push((born.clone() - m.done(u, t as i64 - 1)).leq(l));
-                    }
-                    let (bi, di) = (ev.birth[b.index()] as usize, ev.death[b.index()] as usize);
-                    init.push((l, if bi <= t && t <= di { 1.0 } else { 0.0 }));
-                    e.add_mul(s, l);
-                }
-            }
-        }
-    }
-    // Reuse hints.
-    let taken: std::collections::HashSet<(u32, u32, u32)> = ev
-        .taken
-        .iter()
-        .map(|r| (r.op.0, r.out.0, r.inp.0))
-        .collect();
-    let mut by_step_buf: std::collections::HashMap<(usize, u32, bool), Expression> =
-        Default::default();
-    for r in p.reuses() {
-        if p.buf(r.inp).persistent || r.out == r.inp || p.size(r.out) > p.size(r.inp) {
-            continue;
-        }
-        let o = r.op.index();
-        let s = unit(p.size(r.out).min(p.size(r.inp)));
-        for (k, &xo) in m.x[o].iter().enumerate() {
-            let t = asap[o] + k;
-            let rv = vars.add(variable().min(0.0).max(1.0));
-            rows.push(Expression::from(rv).leq(xo));
-            for u in p.users(r.inp) {
-                if u != r.op {
-                    rows.push(Expression::from(rv).leq(m.done(u.index(), t as i64 - 1)));
-                }
-            }
-            let on = ev.pos[o] as usize == t && taken.contains(&(r.op.0, r.out.0, r.inp.0));
-            init.push((rv, if on { 1.0 } else { 0.0 }));
-            step[t].add_mul(-s, rv);
-            *by_step_buf.entry((t, r.inp.0, false)).or_default() += rv;
-            *by_step_buf.entry((t, r.out.0, true)).or_default() += rv;
-        }
-    }
-    let mut keys: Vec<_> = by_step_buf.keys().copied().collect();
-    keys.sort_unstable();
-    for k in keys {
-        rows.push(by_step_buf[&k].clone().leq(1.0));
-    }
-    init.push((z, (ev.peak / g) as f64));
-
-    let mut model = vars
-        .minimise(z)
-        .using(highs)
-        .set_time_limit(time_limit.as_secs_f64().max(0.01))
-        .set_option("mip_abs_gap", 0.5)
-        .set_option("mip_rel_gap", 0.0)
-        .set_threads(1);
-    for v in 0..n {
-        let mut e = Expression::default();
-        for &var in &m.x[v] {
-            e += var;
-        }
-        model.add_constraint(e.eq(1.0));
-    }
-    for t in 0..n {
-        let mut e = Expression::default();
-        for v in 0..n {
-            if asap[v] <= t && t <= alap[v] {
-                e += m.x[v][t - asap[v]];
-            }
-        }
-        model.add_constraint(e.eq(1.0));
-    }
-    for (v, &first) in asap.iter().enumerate().take(n) {
-        for u in p.preds(OpIdx(v as u32)) {
-            let u = u.index();
-            for t in first..=alap[u].min(m.n - 1) {
-                model.add_constraint(m.done(v, t as i64).leq(m.done(u, t as i64 - 1)));
-            }
-        }
-    }
-    for r in rows {
-        model.add_constraint(r);
-    }
-    for e in step {
-        model.add_constraint(e.leq(z));
-    }
-    let model = model.with_initial_solution(init);
-    let sol = model.solve().map_err(|e| IlpError::Solver(e.to_string()))?;
-    // With integral objective values and an absolute gap below one, HiGHS's
-    // gap-limit stop is an optimum too.
-    let optimal = matches!(
-        sol.status(),
-        SolutionStatus::Optimal | SolutionStatus::GapLimit
-    );
-    let objective = sol.value(z);
-    let mut at: Vec<(usize, usize)> = (0..n)
-        .map(|v| {
-            let t = m.x[v]
-                .iter()
-                .enumerate()
-                .max_by(|a, b| sol.value(*a.1).total_cmp(&sol.value(*b.1)))
-                .map_or(asap[v], |(k, _)| asap[v] + k);
-            (t, v)
-        })
-        .collect();
-    at.sort_unstable();
-    let order: Vec<OpIdx> = at.iter().map(|&(_, v)| OpIdx(v as u32)).collect();
-    if !p.is_valid_order(&order) {
-        return Err(IlpError::Solver(
-            "HiGHS returned a solution that is not a valid order".into(),
-        ));
-    }
-    let peak = evaluate(p, &order).peak;
-    // The program may take a set of hints the simulator's greedy rule would
-    // not, so its optimum is a lower bound; it proves the order optimal only
-    // when the simulator agrees with it.
-    let lower_bound = if optimal {
-        ((objective - 0.5 - 1e-6).ceil().max(0.0) as u64).saturating_mul(g)
-    } else {
-        0
-    };
-    Ok(IlpResult {
-        order: Some(order),
-        peak,
-        proven: optimal && peak <= lower_bound,
-        lower_bound: lower_bound.min(peak),
-        binaries,
-    })
+    let mut program = Program::new(p, start);
+    program.live_bytes();
+    program.reuse_hints();
+    program.solve(time_limit)
 }
 
 #[cfg(test)]
