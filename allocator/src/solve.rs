@@ -202,43 +202,13 @@ pub fn solve(
         ..Default::default()
     };
     regions(all, (0..all.len()).collect(), 0, params, &mut rg);
-    let Regions {
-        mut offsets,
-        peeled,
-        peak,
-        leaves: leaf_units,
-        bases,
-    } = rg;
     let mut stats = SolveStats {
         units: all.len(),
-        peeled,
+        peeled: rg.peeled,
         ..Default::default()
     };
-    let max_live = problem.max_live();
-    let hs: Vec<Heuristic> = if params.heuristics.is_empty() {
-        vec![Heuristic::ALL[0]]
-    } else {
-        params.heuristics.clone()
-    };
-    let mut leaves: Vec<Leaf> = leaf_units
-        .into_iter()
-        .zip(bases)
-        .map(|(idx, base)| {
-            let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
-            let lower = units::aligned_floor(&local);
-            let (h, offs, height) = heuristics::best_of(&local, &hs, lower);
-            Leaf {
-                units: idx,
-                base,
-                local,
-                offsets: offs,
-                height,
-                lower,
-                source: h.name(),
-                done: height <= lower,
-            }
-        })
-        .collect();
+    let peak = rg.peak;
+    let mut leaves = heuristic_leaves(all, std::mem::take(&mut rg.leaves), &rg.bases, params);
     stats.leaves = leaves.len();
     stats.heuristic_height = leaves
         .iter()
@@ -246,102 +216,27 @@ pub fn solve(
         .max()
         .unwrap_or(0)
         .max(peak);
-    let target = |l: &Leaf, goal: u64| goal.saturating_sub(l.base);
+    let mut search = LeafSearch {
+        params,
+        deadline,
+        exact: u.exact,
+        peak,
+        stats: &mut stats,
+    };
     let mut infeasible = false;
     if params.exact_search {
         match mode {
-            Mode::Capacity(cap) => {
-                let mut order: Vec<usize> = (0..leaves.len())
-                    .filter(|&k| leaves[k].base + leaves[k].height > cap)
-                    .collect();
-                order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].local.len()));
-                // Passes over the leaves still undecided: each gets an equal
-                // share of the time left; time a leaf does not use goes to
-                // the next, and what is left after a pass to the leaves that
-                // ran out of their share.
-                let mut pending = order;
-                let mut first_pass = true;
-                'passes: while !pending.is_empty() {
-                    if !first_pass && deadline.is_none_or(|d| Instant::now() >= d) {
-                        break;
-                    }
-                    let n = pending.len();
-                    let mut undecided = Vec::new();
-                    for (done, k) in pending.into_iter().enumerate() {
-                        let l = &mut leaves[k];
-                        let t = target(l, cap);
-                        if u.exact && (peak > cap || l.lower > t) {
-                            infeasible = true;
-                            break 'passes;
-                        }
-                        if first_pass {
-                            stats.searched_leaves += 1;
-                        }
-                        let dl = share(deadline, n - done);
-                        let mut st = SearchStats::default();
-                        let d = search::decide_with(
-                            &l.local,
-                            t,
-                            params,
-                            decision_restarts(params),
-                            dl,
-                            nodes_left(params, stats.nodes),
-                            &mut st,
-                        );
-                        stats.nodes += st.nodes;
-                        stats.runs += st.runs;
-                        match d {
-                            Decision::Fits(o) => {
-                                l.height = units::height(&l.local, &o);
-                                l.offsets = o;
-                                l.source = "search".into();
-                            }
-                            Decision::Infeasible => {
-                                if u.exact {
-                                    infeasible = true;
-                                    break 'passes;
-                                }
-                            }
-                            Decision::Unknown => undecided.push(k),
-                        }
-                    }
-                    pending = undecided;
-                    first_pass = false;
-                }
-            }
-            Mode::Minimize => {
-                // The floor every leaf must reach: no point going lower.
-                let goal = leaves
-                    .iter()
-                    .map(|l| l.base + l.lower)
-                    .max()
-                    .unwrap_or(0)
-                    .max(peak);
-                // Close enough: within the tolerance of the floor.
-                let good = goal.saturating_add((goal as f64 * params.tolerance.max(0.0)) as u64);
-                let mut order: Vec<usize> = (0..leaves.len())
-                    .filter(|&k| leaves[k].base + leaves[k].height > good)
-                    .collect();
-                order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].base + leaves[k].height));
-                let n = order.len();
-                for (done, k) in order.into_iter().enumerate() {
-                    // Leaves only need to come down to the tallest other
-                    // leaf's proven bound, and never below their own.
-                    let dl = share(deadline, n - done);
-                    stats.searched_leaves += 1;
-                    let l = &mut leaves[k];
-                    let t = target(l, goal).max(l.lower);
-                    let enough = target(l, good).max(t);
-                    minimise_leaf(l, t, enough, params, dl, u.exact, &mut stats);
-                }
-            }
+            Mode::Capacity(cap) => infeasible = search.decide(&mut leaves, cap),
+            Mode::Minimize => search.minimise(&mut leaves),
         }
     }
+    let mut offsets = rg.offsets;
     for l in &leaves {
         for (k, &i) in l.units.iter().enumerate() {
             offsets[i] = l.base + l.offsets[k];
         }
     }
+    let max_live = problem.max_live();
     let mut solution = u.to_solution(problem, &offsets);
     let mut baseline_won = false;
     // Never worse than the plain baseline: greedy by size over the whole
@@ -354,7 +249,6 @@ pub fn solve(
             baseline_won = true;
         }
     }
-    let height = solution.height;
     // Bounds: the floor, and every leaf's proven bound on its base.
     let mut lower_bound = max_live;
     if u.exact {
@@ -370,28 +264,7 @@ pub fn solve(
     } else {
         stats.heuristic.clone()
     };
-    let status = match mode {
-        Mode::Minimize => {
-            if height <= lower_bound {
-                Status::Optimal
-            } else {
-                Status::Feasible
-            }
-        }
-        Mode::Capacity(cap) => {
-            if height <= cap {
-                if height <= lower_bound {
-                    Status::Optimal
-                } else {
-                    Status::Feasible
-                }
-            } else if infeasible || lower_bound > cap {
-                Status::Infeasible
-            } else {
-                Status::Unknown
-            }
-        }
-    };
+    let status = status(mode, solution.height, lower_bound, infeasible);
     stats.seconds = start.elapsed().as_secs_f64();
     Ok(Outcome {
         solution,
@@ -401,6 +274,157 @@ pub fn solve(
         source,
         stats,
     })
+}
+
+/// How a solve ended, from the layout's height, the proven bound and
+/// whether the search refuted the capacity.
+fn status(mode: Mode, height: u64, lower_bound: u64, infeasible: bool) -> Status {
+    let optimal_or_feasible = if height <= lower_bound {
+        Status::Optimal
+    } else {
+        Status::Feasible
+    };
+    match mode {
+        Mode::Minimize => optimal_or_feasible,
+        Mode::Capacity(cap) if height <= cap => optimal_or_feasible,
+        Mode::Capacity(cap) if infeasible || lower_bound > cap => Status::Infeasible,
+        Mode::Capacity(_) => Status::Unknown,
+    }
+}
+
+/// Every leaf with the best of the greedy heuristics' layouts.
+fn heuristic_leaves(
+    all: &[Unit],
+    leaves: Vec<Vec<usize>>,
+    bases: &[u64],
+    params: &SolverParams,
+) -> Vec<Leaf> {
+    let hs: Vec<Heuristic> = if params.heuristics.is_empty() {
+        vec![Heuristic::ALL[0]]
+    } else {
+        params.heuristics.clone()
+    };
+    leaves
+        .into_iter()
+        .zip(bases)
+        .map(|(idx, &base)| {
+            let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
+            let lower = units::aligned_floor(&local);
+            let (h, offs, height) = heuristics::best_of(&local, &hs, lower);
+            Leaf {
+                units: idx,
+                base,
+                local,
+                offsets: offs,
+                height,
+                lower,
+                source: h.name(),
+                done: height <= lower,
+            }
+        })
+        .collect()
+}
+
+/// The exact search over the leaves above the target, sharing the time.
+struct LeafSearch<'a> {
+    params: &'a SolverParams,
+    deadline: Option<Instant>,
+    /// Units are exact (no merged reuse groups): a refuted leaf refutes
+    /// the whole problem.
+    exact: bool,
+    /// The top of the stacked units.
+    peak: u64,
+    stats: &'a mut SolveStats,
+}
+
+impl LeafSearch<'_> {
+    /// Capacity mode: makes every leaf fit `cap`, or proves one cannot
+    /// (returns true). Passes over the leaves still undecided: each gets an
+    /// equal share of the time left; time a leaf does not use goes to the
+    /// next, and what is left after a pass to the leaves that ran out of
+    /// their share.
+    fn decide(&mut self, leaves: &mut [Leaf], cap: u64) -> bool {
+        let mut pending: Vec<usize> = (0..leaves.len())
+            .filter(|&k| leaves[k].base + leaves[k].height > cap)
+            .collect();
+        pending.sort_by_key(|&k| std::cmp::Reverse(leaves[k].local.len()));
+        let mut first_pass = true;
+        while !pending.is_empty() {
+            if !first_pass && self.deadline.is_none_or(|d| Instant::now() >= d) {
+                break;
+            }
+            let n = pending.len();
+            let mut undecided = Vec::new();
+            for (done, k) in pending.into_iter().enumerate() {
+                let l = &mut leaves[k];
+                let t = cap.saturating_sub(l.base);
+                if self.exact && (self.peak > cap || l.lower > t) {
+                    return true;
+                }
+                if first_pass {
+                    self.stats.searched_leaves += 1;
+                }
+                match self.decide_leaf(l, t, share(self.deadline, n - done)) {
+                    Decision::Fits(o) => {
+                        l.height = units::height(&l.local, &o);
+                        l.offsets = o;
+                        l.source = "search".into();
+                    }
+                    Decision::Infeasible if self.exact => return true,
+                    Decision::Infeasible => {}
+                    Decision::Unknown => undecided.push(k),
+                }
+            }
+            pending = undecided;
+            first_pass = false;
+        }
+        false
+    }
+
+    fn decide_leaf(&mut self, l: &Leaf, capacity: u64, deadline: Option<Instant>) -> Decision {
+        let mut st = SearchStats::default();
+        let d = search::decide_with(
+            &l.local,
+            capacity,
+            self.params,
+            decision_restarts(self.params),
+            deadline,
+            nodes_left(self.params, self.stats.nodes),
+            &mut st,
+        );
+        self.stats.nodes += st.nodes;
+        self.stats.runs += st.runs;
+        d
+    }
+
+    /// Minimise mode: brings the tallest leaves down toward the floor
+    /// every leaf must reach (the tallest leaf's proven bound), tallest
+    /// first, stopping within the tolerance.
+    fn minimise(&mut self, leaves: &mut [Leaf]) {
+        let goal = leaves
+            .iter()
+            .map(|l| l.base + l.lower)
+            .max()
+            .unwrap_or(0)
+            .max(self.peak);
+        // Close enough: within the tolerance of the floor.
+        let good = goal.saturating_add((goal as f64 * self.params.tolerance.max(0.0)) as u64);
+        let mut order: Vec<usize> = (0..leaves.len())
+            .filter(|&k| leaves[k].base + leaves[k].height > good)
+            .collect();
+        order.sort_by_key(|&k| std::cmp::Reverse(leaves[k].base + leaves[k].height));
+        let n = order.len();
+        for (done, k) in order.into_iter().enumerate() {
+            // Leaves only need to come down to the tallest other leaf's
+            // proven bound, and never below their own.
+            let dl = share(self.deadline, n - done);
+            self.stats.searched_leaves += 1;
+            let l = &mut leaves[k];
+            let t = goal.saturating_sub(l.base).max(l.lower);
+            let enough = good.saturating_sub(l.base).max(t);
+            minimise_leaf(l, t, enough, self.params, dl, self.exact, self.stats);
+        }
+    }
 }
 
 /// A deadline that leaves equal shares to `parts` parts (this one
