@@ -8,6 +8,7 @@ kernels on the same values, so on CPU they are in practice equal to the bit.
 """
 
 import copy
+import json
 import random
 import unittest
 
@@ -104,6 +105,8 @@ class Harness:
         for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
             torch.testing.assert_close(b, r, **TOL, msg=lambda m: f"{n}: {m}")
         planned = self.step.tracked_peak_bytes
+        # Every reuse the plan takes ran as an out= call over its input.
+        t.assertEqual(self.step.program().unreused, set())
         # The recorded (eager) order, run and tracked the same way, is never
         # below the plan: memplan's order is the better one.
         self.step.run(self.batch, order="eager", track=True)
@@ -229,6 +232,61 @@ class CapturedStepsMatchEager(unittest.TestCase):
             ref_opt.zero_grad()
             torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
         self.assertIsNotNone(train_step.step.plan)
+
+
+class PointwiseOpsWriteOverDyingInputs(unittest.TestCase):
+    """Reuse hints: a pointwise op may write its output into an argument of
+    the same layout whose last use it is; the plan counts the two once and
+    the step calls the op's out= overload with that argument."""
+
+    def test_a_tanh_stack_needs_less_with_its_hints(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                              nn.Linear(256, 3))
+        batch = (torch.randn(512, 64), torch.randint(0, 3, (512,)))
+        h = Harness(self, model, batch, classify)
+        graph, plan = h.step.graph, h.step.plan
+        hinted = [op for op in graph["ops"] if op.get("reuse")]
+        self.assertIn("aten.tanh_backward.default", {op["type"] for op in hinted})
+        for op in hinted:
+            (r,) = op["reuse"]
+            self.assertIn(r["output"], op["outputs"])
+            self.assertIn(r["input"], op["inputs"])
+        self.assertTrue(plan.get("reuse"))
+        without = json.loads(json.dumps(graph))
+        for op in without["ops"]:
+            op.pop("reuse", None)
+        unhinted = memplan.plan(without, time_limit=5)["stats"]["max_live_bytes"]
+        # Measured: 2,712,616 bytes with the hints, 3,230,760 without.
+        self.assertLess(plan["stats"]["max_live_bytes"], unhinted * 0.9)
+        tracked = h.run()
+        self.assertEqual(tracked, plan["stats"]["max_live_bytes"])
+        # In both runs the reused outputs stayed in their inputs' bytes.
+        self.assertGreater(len(h.step.program().takes), 0)
+
+    def test_no_hint_across_dtypes_or_broadcasts(self):
+        # `x + b` broadcasts `b`, and `x.to(float64)` changes the element
+        # size: neither may write over the smaller or other-typed argument.
+        class Odd(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(8, 4))
+                self.b = nn.Parameter(torch.randn(4))
+
+            def forward(self, x):
+                return ((x @ self.w) + self.b).double().sum()
+
+        model = Odd()
+        step = mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(16, 8),
+                          lambda m, b: m(b).float())
+        tensors = {t["id"]: t for t in step.graph["tensors"]}
+        hinted = {op["type"] for op in step.graph["ops"] if op.get("reuse")}
+        self.assertIn("aten.add.Tensor", hinted)  # over the product, not over `b`
+        self.assertNotIn("aten._to_copy.default", hinted)
+        for op in step.graph["ops"]:
+            for r in op.get("reuse", []):
+                o, i = tensors[r["output"]], tensors[r["input"]]
+                self.assertEqual((o["shape"], o["dtype"]), (i["shape"], i["dtype"]), op)
 
 
 def gpt2(layers=2, width=64):

@@ -134,8 +134,25 @@ class Step:
             else:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
             keep = list(self._bound) + [self._loss]
-            self._programs[order] = Program(self._calls, seq, keep)
+            takes = self._taken_reuses() if order == "planned" else None
+            self._programs[order] = Program(self._calls, seq, keep, takes)
         return self._programs[order]
+
+    def _taken_reuses(self) -> Dict[int, tuple]:
+        """The plan's taken reuses as call index -> (output, input) tensor
+        indices: the call that makes the output writes it over the input.
+        The plan names the input's root (the tensor owning the bytes); the
+        call reads the tensor its hint names, maybe a view of that root."""
+        index = {t["id"]: i for i, t in enumerate(self.graph["tensors"])}
+        hinted = {}
+        for k, op in enumerate(self.graph["ops"]):
+            for r in op.get("reuse", []):
+                hinted[r["output"]] = (k, index[r["output"]], index[r["input"]])
+        takes = {}
+        for r in self.plan.get("reuse", []):
+            k, o, i = hinted[r["output"]]
+            takes[k] = (o, i)
+        return takes
 
     @property
     def stats(self) -> Dict[str, Any]:

@@ -86,6 +86,40 @@ def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> Optional[int]:
     except Exception:  # a formula that does not take this overload's arguments
         return None
 
+def out_variant(func):
+    """The ``out=`` overload of `func` and the names of its out arguments,
+    or None. Its other arguments must be `func`'s, by name and type
+    (``pow.Tensor_Scalar``'s is ``pow.Tensor_Scalar_out``, not
+    ``pow.Tensor_Tensor_out``)."""
+    if func.namespace != "aten":
+        return None
+    packet = func.overloadpacket
+    names = [(a.name, str(a.type)) for a in func._schema.arguments]
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        outs = [a.name for a in cand._schema.arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in cand._schema.arguments if not a.is_out]
+        if outs and rest == names and len(outs) == len(func._schema.returns):
+            return cand, outs
+    return None
+
+
+def may_write_over(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether a pointwise op's new output `x` may be written into the bytes
+    of its argument `a`: the two have the same shape, strides and element
+    size, and each fills its whole storage from offset 0. Then ``out=a``
+    writes every element exactly where it was read from, after reading it
+    (what aten's kernels do for a fully overlapping output)."""
+    return (
+        a.shape == x.shape
+        and a.stride() == x.stride()
+        and a.storage_offset() == 0
+        and x.storage_offset() == 0
+        and a.element_size() == x.element_size()
+        and a.untyped_storage().nbytes() == x.untyped_storage().nbytes()
+    )
+
+
 class UnsupportedStep(ValueError):
     """A step memplan cannot run in another order; the message names the
     op and says why."""
@@ -308,6 +342,7 @@ class Recorder(TorchDispatchMode):
 
         arg_ids = {id(x) for x in arg_objs}
         outputs: List[int] = []
+        new_roots: List[torch.Tensor] = []
         call_outputs: List[Tuple[int, int]] = []
         for pos, x in enumerate(tree_flatten(out)[0]):
             if not isinstance(x, torch.Tensor) or id(x) in arg_ids:
@@ -317,6 +352,7 @@ class Recorder(TorchDispatchMode):
             if base is None:
                 role = "temporary" if self.phase == "optimizer" else "activation"
                 i = self._new_root(x, f"t{len(self.tensors)}", role, "transient")
+                new_roots.append(x)
             else:
                 src = base
                 for a in arg_objs:
@@ -338,11 +374,35 @@ class Recorder(TorchDispatchMode):
         for field, ts in (("inputs", inputs), ("outputs", outputs), ("updates", updates)):
             if ts:
                 op[field] = [self.tensors[i]["id"] for i in ts]
+        hint = self._reuse_hint(func, writes, outputs, new_roots, arg_objs, inputs)
+        if hint is not None:
+            op["reuse"] = [{"output": self.tensors[hint[0]]["id"], "input": self.tensors[hint[1]]["id"]}]
         self.ops.append(op)
         self.calls.append(Call(func, call_args, call_kwargs, call_outputs))
         for i in inputs + updates + outputs:
             self._used_in.setdefault(self.root(i), set()).add(self.phase)
         return out
+
+    def _reuse_hint(self, func, writes, outputs, new_roots, args, inputs) -> Optional[Tuple[int, int]]:
+        """A reuse hint (output, input) for a pointwise op with one new
+        output: it may be written into an argument's bytes
+        (:func:`may_write_over`, and of its dtype, so the runner can pass
+        that tensor as ``out=``) when memplan's order makes the op that
+        argument's last use; the runner then calls the op's ``out=``
+        overload with that argument (:class:`memplan.torch._run.Program`)."""
+        if writes or len(outputs) != 1 or len(new_roots) != 1 or torch.Tag.pointwise not in func.tags:
+            return None
+        x = new_roots[0]
+        if x.device.type != self.device:
+            return None
+        for a in args:
+            ai = self._by_object.get(a)
+            if (ai is not None and ai in inputs and a.device.type == self.device and a.dtype == x.dtype
+                    and may_write_over(x, a)):
+                if out_variant(func) is None:
+                    return None
+                return outputs[0], ai
+        return None
 
     # ---- closing ------------------------------------------------------
 

@@ -15,7 +15,7 @@ peak is what the run really held in tensors, whatever the runner believes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._record import Call, Ref
+from ._record import Call, Ref, out_variant
 
 
 class StorageTracker(TorchDispatchMode):
@@ -92,11 +92,20 @@ def allocator_peak(fn: Callable[[], Any], resident: Iterable[torch.Tensor], devi
 
 class Program:
     """The calls of a step in one order, with the tensors that die after
-    each position."""
+    each position.
 
-    def __init__(self, calls: Sequence[Call], order: Sequence[int], keep: Sequence[int]) -> None:
+    `takes` maps a call to the reuse the plan takes there, (output, input)
+    graph tensor indices: the call runs as its ``out=`` overload writing
+    into the input's tensor, whose last use it is, so the output needs no
+    new bytes (docs/graph-format.md, reuse hints). A call whose overload
+    refuses runs as recorded instead and is noted in :attr:`unreused`."""
+
+    def __init__(self, calls: Sequence[Call], order: Sequence[int], keep: Sequence[int],
+                 takes: Optional[Dict[int, Tuple[int, int]]] = None) -> None:
         self.calls = calls
         self.order = list(order)
+        self.takes = dict(takes or {})
+        self.unreused: set = set()
         last: Dict[int, int] = {}
         for pos, k in enumerate(self.order):
             c = calls[k]
@@ -135,7 +144,9 @@ class Program:
             for pos, k in enumerate(self.order):
                 c = self.calls[k]
                 args, kwargs = self.bound_args(k, env, numbers, optimizer_calls)
-                out = c.func(*args, **kwargs)
+                out = self._call_over(k, args, kwargs, env) if k in self.takes else None
+                if out is None:
+                    out = c.func(*args, **kwargs)
                 args = kwargs = None
                 if c.outputs:
                     flat = tree_flatten(out)[0]
@@ -147,20 +158,26 @@ class Program:
                     env.pop(i, None)
 
 
-def out_variant(func):
-    """The ``out=`` overload of `func` and the names of its out arguments,
-    or None. Its other arguments must be `func`'s, by name."""
-    if func.namespace != "aten":
-        return None
-    packet = func.overloadpacket
-    names = [a.name for a in func._schema.arguments]
-    for ov in packet.overloads():
-        cand = getattr(packet, ov)
-        outs = [a.name for a in cand._schema.arguments if a.is_out]
-        rest = [a.name for a in cand._schema.arguments if not a.is_out]
-        if outs and rest == names and len(outs) == len(func._schema.returns):
-            return cand, outs
-    return None
+    def _call_over(self, k: int, args, kwargs, env: Dict[int, torch.Tensor]):
+        """Call `k` written into its reused input's tensor (see `takes`), or
+        None when its ``out=`` overload refuses or moves the output."""
+        c = self.calls[k]
+        o, i = self.takes[k]
+        variant = out_variant(c.func) if k not in self.unreused else None
+        if variant is None:
+            self.unreused.add(k)
+            return None
+        fn, names = variant
+        target = env[i]
+        ptr, shape, stride = target.data_ptr(), tuple(target.shape), target.stride()
+        try:
+            fn(*args, **kwargs, **{names[0]: target})
+        except (RuntimeError, TypeError):
+            self.unreused.add(k)
+            return None
+        if (target.data_ptr(), tuple(target.shape), target.stride()) != (ptr, shape, stride):
+            raise RuntimeError(f"{c.func}: its out= overload moved the reused output")
+        return target
 
 
 class Arena:

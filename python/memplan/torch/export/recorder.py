@@ -46,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # Shared with memplan.torch's recorder: which namespaces are bookkeeping,
 # element type names, storage identity, and PyTorch's FLOP formulas.
-from memplan.torch._record import DTYPE_NAMES, SKIPPED_NAMESPACES, op_flops, storage_key
+from memplan.torch._record import DTYPE_NAMES, SKIPPED_NAMESPACES, may_write_over, op_flops, storage_key
 
 from .graph import GraphBuilder
 
@@ -265,11 +265,7 @@ class Recorder(TorchDispatchMode):
                     or ai in taken
                     or ai not in inputs
                     or self._is_host(a)
-                    or a.shape != x.shape
-                    or a.stride() != x.stride()
-                    or a.storage_offset() != 0
-                    or a.element_size() != x.element_size()
-                    or a.untyped_storage().nbytes() != x.untyped_storage().nbytes()
+                    or not may_write_over(x, a)
                 ):
                     continue
                 pairs.append((xi, ai))
