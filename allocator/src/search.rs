@@ -783,6 +783,183 @@ pub fn decide_limited(
     )
 }
 
+/// The restart schedule: the batches of runs to make, in turn.
+struct Schedule {
+    restarts: Restarts,
+    /// How many preorders there are.
+    pres: usize,
+    threads: usize,
+    /// Doubling: the round's limit.
+    limit: u64,
+    /// Randomized: runs made so far.
+    made: u64,
+    /// Mixed: whether the next batch is a round of the fixed preorders, and
+    /// the nodes the shuffled batch after it gets (the round's).
+    fixed_turn: bool,
+    quota: u64,
+}
+
+impl Schedule {
+    fn new(restarts: Restarts, pres: usize, threads: usize, params: &SolverParams) -> Self {
+        Schedule {
+            restarts,
+            pres,
+            threads,
+            limit: params.initial_node_limit.max(1),
+            made: 0,
+            fixed_turn: true,
+            quota: 0,
+        }
+    }
+
+    fn next_batch(&mut self) -> Vec<Spec> {
+        match self.restarts {
+            Restarts::Doubling => self.fixed_round(),
+            // Enough runs to keep the threads busy for a while.
+            Restarts::Randomized { seed } => {
+                let quota = parallel_min_nodes() * self.threads as u64;
+                self.shuffled(seed, 2 * self.threads, quota, 64)
+            }
+            Restarts::Mixed { seed } => {
+                let b = if self.fixed_turn {
+                    self.quota = self.limit.saturating_mul(self.pres as u64);
+                    self.fixed_round()
+                } else {
+                    self.shuffled(seed, 1, self.quota, 4096)
+                };
+                self.fixed_turn = !self.fixed_turn;
+                b
+            }
+        }
+    }
+
+    /// Every preorder as it is, at the round's limit; the next round's
+    /// limit doubles.
+    fn fixed_round(&mut self) -> Vec<Spec> {
+        let limit = self.limit;
+        self.limit = self.limit.saturating_mul(2);
+        (0..self.pres)
+            .map(|pre| Spec {
+                pre,
+                shuffle: None,
+                limit,
+            })
+            .collect()
+    }
+
+    /// The next shuffled runs, on Luby's limits: at least `min_runs` and
+    /// until they hold `quota` nodes, at most `max_runs`.
+    fn shuffled(&mut self, seed: u64, min_runs: usize, quota: u64, max_runs: usize) -> Vec<Spec> {
+        let mut b: Vec<Spec> = Vec::new();
+        let mut nodes = 0u64;
+        while b.len() < max_runs && (b.len() < min_runs || nodes < quota) {
+            self.made += 1;
+            let limit = luby(self.made).saturating_mul(LUBY_UNIT);
+            let i = self.made - 1;
+            let pres = self.pres as u64;
+            let window = WINDOWS[(i / pres % WINDOWS.len() as u64) as usize];
+            let mut st = seed ^ i.wrapping_mul(0x2545_f491_4f6c_dd1d);
+            b.push(Spec {
+                pre: (i % pres) as usize,
+                shuffle: Some((window, splitmix(&mut st))),
+                limit,
+            });
+            nodes += limit;
+        }
+        b
+    }
+}
+
+/// What every run of one decision shares.
+struct Runs<'a> {
+    m: Model<'a>,
+    params: &'a SolverParams,
+    cap: u64,
+    pres: Vec<Preorder>,
+    ranks: Vec<Vec<u32>>,
+    deadline: Option<Instant>,
+}
+
+impl Runs<'_> {
+    fn one(&self, sp: &Spec, cancel: Option<(&AtomicUsize, usize)>) -> RunOutcome {
+        let rank = match sp.shuffle {
+            Some((w, seed)) => perturb(&self.ranks[sp.pre], w, seed),
+            None => self.ranks[sp.pre].clone(),
+        };
+        let mut run = Run::new(
+            &self.m,
+            self.params,
+            self.cap,
+            self.pres[sp.pre],
+            rank,
+            sp.limit,
+            self.deadline,
+        );
+        run.cancel = cancel;
+        let mut items: Vec<u32> = self.m.free.clone();
+        let res = if self.params.static_decomposition {
+            run.solve_parts(&mut items, 0, self.m.nsec, 0, 0)
+        } else {
+            run.dfs(&mut items, 0, self.m.nsec, 0, 0)
+        };
+        RunOutcome {
+            res,
+            off: run.off,
+            nodes: run.nodes,
+            deepest: run.deepest,
+        }
+    }
+
+    /// The batch's runs on `threads` threads. A run that decides stops the
+    /// runs after it in the batch (their slots stay empty); those before it
+    /// finish, so the sequence's first decision is the same as one thread's.
+    fn parallel(&self, batch: &[Spec], threads: usize) -> Vec<Option<RunOutcome>> {
+        // The lowest index that decided so far: runs after it stop.
+        let decided = AtomicUsize::new(usize::MAX);
+        let next = AtomicUsize::new(0);
+        let slots: Vec<std::sync::Mutex<Option<RunOutcome>>> =
+            batch.iter().map(|_| Default::default()).collect();
+        std::thread::scope(|sc| {
+            for _ in 0..threads.min(batch.len()) {
+                sc.spawn(|| {
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= batch.len() {
+                            break;
+                        }
+                        if batch[k].limit == 0 || decided.load(Ordering::Relaxed) < k {
+                            continue;
+                        }
+                        let o = self.one(&batch[k], Some((&decided, k)));
+                        if o.res != Res::Abort {
+                            decided.fetch_min(k, Ordering::Relaxed);
+                        }
+                        *slots[k].lock().expect("no panics while held") = Some(o);
+                    }
+                });
+            }
+        });
+        slots
+            .into_iter()
+            .map(|s| s.into_inner().expect("no panics while held"))
+            .collect()
+    }
+
+    fn trace(&self, sp: &Spec, o: &RunOutcome) {
+        eprintln!(
+            "run cap {} {}{} limit {} nodes {} deepest {}/{} -> {:?}",
+            self.cap,
+            self.pres[sp.pre].name(),
+            sp.shuffle.map(|(w, _)| format!("~{w}")).unwrap_or_default(),
+            sp.limit,
+            o.nodes,
+            o.deepest,
+            self.m.free.len(),
+            o.res
+        );
+    }
+}
+
 /// Decides whether `units` fit in `cap` bytes, restarting as `restarts`
 /// says, until a run decides, `max_nodes` nodes are spent over all runs,
 /// or `deadline` passes.
@@ -818,71 +995,18 @@ pub fn decide_with(
     let ranks: Vec<Vec<u32>> = pres.iter().map(|&p| m.ranks(p)).collect();
     let threads = params.thread_count().max(1);
     let trace = std::env::var_os("MEMPLAN_TRACE").is_some();
+    let mut schedule = Schedule::new(restarts, pres.len(), threads, params);
+    let runs = Runs {
+        m,
+        params,
+        cap,
+        pres,
+        ranks,
+        deadline,
+    };
     let mut spent = 0u64;
-    // Doubling: the round's limit. Randomized: runs made so far.
-    let mut limit = params.initial_node_limit.max(1);
-    let mut made = 0u64;
-    // Mixed: whether the next batch is a round of the fixed preorders, and
-    // the nodes the shuffled batch after it gets (the round's).
-    let mut fixed_turn = true;
-    let mut quota = 0u64;
-    // The next shuffled runs: at least `min_runs` and until they hold
-    // `quota` nodes, at most `max_runs`.
-    let shuffled = |made: &mut u64, seed: u64, min_runs: usize, quota: u64, max_runs: usize| {
-        let mut b: Vec<Spec> = Vec::new();
-        let mut nodes = 0u64;
-        while b.len() < max_runs && (b.len() < min_runs || nodes < quota) {
-            *made += 1;
-            let limit = luby(*made).saturating_mul(LUBY_UNIT);
-            let i = *made - 1;
-            let window = WINDOWS[(i / pres.len() as u64 % WINDOWS.len() as u64) as usize];
-            let mut st = seed ^ i.wrapping_mul(0x2545_f491_4f6c_dd1d);
-            b.push(Spec {
-                pre: (i % pres.len() as u64) as usize,
-                shuffle: Some((window, splitmix(&mut st))),
-                limit,
-            });
-            nodes += limit;
-        }
-        b
-    };
-    let fixed_round = |limit: u64| -> Vec<Spec> {
-        (0..pres.len())
-            .map(|pre| Spec {
-                pre,
-                shuffle: None,
-                limit,
-            })
-            .collect()
-    };
     loop {
-        let mut batch: Vec<Spec> = match restarts {
-            Restarts::Doubling => {
-                let b = fixed_round(limit);
-                limit = limit.saturating_mul(2);
-                b
-            }
-            // Enough runs to keep the threads busy for a while.
-            Restarts::Randomized { seed } => shuffled(
-                &mut made,
-                seed,
-                2 * threads,
-                parallel_min_nodes() * threads as u64,
-                64,
-            ),
-            Restarts::Mixed { seed } => {
-                let b = if fixed_turn {
-                    let b = fixed_round(limit);
-                    quota = limit.saturating_mul(pres.len() as u64);
-                    limit = limit.saturating_mul(2);
-                    b
-                } else {
-                    shuffled(&mut made, seed, 1, quota, 4096)
-                };
-                fixed_turn = !fixed_turn;
-                b
-            }
-        };
+        let mut batch = schedule.next_batch();
         // Each run's limit, as if every run before it used its whole
         // limit (it did, unless one of them decided).
         let mut s = spent;
@@ -890,61 +1014,14 @@ pub fn decide_with(
             sp.limit = sp.limit.min(max_nodes.saturating_sub(s));
             s = s.saturating_add(sp.limit + 1);
         }
-        let one = |sp: &Spec, cancel: Option<(&AtomicUsize, usize)>| -> RunOutcome {
-            let rank = match sp.shuffle {
-                Some((w, seed)) => perturb(&ranks[sp.pre], w, seed),
-                None => ranks[sp.pre].clone(),
-            };
-            let mut run = Run::new(&m, params, cap, pres[sp.pre], rank, sp.limit, deadline);
-            run.cancel = cancel;
-            let mut items: Vec<u32> = m.free.clone();
-            let res = if params.static_decomposition {
-                run.solve_parts(&mut items, 0, m.nsec, 0, 0)
-            } else {
-                run.dfs(&mut items, 0, m.nsec, 0, 0)
-            };
-            RunOutcome {
-                res,
-                off: run.off,
-                nodes: run.nodes,
-                deepest: run.deepest,
-            }
-        };
         let total: u64 = batch.iter().map(|sp| sp.limit).sum();
         let parallel = threads > 1 && batch.len() > 1 && total >= parallel_min_nodes() * 2;
-        let mut done: Vec<Option<RunOutcome>> = Vec::new();
-        if parallel {
-            // The lowest index that decided so far: runs after it stop.
-            let decided = AtomicUsize::new(usize::MAX);
-            let next = AtomicUsize::new(0);
-            let slots: Vec<std::sync::Mutex<Option<RunOutcome>>> =
-                batch.iter().map(|_| Default::default()).collect();
-            std::thread::scope(|sc| {
-                for _ in 0..threads.min(batch.len()) {
-                    sc.spawn(|| {
-                        loop {
-                            let k = next.fetch_add(1, Ordering::Relaxed);
-                            if k >= batch.len() {
-                                break;
-                            }
-                            if batch[k].limit == 0 || decided.load(Ordering::Relaxed) < k {
-                                continue;
-                            }
-                            let o = one(&batch[k], Some((&decided, k)));
-                            if o.res != Res::Abort {
-                                decided.fetch_min(k, Ordering::Relaxed);
-                            }
-                            *slots[k].lock().expect("no panics while held") = Some(o);
-                        }
-                    });
-                }
-            });
-            done = slots
-                .into_iter()
-                .map(|s| s.into_inner().expect("no panics while held"))
-                .collect();
+        let mut done = if parallel {
+            runs.parallel(&batch, threads)
+        } else {
+            Vec::new()
         }
-        let mut done = done.into_iter();
+        .into_iter();
         for sp in &batch {
             if sp.limit == 0 {
                 return Decision::Unknown;
@@ -957,31 +1034,21 @@ pub fn decide_with(
                     None => return Decision::Unknown,
                 }
             } else {
-                one(sp, None)
+                runs.one(sp, None)
             };
             stats.nodes += o.nodes;
             stats.runs += 1;
             if trace {
-                eprintln!(
-                    "run cap {cap} {}{} limit {} nodes {} deepest {}/{} -> {:?}",
-                    pres[sp.pre].name(),
-                    sp.shuffle.map(|(w, _)| format!("~{w}")).unwrap_or_default(),
-                    sp.limit,
-                    o.nodes,
-                    o.deepest,
-                    m.free.len(),
-                    o.res
-                );
+                runs.trace(sp, &o);
             }
             spent += o.nodes;
             match o.res {
                 Res::Found => return Decision::Fits(o.off),
                 Res::Fail => return Decision::Infeasible,
-                Res::Abort => {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Decision::Unknown;
-                    }
+                Res::Abort if deadline.is_some_and(|d| Instant::now() >= d) => {
+                    return Decision::Unknown;
                 }
+                Res::Abort => {}
             }
         }
     }
