@@ -6,7 +6,10 @@ must equal the original module's bit for bit, and XLA's own memory report
 for memplan's order must not be above its report for its own order (below
 it, except on the decoder, where XLA's order is within 0.11% of the
 bound) and within the recorded packing overhead of memplan's prediction
-(docs/hlo.md).
+(docs/hlo.md). By XLA's own buffer assignment and live ranges, the bytes
+XLA's live values cover at its busiest instruction must be memplan's
+prediction (or up to 0.5% less), and the rest of XLA's total must be bytes
+of its allocations no value covers there.
 
 Needs jax[cpu], pypjrt and lammps-jax-pjrt-cpu in .venv (scripts/
 python_tests.sh installs them) and a memplan binary (cargo test builds
@@ -52,6 +55,15 @@ class XlaRunsMemplansOrder(unittest.TestCase):
         # is at least the plan's max live, and above it only by packing.
         self.assertGreaterEqual(r["xla_total_bytes_memplan_order"], r["memplan_max_live_bytes"], r)
         self.assertLessEqual(r["xla_memplan_order_vs_prediction"], overhead, r)
+        # By XLA's own buffer assignment and live ranges, the bytes its live
+        # values cover at its busiest instruction are memplan's prediction
+        # (XLA shares a little more on some modules: at most 0.4% below);
+        # the rest of XLA's total is bytes of its allocations that no value
+        # covers there.
+        self.assertLessEqual(r["xla_live_bytes_memplan_order"], r["memplan_max_live_bytes"], r)
+        self.assertGreaterEqual(r["xla_live_vs_prediction"], 0.995, r)
+        self.assertEqual(r["xla_live_bytes_memplan_order"] + r["xla_idle_bytes_at_peak"],
+                         r["xla_total_bytes_memplan_order"], r)
         return r
 
     def check(self, name, overhead):
@@ -65,7 +77,14 @@ class XlaRunsMemplansOrder(unittest.TestCase):
         self.check("mlp", 1.03)
 
     def test_gpt2_tiny(self):
-        self.check("xla_gpt2_tiny", 1.10)
+        r = self.check("xla_gpt2_tiny", 1.10)
+        # XLA's 9.8% above the prediction is one idle allocation: the
+        # donated lm_head kernel's (f32[128,50257], 25,731,584 bytes), dead
+        # after XLA's transposed copy of it; XLA reuses a parameter's
+        # allocation only for a value that fits inside it, and none of the
+        # values live at the peak does.
+        self.assertGreater(r["xla_idle_parameter_bytes_at_peak"], 25_000_000, r)
+        self.assertIn("f32[128,50257]", r["xla_largest_idle_allocation"], r)
 
     def test_sharded_data_and_tensor_parallel(self):
         # one program per rank on 8 CPU devices, all-reduces between them

@@ -21,7 +21,10 @@ What it does, for one optimized module (`*_after_optimizations.txt[.gz]`):
 3. Checks that the compiled relisted module lists its entry in memplan's
    order (XLA's dump of what it compiled), that both give the same outputs,
    and prints XLA's `Total bytes` (its memory-usage report) for both next
-   to memplan's prediction.
+   to memplan's prediction; then, from XLA's buffer assignment and live
+   ranges for memplan's order, the most bytes XLA's live values cover at
+   one instruction (what memplan predicts) and, at that instruction, the
+   bytes of XLA's allocations no value covers (:func:`live_bytes`).
 
 Why not jaxlib's own `compile`: in jaxlib it accepts MLIR only, and the
 HLO -> StableHLO conversion drops the schedule, control dependencies, fusion
@@ -176,6 +179,66 @@ def newest(folder, suffix):
     return max(files, key=os.path.getmtime) if files else None
 
 
+def allocation_kind(desc):
+    for key, kind in (("parameter", "parameter"), ("preallocated-temp", "temp"),
+                      ("output shape", "output"), ("constant", "constant"),
+                      ("thread-local", "thread-local")):
+        if key in desc:
+            return kind
+    return "other"
+
+
+def live_bytes(assignment, live_range):
+    """XLA's own account of an order: from its buffer assignment (every
+    allocation, every value's offset in it) and its live ranges (each
+    value's first and last instruction, inclusive), the most bytes live
+    values cover at one instruction (values XLA wrote in place, at the same
+    bytes, once), and at that instruction the bytes of each kind of
+    allocation no live value covers. `Total bytes` (the sum of the
+    allocations) is the one plus the other, so the idle bytes say where
+    XLA's total exceeds the live bytes: a parameter's allocation left empty
+    after the parameter died (XLA reuses such an allocation only for values
+    that fit inside it) or a gap in the temp heap."""
+    allocs, values, cur = {}, [], None
+    for line in assignment.splitlines():
+        m = re.match(r"allocation (\d+): size (\d+), (.*)", line)
+        if m:
+            cur = int(m.group(1))
+            allocs[cur] = (int(m.group(2)), allocation_kind(m.group(3)), m.group(3).split(" at ")[0])
+            continue
+        m = re.match(r"\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)", line)
+        if m and cur is not None:
+            name = m.group(1) if "{" in m.group(1) else m.group(1) + "{}"
+            values.append((name, cur, int(m.group(3)), int(m.group(2))))
+    ranges = {}
+    for line in live_range.splitlines():
+        m = re.match(r"\s+(\S+):(\d+)-(\d+)$", line)
+        if m:
+            ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    steps = max((e for _, e in ranges.values()), default=-1) + 1
+    live_at = [[] for _ in range(steps)]
+    for name, a, off, size in values:
+        first, last = ranges.get(name, (0, -1))  # no range: thread-locals of called computations
+        for t in range(first, last + 1):
+            live_at[t].append((a, off, off + size))
+    best, at, covered = -1, 0, {}
+    for t, spans in enumerate(live_at):
+        cov = {}
+        spans.sort()
+        for a, lo, hi in spans:
+            c, top = cov.get(a, (0, -1))
+            cov[a] = (c + max(0, hi - max(lo, top)), max(top, hi))
+        total = sum(c for c, _ in cov.values())
+        if total > best:
+            best, at, covered = total, t, {a: c for a, (c, _) in cov.items()}
+    idle, largest = {}, (-1, "")
+    for a, (size, kind, desc) in allocs.items():
+        gap = size - covered.get(a, 0)
+        idle[kind] = idle.get(kind, 0) + gap
+        largest = max(largest, (gap, f"allocation {a}: {desc}"))
+    return {"live": max(best, 0), "step": at, "idle": idle, "largest_idle": largest}
+
+
 def xla_run(module, work, tag, seed):
     """Compiles and runs `module` in a fresh process (XLA reads XLA_FLAGS once)."""
     dump = os.path.join(work, f"dump_{tag}")
@@ -192,7 +255,10 @@ def xla_run(module, work, tag, seed):
     compiled = newest(dump, "cpu_after_optimizations.txt")
     order = entry_order(open(compiled).read()) if compiled else None
     outs = np.load(out)
-    return {"total": total, "order": order, "outs": [outs[k] for k in outs.files]}
+    assignment = newest(dump, "cpu_after_optimizations-buffer-assignment.txt")
+    ranges = newest(dump, "cpu_after_optimizations-live-range.txt")
+    live = live_bytes(open(assignment).read(), open(ranges).read()) if assignment and ranges else None
+    return {"total": total, "order": order, "outs": [outs[k] for k in outs.files], "live": live}
 
 
 def main():
@@ -244,8 +310,20 @@ def main():
         "xla_total_bytes_original": orig["total"],
         "xla_total_bytes_memplan_order": mine["total"],
         "xla_memplan_order_vs_prediction": mine["total"] / pred if mine["total"] and pred else None,
-        "work": work,
     }
+    if mine["live"]:
+        # Where XLA's total goes for memplan's order: the bytes live values
+        # cover at XLA's busiest instruction, and what no value covers there.
+        lv = mine["live"]
+        result.update({
+            "xla_live_bytes_memplan_order": lv["live"],
+            "xla_live_vs_prediction": lv["live"] / pred if pred else None,
+            "xla_idle_bytes_at_peak": sum(lv["idle"].values()),
+            "xla_idle_parameter_bytes_at_peak": lv["idle"].get("parameter", 0),
+            "xla_idle_temp_bytes_at_peak": lv["idle"].get("temp", 0),
+            "xla_largest_idle_allocation": f"{lv['largest_idle'][1]} ({lv['largest_idle'][0]} bytes)",
+        })
+    result["work"] = work
     if a.json:
         print(json.dumps(result, indent=1))
     else:
