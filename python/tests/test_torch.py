@@ -314,7 +314,9 @@ class FittedStepsRecompute(unittest.TestCase):
         model = nn.Sequential(nn.Linear(6, 32), Residual(32, 128, True), Residual(32, 128, False),
                               nn.Linear(32, 3))
         batch = (torch.randn(64, 6), torch.tensor([rng.randrange(3) for _ in range(64)]))
-        Harness(self, model, batch, classify, "adam", budget_share=0.85).run()
+        # 0.88 of the arena: the fit is found in about 2 s on a loaded
+        # 2-core machine; at 0.85 the 10 s search could run out there.
+        Harness(self, model, batch, classify, "adam", budget_share=0.88).run()
 
     def test_a_budget_below_the_floor_is_refused_with_the_bound(self):
         model = gpt2()

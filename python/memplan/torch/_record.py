@@ -30,6 +30,7 @@ outside any op the recorder saw.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -86,6 +87,7 @@ def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> Optional[int]:
     except Exception:  # a formula that does not take this overload's arguments
         return None
 
+@functools.lru_cache(maxsize=None)
 def out_variant(func):
     """The ``out=`` overload of `func` and the names of its out arguments,
     or None. Its other arguments must be `func`'s, by name and type

@@ -160,9 +160,11 @@ class Program:
 
     def _call_over(self, k: int, args, kwargs, env: Dict[int, torch.Tensor]):
         """Call `k` written into its reused input's tensor (see `takes`), or
-        None when its ``out=`` overload refuses or moves the output."""
+        None when it has no ``out=`` overload or the overload refuses the
+        arguments (aten checks them before writing); then it runs as
+        recorded."""
         c = self.calls[k]
-        o, i = self.takes[k]
+        _, i = self.takes[k]
         variant = out_variant(c.func) if k not in self.unreused else None
         if variant is None:
             self.unreused.add(k)
