@@ -682,36 +682,7 @@ fn import_instr(
 ) -> Result<Val, Error> {
     let op = ins.opcode.as_str();
     match op {
-        "parameter" => {
-            let (v, made) = bl.fresh(ins)?;
-            let n = ins.param_number.unwrap_or(0);
-            let leaves = ins.shape.leaves();
-            for (t, (path, _)) in made.iter().zip(leaves) {
-                let spec = bl.b.tensor_spec_mut(*t);
-                match bl.mode {
-                    Mode::Nested => {
-                        spec.size = 0;
-                        spec.role = Role::Input;
-                    }
-                    Mode::Entry => {
-                        let size = spec.size;
-                        let is_donated = donated
-                            .iter()
-                            .any(|(p, idx)| *p == n && path.starts_with(idx));
-                        if is_donated {
-                            spec.role = Role::Parameter;
-                            spec.lifetime = Lifetime::Transient;
-                            bl.donated_bytes += size;
-                        } else {
-                            spec.role = Role::Input;
-                            spec.lifetime = Lifetime::Persistent;
-                        }
-                        bl.param_bytes += size;
-                    }
-                }
-            }
-            Ok(v)
-        }
+        "parameter" => parameter(bl, ins, donated),
         "constant" => {
             let (v, made) = bl.fresh(ins)?;
             for t in made {
@@ -728,33 +699,7 @@ fn import_instr(
             }
             Ok(Val::Tuple(parts))
         }
-        "get-tuple-element" => {
-            let idx = ins.tuple_index.ok_or_else(|| {
-                err_at(
-                    ins,
-                    format!("%{}: get-tuple-element without index=", ins.name),
-                )
-            })?;
-            match bl.operand(ins, 0)? {
-                Val::Tuple(parts) => parts.get(idx as usize).cloned().ok_or_else(|| {
-                    err_at(
-                        ins,
-                        format!(
-                            "%{}: index={idx} is out of range for a tuple of {}",
-                            ins.name,
-                            parts.len()
-                        ),
-                    )
-                }),
-                Val::Leaf(_) => Err(err_at(
-                    ins,
-                    format!(
-                        "%{}: get-tuple-element of an operand that is not a tuple",
-                        ins.name
-                    ),
-                )),
-            }
-        }
+        "get-tuple-element" => get_tuple_element(bl, ins),
         "domain" => Ok(bl.operand(ins, 0)?.clone()),
         "bitcast" | "reshape" if is_bitcast(bl, ins) => {
             let base = bl.operand(ins, 0)?.clone();
@@ -782,56 +727,9 @@ fn import_instr(
         | "async-update"
         | "all-gather-done"
         | "collective-permute-done"
-        | "all-reduce-done" => {
-            // Ops whose result is bytes an earlier value already holds.
-            let base = match op {
-                "copy-done" => bl.operand(ins, 0)?.at(&[0]).cloned(),
-                "async-done" | "all-gather-done" | "collective-permute-done" => {
-                    match bl.operand(ins, 0)? {
-                        v @ Val::Tuple(_) => v.at(&[1]).cloned(),
-                        v => Some(v.clone()),
-                    }
-                }
-                _ => Some(bl.operand(ins, 0)?.clone()),
-            };
-            let inputs = bl.operand_leaves(ins);
-            match base {
-                Some(base) => {
-                    let mut made = Vec::new();
-                    let v = bl.views_of(ins, &base, &mut Vec::new(), &mut made);
-                    add_op(bl, ins, inputs, made, Vec::new(), None);
-                    Ok(v)
-                }
-                None => plain(ctx, bl, ins),
-            }
-        }
+        | "all-reduce-done" => async_done(ctx, bl, ins),
         "copy-start" | "async-start" | "all-gather-start" | "collective-permute-start" => {
-            // The result tuple holds the operands (or for copy-start the
-            // source) beside fresh buffers.
-            let inputs = bl.operand_leaves(ins);
-            let Shape::Tuple(parts) = &ins.shape else {
-                return plain(ctx, bl, ins);
-            };
-            let alias_slot = if op == "copy-start" { 1 } else { 0 };
-            let operands: Vec<Val> = (0..ins.operands.len())
-                .map(|k| bl.operand(ins, k).cloned())
-                .collect::<Result<_, _>>()?;
-            let aliased = match (&parts.get(alias_slot), operands.len()) {
-                (Some(Shape::Tuple(_)), _) => Val::Tuple(operands),
-                (Some(Shape::Array(_)), 1) => operands[0].clone(),
-                _ => return plain(ctx, bl, ins),
-            };
-            let mut out = Vec::with_capacity(parts.len());
-            let mut made = Vec::new();
-            for (i, p) in parts.iter().enumerate() {
-                if i == alias_slot {
-                    out.push(aliased.clone());
-                } else {
-                    out.push(bl.fresh_shape(ins, p, &mut vec![i as u32], &mut made)?);
-                }
-            }
-            add_op(bl, ins, inputs, made, Vec::new(), None);
-            Ok(Val::Tuple(out))
+            async_start(ctx, bl, ins)
         }
         _ if is_known_opcode(op) => plain(ctx, bl, ins),
         _ => Err(err_at(
@@ -842,6 +740,126 @@ fn import_instr(
             ),
         )),
     }
+}
+
+/// A parameter: in a called computation, the caller's bytes (size 0); in
+/// the entry, a step input, persistent unless the header donates it.
+fn parameter(
+    bl: &mut Builder<'_>,
+    ins: &Instr,
+    donated: &[(u64, ShapeIndex)],
+) -> Result<Val, Error> {
+    let (v, made) = bl.fresh(ins)?;
+    let n = ins.param_number.unwrap_or(0);
+    let leaves = ins.shape.leaves();
+    for (t, (path, _)) in made.iter().zip(leaves) {
+        let spec = bl.b.tensor_spec_mut(*t);
+        match bl.mode {
+            Mode::Nested => {
+                spec.size = 0;
+                spec.role = Role::Input;
+            }
+            Mode::Entry => {
+                let size = spec.size;
+                let is_donated = donated
+                    .iter()
+                    .any(|(p, idx)| *p == n && path.starts_with(idx));
+                if is_donated {
+                    spec.role = Role::Parameter;
+                    spec.lifetime = Lifetime::Transient;
+                    bl.donated_bytes += size;
+                } else {
+                    spec.role = Role::Input;
+                    spec.lifetime = Lifetime::Persistent;
+                }
+                bl.param_bytes += size;
+            }
+        }
+    }
+    Ok(v)
+}
+
+fn get_tuple_element(bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Error> {
+    let idx = ins.tuple_index.ok_or_else(|| {
+        err_at(
+            ins,
+            format!("%{}: get-tuple-element without index=", ins.name),
+        )
+    })?;
+    match bl.operand(ins, 0)? {
+        Val::Tuple(parts) => parts.get(idx as usize).cloned().ok_or_else(|| {
+            err_at(
+                ins,
+                format!(
+                    "%{}: index={idx} is out of range for a tuple of {}",
+                    ins.name,
+                    parts.len()
+                ),
+            )
+        }),
+        Val::Leaf(_) => Err(err_at(
+            ins,
+            format!(
+                "%{}: get-tuple-element of an operand that is not a tuple",
+                ins.name
+            ),
+        )),
+    }
+}
+
+/// Ops whose result is bytes an earlier value already holds (the end of an
+/// async pair, barriers): a view of those bytes, made by an op that reads
+/// the operands.
+fn async_done(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Error> {
+    let base = match ins.opcode.as_str() {
+        "copy-done" => bl.operand(ins, 0)?.at(&[0]).cloned(),
+        "async-done" | "all-gather-done" | "collective-permute-done" => {
+            match bl.operand(ins, 0)? {
+                v @ Val::Tuple(_) => v.at(&[1]).cloned(),
+                v => Some(v.clone()),
+            }
+        }
+        _ => Some(bl.operand(ins, 0)?.clone()),
+    };
+    let inputs = bl.operand_leaves(ins);
+    match base {
+        Some(base) => {
+            let mut made = Vec::new();
+            let v = bl.views_of(ins, &base, &mut Vec::new(), &mut made);
+            add_op(bl, ins, inputs, made, Vec::new(), None);
+            Ok(v)
+        }
+        None => plain(ctx, bl, ins),
+    }
+}
+
+/// The start of an async pair: its result tuple holds the operands (for
+/// `copy-start` the source) beside fresh buffers.
+fn async_start(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Error> {
+    let inputs = bl.operand_leaves(ins);
+    let Shape::Tuple(parts) = &ins.shape else {
+        return plain(ctx, bl, ins);
+    };
+    let alias_slot = if ins.opcode == "copy-start" { 1 } else { 0 };
+    let operands: Vec<Val> = (0..ins.operands.len())
+        .map(|k| bl.operand(ins, k).cloned())
+        .collect::<Result<_, _>>()?;
+    let aliased = match (&parts.get(alias_slot), operands.len()) {
+        (Some(Shape::Tuple(_)), _) => Val::Tuple(operands),
+        (Some(Shape::Array(_)), 1) => operands[0].clone(),
+        _ => return plain(ctx, bl, ins),
+    };
+    let mut out = Vec::with_capacity(parts.len());
+    let mut made = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        if i == alias_slot {
+            out.push(aliased.clone());
+        } else {
+            out.push(bl.fresh_shape(ins, p, &mut vec![i as u32], &mut made)?);
+        }
+    }
+    add_op(bl, ins, inputs, made, Vec::new(), None);
+    Ok(Val::Tuple(out))
 }
 
 /// `bitcast`, or a `reshape` between default layouts of the same byte size

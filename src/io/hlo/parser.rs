@@ -716,7 +716,7 @@ impl<'a> Parser<'a> {
         }
         self.expect_punct(b'=')?;
         let shape = self.shape(0)?;
-        let (opcode, ot) = self.expect_word("an opcode")?;
+        let (opcode, _) = self.expect_word("an opcode")?;
         let mut ins = Instr {
             name: name.to_string(),
             shape,
@@ -741,132 +741,152 @@ impl<'a> Parser<'a> {
                 ins.param_number = Some(self.expect_u64("a parameter number")?);
                 self.expect_punct(b')')?;
             }
-            "constant" => {
-                // The literal: skip it, balanced.
-                if !self.peek_is(b')')? {
-                    loop {
-                        self.skip_value()?;
-                        let t = self.lx.next_token()?;
-                        match t.tok {
-                            Tok::Punct(b')') => break,
-                            Tok::Punct(b',') => {}
-                            _ => return Err(self.unexpected(&t, "')' closing the literal")),
-                        }
-                    }
-                } else {
-                    self.lx.next_token()?;
-                }
-            }
-            _ => {
-                // Operands: `[shape] %name` separated by commas.
-                if self.peek_is(b')')? {
-                    self.lx.next_token()?;
-                } else {
-                    loop {
-                        let t = self.lx.peek()?;
-                        let operand = match t.tok {
-                            Tok::Word(w) if !looks_like_shape_start(w) => {
-                                self.lx.next_token()?;
-                                (w, t)
-                            }
-                            Tok::Word(_) | Tok::Punct(b'(') => {
-                                self.shape(0)?;
-                                self.expect_word("an operand name after its shape")?
-                            }
-                            _ => return Err(self.unexpected(&t, "an operand")),
-                        };
-                        let (on, otok) = operand;
-                        let Some(&oi) = names.get(bare(on)) else {
-                            return Err(self.err(
-                                &otok,
-                                format!(
-                                    "%{name} uses %{}, which is not defined before it in this computation",
-                                    bare(on)
-                                ),
-                            ));
-                        };
-                        ins.operands.push(oi);
-                        let t = self.lx.next_token()?;
-                        match t.tok {
-                            Tok::Punct(b',') => {}
-                            Tok::Punct(b')') => break,
-                            _ => return Err(self.unexpected(&t, "',' or ')' after an operand")),
-                        }
-                    }
-                }
-            }
+            "constant" => self.literal()?,
+            _ => ins.operands = self.operands(name, names)?,
         }
-        let _ = ot;
-        // Attributes.
         while self.peek_is(b',')? && !self.lx.peek()?.line_start {
             self.lx.next_token()?;
-            let (key, kt) = self.expect_word("an attribute name")?;
+            let (key, _) = self.expect_word("an attribute name")?;
             self.expect_punct(b'=')?;
-            match key {
-                "calls"
-                | "to_apply"
-                | "body"
-                | "condition"
-                | "branch_computations"
-                | "true_computation"
-                | "false_computation" => {
-                    for (n, nt) in self.name_list()? {
-                        pending.push(PendingRef {
-                            comp,
-                            instr: idx.index(),
-                            attr: key.to_string(),
-                            name: bare(n).to_string(),
-                            line: nt.line,
-                            col: nt.col,
-                        });
-                    }
-                }
-                "kind" => {
-                    let (k, _) = self.expect_word("a fusion kind")?;
-                    ins.fusion_kind = Some(k.to_string());
-                }
-                "index" => ins.tuple_index = Some(self.expect_u64("a tuple index")?),
-                "output_to_operand_aliasing" => {
-                    ins.output_operand_alias = self.operand_alias_list()?;
-                }
-                "custom_call_target" => {
-                    let t = self.lx.next_token()?;
-                    match t.tok {
-                        Tok::Str(s) | Tok::Word(s) => ins.custom_call_target = Some(s.to_string()),
-                        _ => return Err(self.unexpected(&t, "a custom-call target")),
-                    }
-                }
-                "metadata" => ins.op_name = self.metadata()?,
-                "lhs_contracting_dims" => ins.lhs_contracting_dims = self.shape_index()?,
-                "dim_labels" => {
-                    let (w, _) = self.expect_word("dimension labels")?;
-                    ins.dim_labels = Some(w.to_string());
-                }
-                "control-predecessors" => {
-                    for (n, nt) in self.name_list()? {
-                        let Some(&p) = names.get(bare(n)) else {
-                            return Err(self.err(
-                                &nt,
-                                format!(
-                                    "%{name} has control predecessor %{}, which is not defined before it in this computation",
-                                    bare(n)
-                                ),
-                            ));
-                        };
-                        ins.control_preds.push(p);
-                    }
-                }
-                _ => {
-                    let _ = kt;
-                    self.skip_value()?;
-                }
-            }
+            self.attribute(key, &mut ins, (comp, idx), names, pending)?;
         }
         let t = self.lx.peek()?;
         if !(t.line_start || t.tok == Tok::Eof || t.tok == Tok::Punct(b'}')) {
             return Err(self.unexpected(&t, &format!("',' or the end of instruction %{name}")));
         }
         Ok((is_root, name, ins))
+    }
+
+    /// A constant's literal up to its closing `)`: skipped, balanced.
+    fn literal(&mut self) -> Result<(), HloError> {
+        if self.peek_is(b')')? {
+            self.lx.next_token()?;
+            return Ok(());
+        }
+        loop {
+            self.skip_value()?;
+            let t = self.lx.next_token()?;
+            match t.tok {
+                Tok::Punct(b')') => return Ok(()),
+                Tok::Punct(b',') => {}
+                _ => return Err(self.unexpected(&t, "')' closing the literal")),
+            }
+        }
+    }
+
+    /// Operands up to the closing `)`: `[shape] %name` separated by commas,
+    /// each defined before instruction `name` in its computation.
+    fn operands(
+        &mut self,
+        name: &str,
+        names: &HashMap<&'a str, InstrIdx>,
+    ) -> Result<Vec<InstrIdx>, HloError> {
+        let mut out = Vec::new();
+        if self.peek_is(b')')? {
+            self.lx.next_token()?;
+            return Ok(out);
+        }
+        loop {
+            let t = self.lx.peek()?;
+            let (on, otok) = match t.tok {
+                Tok::Word(w) if !looks_like_shape_start(w) => {
+                    self.lx.next_token()?;
+                    (w, t)
+                }
+                Tok::Word(_) | Tok::Punct(b'(') => {
+                    self.shape(0)?;
+                    self.expect_word("an operand name after its shape")?
+                }
+                _ => return Err(self.unexpected(&t, "an operand")),
+            };
+            let Some(&oi) = names.get(bare(on)) else {
+                return Err(self.err(
+                    &otok,
+                    format!(
+                        "%{name} uses %{}, which is not defined before it in this computation",
+                        bare(on)
+                    ),
+                ));
+            };
+            out.push(oi);
+            let t = self.lx.next_token()?;
+            match t.tok {
+                Tok::Punct(b',') => {}
+                Tok::Punct(b')') => return Ok(out),
+                _ => return Err(self.unexpected(&t, "',' or ')' after an operand")),
+            }
+        }
+    }
+
+    /// The value of attribute `key` of `ins`, the instruction `at`
+    /// (computation, index): what the importer needs is kept, the rest
+    /// skipped. Called computations are resolved later (`pending`).
+    fn attribute(
+        &mut self,
+        key: &str,
+        ins: &mut Instr,
+        at: (usize, InstrIdx),
+        names: &HashMap<&'a str, InstrIdx>,
+        pending: &mut Vec<PendingRef>,
+    ) -> Result<(), HloError> {
+        match key {
+            "calls"
+            | "to_apply"
+            | "body"
+            | "condition"
+            | "branch_computations"
+            | "true_computation"
+            | "false_computation" => {
+                for (n, nt) in self.name_list()? {
+                    pending.push(PendingRef {
+                        comp: at.0,
+                        instr: at.1.index(),
+                        attr: key.to_string(),
+                        name: bare(n).to_string(),
+                        line: nt.line,
+                        col: nt.col,
+                    });
+                }
+            }
+            "kind" => {
+                let (k, _) = self.expect_word("a fusion kind")?;
+                ins.fusion_kind = Some(k.to_string());
+            }
+            "index" => ins.tuple_index = Some(self.expect_u64("a tuple index")?),
+            "output_to_operand_aliasing" => {
+                ins.output_operand_alias = self.operand_alias_list()?;
+            }
+            "custom_call_target" => {
+                let t = self.lx.next_token()?;
+                match t.tok {
+                    Tok::Str(s) | Tok::Word(s) => ins.custom_call_target = Some(s.to_string()),
+                    _ => return Err(self.unexpected(&t, "a custom-call target")),
+                }
+            }
+            "metadata" => ins.op_name = self.metadata()?,
+            "lhs_contracting_dims" => ins.lhs_contracting_dims = self.shape_index()?,
+            "dim_labels" => {
+                let (w, _) = self.expect_word("dimension labels")?;
+                ins.dim_labels = Some(w.to_string());
+            }
+            "control-predecessors" => {
+                for (n, nt) in self.name_list()? {
+                    let Some(&p) = names.get(bare(n)) else {
+                        return Err(self.err(
+                            &nt,
+                            format!(
+                                "%{} has control predecessor %{}, which is not defined before it in this computation",
+                                ins.name,
+                                bare(n)
+                            ),
+                        ));
+                    };
+                    ins.control_preds.push(p);
+                }
+            }
+            _ => self.skip_value()?,
+        }
+        Ok(())
     }
 
     /// `%name` or `{%a, %b}`.
