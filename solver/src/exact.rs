@@ -423,14 +423,13 @@ impl<'a, const W: usize> Search<'a, W> {
     }
 
     fn run(self, incumbent: u64, budget: &Budget) -> ExactResult {
-        let n = self.n;
         let mut full = [0u64; W];
-        for i in 0..n {
+        for i in 0..self.n {
             full = with(full, i);
         }
         let dominance = self.dominance();
         let h0 = self.h(&[0; W], self.persistent0);
-        let mut nodes: Vec<Node<W>> = vec![Node {
+        let root = Node {
             set: [0; W],
             g: 0,
             h: h0,
@@ -439,151 +438,185 @@ impl<'a, const W: usize> Search<'a, W> {
             live_persistent: self.persistent0,
             parent: u32::MAX,
             op: u32::MAX,
-        }];
-        let mut index: HashMap<Bits<W>, u32> = HashMap::new();
-        index.insert([0; W], 0);
-        let mut heap: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
-        if h0 < incumbent {
-            heap.push(Reverse((h0, 0)));
-        }
-        let mut closed: Vec<bool> = vec![false];
-        let mut result = None;
-        let mut exhausted = true;
-        while let Some(Reverse((f, id))) = heap.pop() {
-            let node = &nodes[id as usize];
-            if closed[id as usize] || node.g.max(node.h) != f {
+        };
+        let mut fr = Frontier::new(root, incumbent);
+        while let Some(Reverse((f, id))) = fr.heap.pop() {
+            let node = &fr.nodes[id as usize];
+            if fr.closed[id as usize] || node.g.max(node.h) != f {
                 continue;
             }
-            if !node.strong && node.set != full {
-                let hs = self.strong_h(&node.set);
-                let node = &mut nodes[id as usize];
-                node.strong = true;
-                node.h = node.h.max(hs);
-                let f2 = node.g.max(node.h);
-                if f2 >= incumbent {
-                    closed[id as usize] = true;
-                    continue;
-                }
-                if f2 > f {
-                    heap.push(Reverse((f2, id)));
-                    continue;
-                }
+            if !node.strong && node.set != full && !self.strengthen(&mut fr, id, f, incumbent) {
+                continue;
             }
-            let node = &nodes[id as usize];
+            let node = &fr.nodes[id as usize];
             if node.set == full {
-                result = Some((id, node.g));
-                break;
-            }
-            if nodes.len() >= self.limits.max_states || budget.expired() {
-                heap.push(Reverse((f, id)));
-                exhausted = false;
-                break;
-            }
-            closed[id as usize] = true;
-            // Ready ops.
-            let set = node.set;
-            let ready: Vec<usize> = (0..n)
-                .filter(|&v| !has(&set, v) && subset(&self.ops[v].preds, &set))
-                .collect();
-            let mut children: Vec<(usize, u64, u64, u64)> = Vec::with_capacity(ready.len());
-            let mut forced = None;
-            for &v in &ready {
-                let m = self.step_mem(&nodes[id as usize], v);
-                let (live, lp) = self.child(&nodes[id as usize], v);
-                if dominance && forced.is_none() && m <= f && live <= nodes[id as usize].live {
-                    forced = Some((v, m, live, lp));
-                }
-                children.push((v, m, live, lp));
-            }
-            if let Some(c) = forced {
-                children = vec![c];
-            }
-            let g_here = nodes[id as usize].g;
-            for (v, m, live, lp) in children {
-                let g = g_here.max(m);
-                let cset = with(set, v);
-                match index.get(&cset) {
-                    Some(&cid) => {
-                        let c = &mut nodes[cid as usize];
-                        let fc = g.max(c.h);
-                        if g < c.g && fc < incumbent {
-                            c.g = g;
-                            c.parent = id;
-                            c.op = v as u32;
-                            closed[cid as usize] = false;
-                            heap.push(Reverse((fc, cid)));
-                        }
-                    }
-                    None => {
-                        let hc = self.h(&cset, lp);
-                        let fc = g.max(hc);
-                        if fc >= incumbent {
-                            continue;
-                        }
-                        let cid = nodes.len() as u32;
-                        nodes.push(Node {
-                            set: cset,
-                            g,
-                            h: hc,
-                            strong: false,
-                            live,
-                            live_persistent: lp,
-                            parent: id,
-                            op: v as u32,
-                        });
-                        closed.push(false);
-                        index.insert(cset, cid);
-                        heap.push(Reverse((fc, cid)));
-                    }
-                }
-            }
-        }
-        let states = nodes.len();
-        match result {
-            Some((id, g)) => {
-                let mut order = Vec::with_capacity(n);
-                let mut cur = id;
-                while nodes[cur as usize].parent != u32::MAX {
-                    order.push(OpIdx(nodes[cur as usize].op));
-                    cur = nodes[cur as usize].parent;
-                }
-                order.reverse();
-                ExactResult {
-                    order: Some(order),
+                let g = node.g;
+                return ExactResult {
+                    order: Some(fr.order_to(id)),
                     peak: g,
                     lower_bound: g,
                     proven: true,
-                    states,
-                }
+                    states: fr.nodes.len(),
+                };
             }
-            None if exhausted => ExactResult {
-                order: None,
-                peak: incumbent,
-                lower_bound: incumbent,
-                proven: incumbent != u64::MAX,
-                states,
-            },
-            None => {
+            if fr.nodes.len() >= self.limits.max_states || budget.expired() {
+                fr.heap.push(Reverse((f, id)));
                 // The smallest f still open bounds the optimum from below.
-                let lb = heap
-                    .iter()
-                    .filter(|Reverse((f, id))| {
-                        let node = &nodes[*id as usize];
-                        !closed[*id as usize] && node.g.max(node.h) == *f
-                    })
-                    .map(|Reverse((f, _))| *f)
-                    .min()
-                    .unwrap_or(incumbent)
-                    .min(incumbent);
-                ExactResult {
+                return ExactResult {
                     order: None,
                     peak: incumbent,
-                    lower_bound: lb,
+                    lower_bound: fr.open_bound(incumbent),
                     proven: false,
-                    states,
-                }
+                    states: fr.nodes.len(),
+                };
+            }
+            fr.closed[id as usize] = true;
+            let g_here = node.g;
+            for (v, m, live, lp) in self.children(&fr.nodes[id as usize], f, dominance) {
+                let cset = with(fr.nodes[id as usize].set, v);
+                let child = Node {
+                    set: cset,
+                    g: g_here.max(m),
+                    h: 0,
+                    strong: false,
+                    live,
+                    live_persistent: lp,
+                    parent: id,
+                    op: v as u32,
+                };
+                fr.offer(child, incumbent, |set| self.h(set, lp));
             }
         }
+        // Every state below the incumbent was expanded: nothing beats it.
+        ExactResult {
+            order: None,
+            peak: incumbent,
+            lower_bound: incumbent,
+            proven: incumbent != u64::MAX,
+            states: fr.nodes.len(),
+        }
+    }
+
+    /// Raises state `id`'s `h` to the strong bound when it is first popped
+    /// (with `f`). Returns whether to expand it now; otherwise it is closed
+    /// (no better than the incumbent) or back in the queue with its new `f`.
+    fn strengthen(&self, fr: &mut Frontier<W>, id: u32, f: u64, incumbent: u64) -> bool {
+        let hs = self.strong_h(&fr.nodes[id as usize].set);
+        let node = &mut fr.nodes[id as usize];
+        node.strong = true;
+        node.h = node.h.max(hs);
+        let f2 = node.g.max(node.h);
+        if f2 >= incumbent {
+            fr.closed[id as usize] = true;
+            return false;
+        }
+        if f2 > f {
+            fr.heap.push(Reverse((f2, id)));
+            return false;
+        }
+        true
+    }
+
+    /// The ready ops of `node` as (op, step memory, live, live persistent)
+    /// after it. With dominance, a ready op that raises neither the peak
+    /// above `f` nor the live bytes is the only child: running it first
+    /// loses nothing.
+    fn children(&self, node: &Node<W>, f: u64, dominance: bool) -> Vec<(usize, u64, u64, u64)> {
+        let mut children = Vec::new();
+        for v in
+            (0..self.n).filter(|&v| !has(&node.set, v) && subset(&self.ops[v].preds, &node.set))
+        {
+            let m = self.step_mem(node, v);
+            let (live, lp) = self.child(node, v);
+            if dominance && m <= f && live <= node.live {
+                return vec![(v, m, live, lp)];
+            }
+            children.push((v, m, live, lp));
+        }
+        children
+    }
+}
+
+/// The A* search's states: every state made so far by id, the index of
+/// each by its set of ops run, the queue by `f = max(g, h)`, and which are
+/// closed.
+struct Frontier<const W: usize> {
+    nodes: Vec<Node<W>>,
+    index: HashMap<Bits<W>, u32>,
+    heap: BinaryHeap<Reverse<(u64, u32)>>,
+    closed: Vec<bool>,
+}
+
+impl<const W: usize> Frontier<W> {
+    fn new(root: Node<W>, incumbent: u64) -> Self {
+        let f = root.g.max(root.h);
+        let mut fr = Frontier {
+            index: HashMap::from([(root.set, 0)]),
+            nodes: vec![root],
+            heap: BinaryHeap::new(),
+            closed: vec![false],
+        };
+        if f < incumbent {
+            fr.heap.push(Reverse((f, 0)));
+        }
+        fr
+    }
+
+    /// Adds `child` (its `h` from `h(set)` when its set is new), or lowers
+    /// the `g` of the state with its set and reopens it; nothing when its
+    /// `f` is not below the incumbent.
+    fn offer(&mut self, child: Node<W>, incumbent: u64, h: impl FnOnce(&Bits<W>) -> u64) {
+        match self.index.get(&child.set) {
+            Some(&cid) => {
+                let c = &mut self.nodes[cid as usize];
+                let fc = child.g.max(c.h);
+                if child.g < c.g && fc < incumbent {
+                    c.g = child.g;
+                    c.parent = child.parent;
+                    c.op = child.op;
+                    self.closed[cid as usize] = false;
+                    self.heap.push(Reverse((fc, cid)));
+                }
+            }
+            None => {
+                let hc = h(&child.set);
+                let fc = child.g.max(hc);
+                if fc >= incumbent {
+                    return;
+                }
+                let cid = self.nodes.len() as u32;
+                self.index.insert(child.set, cid);
+                self.nodes.push(Node { h: hc, ..child });
+                self.closed.push(false);
+                self.heap.push(Reverse((fc, cid)));
+            }
+        }
+    }
+
+    /// The ops run on the way to state `id`, in order.
+    fn order_to(&self, id: u32) -> Vec<OpIdx> {
+        let mut order = Vec::new();
+        let mut cur = id;
+        while self.nodes[cur as usize].parent != u32::MAX {
+            order.push(OpIdx(self.nodes[cur as usize].op));
+            cur = self.nodes[cur as usize].parent;
+        }
+        order.reverse();
+        order
+    }
+
+    /// The smallest `f` of a state still open (at most the incumbent).
+    fn open_bound(&self, incumbent: u64) -> u64 {
+        self.heap
+            .iter()
+            .filter(|Reverse((f, id))| {
+                let node = &self.nodes[*id as usize];
+                !self.closed[*id as usize] && node.g.max(node.h) == *f
+            })
+            .map(|Reverse((f, _))| *f)
+            .min()
+            .unwrap_or(incumbent)
+            .min(incumbent)
     }
 }
 
