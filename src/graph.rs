@@ -593,6 +593,9 @@ impl GraphBuilder {
         &mut self.tensors[t.index()]
     }
     /// An op added earlier, to read or amend before building.
+    pub fn op_spec(&self, o: OpId) -> &OpSpec {
+        &self.ops[o.index()]
+    }
     pub fn op_spec_mut(&mut self, o: OpId) -> &mut OpSpec {
         &mut self.ops[o.index()]
     }

@@ -450,6 +450,55 @@ fn export_hlo_writes_the_planned_order_scheduled_and_chained() {
 }
 
 #[test]
+fn xla_allocations_plan_and_export_an_hlo_module_and_refuse_other_graphs() {
+    let dir = std::env::temp_dir().join(format!("memplan-xla-alloc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let module = "fixtures/hlo/cnn/cpu_after_optimizations.txt.gz";
+    let plan = dir.join("plan.json");
+    let one_arena = json(&["plan", module, "--json", "--time-limit", "2"]);
+    let xla = json(&[
+        "plan",
+        module,
+        "--xla-allocations",
+        "--json",
+        "--time-limit",
+        "2",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    // Every aliased parameter's bytes held all step: never less.
+    let bytes = |v: &serde_json::Value| v["max_live_bytes"].as_u64().unwrap();
+    assert!(bytes(&xla) >= bytes(&one_arena));
+    // The plan fits the module imported the same way, not the one-arena one.
+    let out = dir.join("scheduled.txt");
+    let (p, o) = (plan.to_str().unwrap(), out.to_str().unwrap());
+    ok(&[
+        "export",
+        "--hlo",
+        module,
+        "--xla-allocations",
+        "--plan",
+        p,
+        "-o",
+        o,
+    ]);
+    let e = memplan(&["export", "--hlo", module, "--plan", p, "-o", o]);
+    assert_eq!(e.status.code(), Some(1), "{}", stderr(&e));
+    let e = memplan(&[
+        "plan",
+        "fixtures/graphs/linear-sgd.json",
+        "--xla-allocations",
+    ]);
+    assert_eq!(e.status.code(), Some(1));
+    assert!(
+        stderr(&e).contains("applies to XLA HLO modules"),
+        "{}",
+        stderr(&e)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn an_error_names_its_cause_once() {
     let dir = std::env::temp_dir().join(format!("memplan-cli-dup-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -86,6 +86,13 @@ proptest! {
             }
             Err(e) => assert_located(&e),
         }
+        // The same with XLA's allocations counted (aliased parameters held,
+        // their outputs written into them).
+        let opts = ImportOptions { xla_allocations: true, ..Default::default() };
+        if let Ok(g) = import_str(&text, &opts) {
+            let plan = memplan::plan(&g, &Default::default()).unwrap();
+            checker::check(&g, &plan).unwrap();
+        }
     }
 
     #[test]

@@ -269,6 +269,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", help="folder for the plan, the relisted module and XLA's dumps")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--xla-allocations", action="store_true",
+                    help="plan with `memplan plan --xla-allocations` (XLA's per-parameter allocations)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -279,10 +281,11 @@ def main():
     work = a.work or tempfile.mkdtemp(prefix="xla_run_scheduled_")
     os.makedirs(work, exist_ok=True)
     plan, relisted = os.path.join(work, "plan.json"), os.path.join(work, "relisted.txt")
+    extra = ["--xla-allocations"] if a.xla_allocations else []
     res = subprocess.run([a.memplan, "plan", a.module, "-o", plan, "--json",
-                          "--time-limit", a.time_limit], check=True, capture_output=True, text=True)
+                          "--time-limit", a.time_limit] + extra, check=True, capture_output=True, text=True)
     planned = json.loads(res.stdout)
-    subprocess.run([a.memplan, "export", "--hlo", a.module, "--plan", plan, "-o", relisted],
+    subprocess.run([a.memplan, "export", "--hlo", a.module, "--plan", plan, "-o", relisted] + extra,
                    check=True, capture_output=True)
 
     orig = xla_run(a.module, work, "original", a.seed)

@@ -9,7 +9,14 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    if let Ok(g) = import_str(text, &ImportOptions::default()) {
+    for xla_allocations in [false, true] {
+        let import = ImportOptions {
+            xla_allocations,
+            ..Default::default()
+        };
+        let Ok(g) = import_str(text, &import) else {
+            continue;
+        };
         // Small graphs only: planning is not what is fuzzed here.
         if g.num_ops() <= 64 {
             let opts = memplan::Options {

@@ -48,7 +48,13 @@ pub fn run(cmd: Command) -> Result<()> {
             time_limit,
             no_chain,
         } => match (hlo, graph) {
-            (true, Some(g)) => export_hlo(&g, plan.as_deref(), &output, time_limit, no_chain),
+            (true, Some(g)) => {
+                let opts = memplan::io::hlo::ImportOptions {
+                    xla_allocations: source.xla_allocations,
+                    ..Default::default()
+                };
+                export_hlo(&g, plan.as_deref(), &output, time_limit, no_chain, &opts)
+            }
             (true, None) => bail!("--hlo needs the HLO module file as GRAPH"),
             (false, g) => export(g.as_deref(), &source, &output),
         },
@@ -115,6 +121,19 @@ pub fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
                 mixed_precision: src.mixed_precision,
             };
             Ok(memplan::models::example(name, &opts)?)
+        }
+        (None, Some(p)) if src.xla_allocations => {
+            let opts = memplan::io::hlo::ImportOptions {
+                xla_allocations: true,
+                ..Default::default()
+            };
+            match memplan::io::load_graph_with(p, &opts)? {
+                g if g.metadata.get("source").and_then(|s| s.as_str()) == Some("hlo") => Ok(g),
+                _ => bail!(
+                    "--xla-allocations applies to XLA HLO modules, and {} is not one",
+                    p.display()
+                ),
+            }
         }
         (None, Some(p)) => Ok(memplan::io::load_graph(p)?),
         (None, None) => bail!("give a graph file or --example NAME"),
@@ -405,6 +424,7 @@ fn export_hlo(
     output: &Path,
     time_limit: f64,
     no_chain: bool,
+    opts: &memplan::io::hlo::ImportOptions,
 ) -> Result<()> {
     use memplan::io::hlo;
     let text = memplan::io::read_text(module)?;
@@ -417,8 +437,7 @@ fn export_hlo(
     let m = hlo::parse_module(&text).map_err(|e| {
         anyhow!(memplan::error::Error::from(e)).context(format!("reading {}", module.display()))
     })?;
-    let g = hlo::import::import_module(&m, &hlo::ImportOptions::default())
-        .map_err(|e| e.in_file(module))?;
+    let g = hlo::import::import_module(&m, opts).map_err(|e| e.in_file(module))?;
     let plan = match plan {
         Some(p) => {
             let t = memplan::io::read_text(p)?;

@@ -63,6 +63,13 @@ pub struct GraphArgs {
     /// copies cast at first use, gradients cast to f32 for the update.
     #[arg(long, requires = "example")]
     pub mixed_precision: bool,
+    /// XLA HLO modules: count memory as XLA's allocations hold it. Each
+    /// entry parameter an output aliases (`input_output_alias`) keeps its
+    /// bytes for the whole step and the output is written into them, so the
+    /// plan's peak is what XLA needs for the order (docs/hlo.md). Without
+    /// it, one arena, where a dead donated parameter's bytes hold anything.
+    #[arg(long, conflicts_with = "example")]
+    pub xla_allocations: bool,
     /// Shard the step over this many ranks (ZeRO-3 / FSDP): the graph of one
     /// rank, with all-gathers and reduce-scatters (docs/runtime.md).
     #[arg(long, value_name = "W")]

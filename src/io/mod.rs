@@ -71,6 +71,11 @@ pub fn write_text(path: &Path, text: &str) -> Result<(), Error> {
 
 /// Loads a graph file, choosing the reader by its content.
 pub fn load_graph(path: &Path) -> Result<Graph, Error> {
+    load_graph_with(path, &hlo::ImportOptions::default())
+}
+
+/// [`load_graph`], importing an XLA HLO module with `hlo_opts`.
+pub fn load_graph_with(path: &Path, hlo_opts: &hlo::ImportOptions) -> Result<Graph, Error> {
     let text = read_text(path)?;
     let start = text.trim_start();
     if start.starts_with('{') {
@@ -81,7 +86,7 @@ pub fn load_graph(path: &Path) -> Result<Graph, Error> {
         return json::parse_with_header(&text, path, header);
     }
     if hlo::looks_like_hlo(&text) {
-        return hlo::parse_graph(&text, path, &hlo::ImportOptions::default());
+        return hlo::parse_graph(&text, path, hlo_opts);
     }
     Err(Error::Graph {
         path: Some(path.to_path_buf()),

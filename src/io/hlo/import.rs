@@ -36,11 +36,20 @@ pub struct ImportOptions {
     /// Alignment of every tensor's offset (XLA's CPU backend aligns buffers
     /// to 64 bytes).
     pub align: u64,
+    /// Count memory as XLA's allocations hold it (see
+    /// [`alias_outputs_into_parameters`]): each entry parameter that an
+    /// output aliases keeps its bytes for the whole step, and that output
+    /// is written into them. Off: one arena, where a donated parameter's
+    /// bytes are free for anything once it is dead.
+    pub xla_allocations: bool,
 }
 
 impl Default for ImportOptions {
     fn default() -> Self {
-        ImportOptions { align: 64 }
+        ImportOptions {
+            align: 64,
+            xla_allocations: false,
+        }
     }
 }
 
@@ -569,6 +578,9 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
             Mode::Nested => spec.size = 0,
         }
     }
+    if mode == Mode::Entry && ctx.opts.xla_allocations {
+        alias_outputs_into_parameters(&mut bl);
+    }
     // Zeroed sizes may have made some hints invalid; ops that write step
     // outputs and are neither forward nor backward are the update.
     for o in 0..bl.b.num_ops() {
@@ -608,6 +620,95 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
         param_bytes,
         donated_bytes,
     })
+}
+
+/// XLA's allocations for the header's `input_output_alias`: XLA gives
+/// every entry parameter an allocation of its own and writes an output
+/// that aliases it into that allocation. So the parameter's bytes are held
+/// for the whole step (persistent), the output takes no bytes of its own
+/// (size 0), and the op making the output runs after every op that reads
+/// the parameter (it overwrites it). XLA may put other values into a dead
+/// parameter's allocation, one that fits at a time; that is not counted,
+/// so the peak is what XLA needs at most for the order, short of that
+/// sharing. A pair is left as it is when the output is the parameter
+/// itself, is not made by an op, or when an op reading the parameter
+/// depends on the output (XLA copies then).
+fn alias_outputs_into_parameters(bl: &mut Builder<'_>) {
+    let m = bl.m;
+    let Some(root) = bl.vals[bl.comp.root.index()].clone() else {
+        return;
+    };
+    for a in &m.input_output_alias {
+        let Some(&pi) = bl.comp.params.get(a.param as usize) else {
+            continue;
+        };
+        let (Some(Val::Leaf(o)), Some(Some(Val::Leaf(p)))) = (
+            root.at(&a.output),
+            bl.vals[pi.index()].as_ref().map(|v| v.at(&a.param_index)),
+        ) else {
+            continue;
+        };
+        let (o, p) = (bl.root_of(*o), bl.root_of(*p));
+        if o == p || !bl.produced[o.index()] {
+            continue;
+        }
+        let reads = |bl: &Builder<'_>, op: OpId| {
+            let spec = bl.b.op_spec(op);
+            spec.inputs
+                .iter()
+                .chain(&spec.updates)
+                .any(|&t| bl.root_of(t) == p)
+        };
+        let ops: Vec<OpId> = (0..bl.b.num_ops()).map(|k| OpId(k as u32)).collect();
+        let Some(&maker) = ops
+            .iter()
+            .find(|&&op| bl.b.op_spec(op).outputs.contains(&o))
+        else {
+            continue;
+        };
+        let readers: Vec<OpId> = ops
+            .iter()
+            .copied()
+            .filter(|&op| op != maker && reads(bl, op))
+            .collect();
+        let after_maker = descendants(bl, maker);
+        if readers.iter().any(|r| after_maker.contains(r)) {
+            continue;
+        }
+        bl.b.tensor_spec_mut(p).lifetime = Lifetime::Persistent;
+        bl.b.tensor_spec_mut(o).size = 0;
+        bl.b.op_spec_mut(maker).after.extend(readers);
+    }
+}
+
+/// Every op that must run after `op`: it reads, directly or through other
+/// ops, what `op` makes, or is listed `after` it.
+fn descendants(bl: &Builder<'_>, op: OpId) -> std::collections::HashSet<OpId> {
+    let n = bl.b.num_ops();
+    let mut readers_of: HashMap<TensorId, Vec<OpId>> = HashMap::new();
+    let mut later: HashMap<OpId, Vec<OpId>> = HashMap::new();
+    for k in 0..n {
+        let v = OpId(k as u32);
+        let spec = bl.b.op_spec(v);
+        for &t in spec.inputs.iter().chain(&spec.updates) {
+            readers_of.entry(bl.root_of(t)).or_default().push(v);
+        }
+        for &a in &spec.after {
+            later.entry(a).or_default().push(v);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![op];
+    while let Some(u) = stack.pop() {
+        let made = bl.b.op_spec(u).outputs.iter();
+        let readers = made.flat_map(|&t| readers_of.get(&bl.root_of(t)).into_iter().flatten());
+        for &r in readers.chain(later.get(&u).into_iter().flatten()) {
+            if seen.insert(r) {
+                stack.push(r);
+            }
+        }
+    }
+    seen
 }
 
 /// `control-predecessors`: each becomes a tensor of no bytes that the
