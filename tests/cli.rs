@@ -469,6 +469,11 @@ fn xla_allocations_plan_and_export_an_hlo_module_and_refuse_other_graphs() {
     // Every aliased parameter's bytes held all step: never less.
     let bytes = |v: &serde_json::Value| v["max_live_bytes"].as_u64().unwrap();
     assert!(bytes(&xla) >= bytes(&one_arena));
+    // The estimate of XLA's total: no less than one arena's max live, and
+    // at most the ceiling plus packing.
+    let estimate = xla["xla_estimate_bytes"].as_u64().unwrap();
+    assert!(estimate >= bytes(&one_arena), "{xla}");
+    assert!(estimate as f64 <= bytes(&xla) as f64 * 1.01, "{xla}");
     // The plan fits the module imported the same way, not the one-arena one.
     let out = dir.join("scheduled.txt");
     let (p, o) = (plan.to_str().unwrap(), out.to_str().unwrap());

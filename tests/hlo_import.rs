@@ -123,6 +123,37 @@ fn xla_allocations_keep_an_aliased_parameter_and_write_its_output_into_it() {
 }
 
 #[test]
+fn xla_estimate_puts_a_temporary_into_a_dead_parameters_allocation() {
+    // w is dead after its copy and u is written into its allocation; t
+    // lives in between (64 bytes, fits), b overlaps u's step.
+    let g = import_with(
+        r#"HloModule m, input_output_alias={ {0}: (0, {}, may-alias) }
+ENTRY %e {
+  %w = f32[64]{0} parameter(0)
+  %g = f32[64]{0} parameter(1)
+  %wc = f32[64]{0} copy(%w)
+  %t = f32[16]{0} slice(%g), slice={[0:16]}
+  %b = f32[4,16]{1,0} broadcast(%t), dimensions={1}
+  %bb = f32[64]{0} bitcast(%b)
+  %u = f32[64]{0} add(%wc, %bb)
+  ROOT %r = (f32[64]{0}) tuple(%u)
+}
+"#,
+        true,
+    );
+    let order = g.program_order();
+    let e = memplan::io::hlo::xla_estimate::estimate(&g, order).unwrap();
+    // Held all step: g and w (512); then wc, t and b at b's step.
+    assert_eq!(e.ceiling, 512 + 256 + 64 + 256);
+    assert_eq!((e.hosted, e.hosted_bytes), (1, 64));
+    assert_eq!(e.total, 512 + 256 + 256);
+    // Without the import's list of aliased parameters there is no estimate.
+    let one_arena = import_with(DONATED, false);
+    let order = one_arena.program_order();
+    assert!(memplan::io::hlo::xla_estimate::estimate(&one_arena, order).is_none());
+}
+
+#[test]
 fn elementwise_ops_may_write_into_operands_of_the_same_shape() {
     let g = import(
         r#"HloModule m

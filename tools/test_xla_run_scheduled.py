@@ -62,7 +62,7 @@ class XlaRunsMemplansOrder(unittest.TestCase):
         # the rest of XLA's total is bytes of its allocations that no value
         # covers there.
         self.assertLessEqual(r["xla_live_bytes_memplan_order"], r["memplan_max_live_bytes"], r)
-        self.assertGreaterEqual(r["xla_live_vs_prediction"], 0.995, r)
+        self.assertGreaterEqual(r["xla_live_vs_max_live"], 0.995, r)
         self.assertEqual(r["xla_live_bytes_memplan_order"] + r["xla_idle_bytes_at_peak"],
                          r["xla_total_bytes_memplan_order"], r)
         return r
@@ -87,20 +87,20 @@ class XlaRunsMemplansOrder(unittest.TestCase):
         self.assertGreater(r["xla_idle_parameter_bytes_at_peak"], 25_000_000, r)
         self.assertIn("f32[128,50257]", r["xla_largest_idle_allocation"], r)
 
-    def test_xla_allocations_bound_what_xla_needs(self):
-        # Planned with XLA's per-parameter allocations counted (`memplan
-        # plan --xla-allocations`), the prediction is what XLA needs for the
-        # order at most: XLA only adds packing and saves what it puts into
-        # dead parameters' allocations. On GPT-2 tiny that is nearly
-        # nothing (XLA 0.57% below); on the MLP it is 17%.
+    def test_xla_allocations_predict_what_xla_needs(self):
+        # `memplan plan --xla-allocations`: every aliased parameter's
+        # allocation held all step (the plan's max live, a ceiling on XLA's
+        # need), and memplan's estimate of XLA's total, which also puts
+        # values into dead parameters' allocations as XLA does. Measured:
+        # XLA within 0.06% of the estimate on both.
         for name in ("xla_gpt2_tiny", "mlp"):
             r = self.run_module(name, "--xla-allocations")
             self.assertTrue(r["xla_kept_memplan_order"], r)
             self.assertTrue(r["outputs_bitwise_equal"], r)
             self.assertLessEqual(r["xla_total_bytes_memplan_order"], r["xla_total_bytes_original"], r)
-            self.assertLessEqual(r["xla_memplan_order_vs_prediction"], 1.001, r)
-            if name == "xla_gpt2_tiny":
-                self.assertGreaterEqual(r["xla_memplan_order_vs_prediction"], 0.98, r)
+            self.assertLessEqual(r["xla_total_bytes_memplan_order"], r["memplan_max_live_bytes"] * 1.001, r)
+            self.assertLessEqual(r["xla_memplan_order_vs_prediction"], 1.01, r)
+            self.assertGreaterEqual(r["xla_memplan_order_vs_prediction"], 0.99, r)
 
     def test_sharded_data_and_tensor_parallel(self):
         # one program per rank on 8 CPU devices, all-reduces between them

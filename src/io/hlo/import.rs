@@ -289,6 +289,9 @@ pub fn import_module(m: &Module, opts: &ImportOptions) -> Result<Graph, Error> {
     md.insert("entry_parameters".into(), json!(entry.params.len()));
     md.insert("donated_parameter_bytes".into(), json!(built.donated_bytes));
     md.insert("parameter_bytes".into(), json!(built.param_bytes));
+    if opts.xla_allocations {
+        md.insert("xla_parameter_outputs".into(), json!(built.aliased));
+    }
     Ok(g)
 }
 
@@ -296,6 +299,8 @@ struct Built {
     graph: Graph,
     param_bytes: u64,
     donated_bytes: u64,
+    /// With `xla_allocations`: (parameter, output written into it) names.
+    aliased: Vec<(String, String)>,
 }
 
 fn err_at(ins: &Instr, msg: impl Into<String>) -> Error {
@@ -578,8 +583,9 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
             Mode::Nested => spec.size = 0,
         }
     }
+    let mut aliased = Vec::new();
     if mode == Mode::Entry && ctx.opts.xla_allocations {
-        alias_outputs_into_parameters(&mut bl);
+        aliased = alias_outputs_into_parameters(&mut bl);
     }
     // Zeroed sizes may have made some hints invalid; ops that write step
     // outputs and are neither forward nor backward are the update.
@@ -619,6 +625,7 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
         graph,
         param_bytes,
         donated_bytes,
+        aliased,
     })
 }
 
@@ -632,11 +639,13 @@ fn build(ctx: &mut Ctx<'_>, c: CompIdx, mode: Mode) -> Result<Built, Error> {
 /// so the peak is what XLA needs at most for the order, short of that
 /// sharing. A pair is left as it is when the output is the parameter
 /// itself, is not made by an op, or when an op reading the parameter
-/// depends on the output (XLA copies then).
-fn alias_outputs_into_parameters(bl: &mut Builder<'_>) {
+/// depends on the output (XLA copies then). Returns the pairs aliased, by
+/// tensor name (parameter, output).
+fn alias_outputs_into_parameters(bl: &mut Builder<'_>) -> Vec<(String, String)> {
     let m = bl.m;
+    let mut pairs = Vec::new();
     let Some(root) = bl.vals[bl.comp.root.index()].clone() else {
-        return;
+        return pairs;
     };
     for a in &m.input_output_alias {
         let Some(&pi) = bl.comp.params.get(a.param as usize) else {
@@ -678,7 +687,10 @@ fn alias_outputs_into_parameters(bl: &mut Builder<'_>) {
         bl.b.tensor_spec_mut(p).lifetime = Lifetime::Persistent;
         bl.b.tensor_spec_mut(o).size = 0;
         bl.b.op_spec_mut(maker).after.extend(readers);
+        let name = |t: TensorId| bl.b.tensor_spec(t).name.clone();
+        pairs.push((name(p), name(o)));
     }
+    pairs
 }
 
 /// Every op that must run after `op`: it reads, directly or through other

@@ -37,6 +37,7 @@ pub mod parser;
 pub mod report;
 pub mod schedule;
 pub mod shape;
+pub mod xla_estimate;
 
 use std::path::{Path, PathBuf};
 
