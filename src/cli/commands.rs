@@ -501,6 +501,7 @@ fn export_hlo(
             })?;
             plan
         }
+        None if opts.xla_allocations => for_xla(&g, module, solve(&g, time_limit)?, time_limit)?.0,
         None => solve(&g, time_limit)?,
     };
     let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order, !no_chain)
