@@ -491,3 +491,68 @@ fn the_bound_is_never_above_what_xla_realised() {
     let n = bound_below_what_xla_realised(&dir);
     assert!(n >= 5, "only {n} shared modules with a buffer assignment");
 }
+
+/// (module path, memplan's estimate of XLA's total for the module's own
+/// listed order, XLA's reported total) for every module in `dir` with a
+/// memory report and a schedule.
+fn estimates_of_xlas_order(dir: &Path) -> Vec<(PathBuf, u64, u64)> {
+    use memplan::io::hlo::{self, xla_estimate};
+    let mut out = Vec::new();
+    for case in case_dirs(dir) {
+        let path = case.join("cpu_after_optimizations.txt.gz");
+        let text = memplan::io::read_text(&path).unwrap();
+        let m = hlo::parse_module(&text).unwrap();
+        let opts = hlo::ImportOptions {
+            xla_allocations: true,
+            ..Default::default()
+        };
+        let g = hlo::import::import_module(&m, &opts).unwrap();
+        let Some((_, order)) = g.extra_orders.iter().find(|(n, _)| n == "xla-order") else {
+            continue;
+        };
+        let Some((_, total)) = hlo::report::find(&path).unwrap() else {
+            continue;
+        };
+        let e = xla_estimate::estimate(&g, order).expect("the listed order is valid");
+        assert!(e.total <= e.ceiling + e.ceiling / 100, "{}", path.display());
+        out.push((path, e.total, total));
+    }
+    out
+}
+
+#[test]
+fn xlas_total_is_estimated_on_its_own_order() {
+    // memplan's estimate of XLA's `Total bytes` (its allocations: aliased
+    // parameters held, values put into dead ones, the rest laid out) for
+    // the order each module lists, against XLA's report for it. Measured:
+    // within 0.1% on every committed module but one, and within 0.13% on
+    // the six shared ones. The exception: XLA's CPU compiler schedules a
+    // module again, and for spmd_dp2_tp4 it compiled another order than the
+    // one listed (13 of 98 entry instructions moved), needing 16% more.
+    let rows = estimates_of_xlas_order(&fixtures());
+    assert!(rows.len() >= 10, "{rows:?}");
+    for (path, estimate, total) in &rows {
+        let ratio = *total as f64 / *estimate as f64;
+        if path.to_string_lossy().contains("spmd_dp2_tp4") {
+            assert!(ratio > 1.1, "{}: {ratio}", path.display());
+        } else {
+            assert!(
+                (0.998..=1.002).contains(&ratio),
+                "{}: XLA / estimate {ratio}",
+                path.display()
+            );
+        }
+    }
+    if let Some(dir) = shared_fixtures() {
+        let rows = estimates_of_xlas_order(&dir);
+        assert!(rows.len() >= 6, "{rows:?}");
+        for (path, estimate, total) in &rows {
+            let ratio = *total as f64 / *estimate as f64;
+            assert!(
+                (0.998..=1.002).contains(&ratio),
+                "{}: XLA / estimate {ratio}",
+                path.display()
+            );
+        }
+    }
+}
