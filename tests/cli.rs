@@ -489,6 +489,19 @@ fn xla_allocations_plan_and_export_an_hlo_module_and_refuse_other_graphs() {
     ]);
     let e = memplan(&["export", "--hlo", module, "--plan", p, "-o", o]);
     assert_eq!(e.status.code(), Some(1), "{}", stderr(&e));
+    // compare sets the estimate for XLA's own order beside XLA's report.
+    let c = json(&[
+        "compare",
+        module,
+        "--xla-allocations",
+        "--json",
+        "--time-limit",
+        "2",
+    ]);
+    let peak = |name: &str| c["baselines"][name]["peak_bytes"].as_u64().unwrap() as f64;
+    let ratio = peak("xla") / peak("xla-order, xla-estimate");
+    assert!((0.998..=1.002).contains(&ratio), "{c}");
+    assert!(c["xla_estimate_bytes"].as_u64().is_some(), "{c}");
     let e = memplan(&[
         "plan",
         "fixtures/graphs/linear-sgd.json",

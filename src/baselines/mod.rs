@@ -124,6 +124,17 @@ pub fn all(g: &Graph) -> Vec<Baseline> {
             peak_bytes: order_with_layout(g, order, name).arena_bytes,
             description: format!("the graph's {name} order, laid out by memplan"),
         });
+        // An HLO module imported with XLA's allocations: what XLA's buffer
+        // assignment is estimated to need for that order.
+        if let Some(e) = crate::io::hlo::xla_estimate::estimate(g, order) {
+            out.push(Baseline {
+                name: format!("{name}, xla-estimate"),
+                peak_bytes: e.total,
+                description: format!(
+                    "the graph's {name} order, XLA's total bytes as memplan estimates them"
+                ),
+            });
+        }
     }
     for (name, bytes) in &g.reference_peaks {
         out.push(Baseline {

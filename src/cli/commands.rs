@@ -370,7 +370,11 @@ fn stats(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool) -> Result<()> {
 fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f64) -> Result<()> {
     let g = load(graph.as_deref(), src)?;
     let base = baselines::all(&g);
-    let plan = solve(&g, time_limit)?;
+    let mut plan = solve(&g, time_limit)?;
+    let mut xla = None;
+    if let (true, Some(path)) = (src.xla_allocations, graph.as_deref()) {
+        (plan, xla) = for_xla(&g, path, plan, time_limit)?;
+    }
     let s = &plan.stats;
     let lb = s.lower_bound_bytes.max(1);
     if as_json {
@@ -401,6 +405,7 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
             "order_source": s.order_source,
             "layout_source": s.layout_source,
             "baselines": b,
+            "xla_estimate_bytes": xla.as_ref().map(|e| e.total),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -441,6 +446,15 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
         format!("{:.3}", s.peak_bytes as f64 / lb as f64),
         format!("{:.2} s", s.solve_seconds),
     ]);
+    if let Some(e) = &xla {
+        rows.push(vec![
+            "memplan, xla-estimate".into(),
+            human_bytes(e.total),
+            grouped(e.total),
+            format!("{:.3}", e.total as f64 / lb as f64),
+            String::new(),
+        ]);
+    }
     print!(
         "{}",
         table(&["plan", "peak", "bytes", "vs bound", "solve time"], &rows)
