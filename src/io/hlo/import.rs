@@ -1045,8 +1045,25 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
     } else {
         bl.fresh(ins)?
     };
+    let pairs = sharing_pairs(ctx, bl, ins);
+    let reuse = reuse_hints(bl, ins, &val, &outputs, pairs);
+    let mut extra = None;
+    if let Some((t, peak)) = body_peak_tensor(ctx, bl, ins)? {
+        outputs.extend(t);
+        extra = Some(("body_peak_bytes", peak));
+    }
+    add_op(bl, ins, inputs, outputs, reuse, extra);
+    Ok(val)
+}
 
-    // (output index, operand number, operand index) pairs.
+/// Where XLA may put a result of `ins` into an operand's buffer: (output
+/// index, operand number, operand index) pairs, by XLA's sharing rules
+/// (docs/hlo.md).
+fn sharing_pairs(
+    ctx: &mut Ctx<'_>,
+    bl: &Builder<'_>,
+    ins: &Instr,
+) -> Vec<(ShapeIndex, usize, ShapeIndex)> {
     let mut pairs: Vec<(ShapeIndex, usize, ShapeIndex)> = Vec::new();
     let op = ins.opcode.as_str();
     let comp = bl.comp;
@@ -1138,6 +1155,18 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
         _ => {}
     }
 
+    pairs
+}
+
+/// The pairs as reuse hints (output, operand tensor): only a result with
+/// bytes of its own, no larger than the operand's root.
+fn reuse_hints(
+    bl: &Builder<'_>,
+    ins: &Instr,
+    val: &Val,
+    outputs: &[TensorId],
+    pairs: Vec<(ShapeIndex, usize, ShapeIndex)>,
+) -> Vec<(TensorId, TensorId)> {
     let mut reuse = Vec::new();
     for (oi, k, ii) in pairs {
         let Some(Val::Leaf(out)) = val.at(&oi) else {
@@ -1159,10 +1188,18 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
             reuse.push((*out, *inp));
         }
     }
+    reuse
+}
 
-    // Control flow: the bodies' own peak, live at this op.
-    let mut extra = None;
-    let bodies: Vec<CompIdx> = match op {
+/// Control flow: a temporary holding the called bodies' own peak, live at
+/// the op (with the peak; `None` for other ops). An empty peak makes no
+/// tensor.
+fn body_peak_tensor(
+    ctx: &mut Ctx<'_>,
+    bl: &mut Builder<'_>,
+    ins: &Instr,
+) -> Result<Option<(Option<TensorId>, u64)>, Error> {
+    let bodies: Vec<CompIdx> = match ins.opcode.as_str() {
         "while" => ins
             .called_all("body")
             .chain(ins.called_all("condition"))
@@ -1173,26 +1210,25 @@ fn plain(ctx: &mut Ctx<'_>, bl: &mut Builder<'_>, ins: &Instr) -> Result<Val, Er
             .chain(ins.called_all("false_computation"))
             .collect(),
         "call" => ins.called_all("to_apply").collect(),
-        _ => Vec::new(),
+        _ => return Ok(None),
     };
-    if !bodies.is_empty() {
-        let mut peak = 0u64;
-        for c in bodies {
-            peak = peak.max(body_peak(ctx, c, ins)?);
-        }
-        if peak > 0 {
-            let t = bl.b.add_tensor(
-                TensorSpec::new(format!("{}/body-peak", ins.name), peak)
-                    .align(bl.align)
-                    .role(Role::Temporary),
-            );
-            bl.produced.push(false);
-            outputs.push(t);
-        }
-        extra = Some(("body_peak_bytes", peak));
+    if bodies.is_empty() {
+        return Ok(None);
     }
-    add_op(bl, ins, inputs, outputs, reuse, extra);
-    Ok(val)
+    let mut peak = 0u64;
+    for c in bodies {
+        peak = peak.max(body_peak(ctx, c, ins)?);
+    }
+    if peak == 0 {
+        return Ok(Some((None, 0)));
+    }
+    let t = bl.b.add_tensor(
+        TensorSpec::new(format!("{}/body-peak", ins.name), peak)
+            .align(bl.align)
+            .role(Role::Temporary),
+    );
+    bl.produced.push(false);
+    Ok(Some((Some(t), peak)))
 }
 
 /// A `while`'s results: a state element the body returns unchanged (a
