@@ -501,7 +501,9 @@ fn xla_allocations_plan_and_export_an_hlo_module_and_refuse_other_graphs() {
     let peak = |name: &str| c["baselines"][name]["peak_bytes"].as_u64().unwrap() as f64;
     let ratio = peak("xla") / peak("xla-order, xla-estimate");
     assert!((0.998..=1.002).contains(&ratio), "{c}");
-    assert!(c["xla_estimate_bytes"].as_u64().is_some(), "{c}");
+    // memplan's order is never estimated above XLA's own.
+    let mine = c["xla_estimate_bytes"].as_u64().unwrap() as f64;
+    assert!(mine <= peak("xla-order, xla-estimate"), "{c}");
     let e = memplan(&[
         "plan",
         "fixtures/graphs/linear-sgd.json",
