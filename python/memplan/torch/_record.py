@@ -87,6 +87,7 @@ def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> Optional[int]:
     except Exception:  # a formula that does not take this overload's arguments
         return None
 
+
 @functools.lru_cache(maxsize=None)
 def out_variant(func):
     """The ``out=`` overload of `func` and the names of its out arguments,

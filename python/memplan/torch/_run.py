@@ -200,7 +200,6 @@ class Arena:
         self._typed: Dict[torch.dtype, torch.Tensor] = {}
         self.fallbacks: set = set()
         self._expect: Dict[int, tuple] = {}
-        self._variants: Dict[Any, Any] = {}  # op -> its out= overload, or None
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
 
@@ -230,9 +229,7 @@ class Arena:
                 targets = [(p, i) for p, i in c.outputs if i in placed]
                 variant = None
                 if targets and len(targets) == len(c.outputs) and k not in self.fallbacks:
-                    if c.func not in self._variants:
-                        self._variants[c.func] = out_variant(c.func)
-                    variant = self._variants[c.func]
+                    variant = out_variant(c.func)  # cached per op
                     if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
                         variant = None
                 if variant is not None:

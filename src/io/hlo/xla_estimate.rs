@@ -13,8 +13,9 @@
 //! 2. For every aliased parameter, its free window: after its last reader,
 //!    before the op that writes its output.
 //! 3. Take the other transient buffers largest first; each goes into the
-//!    first parameter allocation (in parameter order) that is large enough,
-//!    free over its whole life, and holds no value live at the same time.
+//!    first parameter allocation (in the order the module lists the
+//!    parameters) that is large enough, free over its whole life, and
+//!    holds no value live at the same time.
 //! 4. Lay out what is left (persistent bytes, unhosted values) with the
 //!    allocator: that arena is the estimate.
 //!
