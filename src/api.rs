@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::batch::{BatchLine, max_batch, recorded_batch};
 use crate::error::Error;
-use crate::fit::{FitOptions, Objective, fit};
+use crate::fit::{FitOptions, Fitted, Objective, fit, fit_within};
 use crate::graph::Graph;
 use crate::plan::Plan;
 use crate::{checker, io, pipeline};
@@ -97,7 +97,30 @@ pub fn fit_json(
         objective: objective(minimise)?,
         ..FitOptions::default()
     };
-    let f = fit(&g, &opts)?;
+    fitted_json(&fit(&g, &opts)?)
+}
+
+/// The smallest arena found for the graph in `graph_json` whose
+/// recomputation adds at most `max_added` times the step's cost (estimated
+/// time, or FLOPs with `minimise` "flops"; [`crate::fit::fit_within`]):
+/// the same report as [`fit_json`], with `max_added_share`.
+pub fn fit_within_json(
+    graph_json: &str,
+    max_added: f64,
+    time_limit_s: f64,
+    minimise: &str,
+) -> Result<String, Error> {
+    let g = graph(graph_json)?;
+    let opts = FitOptions {
+        time_limit: seconds(time_limit_s, "time limit")?,
+        objective: objective(minimise)?,
+        ..FitOptions::default()
+    };
+    fitted_json(&fit_within(&g, max_added, &opts)?)
+}
+
+/// A fit's report with the fitted graph and plan as documents.
+fn fitted_json(f: &Fitted) -> Result<String, Error> {
     let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&f.graph))
         .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
     let plan: serde_json::Value = serde_json::from_str(&f.plan.to_json(&f.graph))
@@ -237,6 +260,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown objective"), "{e}");
+        let w: serde_json::Value =
+            serde_json::from_str(&fit_within_json(&text, 0.05, 4.0, "flops").unwrap()).unwrap();
+        assert!(w["arena_bytes"].as_u64() < base["arena_bytes"].as_u64());
+        assert!(w["added_flops"].as_f64().unwrap() <= 0.05 * w["step_flops"].as_f64().unwrap());
+        assert_eq!(w["max_added_share"], 0.05);
+        let report = check_json(&w["graph"].to_string(), &w["plan"].to_string()).unwrap();
+        assert!(report.contains("max_live_bytes"), "{report}");
+        let e = fit_within_json(&text, -1.0, 4.0, "flops")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("share of the step's cost"), "{e}");
 
         let sharded = graph(&example_json("llama-tiny,world=2,mixed").unwrap()).unwrap();
         assert_eq!(sharded.metadata["fsdp_layout"], "per-parameter");

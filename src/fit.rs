@@ -31,6 +31,10 @@
 //! so what it reports is what the plan needs. The result is checked by the
 //! independent checker like every plan.
 //!
+//! [`fit_within`] asks the dual question, "how small does the step get for
+//! at most this share more cost?", through
+//! [`memplan_solver::remat::select_within`] with the same oracle.
+//!
 //! # When nothing fits
 //! Any plan, with any recomputation, runs every op of the step at least
 //! once with its inputs and outputs live, and ends with every persistent
@@ -484,7 +488,11 @@ pub struct Fitted {
     /// The planned arena without recomputation.
     pub base_arena: u64,
     pub budget: u64,
-    /// Whether no cheaper choice fits (exact search).
+    /// With [`fit_within`]: the added cost allowed, as a share of the
+    /// step's.
+    pub max_added: Option<f64>,
+    /// Whether no cheaper choice fits (exact search); with [`fit_within`],
+    /// whether no affordable choice peaks lower.
     pub optimal: bool,
     pub candidates: usize,
     pub probes: usize,
@@ -498,6 +506,7 @@ impl Fitted {
         serde_json::json!({
             "graph": self.graph.name,
             "budget_bytes": self.budget,
+            "max_added_share": self.max_added,
             "arena_bytes": self.plan.arena_bytes,
             "max_live_bytes": self.plan.stats.max_live_bytes,
             "lower_bound_bytes": self.plan.stats.lower_bound_bytes,
@@ -643,6 +652,95 @@ impl Oracle for Planner<'_> {
     }
 }
 
+impl<'a> Planner<'a> {
+    fn new(g: &'a Graph, cands: &'a [RematCandidate], probe_time: Duration) -> Self {
+        let mut index = vec![None; g.num_ops()];
+        for (i, c) in cands.iter().enumerate() {
+            index[c.op.index()] = Some(i);
+        }
+        Planner {
+            g,
+            cands,
+            index,
+            opts: Options {
+                time_limit: probe_time,
+                layouts: 1,
+                ..Options::default()
+            },
+            plans: HashMap::new(),
+            failed: None,
+        }
+    }
+
+    /// The arena without recomputation (the search's first probe).
+    fn base_arena(&self) -> Result<u64, Error> {
+        match self.plans.get(&vec![false; self.cands.len()]) {
+            Some(base) => Ok(base.arena_bytes),
+            None => Err(Error::Solver(format!(
+                "planning {:?} failed: {}",
+                self.g.name,
+                self.failed.clone().unwrap_or_default()
+            ))),
+        }
+    }
+
+    /// The fitted step of the search's answer, checked, with its cost.
+    fn fitted(mut self, sel: &remat::Selection, opts: &FitOptions) -> Result<Fitted, Error> {
+        let g = self.g;
+        let base_arena = self.base_arena()?;
+        let chosen = self.chosen_ops(&sel.chosen);
+        let graph = recompute(g, &chosen)?;
+        let plan = self
+            .plans
+            .remove(&sel.chosen)
+            .expect("the search planned its answer");
+        crate::checker::check(&graph, &plan)?;
+        // What was copied: chosen ops that nothing needs get no copy and cost
+        // nothing; ops that only make views come with their base.
+        let copied = copied_ops(g, &graph);
+        let mut added = OpCost::default();
+        for &o in &copied {
+            added += opts.cost_model.op(g, o);
+        }
+        Ok(Fitted {
+            recomputed: copied.iter().map(|&o| g.op(o).name.clone()).collect(),
+            added,
+            step: opts.cost_model.total(g),
+            base_arena,
+            budget: opts.budget,
+            max_added: None,
+            optimal: sel.optimal,
+            candidates: self.cands.len(),
+            probes: sel.probes,
+            seconds: 0.0,
+            graph,
+            plan,
+        })
+    }
+}
+
+/// The candidates as the search sees them: their cost in the objective's
+/// unit.
+fn search_candidates(cands: &[RematCandidate], objective: Objective) -> Vec<Candidate> {
+    cands
+        .iter()
+        .map(|c| Candidate {
+            cost: objective.of(&c.cost),
+            bytes: c.bytes,
+        })
+        .collect()
+}
+
+impl Objective {
+    /// The part of `cost` this objective counts.
+    pub fn of(self, cost: &OpCost) -> f64 {
+        match self {
+            Objective::Time => cost.seconds,
+            Objective::Flops => cost.flops,
+        }
+    }
+}
+
 /// Fits `g` into `opts.budget` bytes; see the module docs.
 pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     let start = Instant::now();
@@ -658,52 +756,18 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
         )));
     }
     let cands = candidates(g, &opts.cost_model);
-    let search: Vec<Candidate> = cands
-        .iter()
-        .map(|c| Candidate {
-            cost: match opts.objective {
-                Objective::Time => c.cost.seconds,
-                Objective::Flops => c.cost.flops,
-            },
-            bytes: c.bytes,
-        })
-        .collect();
-    let mut planner = Planner {
-        g,
-        cands: &cands,
-        index: {
-            let mut ix = vec![None; g.num_ops()];
-            for (i, c) in cands.iter().enumerate() {
-                ix[c.op.index()] = Some(i);
-            }
-            ix
-        },
-        opts: Options {
-            time_limit: opts.probe_time,
-            layouts: 1,
-            ..Options::default()
-        },
-        plans: HashMap::new(),
-        failed: None,
-    };
+    let mut planner = Planner::new(g, &cands, opts.probe_time);
     let time = Budget::new(opts.time_limit);
     let seeds = segment_seeds(g, &cands);
     let sel = remat::select(
-        &search,
+        &search_candidates(&cands, opts.objective),
         opts.budget,
         &mut planner,
         &opts.search,
         &time,
         &seeds,
     );
-    let Some(base) = planner.plans.get(&vec![false; cands.len()]) else {
-        let why = planner.failed.unwrap_or_default();
-        return Err(Error::Solver(format!(
-            "planning {:?} failed: {why}",
-            g.name
-        )));
-    };
-    let base_arena = base.arena_bytes;
+    planner.base_arena()?;
     if !sel.fits {
         let how = if sel.proven_infeasible {
             "proven: every choice of recomputation was planned to its lower bound".to_string()
@@ -725,38 +789,46 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
             cands.len(),
         )));
     }
-    let chosen: Vec<OpId> = cands
-        .iter()
-        .zip(&sel.chosen)
-        .filter(|(_, c)| **c)
-        .map(|(c, _)| c.op)
-        .collect();
-    let graph = recompute(g, &chosen)?;
-    let plan = planner
-        .plans
-        .remove(&sel.chosen)
-        .expect("the search planned its answer");
-    crate::checker::check(&graph, &plan)?;
-    // What was copied: chosen ops that nothing needs get no copy and cost
-    // nothing; ops that only make views come with their base.
-    let copied = copied_ops(g, &graph);
-    let mut added = OpCost::default();
-    for &o in &copied {
-        added += opts.cost_model.op(g, o);
+    let mut f = planner.fitted(&sel, opts)?;
+    f.seconds = start.elapsed().as_secs_f64();
+    Ok(f)
+}
+
+/// The smallest arena found whose recomputation adds at most `max_added`
+/// times the whole step's cost (in `opts.objective`'s unit: `0.001` is
+/// 0.1% more FLOPs or estimated time); `opts.budget` is not used. The
+/// answer's `budget` is its own arena. With `max_added` 0 it is the plan
+/// without recomputation. See [`memplan_solver::remat::select_within`].
+pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted, Error> {
+    let start = Instant::now();
+    if !(max_added.is_finite() && max_added >= 0.0) {
+        return Err(Error::Invalid(format!(
+            "the added cost allowed must be a share of the step's cost, 0 or more, not {max_added}"
+        )));
     }
-    Ok(Fitted {
-        recomputed: copied.iter().map(|&o| g.op(o).name.clone()).collect(),
-        added,
-        step: opts.cost_model.total(g),
-        base_arena,
-        budget: opts.budget,
-        optimal: sel.optimal,
-        candidates: cands.len(),
-        probes: sel.probes,
-        seconds: start.elapsed().as_secs_f64(),
-        graph,
-        plan,
-    })
+    let cands = candidates(g, &opts.cost_model);
+    let mut planner = Planner::new(g, &cands, opts.probe_time);
+    let time = Budget::new(opts.time_limit);
+    let seeds = segment_seeds(g, &cands);
+    let step = opts.objective.of(&opts.cost_model.total(g));
+    let sel = remat::select_within(
+        &search_candidates(&cands, opts.objective),
+        max_added * step,
+        &mut planner,
+        &opts.search,
+        &time,
+        &seeds,
+    );
+    let mut f = planner.fitted(
+        &sel,
+        &FitOptions {
+            budget: sel.peak,
+            ..opts.clone()
+        },
+    )?;
+    f.max_added = Some(max_added);
+    f.seconds = start.elapsed().as_secs_f64();
+    Ok(f)
 }
 
 /// One point of the budget / added-cost curve.

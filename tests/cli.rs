@@ -382,6 +382,75 @@ fn fit_writes_a_plan_that_checks_and_refuses_what_cannot_fit() {
 }
 
 #[test]
+fn fit_max_added_finds_a_smaller_arena_within_the_share() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-fit-within");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plan, graph) = (dir.join("plan.json"), dir.join("graph.json"));
+    let v = json(&[
+        "fit",
+        "--example",
+        "gpt2-small",
+        "--layers",
+        "2",
+        "--max-added",
+        "0.5%",
+        "--minimise",
+        "flops",
+        "--json",
+        "--time-limit",
+        "10",
+        "-o",
+        plan.to_str().unwrap(),
+        "--output-graph",
+        graph.to_str().unwrap(),
+    ]);
+    let arena = v["arena_bytes"].as_u64().unwrap();
+    assert!(
+        arena < v["no_recompute_arena_bytes"].as_u64().unwrap(),
+        "{v}"
+    );
+    assert_eq!(v["max_added_share"], 0.005);
+    let (added, step) = (
+        v["added_flops"].as_f64().unwrap(),
+        v["step_flops"].as_f64().unwrap(),
+    );
+    assert!(added > 0.0 && added <= 0.005 * step, "{added} of {step}");
+    let c = json(&[
+        "check",
+        graph.to_str().unwrap(),
+        plan.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(c["max_live_bytes"].as_u64().unwrap() <= arena);
+    // The text report says what was allowed.
+    let o = ok(&[
+        "fit",
+        "--example",
+        "mlp",
+        "--max-added",
+        "0.002",
+        "--time-limit",
+        "5",
+    ]);
+    assert!(o.contains("at most +0.200% of the step's cost"), "{o}");
+    // Not a share, or with a budget too: refused by name.
+    let o = memplan(&["fit", "--example", "mlp", "--max-added=-1%"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--max-added"), "{}", stderr(&o));
+    let o = memplan(&[
+        "fit",
+        "--example",
+        "mlp",
+        "--max-added",
+        "1%",
+        "--budget",
+        "1GiB",
+    ]);
+    assert_ne!(o.status.code(), Some(0));
+    assert!(stderr(&o).contains("--max-added"), "{}", stderr(&o));
+}
+
+#[test]
 fn export_hlo_writes_the_planned_order_scheduled_and_chained() {
     let dir = std::env::temp_dir().join(format!("memplan-export-hlo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

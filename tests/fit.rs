@@ -12,7 +12,9 @@
 use std::time::Duration;
 
 use memplan::cost::OpCost;
-use memplan::fit::{FitOptions, Objective, candidates, fit, fit_floor, recompute};
+use memplan::fit::{
+    FitOptions, Fitted, Objective, candidates, fit, fit_floor, fit_within, recompute,
+};
 use memplan::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
 use memplan::models::gpt2::{self, Gpt2Config};
 use memplan::models::llama::{self, LlamaConfig};
@@ -62,6 +64,12 @@ fn fits_and_runs_like_the_reference(g: &Graph, share: f64) {
     );
     assert_eq!(f.base_arena, base);
     assert!(f.added.flops > 0.0 && f.added.flops < f.step.flops);
+    runs_like_the_reference(g, &f);
+}
+
+/// The fitted step has a copy of every recomputed op, and runs to the
+/// unplanned reference's losses and state.
+fn runs_like_the_reference(g: &Graph, f: &Fitted) {
     // Every recomputed op has its copy, which the backward reads.
     for name in &f.recomputed {
         let copy = f.graph.op_by_name(&format!("recompute.{name}")).unwrap();
@@ -113,6 +121,39 @@ fn fitted_llama_runs_like_the_reference() {
         ..LlamaConfig::preset("llama-tiny").unwrap()
     };
     fits_and_runs_like_the_reference(&llama::build(&cfg).unwrap(), 0.5);
+}
+
+/// Within 1% more FLOPs the GPT-2 step gets smaller, spends no more than
+/// allowed, and runs like the reference; with nothing allowed it adds no
+/// FLOPs.
+#[test]
+fn fitted_within_a_flops_share_runs_like_the_reference() {
+    let g = gpt2::build(&Gpt2Config::small_config(3, 32, 2, 16, 2, 64)).unwrap();
+    let o = FitOptions {
+        objective: Objective::Flops,
+        time_limit: Duration::from_secs(8),
+        ..opts(0)
+    };
+    let f = fit_within(&g, 0.01, &o).unwrap();
+    checker::check(&f.graph, &f.plan).unwrap();
+    assert!(!f.recomputed.is_empty());
+    assert!(f.added.flops > 0.0 && f.added.flops <= 0.01 * f.step.flops);
+    assert!(
+        f.plan.arena_bytes < f.base_arena,
+        "{} vs {}",
+        f.plan.arena_bytes,
+        f.base_arena
+    );
+    assert_eq!((f.budget, f.max_added), (f.plan.arena_bytes, Some(0.01)));
+    runs_like_the_reference(&g, &f);
+    // Nothing allowed: only ops of no FLOPs (copies, layout changes) may
+    // be recomputed.
+    let free = fit_within(&g, 0.0, &o).unwrap();
+    assert_eq!(free.added.flops, 0.0);
+    assert!(free.plan.arena_bytes <= free.base_arena);
+    for bad in [-0.1, f64::NAN, f64::INFINITY] {
+        assert!(matches!(fit_within(&g, bad, &o), Err(Error::Invalid(_))));
+    }
 }
 
 #[test]
@@ -300,6 +341,44 @@ fn exact_fit_equals_brute_force_on_random_steps() {
         }
     }
     assert!(checked >= 40, "{checked}");
+}
+
+/// Within a cost, the exact search's arena is the least max live bytes of
+/// any recomputation set that costs no more, over every order (brute
+/// force), and it spends no more than allowed.
+#[test]
+fn exact_fit_within_a_cost_equals_brute_force_on_random_steps() {
+    let mut checked = 0;
+    for seed in 0..30 {
+        let g = random_step(seed, 2 + (seed % 3) as usize);
+        let sets = every_set(&g, |c| c.seconds);
+        let step = memplan::cost::CostModel::default().total(&g).seconds;
+        let mut costs: Vec<f64> = sets.iter().map(|s| s.0).collect();
+        costs.sort_by(f64::total_cmp);
+        costs.dedup();
+        // Caps between two set costs, so rounding cannot move a set across.
+        let caps = [0, costs.len() / 3, 2 * costs.len() / 3, costs.len() - 1].map(|i| match costs
+            .get(i + 1)
+        {
+            Some(next) => (costs[i] + next) / 2.0,
+            None => costs[i] * 1.5 + 1.0,
+        });
+        for cap in caps {
+            let want = sets
+                .iter()
+                .filter(|s| s.0 <= cap)
+                .map(|s| s.1)
+                .min()
+                .unwrap();
+            let f = fit_within(&g, cap / step, &opts(0)).unwrap();
+            checker::check(&f.graph, &f.plan).unwrap();
+            assert_eq!(f.plan.arena_bytes, want, "seed {seed} cap {cap}");
+            assert!(f.added.seconds <= cap * (1.0 + 1e-12), "seed {seed}");
+            assert!(f.optimal, "seed {seed}: not proven");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 100, "{checked}");
 }
 
 /// With `Objective::Flops` the exact search minimises added FLOPs, which

@@ -38,6 +38,13 @@ int memplan_check(const char *graph_json, const char *plan_json, char **out);
 int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double time_limit_seconds,
                 const char *minimise, char **out);
 
+/* The other way round: the smallest arena found whose recomputation adds
+ * at most `max_added` times the step's cost (0.001: 0.1% more estimated
+ * time, or FLOPs with `minimise` "flops"). The same answer as memplan_fit,
+ * with "max_added_share"; a negative or non-finite share is an error. */
+int memplan_fit_within(const char *graph_json, double max_added, double time_limit_seconds,
+                       const char *minimise, char **out);
+
 /* A built-in example step as a graph document, `spec` written as for
  * `memplan bench`: "NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,
  * prefetch=N,noreshard,flat,reduce=bf16,checkpoint,fused,mixed]", e.g.

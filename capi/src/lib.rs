@@ -132,6 +132,34 @@ pub unsafe extern "C" fn memplan_fit(
     }
 }
 
+/// The smallest arena within `max_added` of the step's cost; see
+/// `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_fit_within(
+    graph_json: *const c_char,
+    max_added: f64,
+    time_limit_seconds: f64,
+    minimise: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let m = if minimise.is_null() {
+                "time"
+            } else {
+                text(minimise, "minimise")?
+            };
+            memplan::api::fit_within_json(g, max_added, time_limit_seconds, m)
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
 /// Frees a string returned by this library.
 ///
 /// # Safety

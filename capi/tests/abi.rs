@@ -6,7 +6,8 @@ use std::ffi::{CStr, CString, c_char};
 use std::ptr;
 
 use memplan_capi::{
-    memplan_check, memplan_example, memplan_fit, memplan_plan, memplan_string_free, memplan_version,
+    memplan_check, memplan_example, memplan_fit, memplan_fit_within, memplan_plan,
+    memplan_string_free, memplan_version,
 };
 
 fn take(p: *mut c_char) -> String {
@@ -117,6 +118,24 @@ fn fits_through_the_c_abi() {
     let rc = unsafe { memplan_fit(g.as_ptr(), budget, 5.0, bad.as_ptr(), &mut out) };
     assert_eq!(rc, 1);
     assert!(take(out).contains("unknown objective"));
+    // The other way round: recomputing `f` costs 10 of the step's 2,010
+    // FLOPs, so 1% allows it and 0.1% does not.
+    let rc = unsafe { memplan_fit_within(g.as_ptr(), 0.01, 5.0, flops.as_ptr(), &mut out) };
+    let v: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0, "{v}");
+    assert_eq!(v["recomputed_ops"], serde_json::json!(["f"]));
+    assert!(
+        v["arena_bytes"].as_u64() < base["arena_bytes"].as_u64(),
+        "{v}"
+    );
+    let rc = unsafe { memplan_fit_within(g.as_ptr(), 0.001, 5.0, flops.as_ptr(), &mut out) };
+    let v: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0, "{v}");
+    assert_eq!(v["recomputed_ops"], serde_json::json!([]));
+    assert_eq!(v["arena_bytes"], base["arena_bytes"]);
+    let rc = unsafe { memplan_fit_within(g.as_ptr(), -0.5, 5.0, ptr::null(), &mut out) };
+    assert_eq!(rc, 1);
+    assert!(take(out).contains("share of the step's cost"));
 }
 
 #[test]

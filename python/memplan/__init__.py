@@ -13,6 +13,8 @@ paths to files (`.json`, or `.json.gz`).
     # What to recompute so the step fits in 24 GiB:
     fitted = memplan.fit("step.json", budget=24 << 30)
     fitted["recomputed_ops"], fitted["added_flops"], fitted["plan"]["arena_bytes"]
+    # How small it gets for at most 0.1% more FLOPs:
+    memplan.fit("step.json", max_added=0.001, minimise="flops")["arena_bytes"]
 
     # A built-in step: one rank of Llama 3 8B under FSDP2, bf16 compute.
     memplan.plan(memplan.example("llama3-8b,world=8,mixed,checkpoint"))
@@ -26,6 +28,7 @@ which document and which element is wrong.
 """
 
 import json
+import math
 import os
 
 from . import _memplan
@@ -90,7 +93,15 @@ def _budget(budget):
     return budget
 
 
-def fit(graph, budget, time_limit=60.0, minimise="time"):
+def _share(max_added):
+    if isinstance(max_added, bool) or not isinstance(max_added, (int, float)) \
+            or not math.isfinite(max_added) or max_added < 0:
+        raise TypeError("max_added must be a share of the step's cost, 0 or more "
+                        f"(0.001 for 0.1%), not {max_added!r}")
+    return float(max_added)
+
+
+def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None):
     """The cheapest recomputation that fits `graph` into `budget` bytes.
 
     memplan chooses forward ops to run again in the backward pass, then
@@ -101,7 +112,20 @@ def fit(graph, budget, time_limit=60.0, minimise="time"):
     `recomputed_ops`, `added_flops`, `added_seconds_estimate`,
     `arena_bytes`, `no_recompute_arena_bytes`, `optimal` (proven cheapest).
     A budget no plan reaches raises `MemplanError` stating the bound.
+
+    With `max_added` instead of a budget it answers the other question:
+    the smallest arena it finds whose recomputation adds at most that
+    share of the step's cost (``max_added=0.001``: 0.1% more estimated
+    time, or FLOPs with ``minimise="flops"``), as ``torch.compile``'s
+    partitioner recomputes cheap ops without being given a budget. The
+    report then has ``max_added_share``; `optimal` says no affordable
+    choice peaks lower.
     """
+    if (budget is None) == (max_added is None):
+        raise TypeError("give either budget (bytes) or max_added (a share of the step's cost)")
+    if max_added is not None:
+        return _call(_memplan.fit_within_json, _text(graph, "graph"), _share(max_added),
+                     float(time_limit), str(minimise))
     return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), float(time_limit),
                  str(minimise))
 

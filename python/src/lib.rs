@@ -42,6 +42,20 @@ fn fit_json(
         .map_err(err)
 }
 
+/// The smallest arena within `max_added` of the step's cost (JSON report).
+#[pyfunction]
+fn fit_within_json(
+    py: Python<'_>,
+    graph_json: &str,
+    max_added: f64,
+    time_limit: f64,
+    minimise: &str,
+) -> PyResult<String> {
+    let (g, m) = (graph_json.to_string(), minimise.to_string());
+    py.detach(move || memplan::api::fit_within_json(&g, max_added, time_limit, &m))
+        .map_err(err)
+}
+
 /// The step at `batch` from two captures at batches `b1` and `b2` (0: the
 /// batch the graph's metadata records).
 #[pyfunction]
@@ -84,6 +98,7 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
     m.add_function(wrap_pyfunction!(read_text, m)?)?;
     m.add_function(wrap_pyfunction!(fit_json, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_within_json, m)?)?;
     m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(max_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(example_json, m)?)?;

@@ -43,6 +43,18 @@
 //! Every probe is a full plan of a transformed step, so the search is
 //! bounded by time ([`Budget`]) and keeps the cheapest fitting set found;
 //! when nothing fits it keeps the set with the lowest peak.
+//!
+//! # Lowest peak within a cost
+//! [`select_within`] answers the dual question: how low can the peak go if
+//! recomputation may add at most so much cost (AOTAutograd's partitioner
+//! asks it implicitly when it recomputes only cheap ops). The same moves
+//! serve, with the acceptance turned around: the greedy aims below any
+//! peak and stops when no idle group is affordable, pruning then drops
+//! what the reached peak does not need, and the greedy goes on with the
+//! cost pruning freed (*descend*). The local searches keep a set when it
+//! is affordable and peaks lower (or as low, cheaper). With few candidates
+//! every affordable subset is planned; the answer is proven when each of
+//! them was planned at its lower bound.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -138,10 +150,14 @@ pub struct Selection {
 struct Search<'a, O: Oracle> {
     cands: &'a [Candidate],
     budget_bytes: u64,
+    /// The most a set may cost ([`select_within`]); infinite when fitting
+    /// a budget ([`select`]).
+    max_cost: f64,
     oracle: &'a mut O,
     time: &'a Budget,
     probes: usize,
-    /// Cheapest fitting set so far, else lowest peak.
+    /// Cheapest fitting set so far, else lowest peak; within a cost, the
+    /// lowest peak among affordable sets (then the cheapest).
     best: Option<(Vec<bool>, Probe)>,
 }
 
@@ -153,6 +169,41 @@ impl<O: Oracle> Search<'_, O> {
             .filter(|(c, _)| **c)
             .map(|(_, c)| c.cost)
             .sum()
+    }
+
+    /// Whether the search minimises the peak within [`Search::max_cost`]
+    /// rather than the cost within the budget.
+    fn within(&self) -> bool {
+        self.max_cost.is_finite()
+    }
+
+    /// What adding `group` to `chosen` costs.
+    fn added_cost(&self, group: &[usize], chosen: &[bool]) -> f64 {
+        group
+            .iter()
+            .filter(|&&i| !chosen[i])
+            .map(|&i| self.cands[i].cost)
+            .sum()
+    }
+
+    /// Whether `(c, q)` is better than the search's current `(chosen, p)`:
+    /// within the budget and cheaper, or (within a cost) affordable and
+    /// lower, or as low and cheaper.
+    fn improves(&self, c: &[bool], q: &Probe, chosen: &[bool], p: &Probe) -> bool {
+        let cheaper = self.cost(c) < self.cost(chosen) * (1.0 - 1e-12);
+        if self.within() {
+            self.cost(c) <= self.max_cost && (q.peak < p.peak || q.peak == p.peak && cheaper)
+        } else {
+            q.peak <= self.budget_bytes && cheaper
+        }
+    }
+
+    /// Whether an improvement from `p` to `q` renews the local searches'
+    /// patience: any (cheaper) fit of the budget, but within a cost only a
+    /// lower peak, so that shaving cost off one peak cannot keep the
+    /// search going to its time limit.
+    fn is_gain(&self, q: &Probe, p: &Probe) -> bool {
+        !self.within() || q.peak < p.peak
     }
 
     /// The chosen candidates, most expensive first (ties by index).
@@ -172,6 +223,10 @@ impl<O: Oracle> Search<'_, O> {
         let p = self.oracle.probe(chosen);
         let better = match &self.best {
             None => true,
+            Some((b, bp)) if self.within() => {
+                let (c, bc) = (self.cost(chosen), self.cost(b));
+                c <= self.max_cost && (p.peak < bp.peak || p.peak == bp.peak && c < bc)
+            }
             Some((b, bp)) => {
                 let fits = p.peak <= self.budget_bytes;
                 let bfits = bp.peak <= self.budget_bytes;
@@ -191,7 +246,10 @@ impl<O: Oracle> Search<'_, O> {
 
     /// Every subset in increasing cost. Returns `Some(optimal)` when it
     /// found a fitting set or proved none exists, `None` when it ran out
-    /// of probes or time.
+    /// of probes or time. Within a cost, every affordable subset (`None`
+    /// at once when there are more than `max_probes`); `Some(true)` says
+    /// that every one was planned at its lower bound, so the lowest peak
+    /// found is the lowest there is.
     fn exact(&mut self, max_probes: usize) -> Option<bool> {
         let n = self.cands.len();
         let mut subsets: Vec<(f64, u32)> = (0..1u32 << n)
@@ -207,6 +265,12 @@ impl<O: Oracle> Search<'_, O> {
             a.0.total_cmp(&b.0)
                 .then(a.1.count_ones().cmp(&b.1.count_ones()))
         });
+        if self.within() {
+            subsets.retain(|&(c, _)| c <= self.max_cost);
+            if subsets.len() > max_probes {
+                return None;
+            }
+        }
         let mut all_proven = true;
         for (k, &(_, m)) in subsets.iter().enumerate() {
             if k >= max_probes || self.time.expired() {
@@ -214,7 +278,7 @@ impl<O: Oracle> Search<'_, O> {
             }
             let chosen: Vec<bool> = (0..n).map(|i| m >> i & 1 == 1).collect();
             let p = self.probe(&chosen);
-            if p.peak <= self.budget_bytes {
+            if !self.within() && p.peak <= self.budget_bytes {
                 return Some(all_proven);
             }
             all_proven &= p.proven;
@@ -227,7 +291,8 @@ impl<O: Oracle> Search<'_, O> {
     /// raises the peak (recomputed chains can be live together) is undone
     /// and its groups are tried one at a time; groups that raise the peak
     /// on their own are not tried again.
-    /// Groups holding a candidate marked in `excluded` are never added.
+    /// Groups holding a candidate marked in `excluded` are never added, nor
+    /// groups that would take the set's cost above [`Search::max_cost`].
     /// With `one_by_one`, each round adds only the best idle group.
     fn greedy(
         &mut self,
@@ -242,6 +307,7 @@ impl<O: Oracle> Search<'_, O> {
         let mut share = 1.0f64;
         while p.peak > self.budget_bytes && !self.time.expired() {
             let excess = ((p.peak - self.budget_bytes) as f64 * share) as u64;
+            let spent = self.cost(&chosen);
             let mut idle: Vec<(f64, Vec<usize>, u64)> = p
                 .idle
                 .iter()
@@ -250,6 +316,7 @@ impl<O: Oracle> Search<'_, O> {
                         && g.iter().any(|&i| !chosen[i])
                         && !g.iter().any(|&i| excluded[i])
                         && !banned.contains(g)
+                        && spent + self.added_cost(g, &chosen) <= self.max_cost
                 })
                 .map(|(g, b)| {
                     let cost: f64 = g.iter().map(|&i| self.cands[i].cost).sum();
@@ -264,7 +331,9 @@ impl<O: Oracle> Search<'_, O> {
             let mut taken = Vec::new();
             let mut covered = 0u64;
             for (_, group, b) in &idle {
-                if group.iter().all(|&i| next[i]) {
+                if group.iter().all(|&i| next[i])
+                    || self.cost(&next) + self.added_cost(group, &next) > self.max_cost
+                {
                     continue;
                 }
                 for &i in group {
@@ -348,6 +417,49 @@ impl<O: Oracle> Search<'_, O> {
         (chosen, p)
     }
 
+    /// Completes a start of the local searches: to the budget by the
+    /// greedy, then pruned (`None` when it does not fit); within a cost, by
+    /// [`Search::descend`].
+    fn repair(
+        &mut self,
+        start: Vec<bool>,
+        q: Probe,
+        excluded: &[bool],
+        one_by_one: bool,
+    ) -> Option<(Vec<bool>, Probe)> {
+        if self.within() {
+            return Some(self.descend(start, q, excluded, one_by_one));
+        }
+        let (c, q) = self.greedy(start, q, excluded, one_by_one);
+        if q.peak > self.budget_bytes {
+            return None;
+        }
+        let (c, q) = self.prune(c, q);
+        (q.peak <= self.budget_bytes).then_some((c, q))
+    }
+
+    /// Within a cost: lowers the peak by the greedy (aiming at nothing, so
+    /// it goes as far as the cost allows), prunes what the new peak does
+    /// not need, and again with the cost pruning freed, while the peak
+    /// falls.
+    fn descend(
+        &mut self,
+        mut chosen: Vec<bool>,
+        mut p: Probe,
+        excluded: &[bool],
+        one_by_one: bool,
+    ) -> (Vec<bool>, Probe) {
+        let mut last = u64::MAX;
+        while p.peak < last && !self.time.expired() {
+            last = p.peak;
+            self.budget_bytes = 0;
+            (chosen, p) = self.greedy(chosen, p, excluded, one_by_one);
+            self.budget_bytes = p.peak;
+            (chosen, p) = self.prune(chosen, p);
+        }
+        (chosen, p)
+    }
+
     /// Local search on a fitting set: drop one chosen candidate (most
     /// expensive first), let the greedy repair the step without it, prune,
     /// and keep the result when it is cheaper; repeat until no drop helps
@@ -369,7 +481,6 @@ impl<O: Oracle> Search<'_, O> {
             let pairs = (0..order.len())
                 .flat_map(|a| (a + 1..order.len()).map(move |b| (a, b)))
                 .map(|(a, b)| vec![order[a], order[b]]);
-            let current = self.cost(&chosen);
             for drop in singles.chain(pairs) {
                 if self.time.expired() || last_gain.elapsed() >= patience_time {
                     break 'outer;
@@ -385,14 +496,13 @@ impl<O: Oracle> Search<'_, O> {
                 }
                 let q = self.probe(&start);
                 for one_by_one in [false, true] {
-                    let (c, q) = self.greedy(start.clone(), q.clone(), &excluded, one_by_one);
-                    if q.peak > self.budget_bytes {
-                        continue;
-                    }
-                    let (c, q) = self.prune(c, q);
-                    if q.peak <= self.budget_bytes && self.cost(&c) < current * (1.0 - 1e-12) {
+                    let repaired = self.repair(start.clone(), q.clone(), &excluded, one_by_one);
+                    let Some((c, q)) = repaired else { continue };
+                    if self.improves(&c, &q, &chosen, &p) {
+                        if self.is_gain(&q, &p) {
+                            last_gain = Instant::now();
+                        }
                         (chosen, p) = (c, q);
-                        last_gain = Instant::now();
                         continue 'outer;
                     }
                 }
@@ -442,15 +552,15 @@ impl<O: Oracle> Search<'_, O> {
                 }
             }
             let q = self.probe(&start);
-            let (c, q) = self.greedy(start, q, &excluded, rng.chance(0.5));
-            if q.peak > self.budget_bytes {
+            let Some((c, q)) = self.repair(start, q, &excluded, rng.chance(0.5)) else {
                 continue;
-            }
-            let (c, q) = self.prune(c, q);
-            if q.peak <= self.budget_bytes && self.cost(&c) < self.cost(&chosen) * (1.0 - 1e-12) {
+            };
+            if self.improves(&c, &q, &chosen, &p) {
+                if self.is_gain(&q, &p) {
+                    stale = 0;
+                    last_gain = Instant::now();
+                }
                 (chosen, p) = (c, q);
-                stale = 0;
-                last_gain = Instant::now();
             }
         }
         (chosen, p)
@@ -476,6 +586,7 @@ pub fn select<O: Oracle>(
     let mut s = Search {
         cands,
         budget_bytes,
+        max_cost: f64::INFINITY,
         oracle,
         time,
         probes: 0,
@@ -539,6 +650,73 @@ pub fn select<O: Oracle>(
         optimal: fits && optimal,
         exhaustive,
         proven_infeasible: !fits && proven,
+        probes: s.probes,
+        stopped_by_time: time.was_hit(),
+    }
+}
+
+/// Chooses candidates costing at most `max_cost` together so that the
+/// planned peak is the lowest found (then the cheapest set reaching it);
+/// see the module docs. `seeds` that are affordable are tried as starts.
+pub fn select_within<O: Oracle>(
+    cands: &[Candidate],
+    max_cost: f64,
+    oracle: &mut O,
+    params: &FitParams,
+    time: &Budget,
+    seeds: &[Vec<bool>],
+) -> Selection {
+    let started = Instant::now();
+    let n = cands.len();
+    let mut s = Search {
+        cands,
+        budget_bytes: 0,
+        max_cost: if max_cost.is_finite() {
+            max_cost.max(0.0)
+        } else {
+            f64::MAX
+        },
+        oracle,
+        time,
+        probes: 0,
+        best: None,
+    };
+    let none = vec![false; n];
+    let p0 = s.probe(&none);
+    let exact = if n <= params.exact_candidates {
+        s.exact(params.exact_probes)
+    } else {
+        None
+    };
+    if exact.is_none() {
+        // Every probe competes for `s.best`; the starts need not be kept.
+        s.descend(none.clone(), p0.clone(), &none, false);
+        s.descend(none.clone(), p0, &none, true);
+        for seed in seeds.iter().filter(|x| x.len() == n) {
+            if s.time.expired() {
+                break;
+            }
+            if s.cost(seed) <= s.max_cost {
+                let p = s.probe(seed);
+                s.descend(seed.clone(), p, &none, true);
+            }
+        }
+        let (chosen, p) = s.best.clone().expect("probed at least once");
+        let patience_time = Duration::from_secs_f64(
+            (started.elapsed().as_secs_f64() * params.patience_factor).max(params.patience_secs),
+        );
+        let (chosen, p) = s.improve(chosen, p, patience_time);
+        s.perturb(chosen, p, &mut Rng::new(1), params.patience, patience_time);
+    }
+    let (chosen, p) = s.best.clone().expect("probed at least once");
+    Selection {
+        cost: s.cost(&chosen),
+        chosen,
+        peak: p.peak,
+        fits: true,
+        optimal: exact == Some(true),
+        exhaustive: exact.is_some(),
+        proven_infeasible: false,
         probes: s.probes,
         stopped_by_time: time.was_hit(),
     }
@@ -672,5 +850,98 @@ mod tests {
             &[],
         );
         assert!(!s.fits && s.peak == 10_000 - all);
+    }
+
+    /// Brute force: the lowest toy peak among subsets costing at most
+    /// `max_cost`.
+    fn brute_within(t: &mut Toy, c: &[Candidate], max_cost: f64) -> u64 {
+        let n = c.len();
+        (0..1u32 << n)
+            .map(|m| (0..n).map(|i| m >> i & 1 == 1).collect::<Vec<bool>>())
+            .filter(|ch| (0..n).filter(|&i| ch[i]).map(|i| c[i].cost).sum::<f64>() <= max_cost)
+            .map(|ch| t.probe(&ch).peak)
+            .min()
+            .expect("the empty set costs nothing")
+    }
+
+    #[test]
+    fn within_a_cost_the_exact_search_finds_the_lowest_peak() {
+        let mut rng = 11u64;
+        let mut next = |m: u64| {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (rng >> 33) % m
+        };
+        for _ in 0..40 {
+            let n = 1 + next(8) as usize;
+            let free: Vec<u64> = (0..n).map(|_| 1 + next(50)).collect();
+            let costs: Vec<f64> = (0..n).map(|_| 1.0 + next(20) as f64).collect();
+            let needs = (0..n)
+                .map(|i| (i > 0 && next(3) == 0).then(|| next(i as u64) as usize))
+                .collect();
+            let mut toy = Toy {
+                base: 1000,
+                free,
+                needs,
+            };
+            let c = cands(&costs, &toy.free);
+            let max_cost = next(40) as f64;
+            let want = brute_within(&mut toy, &c, max_cost);
+            let s = select_within(
+                &c,
+                max_cost,
+                &mut toy,
+                &FitParams::default(),
+                &Budget::unlimited(),
+                &[],
+            );
+            assert_eq!(s.peak, want, "max cost {max_cost}");
+            assert!(s.cost <= max_cost && s.optimal && s.exhaustive && s.fits);
+            assert_eq!(toy.probe(&s.chosen).peak, s.peak);
+        }
+    }
+
+    #[test]
+    fn within_a_cost_the_search_beats_the_ratio_greedy() {
+        // Forty independent candidates: a knapsack (bytes freed within the
+        // cost), too large for the exact search.
+        let n = 40;
+        let free: Vec<u64> = (0..n).map(|i| 10 + (i as u64 * 37) % 53).collect();
+        let costs: Vec<f64> = (0..n).map(|i| 1.0 + ((i * 13) % 9) as f64).collect();
+        let mut toy = Toy {
+            base: 10_000,
+            free: free.clone(),
+            needs: vec![None; n],
+        };
+        let c = cands(&costs, &free);
+        for max_cost in [0.0, 5.0, 30.0, 1e9] {
+            // The textbook greedy: best bytes per cost first, while affordable.
+            let mut by_ratio: Vec<usize> = (0..n).collect();
+            by_ratio.sort_by(|&a, &b| {
+                (free[b] as f64 / costs[b]).total_cmp(&(free[a] as f64 / costs[a]))
+            });
+            let (mut spent, mut saved) = (0.0, 0);
+            for i in by_ratio {
+                if spent + costs[i] <= max_cost {
+                    spent += costs[i];
+                    saved += free[i];
+                }
+            }
+            let s = select_within(
+                &c,
+                max_cost,
+                &mut toy,
+                &FitParams::default(),
+                &Budget::unlimited(),
+                &[],
+            );
+            assert!(s.cost <= max_cost, "{} > {max_cost}", s.cost);
+            assert!(s.peak <= 10_000 - saved, "max cost {max_cost}: {}", s.peak);
+            assert_eq!(toy.probe(&s.chosen).peak, s.peak);
+            if max_cost >= costs.iter().sum::<f64>() {
+                assert_eq!(s.peak, 10_000 - free.iter().sum::<u64>());
+            }
+        }
     }
 }

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
 
-use memplan::fit::{FitOptions, Fitted, fit};
+use memplan::fit::{FitOptions, Fitted, fit, fit_within};
 use memplan::graph::Graph;
 
 use super::GraphArgs;
@@ -26,8 +26,17 @@ pub struct FitArgs {
     /// The most bytes the arena may take: bytes (`25769803776`), with a unit
     /// (`24GiB`, `500MB`), or a share of the plan without recomputation
     /// (`75%`).
-    #[arg(long, value_name = "BYTES", required_unless_present = "pareto")]
+    #[arg(
+        long,
+        value_name = "BYTES",
+        required_unless_present_any = ["pareto", "max_added"]
+    )]
     pub budget: Option<String>,
+    /// Instead of a budget: the smallest arena whose recomputation adds at
+    /// most this share of the step's cost (estimated time, or FLOPs with
+    /// --minimise flops): `0.5%`, or a fraction (`0.005`).
+    #[arg(long, value_name = "SHARE", conflicts_with_all = ["budget", "pareto", "max_batch"])]
+    pub max_added: Option<String>,
     /// Write the plan here (it names the recomputed tensors: check or run it
     /// with the graph of --output-graph).
     #[arg(short, long, value_name = "PLAN")]
@@ -117,6 +126,25 @@ pub fn parse_budget(text: &str, base: impl FnOnce() -> Result<u64>) -> Result<u6
     Ok(bytes.floor() as u64)
 }
 
+/// A share of the step's cost as the user wrote it: `0.5%` or `0.005`.
+pub fn parse_share(text: &str) -> Result<f64> {
+    let t = text.trim();
+    let (num, scale) = match t.strip_suffix('%') {
+        Some(p) => (p.trim(), 0.01),
+        None => (t, 1.0),
+    };
+    let x: f64 = num
+        .parse()
+        .ok()
+        .filter(|x: &f64| x.is_finite() && *x >= 0.0)
+        .with_context(|| {
+            format!(
+                "--max-added {text:?}: give a share of the step's cost, 0 or more: 0.5% or 0.005"
+            )
+        })?;
+    Ok(x * scale)
+}
+
 fn time_limit(s: f64) -> Result<Duration> {
     Duration::try_from_secs_f64(s)
         .ok()
@@ -133,15 +161,19 @@ pub fn run(a: FitArgs) -> Result<()> {
     if a.pareto {
         return pareto(&g, &a, limit);
     }
-    let budget_text = a.budget.as_deref().unwrap_or("100%");
-    let budget = parse_budget(budget_text, || base_arena(&g))?;
-    let opts = FitOptions {
-        budget,
+    let mut opts = FitOptions {
         time_limit: limit,
         objective: a.minimise,
         ..FitOptions::default()
     };
-    let f = fit(&g, &opts)?;
+    let f = match &a.max_added {
+        Some(share) => fit_within(&g, parse_share(share)?, &opts)?,
+        None => {
+            let budget_text = a.budget.as_deref().unwrap_or("100%");
+            opts.budget = parse_budget(budget_text, || base_arena(&g))?;
+            fit(&g, &opts)?
+        }
+    };
     write_outputs(&f, a.output.as_deref(), a.output_graph.as_deref())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&f.summary_json())?);
@@ -176,11 +208,14 @@ fn write_outputs(f: &Fitted, plan: Option<&Path>, graph: Option<&Path>) -> Resul
 
 fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
     let pct = |a: f64, b: f64| if b > 0.0 { 100.0 * a / b } else { 0.0 };
+    let limit = match f.max_added {
+        Some(share) => format!("at most +{:.3}% of the step's cost", 100.0 * share),
+        None => format!("budget {}", human_bytes(f.budget)),
+    };
     println!(
-        "{}: arena {} (budget {}; without recomputation {})",
+        "{}: arena {} ({limit}; without recomputation {})",
         g.name,
         human_bytes(f.plan.arena_bytes),
-        human_bytes(f.budget),
         human_bytes(f.base_arena)
     );
     println!(
@@ -191,7 +226,11 @@ fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
         pct(f.added.flops, f.step.flops),
         f.added.seconds * 1e3,
         pct(f.added.seconds, f.step.seconds),
-        if f.optimal { "; proven cheapest" } else { "" }
+        match (f.optimal, f.max_added) {
+            (false, _) => "",
+            (true, None) => "; proven cheapest",
+            (true, Some(_)) => "; proven lowest within it",
+        }
     );
     println!(
         "max live {}, lower bound of this step {} ({} plans tried, {:.1} s)",

@@ -96,7 +96,8 @@ class Step:
         self._programs.pop("planned", None)
         return self.plan
 
-    def fit(self, budget: int, time_limit: float = 60.0, minimise: str = "time") -> Dict[str, Any]:
+    def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
+            *, max_added: Optional[float] = None) -> Dict[str, Any]:
         """Fits the step into `budget` bytes by recomputation.
 
         memplan chooses the forward ops to run again in the backward pass
@@ -106,12 +107,19 @@ class Step:
         (`recomputed_ops`, `added_flops`, `arena_bytes`, ...); raises
         :class:`memplan.MemplanError` with the bound when nothing fits.
         Fitting again starts from the captured step.
+
+        With `max_added` instead of a budget, the step becomes the smallest
+        memplan finds whose recomputation adds at most that share of the
+        step's cost: ``step.fit(max_added=0.001, minimise="flops")`` is at
+        most 0.1% more FLOPs, recomputing cheap ops as ``torch.compile``
+        does by default.
         """
         if self._arena is not None:
             raise ValueError("the step already runs in its arena; fit before the first arena run")
         base = self._captured
         t0 = time.perf_counter()
-        fitted = memplan.fit(base[0], budget, time_limit=time_limit, minimise=minimise)
+        fitted = memplan.fit(base[0], budget, time_limit=time_limit, minimise=minimise,
+                             max_added=max_added)
         self.plan_seconds = time.perf_counter() - t0
         self.graph = fitted.pop("graph")
         self.plan = fitted.pop("plan")
