@@ -12,149 +12,173 @@
 //!
 //! Every layout goes through [`validate`] before it is counted.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use clap::{Parser, ValueEnum};
 use memplan_allocator::io::minimalloc_csv;
-use memplan_allocator::{Mode, Preorder, SolverParams, Status, solve, validate};
+use memplan_allocator::{Mode, Preorder, Problem, SolverParams, Status, solve, validate};
+
+#[derive(Parser, Debug)]
+#[command(about = "The allocator over MiniMalloc benchmark files, one row per problem")]
+struct Args {
+    /// CSV files, or folders of them.
+    #[arg(required = true, value_name = "FILE_OR_DIR")]
+    paths: Vec<PathBuf>,
+    /// Seconds per solve.
+    #[arg(long, default_value_t = 10.0)]
+    time_limit: f64,
+    /// Also find the smallest arena (always done when there is no capacity).
+    #[arg(long)]
+    minimize: bool,
+    /// Capacity for every file, instead of the one in its name.
+    #[arg(long)]
+    capacity: Option<u64>,
+    /// Search threads (0: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long)]
+    node_budget: Option<u64>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The search's first node limit.
+    #[arg(long)]
+    node_limit: Option<u64>,
+    /// Preorders to try, in order.
+    #[arg(long, value_delimiter = ',')]
+    preorders: Option<Vec<PreorderArg>>,
+    /// Ablations: techniques to turn off.
+    #[arg(long, value_delimiter = ',')]
+    disable: Vec<Technique>,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum PreorderArg {
+    #[value(name = "TWA")]
+    Twa,
+    #[value(name = "WAT")]
+    Wat,
+    #[value(name = "TAW")]
+    Taw,
+    #[value(name = "SW")]
+    Sw,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum Technique {
+    Canonical,
+    Inference,
+    UnallocatedFloor,
+    Dominance,
+    Hatless,
+    StaticDecomposition,
+    DynamicDecomposition,
+    Rerank,
+    RandomRestarts,
+    Peel,
+    Search,
+}
 
 fn main() {
-    if let Err(e) = run() {
+    if let Err(e) = run(Args::parse()) {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
 }
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let mut files: Vec<PathBuf> = Vec::new();
-    let mut limit = 10.0f64;
-    let mut minimize = false;
-    let mut disable: Vec<String> = Vec::new();
-    let mut node_limit: Option<u64> = None;
-    let mut cap_override: Option<u64> = None;
-    let mut threads: Option<usize> = None;
-    let mut node_budget: Option<u64> = None;
-    let mut seed = 0u64;
-    let mut preorders: Option<Vec<Preorder>> = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--time-limit" => {
-                limit = args
-                    .next()
-                    .ok_or("--time-limit needs seconds")?
-                    .parse()
-                    .map_err(|_| "--time-limit: not a number")?
-            }
-            "--minimize" => minimize = true,
-            "--threads" => {
-                threads = Some(
-                    args.next()
-                        .ok_or("--threads needs a number")?
-                        .parse()
-                        .map_err(|_| "--threads: not a number")?,
-                )
-            }
-            "--seed" => {
-                seed = args
-                    .next()
-                    .ok_or("--seed needs a number")?
-                    .parse()
-                    .map_err(|_| "--seed: not a number")?
-            }
-            "--node-budget" => {
-                node_budget = Some(
-                    args.next()
-                        .ok_or("--node-budget needs a number")?
-                        .parse()
-                        .map_err(|_| "--node-budget: not a number")?,
-                )
-            }
-            "--capacity" => {
-                cap_override = Some(
-                    args.next()
-                        .ok_or("--capacity needs bytes")?
-                        .parse()
-                        .map_err(|_| "--capacity: not a number")?,
-                )
-            }
-            "--preorders" => {
-                let list = args.next().ok_or("--preorders needs a list")?;
-                let mut v = Vec::new();
-                for x in list.split(',') {
-                    v.push(match x {
-                        "TWA" => Preorder::TotalWidthArea,
-                        "WAT" => Preorder::WidthAreaTotal,
-                        "TAW" => Preorder::TotalAreaWidth,
-                        "SW" => Preorder::SizeWidth,
-                        other => return Err(format!("--preorders: unknown {other:?}").into()),
-                    });
-                }
-                preorders = Some(v);
-            }
-            // Ablations: techniques to turn off, comma-separated.
-            "--disable" => disable.extend(
-                args.next()
-                    .ok_or("--disable needs a list")?
-                    .split(',')
-                    .map(str::to_string),
-            ),
-            "--node-limit" => {
-                node_limit = Some(
-                    args.next()
-                        .ok_or("--node-limit needs a number")?
-                        .parse()
-                        .map_err(|_| "--node-limit: not a number")?,
-                )
-            }
-            _ => {
-                let p = PathBuf::from(&a);
-                if p.is_dir() {
-                    let mut v: Vec<PathBuf> = std::fs::read_dir(&p)?
-                        .filter_map(|e| e.ok().map(|e| e.path()))
-                        .filter(|q| q.extension().is_some_and(|e| e == "csv"))
-                        .collect();
-                    v.sort();
-                    files.extend(v);
-                } else {
-                    files.push(p);
-                }
-            }
-        }
-    }
-    if files.is_empty() {
-        return Err("give CSV files or folders of them".into());
-    }
-    let mut params = SolverParams {
-        time_limit: Some(Duration::from_secs_f64(limit)),
+fn params(a: &Args) -> SolverParams {
+    let mut p = SolverParams {
+        time_limit: Some(Duration::from_secs_f64(a.time_limit)),
+        node_budget: a.node_budget,
+        seed: a.seed,
         ..SolverParams::default()
     };
-    if let Some(t) = threads {
-        params.threads = t;
+    if let Some(t) = a.threads {
+        p.threads = t;
     }
-    params.node_budget = node_budget;
-    params.seed = seed;
-    if let Some(list) = preorders {
-        params.preorders = list;
+    if let Some(list) = &a.preorders {
+        p.preorders = list
+            .iter()
+            .map(|x| match x {
+                PreorderArg::Twa => Preorder::TotalWidthArea,
+                PreorderArg::Wat => Preorder::WidthAreaTotal,
+                PreorderArg::Taw => Preorder::TotalAreaWidth,
+                PreorderArg::Sw => Preorder::SizeWidth,
+            })
+            .collect();
     }
-    if let Some(n) = node_limit {
-        params.initial_node_limit = n;
+    if let Some(n) = a.node_limit {
+        p.initial_node_limit = n;
     }
-    for d in &disable {
-        match d.as_str() {
-            "canonical" => params.canonical_only = false,
-            "inference" => params.section_inference = false,
-            "unallocated-floor" => params.unallocated_floor = false,
-            "dominance" => params.dominance = false,
-            "hatless" => params.hatless_pruning = false,
-            "static-decomposition" => params.static_decomposition = false,
-            "dynamic-decomposition" => params.dynamic_decomposition = false,
-            "rerank" => params.rerank_parts = false,
-            "random-restarts" => params.random_restarts = false,
-            "peel" => params.peel_full_span = false,
-            "search" => params.exact_search = false,
-            other => return Err(format!("--disable: unknown technique {other:?}").into()),
+    for t in &a.disable {
+        match t {
+            Technique::Canonical => p.canonical_only = false,
+            Technique::Inference => p.section_inference = false,
+            Technique::UnallocatedFloor => p.unallocated_floor = false,
+            Technique::Dominance => p.dominance = false,
+            Technique::Hatless => p.hatless_pruning = false,
+            Technique::StaticDecomposition => p.static_decomposition = false,
+            Technique::DynamicDecomposition => p.dynamic_decomposition = false,
+            Technique::Rerank => p.rerank_parts = false,
+            Technique::RandomRestarts => p.random_restarts = false,
+            Technique::Peel => p.peel_full_span = false,
+            Technique::Search => p.exact_search = false,
         }
+    }
+    p
+}
+
+/// The CSV files named, folders expanded (sorted).
+fn files(paths: &[PathBuf]) -> std::io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(p)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|q| q.extension().is_some_and(|e| e == "csv"))
+                .collect();
+            v.sort();
+            files.extend(v);
+        } else {
+            files.push(p.clone());
+        }
+    }
+    Ok(files)
+}
+
+/// The capacity in a file name such as `A.1048576.csv`.
+fn capacity_in_name(f: &Path) -> Option<u64> {
+    f.file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.rsplit_once('.'))
+        .and_then(|(_, c)| c.parse().ok())
+}
+
+/// Solves `p` in `mode`, validates a layout it found, and returns the
+/// outcome with its wall-clock seconds.
+fn timed(
+    p: &Problem,
+    mode: Mode,
+    params: &SolverParams,
+) -> Result<(memplan_allocator::Outcome, f64), Box<dyn std::error::Error>> {
+    let t = Instant::now();
+    let out = solve(p, mode, params)?;
+    let secs = t.elapsed().as_secs_f64();
+    match mode {
+        Mode::Capacity(c) if matches!(out.status, Status::Feasible | Status::Optimal) => {
+            validate(p, &out.solution, Some(c))?
+        }
+        Mode::Capacity(_) => {}
+        _ => validate(p, &out.solution, None)?,
+    }
+    Ok((out, secs))
+}
+
+fn run(a: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let params = params(&a);
+    let files = files(&a.paths)?;
+    if files.is_empty() {
+        return Err("no CSV files in the folders given".into());
     }
     println!(
         "{:<16} {:>6} {:>9} {:>9} {:>8} {:>11} {:>8} {:>9} {:>8} {:>10} {:>8}",
@@ -172,45 +196,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     for f in files {
         let p = minimalloc_csv::read(&f)?;
-        let name = f
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        let cap: Option<u64> = f
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .and_then(|s| s.rsplit_once('.'))
-            .and_then(|(_, c)| c.parse().ok())
-            .or(cap_override);
-        let cap = cap_override.or(cap);
+        let name = f.file_name().unwrap_or_default().to_string_lossy();
+        let cap = a.capacity.or(capacity_in_name(&f));
         let ml = p.max_live();
-        let heur = solve(
-            &p,
-            Mode::Minimize,
-            &SolverParams {
-                exact_search: false,
-                ..params.clone()
-            },
-        )?;
-        validate(&p, &heur.solution, None)?;
+        let greedy = SolverParams {
+            exact_search: false,
+            ..params.clone()
+        };
+        let (heur, _) = timed(&p, Mode::Minimize, &greedy)?;
         let (cs, ct) = match cap {
             Some(c) => {
-                let t = Instant::now();
-                let out = solve(&p, Mode::Capacity(c), &params)?;
-                let secs = t.elapsed().as_secs_f64();
-                if matches!(out.status, Status::Feasible | Status::Optimal) {
-                    validate(&p, &out.solution, Some(c))?;
-                }
+                let (out, secs) = timed(&p, Mode::Capacity(c), &params)?;
                 (out.status.as_str().to_string(), format!("{secs:.3}"))
             }
-            None => (String::new(), String::new()),
+            None => Default::default(),
         };
-        let (ma, mr, ms, mt) = if minimize || cap.is_none() {
-            let t = Instant::now();
-            let out = solve(&p, Mode::Minimize, &params)?;
-            let secs = t.elapsed().as_secs_f64();
-            validate(&p, &out.solution, None)?;
+        let (ma, mr, ms, mt) = if a.minimize || cap.is_none() {
+            let (out, secs) = timed(&p, Mode::Minimize, &params)?;
             (
                 out.solution.height.to_string(),
                 format!("{:.4}", out.solution.height as f64 / ml.max(1) as f64),
