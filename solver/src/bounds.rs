@@ -408,14 +408,28 @@ impl<'p> CutSolver<'p> {
     /// `before` is a descendant of `v`, or `v` is in either list). Used by
     /// [`crate::group_bound`].
     pub fn cut_with(&mut self, v: OpIdx, before: &[OpIdx], after: &[OpIdx]) -> Option<Cut> {
-        let p = self.p;
         if before.contains(&v) || after.contains(&v) {
             return None;
         }
+        let sides = self.mark_sides(v, before, after)?;
+        self.net.clear();
+        let free_ops = self.closure_arcs(&sides);
+        let fixed = self.buffer_arcs(&sides);
+        let flow = self.net.solve();
+        let (mark, desc) = (&self.mark, sides.desc);
+        let save = reuse_savings(self.p, v, |u| mark[u.index()] == desc);
+        Some(Cut {
+            bytes: fixed.saturating_add(flow).saturating_sub(save),
+            free_ops,
+        })
+    }
+
+    /// Marks the ancestors (of `v` and of `before`) and the descendants (of
+    /// `v` and of `after`) by depth-first search; `None` when an op is on
+    /// both sides, so no order exists.
+    fn mark_sides(&mut self, v: OpIdx, before: &[OpIdx], after: &[OpIdx]) -> Option<Sides> {
+        let p = self.p;
         let (anc, desc) = self.next_gen();
-        // Ancestors (of v and of `before`) and descendants (of v and of
-        // `after`) by depth-first search; an op on both sides means no
-        // order exists.
         self.stack.clear();
         self.stack.push(v);
         for &b in before {
@@ -454,33 +468,50 @@ impl<'p> CutSolver<'p> {
                 }
             }
         }
-        self.net.clear();
+        Some(Sides { v, anc, desc })
+    }
+
+    /// Where `o` runs relative to `v`'s step (after [`Self::mark_sides`] and
+    /// [`Self::closure_arcs`]).
+    fn side(&self, sides: &Sides, o: OpIdx) -> Side {
+        if o == sides.v || self.mark[o.index()] == sides.anc {
+            Side::Before
+        } else if self.mark[o.index()] == sides.desc {
+            Side::After
+        } else {
+            Side::Free(self.node[o.index()])
+        }
+    }
+
+    /// A node for every free op, and the closure arcs (a free op in `S`
+    /// needs its free predecessors in `S`). Returns the number of free ops.
+    fn closure_arcs(&mut self, sides: &Sides) -> usize {
+        let p = self.p;
         let mut free_ops = 0;
         for o in p.ops() {
-            if o != v && self.mark[o.index()] != anc && self.mark[o.index()] != desc {
+            let m = self.mark[o.index()];
+            if o != sides.v && m != sides.anc && m != sides.desc {
                 self.node[o.index()] = self.net.add_node();
                 free_ops += 1;
             }
         }
-        let side = |mark: &[u32], node: &[u32], o: OpIdx| -> Side {
-            if o == v || mark[o.index()] == anc {
-                Side::Before
-            } else if mark[o.index()] == desc {
-                Side::After
-            } else {
-                Side::Free(node[o.index()])
-            }
-        };
-        // Closure: a free op in S needs its free predecessors in S.
         for o in p.ops() {
-            if let Side::Free(x) = side(&self.mark, &self.node, o) {
+            if let Side::Free(x) = self.side(sides, o) {
                 for q in p.preds(o) {
-                    if let Side::Free(y) = side(&self.mark, &self.node, q) {
+                    if let Side::Free(y) = self.side(sides, q) {
                         self.net.add_arc(x, y, INF);
                     }
                 }
             }
         }
+        free_ops
+    }
+
+    /// Each buffer's bytes at `v`'s step: counted outright when its side
+    /// is settled, else an arc that the cut pays when `S` leaves it live.
+    /// Returns the bytes counted outright.
+    fn buffer_arcs(&mut self, sides: &Sides) -> u64 {
+        let p = self.p;
         let mut fixed = 0u64;
         for b in p.buf_ids() {
             let x = p.buf(b);
@@ -491,79 +522,76 @@ impl<'p> CutSolver<'p> {
             // Born by v's step?
             let born = match x.producer {
                 None => Side::Before,
-                Some(o) => side(&self.mark, &self.node, o),
+                Some(o) => self.side(sides, o),
             };
             if born == Side::After {
                 continue;
             }
-            if x.persistent {
-                match born {
-                    Side::Before => fixed += s,
-                    Side::Free(a) => self.net.add_sink_arc(a, s),
-                    Side::After => {}
-                }
-                continue;
-            }
-            if p.num_users(b) == 0 {
+            if p.num_users(b) == 0 && !x.persistent {
                 // Live at its producer's step only (step 0 without one:
                 // the first-step term).
-                if x.producer == Some(v) {
+                if x.producer == Some(sides.v) {
                     fixed += s;
                 }
                 continue;
             }
-            // Used at or after v's step? Surely, if v or a descendant uses
-            // it; not at all, if only ancestors do; else if a free user
-            // lands outside S.
+            // Used at or after v's step? Surely, if persistent or if v or a
+            // descendant uses it; not at all, if only ancestors do; else if
+            // a free user lands outside S.
             self.free_users.clear();
-            let mut surely = false;
-            for u in p.users(b) {
-                match side(&self.mark, &self.node, u) {
-                    Side::After => surely = true,
-                    Side::Before if u == v => surely = true,
-                    Side::Before => {}
-                    Side::Free(y) => self.free_users.push(y),
-                }
-            }
-            if surely {
-                match born {
-                    Side::Before => fixed += s,
-                    Side::Free(a) => self.net.add_sink_arc(a, s),
-                    Side::After => {}
-                }
-                continue;
-            }
-            if self.free_users.is_empty() {
-                continue;
-            }
-            match (born, self.free_users.as_slice()) {
-                (Side::Before, &[u]) => self.net.add_source_arc(u, s),
-                (Side::Free(a), &[u]) => self.net.add_arc(a, u, s),
-                (Side::Before, us) => {
-                    let aux = self.net.add_node();
-                    self.net.add_source_arc(aux, s);
-                    for &u in us {
-                        self.net.add_arc(aux, u, INF);
+            let mut surely = x.persistent;
+            if !surely {
+                for u in p.users(b) {
+                    match self.side(sides, u) {
+                        Side::After => surely = true,
+                        Side::Before if u == sides.v => surely = true,
+                        Side::Before => {}
+                        Side::Free(y) => self.free_users.push(y),
                     }
                 }
-                (Side::Free(a), us) => {
-                    let aux = self.net.add_node();
-                    self.net.add_arc(a, aux, s);
-                    for &u in us {
-                        self.net.add_arc(aux, u, INF);
-                    }
-                }
-                (Side::After, _) => {}
+            }
+            match (born, surely) {
+                (Side::Before, true) => fixed += s,
+                (Side::Free(a), true) => self.net.add_sink_arc(a, s),
+                (_, false) => self.live_if_used_later(born, s),
+                (Side::After, true) => {}
             }
         }
-        let flow = self.net.solve();
-        let mark = &self.mark;
-        let save = reuse_savings(p, v, |u| mark[u.index()] == desc);
-        Some(Cut {
-            bytes: fixed.saturating_add(flow).saturating_sub(save),
-            free_ops,
-        })
+        fixed
     }
+
+    /// Arcs for a buffer of `size` bytes born on side `born` whose only
+    /// users after it are the free ops in `self.free_users`: the cut pays
+    /// `size` when it is born in `S` and one of them is outside.
+    fn live_if_used_later(&mut self, born: Side, size: u64) {
+        match (born, self.free_users.as_slice()) {
+            (_, []) | (Side::After, _) => {}
+            (Side::Before, &[u]) => self.net.add_source_arc(u, size),
+            (Side::Free(a), &[u]) => self.net.add_arc(a, u, size),
+            (Side::Before, us) => {
+                let aux = self.net.add_node();
+                self.net.add_source_arc(aux, size);
+                for &u in us {
+                    self.net.add_arc(aux, u, INF);
+                }
+            }
+            (Side::Free(a), us) => {
+                let aux = self.net.add_node();
+                self.net.add_arc(a, aux, size);
+                for &u in us {
+                    self.net.add_arc(aux, u, INF);
+                }
+            }
+        }
+    }
+}
+
+/// The marks of one cut: `v`, and the stamps of its ancestors and
+/// descendants in [`CutSolver`]'s marks.
+struct Sides {
+    v: OpIdx,
+    anc: u32,
+    desc: u32,
 }
 
 /// Switches of the floor's search; every technique on by default.
