@@ -199,7 +199,6 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     let name = step::step_name(&cfg.name, cfg.batch, &options);
     let mut net = Net::new(name, cfg.clone());
     let (bsz, t, c, v) = (cfg.batch, cfg.seq, cfg.width, cfg.vocab);
-    let rows = bsz * t;
 
     // Parameters, in the order `model.parameters()` lists them.
     let wte = net.param("wte", &[v, c], "normal:0.02");
@@ -253,18 +252,7 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         x = out.expect("a full forward has an output");
     }
     let x_last = x;
-    let yf = net.tensor("ln_f.out", &[bsz, t, c], Role::Activation);
-    let meanf = net.stats("ln_f.mean", rows);
-    let rstdf = net.stats("ln_f.rstd", rows);
-    let (g_f, b_f) = (net.w(lnf_g), net.w(lnf_b));
-    net.op(
-        "ln_f",
-        OpKind::Forward,
-        "layernorm",
-        &[x_last, g_f, b_f],
-        &[yf, meanf, rstdf],
-        json!({"rows": rows, "cols": c, "eps": 1e-5}),
-    );
+    let (yf, meanf, rstdf) = layernorm(&mut net, "ln_f", x_last, (lnf_g, lnf_b), &|v| v);
     let (dyf, dhead) = net.head_and_loss("lm_head", yf, head, cfg.tied, targets);
     let mut dx = layernorm_backward(&mut net, "ln_f", dyf, x_last, meanf, rstdf, lnf_g, lnf_b);
     for l in (0..cfg.layers as usize).rev() {
@@ -324,6 +312,85 @@ fn dummy_acts() -> BlockActs {
     }
 }
 
+/// A LayerNorm over the rows of `x` with parameters `g`, `b`: returns its
+/// output, mean and reciprocal deviation (`{name}.out`, `.mean`, `.rstd`).
+fn layernorm(
+    net: &mut Net,
+    name: &str,
+    x: TensorId,
+    (g, b): (usize, usize),
+    rc: &impl Fn(Value) -> Value,
+) -> (TensorId, TensorId, TensorId) {
+    let shape = net.shape(x);
+    let cols = *shape.last().expect("an activation has a shape");
+    let rows = shape.iter().product::<u64>() / cols;
+    let y = net.tensor(&format!("{name}.out"), &shape, Role::Activation);
+    let mean = net.stats(&format!("{name}.mean"), rows);
+    let rstd = net.stats(&format!("{name}.rstd"), rows);
+    let (g, b) = (net.w(g), net.w(b));
+    net.op(
+        name,
+        OpKind::Forward,
+        "layernorm",
+        &[x, g, b],
+        &[y, mean, rstd],
+        rc(json!({"rows": rows, "cols": cols, "eps": 1e-5})),
+    );
+    (y, mean, rstd)
+}
+
+/// `x · w + b` by op `name` into a new activation `out` with `n` columns.
+fn linear(
+    net: &mut Net,
+    name: &str,
+    out: &str,
+    x: TensorId,
+    (w, b): (usize, usize),
+    n: u64,
+    rc: &impl Fn(Value) -> Value,
+) -> TensorId {
+    let mut shape = net.shape(x);
+    let k = shape.pop().expect("an activation has a shape");
+    let m = shape.iter().product::<u64>();
+    shape.push(n);
+    let y = net.tensor(out, &shape, Role::Activation);
+    let (w, b) = (net.w(w), net.w(b));
+    net.op(
+        name,
+        OpKind::Forward,
+        "linear",
+        &[x, w, b],
+        &[y],
+        rc(json!({"m": m, "k": k, "n": n})),
+    );
+    y
+}
+
+/// An elementwise op `name` of type `ty` over `inputs` into a new
+/// activation shaped as the last input, whose bytes it may take.
+fn pointwise(
+    net: &mut Net,
+    name: &str,
+    ty: &str,
+    inputs: &[TensorId],
+    rc: &impl Fn(Value) -> Value,
+) -> TensorId {
+    let last = *inputs.last().expect("an op has inputs");
+    let shape = net.shape(last);
+    let y = net.tensor(name, &shape, Role::Activation);
+    let elements = shape.iter().product::<u64>();
+    let op = net.op(
+        name,
+        OpKind::Forward,
+        ty,
+        inputs,
+        &[y],
+        rc(json!({ "elements": elements })),
+    );
+    net.reuse(op, y, last);
+    y
+}
+
 /// One block's forward. With `recompute`, ops and tensors are prefixed
 /// `recompute.`, and the ops that only feed the block's output (MLP
 /// projection and the second residual) are skipped: the backward does not
@@ -337,7 +404,6 @@ fn block_forward(
 ) -> (BlockActs, Option<TensorId>) {
     let cfg = net.cfg.clone();
     let (bsz, t, c, h) = (cfg.batch, cfg.seq, cfg.width, cfg.heads);
-    let rows = bsz * t;
     let pre = if recompute {
         format!("recompute.h{l}")
     } else {
@@ -350,29 +416,17 @@ fn block_forward(
         }
         v
     };
-    let kind = OpKind::Forward;
 
-    let y1 = net.tensor(&n("ln_1.out"), &[bsz, t, c], Role::Activation);
-    let mean1 = net.stats(&n("ln_1.mean"), rows);
-    let rstd1 = net.stats(&n("ln_1.rstd"), rows);
-    let (g1, b1) = (net.w(bp.ln1_g), net.w(bp.ln1_b));
-    net.op(
-        &n("ln_1"),
-        kind,
-        "layernorm",
-        &[x, g1, b1],
-        &[y1, mean1, rstd1],
-        rc(json!({"rows": rows, "cols": c, "eps": 1e-5})),
-    );
-    let qkv = net.tensor(&n("attn.qkv"), &[bsz, t, 3 * c], Role::Activation);
-    let (wq, bq) = (net.w(bp.qkv_w), net.w(bp.qkv_b));
-    net.op(
+    let (y1, mean1, rstd1) = layernorm(net, &n("ln_1"), x, (bp.ln1_g, bp.ln1_b), &rc);
+    let qkv_w = (bp.qkv_w, bp.qkv_b);
+    let qkv = linear(
+        net,
         &n("attn.c_attn"),
-        kind,
-        "linear",
-        &[y1, wq, bq],
-        &[qkv],
-        rc(json!({"m": rows, "k": c, "n": 3 * c})),
+        &n("attn.qkv"),
+        y1,
+        qkv_w,
+        3 * c,
+        &rc,
     );
     let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
                       "scale": 1.0 / ((c / h) as f64).sqrt()});
@@ -381,7 +435,7 @@ fn block_forward(
         let lse = net.stats(&n("attn.lse"), bsz * h * t);
         net.op(
             &n("attn.fused"),
-            kind,
+            OpKind::Forward,
             "fused_attention",
             &[qkv],
             &[att, lse],
@@ -391,58 +445,13 @@ fn block_forward(
     } else {
         explicit_attention(net, &n, qkv, att, rc(attn))
     };
-    let a = net.tensor(&n("attn.proj"), &[bsz, t, c], Role::Activation);
-    let (wo, bo) = (net.w(bp.proj_w), net.w(bp.proj_b));
-    net.op(
-        &n("attn.c_proj"),
-        kind,
-        "linear",
-        &[att, wo, bo],
-        &[a],
-        rc(json!({"m": rows, "k": c, "n": c})),
-    );
-    let x2 = net.tensor(&n("resid_1"), &[bsz, t, c], Role::Activation);
-    let op = net.op(
-        &n("resid_1"),
-        kind,
-        "add",
-        &[x, a],
-        &[x2],
-        rc(json!({"elements": rows * c})),
-    );
-    net.reuse(op, x2, a);
-    let y2 = net.tensor(&n("ln_2.out"), &[bsz, t, c], Role::Activation);
-    let mean2 = net.stats(&n("ln_2.mean"), rows);
-    let rstd2 = net.stats(&n("ln_2.rstd"), rows);
-    let (g2, b2) = (net.w(bp.ln2_g), net.w(bp.ln2_b));
-    net.op(
-        &n("ln_2"),
-        kind,
-        "layernorm",
-        &[x2, g2, b2],
-        &[y2, mean2, rstd2],
-        rc(json!({"rows": rows, "cols": c, "eps": 1e-5})),
-    );
-    let hh = net.tensor(&n("mlp.fc"), &[bsz, t, 4 * c], Role::Activation);
-    let (wf, bf) = (net.w(bp.fc_w), net.w(bp.fc_b));
-    net.op(
-        &n("mlp.c_fc"),
-        kind,
-        "linear",
-        &[y2, wf, bf],
-        &[hh],
-        rc(json!({"m": rows, "k": c, "n": 4 * c})),
-    );
-    let g = net.tensor(&n("mlp.gelu"), &[bsz, t, 4 * c], Role::Activation);
-    let op = net.op(
-        &n("mlp.gelu"),
-        kind,
-        "gelu",
-        &[hh],
-        &[g],
-        rc(json!({"elements": rows * 4 * c})),
-    );
-    net.reuse(op, g, hh);
+    let proj_w = (bp.proj_w, bp.proj_b);
+    let a = linear(net, &n("attn.c_proj"), &n("attn.proj"), att, proj_w, c, &rc);
+    let x2 = pointwise(net, &n("resid_1"), "add", &[x, a], &rc);
+    let (y2, mean2, rstd2) = layernorm(net, &n("ln_2"), x2, (bp.ln2_g, bp.ln2_b), &rc);
+    let fc_w = (bp.fc_w, bp.fc_b);
+    let hh = linear(net, &n("mlp.c_fc"), &n("mlp.fc"), y2, fc_w, 4 * c, &rc);
+    let g = pointwise(net, &n("mlp.gelu"), "gelu", &[hh], &rc);
     let acts = BlockActs {
         x,
         y1,
@@ -461,26 +470,9 @@ fn block_forward(
     if recompute {
         return (acts, None);
     }
-    let m = net.tensor(&n("mlp.proj"), &[bsz, t, c], Role::Activation);
-    let (w2, b2w) = (net.w(bp.fc2_w), net.w(bp.fc2_b));
-    net.op(
-        &n("mlp.c_proj"),
-        kind,
-        "linear",
-        &[g, w2, b2w],
-        &[m],
-        json!({"m": rows, "k": 4 * c, "n": c}),
-    );
-    let x3 = net.tensor(&n("resid_2"), &[bsz, t, c], Role::Activation);
-    let op = net.op(
-        &n("resid_2"),
-        kind,
-        "add",
-        &[x2, m],
-        &[x3],
-        json!({"elements": rows * c}),
-    );
-    net.reuse(op, x3, m);
+    let fc2_w = (bp.fc2_w, bp.fc2_b);
+    let m = linear(net, &n("mlp.c_proj"), &n("mlp.proj"), g, fc2_w, c, &rc);
+    let x3 = pointwise(net, &n("resid_2"), "add", &[x2, m], &rc);
     (acts, Some(x3))
 }
 
