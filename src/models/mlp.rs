@@ -70,6 +70,176 @@ impl B {
     }
 }
 
+/// A persistent tensor with its two Adam moments.
+type Param = (TensorId, TensorId, TensorId);
+
+/// A layer's (weight, bias).
+type Layer = (Param, Param);
+
+impl B {
+    fn persistent(&mut self, t: TensorId) {
+        self.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+    }
+
+    fn param(&mut self, n: &str, shape: &[u64]) -> Param {
+        let w = self.t(n, shape, Role::Parameter);
+        let a = self.t(&format!("{n}.adam_m"), shape, Role::OptimizerState);
+        let b = self.t(&format!("{n}.adam_v"), shape, Role::OptimizerState);
+        for t in [w, a, b] {
+            self.persistent(t);
+        }
+        (w, a, b)
+    }
+
+    /// The forward pass from `x`: the logits, and each layer's input (for
+    /// dW) and pre-activation (for ReLU').
+    fn forward(
+        &mut self,
+        layers: &[Layer],
+        dims: &[u64],
+        x: TensorId,
+    ) -> (TensorId, Vec<(TensorId, TensorId)>) {
+        let bs = self.cfg.batch;
+        let mut h = x;
+        let mut saved = Vec::new();
+        for (l, &((w, _, _), (b, _, _))) in layers.iter().enumerate() {
+            let z = self.t(&format!("fc{l}.out"), &[bs, dims[l + 1]], Role::Activation);
+            self.op(
+                &format!("fc{l}"),
+                OpKind::Forward,
+                "linear",
+                &[h, w, b],
+                &[z],
+                json!({"m": bs, "k": dims[l], "n": dims[l + 1]}),
+            );
+            saved.push((h, z));
+            h = z;
+            if l + 1 < layers.len() {
+                let a = self.t(
+                    &format!("relu{l}.out"),
+                    &[bs, dims[l + 1]],
+                    Role::Activation,
+                );
+                self.op(
+                    &format!("relu{l}"),
+                    OpKind::Forward,
+                    "relu",
+                    &[z],
+                    &[a],
+                    json!({"elements": bs * dims[l + 1]}),
+                );
+                h = a;
+            }
+        }
+        (h, saved)
+    }
+
+    /// The loss of `logits` against `labels` and its gradient.
+    fn loss(&mut self, logits: TensorId, labels: TensorId) -> TensorId {
+        let (bs, classes) = (self.cfg.batch, self.cfg.classes);
+        let loss = self.typed("loss", &[1], Role::Output, "f32", 4);
+        self.persistent(loss);
+        self.op(
+            "loss",
+            OpKind::Forward,
+            "cross_entropy",
+            &[logits, labels],
+            &[loss],
+            json!({"rows": bs, "classes": classes}),
+        );
+        let dh = self.t("logits.grad", &[bs, classes], Role::Activation);
+        self.op(
+            "loss.backward",
+            OpKind::Backward,
+            "cross_entropy_backward",
+            &[logits, labels],
+            &[dh],
+            json!({"rows": bs, "classes": classes, "scale": 1.0 / bs as f64}),
+        );
+        dh
+    }
+
+    /// The backward pass from the logits' gradient `dh`: each layer's
+    /// (weight, bias) gradients.
+    fn backward(
+        &mut self,
+        layers: &[Layer],
+        dims: &[u64],
+        saved: &[(TensorId, TensorId)],
+        mut dh: TensorId,
+    ) -> Vec<(TensorId, TensorId)> {
+        let bs = self.cfg.batch;
+        let nl = layers.len();
+        let mut grads = vec![(TensorId(0), TensorId(0)); nl];
+        for l in (0..nl).rev() {
+            let ((w, _, _), _) = layers[l];
+            let (inp, z) = saved[l];
+            let shape = [bs, dims[l + 1]];
+            let mm = json!({"m": bs, "k": dims[l], "n": dims[l + 1]});
+            if l + 1 < nl {
+                // dh is the gradient of relu(z): mask it by z > 0.
+                let dz = self.t(&format!("fc{l}.out.grad"), &shape, Role::Activation);
+                self.op(
+                    &format!("relu{l}.backward"),
+                    OpKind::Backward,
+                    "relu_backward",
+                    &[dh, z],
+                    &[dz],
+                    json!({"elements": bs * dims[l + 1]}),
+                );
+                dh = dz;
+            }
+            let wshape = [dims[l], dims[l + 1]];
+            let dw = self.t(&format!("fc{l}.weight.grad"), &wshape, Role::Gradient);
+            let db = self.t(&format!("fc{l}.bias.grad"), &[dims[l + 1]], Role::Gradient);
+            self.op(
+                &format!("fc{l}.backward_weight"),
+                OpKind::Backward,
+                "linear_backward_weight",
+                &[dh, inp],
+                &[dw, db],
+                mm.clone(),
+            );
+            grads[l] = (dw, db);
+            if l > 0 {
+                let dx = self.t(&format!("fc{l}.in.grad"), &[bs, dims[l]], Role::Activation);
+                self.op(
+                    &format!("fc{l}.backward_data"),
+                    OpKind::Backward,
+                    "linear_backward_data",
+                    &[dh, w],
+                    &[dx],
+                    mm,
+                );
+                dh = dx;
+            }
+        }
+        grads
+    }
+
+    /// An Adam update per parameter, after the whole backward (eager's
+    /// order).
+    fn updates(&mut self, layers: &[Layer], grads: &[(TensorId, TensorId)]) {
+        for (&(pw, pb), &(gw, gb)) in layers.iter().zip(grads) {
+            for ((w, a, b), g, init) in [(pw, gw, "normal:0.05"), (pb, gb, "zeros")] {
+                let spec = self.b.tensor_spec(w);
+                let pname = spec.name.clone();
+                let elems = spec.shape.as_ref().map_or(0, |s| s.iter().product::<u64>());
+                let mut s = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, "adam")
+                    .inputs([g])
+                    .updates([w, a, b]);
+                if let Value::Object(at) = json!({"elements": elems, "lr": self.cfg.lr,
+                    "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "step": 1,
+                    "init": init})
+                {
+                    s.attrs = at;
+                }
+                self.b.add_op(s);
+            }
+        }
+    }
+}
+
 /// Builds the MLP training step.
 pub fn build(cfg: &MlpConfig) -> Result<Graph, Error> {
     if [cfg.input, cfg.hidden, cfg.classes, cfg.batch].contains(&0) {
@@ -87,147 +257,22 @@ pub fn build(cfg: &MlpConfig) -> Result<Graph, Error> {
     let x = m.t("input", &[bs, cfg.input], Role::Input);
     let y = m.typed("labels", &[bs], Role::Input, "i32", 4);
     for t in [x, y] {
-        m.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
+        m.persistent(t);
     }
     // (weight, bias) per layer; the last layer is the classifier.
     let mut dims = vec![cfg.input];
     dims.extend(std::iter::repeat_n(cfg.hidden, cfg.layers as usize));
     dims.push(cfg.classes);
-    let mut params = Vec::new();
-    for l in 0..dims.len() - 1 {
-        let mk = |m: &mut B, n: &str, shape: &[u64]| {
-            let w = m.t(n, shape, Role::Parameter);
-            let a = m.t(&format!("{n}.adam_m"), shape, Role::OptimizerState);
-            let b = m.t(&format!("{n}.adam_v"), shape, Role::OptimizerState);
-            for t in [w, a, b] {
-                m.b.tensor_spec_mut(t).lifetime = Lifetime::Persistent;
-            }
-            (w, a, b)
-        };
-        let w = mk(&mut m, &format!("fc{l}.weight"), &[dims[l], dims[l + 1]]);
-        let b = mk(&mut m, &format!("fc{l}.bias"), &[dims[l + 1]]);
-        params.push((w, b));
-    }
-    // Forward: keep each layer's input (for dW) and pre-activation (for ReLU').
-    let mut h = x;
-    let mut saved = Vec::new();
-    let nl = params.len();
-    for (l, &((w, _, _), (b, _, _))) in params.iter().enumerate() {
-        let z = m.t(&format!("fc{l}.out"), &[bs, dims[l + 1]], Role::Activation);
-        m.op(
-            &format!("fc{l}"),
-            OpKind::Forward,
-            "linear",
-            &[h, w, b],
-            &[z],
-            json!({"m": bs, "k": dims[l], "n": dims[l + 1]}),
-        );
-        saved.push((h, z));
-        if l + 1 < nl {
-            let a = m.t(
-                &format!("relu{l}.out"),
-                &[bs, dims[l + 1]],
-                Role::Activation,
-            );
-            m.op(
-                &format!("relu{l}"),
-                OpKind::Forward,
-                "relu",
-                &[z],
-                &[a],
-                json!({"elements": bs * dims[l + 1]}),
-            );
-            h = a;
-        } else {
-            h = z;
-        }
-    }
-    let loss = m.typed("loss", &[1], Role::Output, "f32", 4);
-    m.b.tensor_spec_mut(loss).lifetime = Lifetime::Persistent;
-    m.op(
-        "loss",
-        OpKind::Forward,
-        "cross_entropy",
-        &[h, y],
-        &[loss],
-        json!({"rows": bs, "classes": cfg.classes}),
-    );
-    let mut dh = m.t("logits.grad", &[bs, cfg.classes], Role::Activation);
-    m.op(
-        "loss.backward",
-        OpKind::Backward,
-        "cross_entropy_backward",
-        &[h, y],
-        &[dh],
-        json!({"rows": bs, "classes": cfg.classes, "scale": 1.0 / bs as f64}),
-    );
-    let mut grads = vec![(TensorId(0), TensorId(0)); nl];
-    for l in (0..nl).rev() {
-        let ((w, _, _), _) = params[l];
-        let (inp, z) = saved[l];
-        if l + 1 < nl {
-            // dh is the gradient of relu(z): mask it by z > 0.
-            let dz = m.t(
-                &format!("fc{l}.out.grad"),
-                &[bs, dims[l + 1]],
-                Role::Activation,
-            );
-            m.op(
-                &format!("relu{l}.backward"),
-                OpKind::Backward,
-                "relu_backward",
-                &[dh, z],
-                &[dz],
-                json!({"elements": bs * dims[l + 1]}),
-            );
-            dh = dz;
-        }
-        let dw = m.t(
-            &format!("fc{l}.weight.grad"),
-            &[dims[l], dims[l + 1]],
-            Role::Gradient,
-        );
-        let db = m.t(&format!("fc{l}.bias.grad"), &[dims[l + 1]], Role::Gradient);
-        m.op(
-            &format!("fc{l}.backward_weight"),
-            OpKind::Backward,
-            "linear_backward_weight",
-            &[dh, inp],
-            &[dw, db],
-            json!({"m": bs, "k": dims[l], "n": dims[l + 1]}),
-        );
-        grads[l] = (dw, db);
-        if l > 0 {
-            let dx = m.t(&format!("fc{l}.in.grad"), &[bs, dims[l]], Role::Activation);
-            m.op(
-                &format!("fc{l}.backward_data"),
-                OpKind::Backward,
-                "linear_backward_data",
-                &[dh, w],
-                &[dx],
-                json!({"m": bs, "k": dims[l], "n": dims[l + 1]}),
-            );
-            dh = dx;
-        }
-    }
-    for (l, &(pw, pb)) in params.iter().enumerate() {
-        for ((w, a, b), g, init) in [(pw, grads[l].0, "normal:0.05"), (pb, grads[l].1, "zeros")] {
-            let pname = m.b.tensor_spec(w).name.clone();
-            let elems =
-                m.b.tensor_spec(w)
-                    .shape
-                    .as_ref()
-                    .map_or(0, |s| s.iter().product::<u64>());
-            let mut s = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, "adam")
-                .inputs([g])
-                .updates([w, a, b]);
-            if let Value::Object(at) = json!({"elements": elems, "lr": cfg.lr, "beta1": 0.9,
-                "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "step": 1, "init": init})
-            {
-                s.attrs = at;
-            }
-            m.b.add_op(s);
-        }
-    }
+    let layers: Vec<Layer> = (0..dims.len() - 1)
+        .map(|l| {
+            let w = m.param(&format!("fc{l}.weight"), &[dims[l], dims[l + 1]]);
+            let b = m.param(&format!("fc{l}.bias"), &[dims[l + 1]]);
+            (w, b)
+        })
+        .collect();
+    let (logits, saved) = m.forward(&layers, &dims, x);
+    let dh = m.loss(logits, y);
+    let grads = m.backward(&layers, &dims, &saved, dh);
+    m.updates(&layers, &grads);
     Ok(m.b.build()?)
 }
