@@ -338,6 +338,28 @@ pub fn random_dag(ops: usize, window: usize, seed: u64) -> Graph {
     b.build().expect("random_dag builds a valid graph")
 }
 
+/// One block of [`synthetic_training_step`]: its two weights (each followed
+/// by its two moments) and the activations its backward reads.
+struct SyntheticBlock {
+    w: [TensorId; 2],
+    saved: [TensorId; 4],
+}
+
+fn activation(b: &mut GraphBuilder, name: String, size: u64) -> TensorId {
+    b.add_tensor(TensorSpec::new(name, size).align(256))
+}
+
+fn add_op<const I: usize, const O: usize>(
+    b: &mut GraphBuilder,
+    name: String,
+    kind: OpKind,
+    ty: &str,
+    inputs: [TensorId; I],
+    outputs: [TensorId; O],
+) {
+    b.add_op(OpSpec::new(name, kind, ty).inputs(inputs).outputs(outputs));
+}
+
 /// A training step with the shape of a deep network, `layers` blocks deep
 /// (13 ops per layer): each block's forward is a small DAG (two
 /// matmuls, an activation, a residual add, a side branch) whose activations
@@ -348,159 +370,142 @@ pub fn random_dag(ops: usize, window: usize, seed: u64) -> Graph {
 pub fn synthetic_training_step(layers: usize, seed: u64) -> Graph {
     let mut rng = SplitMix64(seed);
     let mut b = GraphBuilder::new(format!("synthetic-step-{layers}"));
-    let kib = |rng: &mut SplitMix64, lo: u64, hi: u64| 1024 * (lo + rng.below(hi - lo + 1));
-    let act = |b: &mut GraphBuilder, name: String, size: u64| {
-        b.add_tensor(TensorSpec::new(name, size).align(256))
-    };
     let x0 = b.add_tensor(
         TensorSpec::new("input", 4 << 20)
             .role(Role::Input)
             .persistent(),
     );
-    struct Layer {
-        w: [TensorId; 2],
-        saved: [TensorId; 4],
-    }
     let mut h = x0;
     let mut blocks = Vec::new();
     for l in 0..layers {
-        let width = kib(&mut rng, 1024, 4096);
-        let mut weight = |b: &mut GraphBuilder, j: usize| {
-            let sz = kib(&mut rng, 256, 2048);
-            let w = b.add_tensor(
-                TensorSpec::new(format!("l{l}.w{j}"), sz)
-                    .role(Role::Parameter)
-                    .persistent()
-                    .align(256),
-            );
-            for m in ["m", "v"] {
-                b.add_tensor(
-                    TensorSpec::new(format!("l{l}.w{j}.{m}"), sz)
-                        .role(Role::OptimizerState)
-                        .persistent()
-                        .align(256),
-                );
-            }
-            w
-        };
-        let w = [weight(&mut b, 0), weight(&mut b, 1)];
-        let a = act(&mut b, format!("l{l}.a"), 4 * width);
-        let g = act(&mut b, format!("l{l}.g"), 4 * width);
-        let c = act(&mut b, format!("l{l}.c"), width);
-        let side = act(&mut b, format!("l{l}.side"), width / 4);
-        let out = act(&mut b, format!("l{l}.out"), width);
-        b.add_op(
-            OpSpec::new(format!("l{l}.mm0"), OpKind::Forward, "matmul")
-                .inputs([h, w[0]])
-                .outputs([a]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.act"), OpKind::Forward, "gelu")
-                .inputs([a])
-                .outputs([g]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.mm1"), OpKind::Forward, "matmul")
-                .inputs([g, w[1]])
-                .outputs([c]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.stat"), OpKind::Forward, "reduce")
-                .inputs([h])
-                .outputs([side]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.add"), OpKind::Forward, "add")
-                .inputs([c, h, side])
-                .outputs([out]),
-        );
-        blocks.push(Layer {
-            w,
-            saved: [h, a, g, side],
-        });
+        let (blk, out) = synthetic_block_forward(&mut b, &mut rng, l, h);
+        blocks.push(blk);
         h = out;
     }
     let loss = b.add_tensor(TensorSpec::new("loss", 4).role(Role::Output).persistent());
     let h_size = b.tensor_spec(h).size;
-    let mut dh = act(&mut b, "loss.grad".into(), h_size);
-    b.add_op(
-        OpSpec::new("loss", OpKind::Forward, "loss")
-            .inputs([h])
-            .outputs([loss]),
-    );
-    b.add_op(
-        OpSpec::new("loss.backward", OpKind::Backward, "loss_backward")
-            .inputs([h])
-            .outputs([dh]),
+    let mut dh = activation(&mut b, "loss.grad".into(), h_size);
+    add_op(&mut b, "loss".into(), OpKind::Forward, "loss", [h], [loss]);
+    let bwd = OpKind::Backward;
+    add_op(
+        &mut b,
+        "loss.backward".into(),
+        bwd,
+        "loss_backward",
+        [h],
+        [dh],
     );
     for (l, blk) in blocks.iter().enumerate().rev() {
-        let [hin, a, g, side] = blk.saved;
-        let sz = |b: &GraphBuilder, t: TensorId| b.tensor_spec(t).size;
-        let (sg, sa, ss, sh) = (sz(&b, g), sz(&b, a), sz(&b, side), sz(&b, hin));
-        let dg = act(&mut b, format!("l{l}.dg"), sg);
-        let da = act(&mut b, format!("l{l}.da"), sa);
-        let dside = act(&mut b, format!("l{l}.dside"), ss);
-        let dhin = act(&mut b, format!("l{l}.dh"), sh);
-        let dw: Vec<TensorId> = (0..2)
-            .map(|j| {
-                let s = sz(&b, blk.w[j]);
-                b.add_tensor(
-                    TensorSpec::new(format!("l{l}.w{j}.grad"), s)
-                        .role(Role::Gradient)
-                        .align(256),
-                )
-            })
-            .collect();
-        b.add_op(
-            OpSpec::new(format!("l{l}.mm1.dx"), OpKind::Backward, "matmul")
-                .inputs([dh, blk.w[1]])
-                .outputs([dg]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.mm1.dw"), OpKind::Backward, "matmul")
-                .inputs([dh, g])
-                .outputs([dw[1]]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.act.bwd"), OpKind::Backward, "gelu_backward")
-                .inputs([dg, a])
-                .outputs([da])
-                .reuse(da, dg),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.mm0.dw"), OpKind::Backward, "matmul")
-                .inputs([da, hin])
-                .outputs([dw[0]]),
-        );
-        b.add_op(
-            OpSpec::new(
-                format!("l{l}.stat.bwd"),
-                OpKind::Backward,
-                "reduce_backward",
-            )
-            .inputs([dh, side])
-            .outputs([dside]),
-        );
-        b.add_op(
-            OpSpec::new(format!("l{l}.mm0.dx"), OpKind::Backward, "matmul")
-                .inputs([da, blk.w[0], dh, dside])
-                .outputs([dhin]),
-        );
-        for (j, &dwj) in dw.iter().enumerate() {
-            let w = blk.w[j];
-            let m = TensorId(w.0 + 1);
-            let v = TensorId(w.0 + 2);
-            b.add_op(
-                OpSpec::new(format!("l{l}.w{j}.adam"), OpKind::Optimizer, "adam")
-                    .inputs([dwj])
-                    .updates([w, m, v]),
-            );
-        }
-        dh = dhin;
+        dh = synthetic_block_backward(&mut b, l, blk, dh);
     }
-    let _ = dh;
     b.build()
         .expect("synthetic_training_step builds a valid graph")
+}
+
+/// Block `l`'s weights and forward from `h`; returns the block and its
+/// output.
+fn synthetic_block_forward(
+    b: &mut GraphBuilder,
+    rng: &mut SplitMix64,
+    l: usize,
+    h: TensorId,
+) -> (SyntheticBlock, TensorId) {
+    let kib = |rng: &mut SplitMix64, lo: u64, hi: u64| 1024 * (lo + rng.below(hi - lo + 1));
+    let width = kib(rng, 1024, 4096);
+    let mut weight = |b: &mut GraphBuilder, j: usize| {
+        let sz = kib(rng, 256, 2048);
+        let w = b.add_tensor(
+            TensorSpec::new(format!("l{l}.w{j}"), sz)
+                .role(Role::Parameter)
+                .persistent()
+                .align(256),
+        );
+        for m in ["m", "v"] {
+            b.add_tensor(
+                TensorSpec::new(format!("l{l}.w{j}.{m}"), sz)
+                    .role(Role::OptimizerState)
+                    .persistent()
+                    .align(256),
+            );
+        }
+        w
+    };
+    let w = [weight(b, 0), weight(b, 1)];
+    let a = activation(b, format!("l{l}.a"), 4 * width);
+    let g = activation(b, format!("l{l}.g"), 4 * width);
+    let c = activation(b, format!("l{l}.c"), width);
+    let side = activation(b, format!("l{l}.side"), width / 4);
+    let out = activation(b, format!("l{l}.out"), width);
+    let fwd = OpKind::Forward;
+    add_op(b, format!("l{l}.mm0"), fwd, "matmul", [h, w[0]], [a]);
+    add_op(b, format!("l{l}.act"), fwd, "gelu", [a], [g]);
+    add_op(b, format!("l{l}.mm1"), fwd, "matmul", [g, w[1]], [c]);
+    add_op(b, format!("l{l}.stat"), fwd, "reduce", [h], [side]);
+    add_op(b, format!("l{l}.add"), fwd, "add", [c, h, side], [out]);
+    let blk = SyntheticBlock {
+        w,
+        saved: [h, a, g, side],
+    };
+    (blk, out)
+}
+
+/// Block `l`'s backward from its output's gradient `dh`, and the updates
+/// of its weights; returns its input's gradient.
+fn synthetic_block_backward(
+    b: &mut GraphBuilder,
+    l: usize,
+    blk: &SyntheticBlock,
+    dh: TensorId,
+) -> TensorId {
+    let [hin, a, g, side] = blk.saved;
+    let sz = |b: &GraphBuilder, t: TensorId| b.tensor_spec(t).size;
+    let (sg, sa, ss, sh) = (sz(b, g), sz(b, a), sz(b, side), sz(b, hin));
+    let dg = activation(b, format!("l{l}.dg"), sg);
+    let da = activation(b, format!("l{l}.da"), sa);
+    let dside = activation(b, format!("l{l}.dside"), ss);
+    let dhin = activation(b, format!("l{l}.dh"), sh);
+    let dw: Vec<TensorId> = (0..2)
+        .map(|j| {
+            let s = sz(b, blk.w[j]);
+            b.add_tensor(
+                TensorSpec::new(format!("l{l}.w{j}.grad"), s)
+                    .role(Role::Gradient)
+                    .align(256),
+            )
+        })
+        .collect();
+    let bwd = OpKind::Backward;
+    add_op(
+        b,
+        format!("l{l}.mm1.dx"),
+        bwd,
+        "matmul",
+        [dh, blk.w[1]],
+        [dg],
+    );
+    add_op(b, format!("l{l}.mm1.dw"), bwd, "matmul", [dh, g], [dw[1]]);
+    b.add_op(
+        OpSpec::new(format!("l{l}.act.bwd"), bwd, "gelu_backward")
+            .inputs([dg, a])
+            .outputs([da])
+            .reuse(da, dg),
+    );
+    add_op(b, format!("l{l}.mm0.dw"), bwd, "matmul", [da, hin], [dw[0]]);
+    let stat_bwd = format!("l{l}.stat.bwd");
+    add_op(b, stat_bwd, bwd, "reduce_backward", [dh, side], [dside]);
+    let mm0_inputs = [da, blk.w[0], dh, dside];
+    add_op(b, format!("l{l}.mm0.dx"), bwd, "matmul", mm0_inputs, [dhin]);
+    for (j, &dwj) in dw.iter().enumerate() {
+        let w = blk.w[j];
+        // The moments were made right after their weight.
+        let (m, v) = (TensorId(w.0 + 1), TensorId(w.0 + 2));
+        b.add_op(
+            OpSpec::new(format!("l{l}.w{j}.adam"), OpKind::Optimizer, "adam")
+                .inputs([dwj])
+                .updates([w, m, v]),
+        );
+    }
+    dhin
 }
 
 #[cfg(test)]
