@@ -121,6 +121,10 @@ torch_step() {
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
       --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
+    # The same with cheap recomputation: at most 0.01% more FLOPs.
+    echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
+      --json "$OUT/torch_step_fit.json" 2>&1 | tee "$OUT/torch_step_fit.out"
   else
     echo "python3 has no CUDA torch: skipping memplan.torch on the GPU"
   fi

@@ -414,6 +414,25 @@ class OnDevice(unittest.TestCase):
         self.assertGreater(row["eager_step_seconds"], 0)
         self.assertGreater(row["memplan_step_seconds"], 0)
 
+    def test_with_cheap_recomputation(self):
+        # `--max-added`: the arena step runs the smallest step memplan finds
+        # for at most 0.1% more FLOPs, with eager's results.
+        from memplan.torch.bench import on_device
+
+        batch = torch.randint(0, 256, (8, 64))
+        model = gpt2()
+        twin = copy.deepcopy(model)
+        plain = mt.capture(twin, torch.optim.AdamW(twin.parameters(), lr=1e-4, weight_decay=0.01),
+                           batch, causal_lm, time_limit=5).plan["arena_bytes"]
+        (row,) = on_device("cpu", 1, 5.0, {"gpt2": (model, batch, causal_lm)}, max_added=0.001)
+        self.assertLessEqual(row["loss_rel_diff"], 1e-6)
+        self.assertLessEqual(row["param_rel_diff"], 1e-6)
+        self.assertEqual(row["max_added_share"], 0.001)
+        self.assertGreater(row["added_flops_share"], 0)
+        self.assertLessEqual(row["added_flops_share"], 0.001)
+        self.assertLess(row["arena_bytes"], plain)
+        self.assertGreaterEqual(row["memplan_allocated_bytes"], row["arena_bytes"])
+
 
 class AgainstTorchCompile(unittest.TestCase):
     """The measurement behind the torch.compile comparison

@@ -304,7 +304,7 @@ def _timed(fn, device: torch.device, steps: int, resident):
     return allocator_peak(fn, resident(), device.type), None, median
 
 
-def on_device(device: str, steps: int, time_limit: float, cases=None):
+def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -316,7 +316,12 @@ def on_device(device: str, steps: int, time_limit: float, cases=None):
     are copied into place, and what kernels allocate for themselves
     (cuBLAS workspaces). Issue 12's GPU targets read off these rows:
     ``allocated <= arena * 1.01 + outside``, reserved against eager's, and
-    the time ratio."""
+    the time ratio.
+
+    With `max_added` (a share of the step's FLOPs) the captured step is
+    first made the smallest memplan finds for at most that many more FLOPs
+    (``step.fit(max_added=..., minimise="flops")``), so the rows show what
+    cheap recomputation costs in time and saves in memory."""
     dev = torch.device(device)
     rows = []
     for name, (model, batch, loss_fn) in (cases or models()).items():
@@ -344,6 +349,10 @@ def on_device(device: str, steps: int, time_limit: float, cases=None):
         e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
         mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01)
         step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit)
+        added = 0.0
+        if max_added is not None:
+            f = step.fit(max_added=max_added, minimise="flops", time_limit=max(time_limit, 30.0))
+            added = f["added_flops"] / f["step_flops"]
         my_losses = []
 
         def memplan_step():
@@ -372,6 +381,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None):
             "outside_peak_bytes": arena.outside_peak_bytes,
             "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
             "loss_rel_diff": loss_diff, "param_rel_diff": param_diff,
+            "max_added_share": max_added, "added_flops_share": added,
         })
         del eager_model, mine, opt, mopt, step, arena
         if dev.type == "cuda":
@@ -475,13 +485,16 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="with --device: timed steps per side")
     ap.add_argument("--with-gpt2-xl", action="store_true", help="with --device: GPT-2 XL b1 (seq 1024) too")
     ap.add_argument("--json", metavar="FILE", help="with --device: also write the rows as JSON")
+    ap.add_argument("--max-added", metavar="SHARE", type=float,
+                    help="with --device: first make each step the smallest memplan finds for at most "
+                    "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.device:
         cases = models()
         if args.with_gpt2_xl:
             cases.update(_gpt2_xl_case(args.device))
-        rows = on_device(args.device, args.steps, args.time_limit, cases)
+        rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
