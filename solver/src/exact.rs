@@ -182,97 +182,143 @@ struct Search<'a, const W: usize> {
     limits: &'a ExactLimits,
 }
 
+/// Per buffer: the ops that read it.
+fn users_bits<const W: usize>(p: &Problem) -> Vec<Bits<W>> {
+    let mut users: Vec<Bits<W>> = vec![[0; W]; p.num_bufs()];
+    for b in p.buf_ids() {
+        for u in p.users(b) {
+            users[b.index()] = with(users[b.index()], u.index());
+        }
+    }
+    users
+}
+
+/// The step inputs' bytes before the first op: (live, of which persistent,
+/// and those live at step 0 only, unused and not persistent).
+fn step_zero(p: &Problem) -> (u64, u64, u64) {
+    let (mut live0, mut persistent0, mut extra0) = (0, 0, 0);
+    for b in p.buf_ids() {
+        let x = p.buf(b);
+        if x.producer.is_some() {
+            continue;
+        }
+        if x.persistent {
+            persistent0 += x.size;
+            live0 += x.size;
+        } else if p.num_users(b) > 0 {
+            live0 += x.size;
+        } else {
+            extra0 += x.size;
+        }
+    }
+    (live0, persistent0, extra0)
+}
+
+/// What the search needs to know of op `v`.
+fn op_info<const W: usize>(p: &Problem, v: OpIdx, users: &[Bits<W>]) -> OpInfo<W> {
+    let mut preds = [0; W];
+    for u in p.preds(v) {
+        preds = with(preds, u.index());
+    }
+    let (mut out_step, mut out_live, mut out_persistent) = (0, 0, 0);
+    for o in p.outputs(v) {
+        let x = p.buf(o);
+        out_step += x.size;
+        if x.persistent {
+            out_persistent += x.size;
+            out_live += x.size;
+        } else if p.num_users(o) > 0 {
+            out_live += x.size;
+        }
+    }
+    let inputs = p
+        .uses(v)
+        .filter(|&b| p.size(b) > 0)
+        .map(|b| Input {
+            size: p.size(b),
+            persistent: p.buf(b).persistent,
+            users: users[b.index()],
+        })
+        .collect();
+    let hints: Vec<Hint<W>> = p
+        .reuses_of(v)
+        .filter(|r| !p.buf(r.inp).persistent && r.out != r.inp && p.size(r.out) <= p.size(r.inp))
+        .map(|r| Hint {
+            out: r.out.0,
+            inp: r.inp.0,
+            size: p.size(r.out).min(p.size(r.inp)),
+            inp_users: users[r.inp.index()],
+        })
+        .collect();
+    OpInfo {
+        preds,
+        out_step,
+        out_live,
+        out_persistent,
+        inputs,
+        hints,
+    }
+}
+
+impl<const W: usize> OpInfo<W> {
+    /// The most bytes its reuse hints can save.
+    fn max_reuse(&self) -> u64 {
+        self.hints.iter().map(|h| h.size).sum()
+    }
+}
+
+/// Ops by the bytes they touch (outputs and transient inputs, less what
+/// reuse saves), largest first.
+fn by_footprint<const W: usize>(ops: &[OpInfo<W>]) -> Vec<(u64, usize)> {
+    let mut v: Vec<(u64, usize)> = ops
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let ins: u64 = o
+                .inputs
+                .iter()
+                .filter(|x| !x.persistent)
+                .map(|x| x.size)
+                .sum();
+            ((o.out_step + ins).saturating_sub(o.max_reuse()), i)
+        })
+        .collect();
+    v.sort_by(|a, b| b.cmp(a));
+    v
+}
+
+/// Per op: itself with its ancestors, and itself with its descendants.
+fn closures<const W: usize>(p: &Problem) -> (Vec<Bits<W>>, Vec<Bits<W>>) {
+    let n = p.num_ops();
+    let mut up: Vec<Bits<W>> = vec![[0; W]; n];
+    let mut down: Vec<Bits<W>> = vec![[0; W]; n];
+    for &v in p.topo_order() {
+        let mut m = with([0; W], v.index());
+        for u in p.preds(v) {
+            for k in 0..W {
+                m[k] |= up[u.index()][k];
+            }
+        }
+        up[v.index()] = m;
+    }
+    for &v in p.topo_order().iter().rev() {
+        let mut m = with([0; W], v.index());
+        for s in p.succs(v) {
+            for k in 0..W {
+                m[k] |= down[s.index()][k];
+            }
+        }
+        down[v.index()] = m;
+    }
+    (up, down)
+}
+
 impl<'a, const W: usize> Search<'a, W> {
     fn new(p: &Problem, limits: &'a ExactLimits) -> Self {
         let n = p.num_ops();
-        let mut users: Vec<Bits<W>> = vec![[0; W]; p.num_bufs()];
-        for b in p.buf_ids() {
-            for u in p.users(b) {
-                users[b.index()] = with(users[b.index()], u.index());
-            }
-        }
-        let mut live0 = 0;
-        let mut persistent0 = 0;
-        let mut extra0 = 0;
-        for b in p.buf_ids() {
-            let x = p.buf(b);
-            if x.producer.is_none() {
-                if x.persistent {
-                    persistent0 += x.size;
-                    live0 += x.size;
-                } else if p.num_users(b) > 0 {
-                    live0 += x.size;
-                } else {
-                    extra0 += x.size;
-                }
-            }
-        }
-        let ops: Vec<OpInfo<W>> = p
-            .ops()
-            .map(|v| {
-                let mut preds = [0; W];
-                for u in p.preds(v) {
-                    preds = with(preds, u.index());
-                }
-                let mut out_step = 0;
-                let mut out_live = 0;
-                let mut out_persistent = 0;
-                for o in p.outputs(v) {
-                    let x = p.buf(o);
-                    out_step += x.size;
-                    if x.persistent {
-                        out_persistent += x.size;
-                        out_live += x.size;
-                    } else if p.num_users(o) > 0 {
-                        out_live += x.size;
-                    }
-                }
-                let inputs = p
-                    .uses(v)
-                    .filter(|&b| p.size(b) > 0)
-                    .map(|b| Input {
-                        size: p.size(b),
-                        persistent: p.buf(b).persistent,
-                        users: users[b.index()],
-                    })
-                    .collect();
-                let hints: Vec<Hint<W>> = p
-                    .reuses_of(v)
-                    .filter(|r| {
-                        !p.buf(r.inp).persistent && r.out != r.inp && p.size(r.out) <= p.size(r.inp)
-                    })
-                    .map(|r| Hint {
-                        out: r.out.0,
-                        inp: r.inp.0,
-                        size: p.size(r.out).min(p.size(r.inp)),
-                        inp_users: users[r.inp.index()],
-                    })
-                    .collect();
-                OpInfo {
-                    preds,
-                    out_step,
-                    out_live,
-                    out_persistent,
-                    inputs,
-                    hints,
-                }
-            })
-            .collect();
-        let mut by_footprint: Vec<(u64, usize)> = ops
-            .iter()
-            .enumerate()
-            .map(|(i, o)| {
-                let max_reuse: u64 = o.hints.iter().map(|h| h.size).sum();
-                let ins: u64 = o
-                    .inputs
-                    .iter()
-                    .filter(|x| !x.persistent)
-                    .map(|x| x.size)
-                    .sum();
-                ((o.out_step + ins).saturating_sub(max_reuse), i)
-            })
-            .collect();
-        by_footprint.sort_by(|a, b| b.cmp(a));
+        let users = users_bits::<W>(p);
+        let (live0, persistent0, extra0) = step_zero(p);
+        let ops: Vec<OpInfo<W>> = p.ops().map(|v| op_info(p, v, &users)).collect();
         let bufs: Vec<BufInfo<W>> = p
             .buf_ids()
             .filter(|&b| p.size(b) > 0)
@@ -283,26 +329,7 @@ impl<'a, const W: usize> Search<'a, W> {
                 users: users[b.index()],
             })
             .collect();
-        let mut up: Vec<Bits<W>> = vec![[0; W]; n];
-        let mut down: Vec<Bits<W>> = vec![[0; W]; n];
-        for &v in p.topo_order() {
-            let mut m = with([0; W], v.index());
-            for u in p.preds(v) {
-                for k in 0..W {
-                    m[k] |= up[u.index()][k];
-                }
-            }
-            up[v.index()] = m;
-        }
-        for &v in p.topo_order().iter().rev() {
-            let mut m = with([0; W], v.index());
-            for s in p.succs(v) {
-                for k in 0..W {
-                    m[k] |= down[s.index()][k];
-                }
-            }
-            down[v.index()] = m;
-        }
+        let (up, down) = closures::<W>(p);
         let fixed: Vec<u64> = (0..n)
             .map(|v| {
                 let sum: u64 = bufs
@@ -315,14 +342,13 @@ impl<'a, const W: usize> Search<'a, W> {
                     })
                     .map(|b| b.size)
                     .sum();
-                let max_reuse: u64 = ops[v].hints.iter().map(|h| h.size).sum();
-                sum.saturating_sub(max_reuse)
+                sum.saturating_sub(ops[v].max_reuse())
             })
             .collect();
         Search {
             n,
+            by_footprint: by_footprint(&ops),
             ops,
-            by_footprint,
             bufs,
             down,
             up,
