@@ -65,7 +65,8 @@
 //! that a step fits a memory budget at the least added cost: exact over
 //! subsets for a few candidates, else greedy at the planned peak with
 //! checkpointing-style starts, then pruned; the caller's planner prices
-//! every set.
+//! every set. [`remat::select_within`] answers the dual question with the
+//! same moves: the lowest peak whose recomputation costs at most so much.
 //!
 //! # Guarantees
 //! Every returned order is valid; it is never worse than the orders the
