@@ -68,6 +68,25 @@ fn budget(s: f64) -> Result<Duration> {
     Ok(Duration::from_secs_f64(s))
 }
 
+/// One graph to benchmark: where it comes from, its time budget, and the
+/// source it is recorded under (with `--update`).
+struct Job {
+    input: Input,
+    limit: Duration,
+    recorded_as: Option<String>,
+}
+
+/// The record `--update` writes: its path, its folder, what it holds.
+type Record = (PathBuf, PathBuf, PeakRecord);
+
+/// What the benchmark produced: rows, fresh record entries, and the files
+/// of folders that were not graphs.
+struct Results {
+    rows: Vec<Row>,
+    fresh: Vec<PeakEntry>,
+    skipped: Vec<(String, String)>,
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(rec) = &a.check {
         if !a.paths.is_empty() || a.presets {
@@ -75,10 +94,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         return check(rec, a.json);
     }
-    let default_budget = budget(a.time_limit.unwrap_or(10.0))?;
+    let (todo, record) = jobs(&a)?;
+    let start = Instant::now();
+    let res = run_jobs(todo)?;
+    let wall = start.elapsed().as_secs_f64();
+    print_results(&a, &res, wall)?;
+    match record {
+        Some(record) => write_record(record, res.fresh, a.accept_worse),
+        None => Ok(()),
+    }
+}
 
-    // What to run: (input, time budget, how to record it).
-    let mut todo: Vec<(Input, Duration, Option<String>)> = Vec::new();
+/// The graphs to run, with their budgets, and the record to update.
+fn jobs(a: &BenchArgs) -> Result<(Vec<Job>, Option<Record>)> {
+    let default_budget = budget(a.time_limit.unwrap_or(10.0))?;
+    let mut todo: Vec<Job> = Vec::new();
     let mut record = None;
     if let Some(path) = &a.update {
         let rec = if path.exists() {
@@ -96,7 +126,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             for e in &rec.entries {
                 let source = bench::recorded_source(&e.source, &dir)?;
-                let t = match a.time_limit {
+                let limit = match a.time_limit {
                     Some(_) => default_budget,
                     None => budget(e.time_limit_seconds)?,
                 };
@@ -104,7 +134,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     source,
                     from_folder: false,
                 };
-                todo.push((input, t, Some(e.source.clone())));
+                let recorded_as = Some(e.source.clone());
+                todo.push(Job {
+                    input,
+                    limit,
+                    recorded_as,
+                });
             }
         }
         record = Some((path.clone(), dir, rec));
@@ -118,31 +153,40 @@ pub fn run(a: BenchArgs) -> Result<()> {
             Some((_, dir, _)) => Some(bench::record_source(&input.source, dir)?),
             None => None,
         };
-        let t = match (&record, &recorded_as, a.time_limit) {
+        let limit = match (&record, &recorded_as, a.time_limit) {
             (Some((_, _, rec)), Some(src), None) => match rec.entry(src) {
                 Some(e) => budget(e.time_limit_seconds)?,
                 None => default_budget,
             },
             _ => default_budget,
         };
-        todo.push((input, t, recorded_as));
+        todo.push(Job {
+            input,
+            limit,
+            recorded_as,
+        });
     }
     if todo.is_empty() {
         bail!("nothing to benchmark: give graph files, folders, example:NAME, or --presets");
     }
+    Ok((todo, record))
+}
 
-    let start = Instant::now();
-    let mut rows: Vec<Row> = Vec::new();
-    let mut fresh: Vec<PeakEntry> = Vec::new();
-    let mut skipped: Vec<(String, String)> = Vec::new();
+/// Plans every graph; files of a folder that are not graphs are skipped.
+fn run_jobs(todo: Vec<Job>) -> Result<Results> {
+    let mut res = Results {
+        rows: Vec::new(),
+        fresh: Vec::new(),
+        skipped: Vec::new(),
+    };
     let total = todo.len();
-    for (k, (input, limit, recorded_as)) in todo.into_iter().enumerate() {
-        let label = input.source.label();
-        let g = match input.source.load() {
+    for (k, job) in todo.into_iter().enumerate() {
+        let label = job.input.source.label();
+        let g = match job.input.source.load() {
             Ok(g) => g,
-            Err(e) if input.from_folder => {
+            Err(e) if job.input.from_folder => {
                 eprintln!("memplan bench: skipping {label}: not a graph memplan reads ({e})");
-                skipped.push((label, e.to_string()));
+                res.skipped.push((label, e.to_string()));
                 continue;
             }
             Err(e) => return Err(e).with_context(|| format!("loading {label}")),
@@ -156,62 +200,66 @@ pub fn run(a: BenchArgs) -> Result<()> {
             );
         }
         let opts = Options {
-            time_limit: limit,
+            time_limit: job.limit,
             ..Options::default()
         };
         let row = bench::run(&g, &label, &opts).with_context(|| format!("benchmarking {label}"))?;
         if progress() {
             eprintln!("planned in {:.2} s", row.solve_seconds);
         }
-        if let Some(src) = recorded_as {
-            fresh.push(PeakEntry::from_row(&row, src));
+        if let Some(src) = job.recorded_as {
+            res.fresh.push(PeakEntry::from_row(&row, src));
         }
-        rows.push(row);
+        res.rows.push(row);
     }
-    let wall = start.elapsed().as_secs_f64();
-    let summary = bench::summarize(&rows);
+    Ok(res)
+}
 
+fn print_results(a: &BenchArgs, res: &Results, wall: f64) -> Result<()> {
+    let summary = bench::summarize(&res.rows);
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&to_json(&rows, &summary, &skipped, wall))?
-        );
+        let doc = to_json(&res.rows, &summary, &res.skipped, wall);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     } else if a.markdown {
-        print!("{}", markdown(&rows, &summary));
+        print!("{}", markdown(&res.rows, &summary));
     } else {
-        print!("{}", text(&rows, &summary));
+        print!("{}", text(&res.rows, &summary));
         println!(
             "{} graphs in {wall:.1} s (solves {:.1} s, baselines {:.1} s)",
-            rows.len(),
+            res.rows.len(),
             summary.total_solve_seconds,
             summary.total_baseline_seconds
         );
     }
+    Ok(())
+}
 
-    if let Some((path, _, mut rec)) = record {
-        let before = rec.clone();
-        let refused = rec.merge(fresh, a.accept_worse);
-        rec.write(path.as_path())
-            .with_context(|| format!("writing {}", path.display()))?;
-        let changed = rec
-            .entries
-            .iter()
-            .filter(|e| before.entry(&e.source) != Some(*e))
-            .count();
-        eprintln!(
-            "{}: {} graphs recorded, {changed} changed or added",
-            path.display(),
-            rec.entries.len()
-        );
-        if !refused.is_empty() {
-            for v in &refused {
-                eprintln!("  refused: {v}");
-            }
-            bail!(
-                "{} figures are worse than recorded and were not written (pass --accept-worse to record them anyway)",
-                refused.len()
-            );
+/// Merges the fresh entries into the record and writes it; figures worse
+/// than recorded are refused unless `accept_worse`.
+fn write_record(record: Record, fresh: Vec<PeakEntry>, accept_worse: bool) -> Result<()> {
+    let (path, _, mut rec) = record;
+    let before = rec.clone();
+    let refused = rec.merge(fresh, accept_worse);
+    rec.write(path.as_path())
+        .with_context(|| format!("writing {}", path.display()))?;
+    let changed = rec
+        .entries
+        .iter()
+        .filter(|e| before.entry(&e.source) != Some(*e))
+        .count();
+    eprintln!(
+        "{}: {} graphs recorded, {changed} changed or added",
+        path.display(),
+        rec.entries.len()
+    );
+    if !refused.is_empty() {
+        for v in &refused {
+            eprintln!("  refused: {v}");
         }
+        bail!(
+            "{} figures are worse than recorded and were not written (pass --accept-worse to record them anyway)",
+            refused.len()
+        );
     }
     Ok(())
 }
