@@ -55,7 +55,6 @@ fn sort_index(pid: u64, tid: Option<u64>, index: u64) -> Value {
 /// flat counter when it is above zero.
 pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
     let tl = Timeline::of_plan(g, plan);
-    let n = tl.steps as u64;
     let mut ev: Vec<Value> = vec![
         meta(PID_OPS, None, "process_name", "ops (memplan order)"),
         meta(PID_OPS, Some(0), "thread_name", "ops"),
@@ -65,8 +64,28 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
     for (i, pid) in [PID_OPS, PID_MEMORY, PID_TENSORS].into_iter().enumerate() {
         ev.push(sort_index(pid, None, i as u64));
     }
+    op_events(&mut ev, g, plan, &tl);
+    counter_events(&mut ev, plan, &tl, lower_bound);
+    tensor_events(&mut ev, g, plan, &tl);
+    json!({
+        "traceEvents": ev,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "tool": "memplan",
+            "version": env!("CARGO_PKG_VERSION"),
+            "graph": g.name,
+            "time_unit": "1 ms = 1 step of the plan's order",
+            "arena_bytes": plan.arena_bytes,
+            "max_live_bytes": tl.peak,
+            "lower_bound_bytes": lower_bound,
+            "order_source": plan.stats.order_source,
+            "layout_source": plan.stats.layout_source,
+        },
+    })
+}
 
-    // 1. Ops.
+/// 1. One complete event per op, in the plan's order.
+fn op_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     for (i, &o) in plan.order.iter().enumerate() {
         let op = g.op(o);
         ev.push(json!({
@@ -81,8 +100,12 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
             },
         }));
     }
+}
 
-    // 2. Counters, emitted where a value changes (and at both ends).
+/// 2. Counters, emitted where a value changes (and at both ends), the
+/// arena and the bound as flat lines, and the peak.
+fn counter_events(ev: &mut Vec<Value>, plan: &Plan, tl: &Timeline, lower_bound: u64) {
+    let n = tl.steps as u64;
     let roles: Vec<Role> = STACK_ORDER
         .iter()
         .copied()
@@ -125,9 +148,11 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
             "args": {"bytes": tl.peak, "live": human(tl.peak), "step": tl.peak_step()},
         }));
     }
+}
 
-    // 3. Tensors: interval partitioning per role (rows freed at death are
-    // reused first), so a row's events never overlap.
+/// 3. Tensors: interval partitioning per role (rows freed at death are
+/// reused first), so a row's events never overlap.
+fn tensor_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     let mut next_tid = 0u64;
     for (ri, &role) in STACK_ORDER.iter().enumerate() {
         let mut ts: Vec<_> = g
@@ -180,22 +205,6 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
         }
         next_tid += rows.len() as u64;
     }
-
-    json!({
-        "traceEvents": ev,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "tool": "memplan",
-            "version": env!("CARGO_PKG_VERSION"),
-            "graph": g.name,
-            "time_unit": "1 ms = 1 step of the plan's order",
-            "arena_bytes": plan.arena_bytes,
-            "max_live_bytes": tl.peak,
-            "lower_bound_bytes": lower_bound,
-            "order_source": plan.stats.order_source,
-            "layout_source": plan.stats.layout_source,
-        },
-    })
 }
 
 /// Checks that `v` is a well-formed Trace Event Format JSON object: a
