@@ -335,6 +335,16 @@ class FittedStepsRecompute(unittest.TestCase):
             h.step.fit(1 << 20, max_added=0.01)
         with self.assertRaisesRegex(TypeError, "max_added"):
             memplan.fit(h.step.graph, max_added=-0.5)
+        # The same through capture().
+        model = gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        step = mt.capture(model, opt, torch.randint(0, 256, (8, 64)), causal_lm, max_added=0.001,
+                          time_limit=10)
+        self.assertEqual(step.fitted["max_added_share"], 0.001)
+        self.assertLessEqual(step.fitted["added_flops"], 0.001 * step.fitted["step_flops"])
+        with self.assertRaisesRegex(TypeError, "either budget"):
+            mt.capture(model, opt, torch.randint(0, 256, (8, 64)), causal_lm, budget=1 << 30,
+                       max_added=0.001)
         self.assertEqual(h.run(), h.step.fitted["max_live_bytes"])
 
     def test_a_budget_below_the_floor_is_refused_with_the_bound(self):

@@ -310,7 +310,8 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, plan: bool = True,
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
-            meta_device: str = "cpu", budget: Optional[int] = None) -> Step:
+            meta_device: str = "cpu", budget: Optional[int] = None,
+            max_added: Optional[float] = None) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -320,7 +321,10 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     yet, as its first ``step()`` would. With ``plan=False`` the step is not
     planned until :meth:`Step.make_plan` or the first planned run. With
     `budget` (bytes), the step is fitted into it by recomputation instead
-    (:meth:`Step.fit`, within `time_limit` seconds).
+    (:meth:`Step.fit`, within `time_limit` seconds); with `max_added` (a
+    share of the step's FLOPs, e.g. 0.001), it becomes the smallest step
+    memplan finds for at most that many more FLOPs
+    (``Step.fit(max_added=..., minimise="flops")``).
 
     The graph's metadata records the batch size (``"batch"``: the leading
     dimension every batch tensor shares), which :func:`max_batch` uses.
@@ -330,6 +334,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     kernels that device's dispatcher picks (e.g. CPU flash attention) are
     the ones recorded; such a step can be planned but not run.
     """
+    if budget is not None and max_added is not None:
+        raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
     t0 = time.perf_counter()
     _optim.ensure_state(optimizer)
     hyper = _optim.Hyper(optimizer)
@@ -422,6 +428,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
                 optimizer_calls, time.perf_counter() - t0)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
+    elif max_added is not None:
+        step.fit(max_added=max_added, minimise="flops", time_limit=time_limit)
     elif plan:
         step.make_plan(time_limit)
     return step
