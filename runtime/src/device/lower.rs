@@ -421,6 +421,16 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
         ));
     }
     match &a.ins.kernel {
+        Kernel::AttentionScores(_) | Kernel::CausalSoftmax(_) | Kernel::AttentionValues(_) => {
+            attention_forward(a, ops)
+        }
+        _ => attention_backward(a, ops),
+    }
+}
+
+/// Explicit attention's forward ops: scores, causal softmax, values.
+fn attention_forward(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
         Kernel::AttentionScores(at) => {
             let g = Geometry::new(at, a.di(0));
             for bi in 0..at.batch {
@@ -468,6 +478,14 @@ fn attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                 )?));
             }
         }
+        other => return Err(misrouted(other, "attention")),
+    }
+    Ok(())
+}
+
+/// Explicit attention's backward ops, in reverse: values, softmax, scores.
+fn attention_backward(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    match &a.ins.kernel {
         Kernel::AttentionValuesBackward(at) => {
             let g = Geometry::new(at, a.di(0));
             for bi in 0..at.batch {
