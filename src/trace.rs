@@ -84,7 +84,7 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
     })
 }
 
-/// 1. One complete event per op, in the plan's order.
+/// Ops (process 1): one complete event per op, in the plan's order.
 fn op_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     for (i, &o) in plan.order.iter().enumerate() {
         let op = g.op(o);
@@ -102,8 +102,8 @@ fn op_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     }
 }
 
-/// 2. Counters, emitted where a value changes (and at both ends), the
-/// arena and the bound as flat lines, and the peak.
+/// Counters (process 2), emitted where a value changes (and at both
+/// ends), the arena and the bound as flat lines, and the peak.
 fn counter_events(ev: &mut Vec<Value>, plan: &Plan, tl: &Timeline, lower_bound: u64) {
     let n = tl.steps as u64;
     let roles: Vec<Role> = STACK_ORDER
@@ -150,8 +150,8 @@ fn counter_events(ev: &mut Vec<Value>, plan: &Plan, tl: &Timeline, lower_bound: 
     }
 }
 
-/// 3. Tensors: interval partitioning per role (rows freed at death are
-/// reused first), so a row's events never overlap.
+/// Tensors (process 3): interval partitioning per role (rows freed at
+/// death are reused first), so a row's events never overlap.
 fn tensor_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     let mut next_tid = 0u64;
     for (ri, &role) in STACK_ORDER.iter().enumerate() {
