@@ -320,6 +320,18 @@ fn llama_mixed_precision_and_fsdp_options() {
     assert!(stderr(&o).contains("mixed precision"), "{}", stderr(&o));
 }
 
+/// `plan` checks against `graph` (both written by `fit`) with max live
+/// bytes within `arena`.
+fn checks_within(graph: &Path, plan: &Path, arena: u64) {
+    let c = json(&[
+        "check",
+        graph.to_str().unwrap(),
+        plan.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(c["max_live_bytes"].as_u64().unwrap() <= arena);
+}
+
 #[test]
 fn fit_writes_a_plan_that_checks_and_refuses_what_cannot_fit() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-fit");
@@ -352,13 +364,7 @@ fn fit_writes_a_plan_that_checks_and_refuses_what_cannot_fit() {
     assert!(v["added_flops"].as_f64().unwrap() > 0.0);
     // The plan names the recomputed tensors: it checks against the graph
     // written beside it.
-    let c = json(&[
-        "check",
-        graph.to_str().unwrap(),
-        plan.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(c["max_live_bytes"].as_u64().unwrap() <= arena);
+    checks_within(&graph, &plan, arena);
     // Below the floor: exit code 1, the bound and its reason.
     let o = memplan(&[
         "fit",
@@ -415,13 +421,7 @@ fn fit_max_added_finds_a_smaller_arena_within_the_share() {
         v["step_flops"].as_f64().unwrap(),
     );
     assert!(added > 0.0 && added <= 0.005 * step, "{added} of {step}");
-    let c = json(&[
-        "check",
-        graph.to_str().unwrap(),
-        plan.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(c["max_live_bytes"].as_u64().unwrap() <= arena);
+    checks_within(&graph, &plan, arena);
     // The text report says what was allowed.
     let o = ok(&[
         "fit",

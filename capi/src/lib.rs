@@ -105,6 +105,18 @@ pub unsafe extern "C" fn memplan_example(spec: *const c_char, out: *mut *mut c_c
     }
 }
 
+/// The fit's objective: `minimise`, or "time" for NULL.
+///
+/// # Safety
+/// `minimise` must be null or a NUL-terminated string.
+unsafe fn objective<'a>(minimise: *const c_char) -> Result<&'a str, String> {
+    if minimise.is_null() {
+        return Ok("time");
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { text(minimise, "minimise") }
+}
+
 /// Fits `graph_json` into `budget_bytes` by recomputation; see `memplan.h`.
 ///
 /// # Safety
@@ -121,11 +133,7 @@ pub unsafe extern "C" fn memplan_fit(
     unsafe {
         answer(out, || {
             let g = text(graph_json, "graph_json")?;
-            let m = if minimise.is_null() {
-                "time"
-            } else {
-                text(minimise, "minimise")?
-            };
+            let m = objective(minimise)?;
             memplan::api::fit_json(g, budget_bytes, time_limit_seconds, m)
                 .map_err(|e| e.to_string())
         })
@@ -149,11 +157,7 @@ pub unsafe extern "C" fn memplan_fit_within(
     unsafe {
         answer(out, || {
             let g = text(graph_json, "graph_json")?;
-            let m = if minimise.is_null() {
-                "time"
-            } else {
-                text(minimise, "minimise")?
-            };
+            let m = objective(minimise)?;
             memplan::api::fit_within_json(g, max_added, time_limit_seconds, m)
                 .map_err(|e| e.to_string())
         })

@@ -773,26 +773,44 @@ mod tests {
             .min_by(f64::total_cmp)
     }
 
-    #[test]
-    fn exact_search_finds_the_cheapest_fitting_set() {
-        let mut rng = 7u64;
-        let mut next = |m: u64| {
-            rng = rng
+    /// A small linear congruential generator for the random toys.
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self, m: u64) -> u64 {
+            self.0 = self
+                .0
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            (rng >> 33) % m
-        };
+            (self.0 >> 33) % m
+        }
+    }
+
+    /// A toy of up to 8 candidates on a base of 1000 bytes, some gated on
+    /// an earlier one, with its candidates.
+    fn random_toy(rng: &mut Lcg) -> (Toy, Vec<Candidate>) {
+        let n = 1 + rng.next(8) as usize;
+        let free: Vec<u64> = (0..n).map(|_| 1 + rng.next(50)).collect();
+        let costs: Vec<f64> = (0..n).map(|_| 1.0 + rng.next(20) as f64).collect();
+        let needs = (0..n)
+            .map(|i| (i > 0 && rng.next(3) == 0).then(|| rng.next(i as u64) as usize))
+            .collect();
+        let c = cands(&costs, &free);
+        (
+            Toy {
+                base: 1000,
+                free,
+                needs,
+            },
+            c,
+        )
+    }
+
+    #[test]
+    fn exact_search_finds_the_cheapest_fitting_set() {
+        let mut rng = Lcg(7);
         for _ in 0..40 {
-            let n = 1 + next(8) as usize;
-            let free: Vec<u64> = (0..n).map(|_| 1 + next(50)).collect();
-            let costs: Vec<f64> = (0..n).map(|_| 1.0 + next(20) as f64).collect();
-            let needs = (0..n)
-                .map(|i| (i > 0 && next(3) == 0).then(|| next(i as u64) as usize))
-                .collect();
-            let base = 1000;
-            let mut toy = Toy { base, free, needs };
-            let c = cands(&costs, &toy.free);
-            let budget = base - next(120);
+            let (mut toy, c) = random_toy(&mut rng);
+            let budget = toy.base - rng.next(120);
             let want = brute(&mut toy, &c, budget);
             let s = select(
                 &c,
@@ -866,27 +884,10 @@ mod tests {
 
     #[test]
     fn within_a_cost_the_exact_search_finds_the_lowest_peak() {
-        let mut rng = 11u64;
-        let mut next = |m: u64| {
-            rng = rng
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (rng >> 33) % m
-        };
+        let mut rng = Lcg(11);
         for _ in 0..40 {
-            let n = 1 + next(8) as usize;
-            let free: Vec<u64> = (0..n).map(|_| 1 + next(50)).collect();
-            let costs: Vec<f64> = (0..n).map(|_| 1.0 + next(20) as f64).collect();
-            let needs = (0..n)
-                .map(|i| (i > 0 && next(3) == 0).then(|| next(i as u64) as usize))
-                .collect();
-            let mut toy = Toy {
-                base: 1000,
-                free,
-                needs,
-            };
-            let c = cands(&costs, &toy.free);
-            let max_cost = next(40) as f64;
+            let (mut toy, c) = random_toy(&mut rng);
+            let max_cost = rng.next(40) as f64;
             let want = brute_within(&mut toy, &c, max_cost);
             let s = select_within(
                 &c,
