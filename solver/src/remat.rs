@@ -513,7 +513,35 @@ impl<O: Oracle> Search<'_, O> {
     }
 }
 
-impl<O: Oracle> Search<'_, O> {
+impl<'a, O: Oracle> Search<'a, O> {
+    fn new(
+        cands: &'a [Candidate],
+        budget_bytes: u64,
+        max_cost: f64,
+        oracle: &'a mut O,
+        time: &'a Budget,
+    ) -> Self {
+        Search {
+            cands,
+            budget_bytes,
+            max_cost,
+            oracle,
+            time,
+            probes: 0,
+            best: None,
+        }
+    }
+
+    /// Steps 4 and 5 from `(chosen, p)`, with the patience the time since
+    /// `started` gives them.
+    fn local_search(&mut self, chosen: Vec<bool>, p: Probe, started: Instant, params: &FitParams) {
+        let patience_time = Duration::from_secs_f64(
+            (started.elapsed().as_secs_f64() * params.patience_factor).max(params.patience_secs),
+        );
+        let (chosen, p) = self.improve(chosen, p, patience_time);
+        self.perturb(chosen, p, &mut Rng::new(1), params.patience, patience_time);
+    }
+
     /// Iterated local search from a fitting set: drop a random part of it
     /// (at least one candidate, which may not come back), sometimes force
     /// a random other candidate in, repair with the greedy, prune, and keep
@@ -583,15 +611,7 @@ pub fn select<O: Oracle>(
 ) -> Selection {
     let started = Instant::now();
     let n = cands.len();
-    let mut s = Search {
-        cands,
-        budget_bytes,
-        max_cost: f64::INFINITY,
-        oracle,
-        time,
-        probes: 0,
-        best: None,
-    };
+    let mut s = Search::new(cands, budget_bytes, f64::INFINITY, oracle, time);
     let none = vec![false; n];
     let p0 = s.probe(&none);
     let mut optimal = false;
@@ -627,12 +647,7 @@ pub fn select<O: Oracle>(
                     .min_by(|a, b| s.cost(&a.0).total_cmp(&s.cost(&b.0)));
                 if let Some((chosen, p)) = fitting {
                     let (chosen, p) = s.prune(chosen, p);
-                    let patience_time = Duration::from_secs_f64(
-                        (started.elapsed().as_secs_f64() * params.patience_factor)
-                            .max(params.patience_secs),
-                    );
-                    let (chosen, p) = s.improve(chosen, p, patience_time);
-                    s.perturb(chosen, p, &mut Rng::new(1), params.patience, patience_time);
+                    s.local_search(chosen, p, started, params);
                 }
             }
         }
@@ -668,19 +683,12 @@ pub fn select_within<O: Oracle>(
 ) -> Selection {
     let started = Instant::now();
     let n = cands.len();
-    let mut s = Search {
-        cands,
-        budget_bytes: 0,
-        max_cost: if max_cost.is_finite() {
-            max_cost.max(0.0)
-        } else {
-            f64::MAX
-        },
-        oracle,
-        time,
-        probes: 0,
-        best: None,
+    let max_cost = if max_cost.is_finite() {
+        max_cost.max(0.0)
+    } else {
+        f64::MAX
     };
+    let mut s = Search::new(cands, 0, max_cost, oracle, time);
     let none = vec![false; n];
     let p0 = s.probe(&none);
     let exact = if n <= params.exact_candidates {
@@ -702,11 +710,7 @@ pub fn select_within<O: Oracle>(
             }
         }
         let (chosen, p) = s.best.clone().expect("probed at least once");
-        let patience_time = Duration::from_secs_f64(
-            (started.elapsed().as_secs_f64() * params.patience_factor).max(params.patience_secs),
-        );
-        let (chosen, p) = s.improve(chosen, p, patience_time);
-        s.perturb(chosen, p, &mut Rng::new(1), params.patience, patience_time);
+        s.local_search(chosen, p, started, params);
     }
     let (chosen, p) = s.best.clone().expect("probed at least once");
     Selection {
