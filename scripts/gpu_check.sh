@@ -77,6 +77,12 @@ llama() {
   run llama_tiny_bf16_cmp run --example llama-tiny --mixed-precision --device cuda --steps 3 --compare-cpu
   run llama_tiny_bf16_ckpt_cmp run --example llama-tiny --mixed-precision --checkpoint --device cuda --steps 3 --compare-cpu
   run gpt2_tiny_bf16_cmp run --example gpt2-tiny --mixed-precision --device cuda --steps 3 --compare-cpu
+  # A step with recomputed ops (`fit --max-added`: the smallest within 1%
+  # more FLOPs) against the CPU executor.
+  echo "== memplan fit --example llama-tiny --mixed-precision --max-added 1% --minimise flops"
+  "$BIN" fit --example llama-tiny --mixed-precision --max-added 1% --minimise flops --time-limit 10 \
+    --output-graph "$OUT/llama_tiny_fit.json" 2>&1 | tee "$OUT/llama_tiny_fit.txt"
+  run llama_tiny_fit_cmp run "$OUT/llama_tiny_fit.json" --device cuda --steps 3 --compare-cpu
   run llama_1b_cuda run --example llama3-1b --seq 1024 --device cuda --steps 5 --json
   run llama_1b_bf16_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json
 }
