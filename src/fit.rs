@@ -45,10 +45,12 @@
 //! the best peak found, saying that it is not proven.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use memplan_solver::Budget;
 use memplan_solver::remat::{self, Candidate, FitParams, Oracle, Probe};
+use memplan_solver::{Budget, Progress};
 
 use crate::cost::{CostModel, OpCost};
 use crate::error::Error;
@@ -457,6 +459,9 @@ pub struct FitOptions {
     pub cost_model: CostModel,
     pub search: FitParams,
     pub objective: Objective,
+    /// Counters the fit updates (plans made, best peak), for a progress
+    /// bar.
+    pub progress: Option<Arc<Progress>>,
 }
 
 impl Default for FitOptions {
@@ -468,6 +473,7 @@ impl Default for FitOptions {
             cost_model: CostModel::default(),
             search: FitParams::default(),
             objective: Objective::default(),
+            progress: None,
         }
     }
 }
@@ -534,6 +540,7 @@ struct Planner<'a> {
     plans: HashMap<Vec<bool>, Plan>,
     /// Why the last probe that failed to plan failed.
     failed: Option<String>,
+    progress: Option<Arc<Progress>>,
 }
 
 impl Planner<'_> {
@@ -608,7 +615,16 @@ impl Planner<'_> {
 const MAX_GROUP: usize = 8;
 
 impl Oracle for Planner<'_> {
+    fn best_changed(&mut self, peak: u64, _cost: f64) {
+        if let Some(p) = &self.progress {
+            p.best_peak.store(peak, Ordering::Relaxed);
+        }
+    }
+
     fn probe(&mut self, chosen: &[bool]) -> Probe {
+        if let Some(p) = &self.progress {
+            p.part_done();
+        }
         let planned = recompute(self.g, &self.chosen_ops(chosen))
             .and_then(|g| pipeline::plan(&g, &self.opts).map(|p| (g, p)));
         let (g, plan) = match planned {
@@ -653,7 +669,7 @@ impl Oracle for Planner<'_> {
 }
 
 impl<'a> Planner<'a> {
-    fn new(g: &'a Graph, cands: &'a [RematCandidate], probe_time: Duration) -> Self {
+    fn new(g: &'a Graph, cands: &'a [RematCandidate], opts: &FitOptions) -> Self {
         let mut index = vec![None; g.num_ops()];
         for (i, c) in cands.iter().enumerate() {
             index[c.op.index()] = Some(i);
@@ -663,12 +679,13 @@ impl<'a> Planner<'a> {
             cands,
             index,
             opts: Options {
-                time_limit: probe_time,
+                time_limit: opts.probe_time,
                 layouts: 1,
                 ..Options::default()
             },
             plans: HashMap::new(),
             failed: None,
+            progress: opts.progress.clone(),
         }
     }
 
@@ -756,7 +773,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
         )));
     }
     let cands = candidates(g, &opts.cost_model);
-    let mut planner = Planner::new(g, &cands, opts.probe_time);
+    let mut planner = Planner::new(g, &cands, opts);
     let time = Budget::new(opts.time_limit);
     let seeds = segment_seeds(g, &cands);
     let sel = remat::select(
@@ -807,7 +824,7 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
         )));
     }
     let cands = candidates(g, &opts.cost_model);
-    let mut planner = Planner::new(g, &cands, opts.probe_time);
+    let mut planner = Planner::new(g, &cands, opts);
     let time = Budget::new(opts.time_limit);
     let seeds = segment_seeds(g, &cands);
     let step = opts.objective.of(&opts.cost_model.total(g));

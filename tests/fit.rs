@@ -129,12 +129,18 @@ fn fitted_llama_runs_like_the_reference() {
 #[test]
 fn fitted_within_a_flops_share_runs_like_the_reference() {
     let g = gpt2::build(&Gpt2Config::small_config(3, 32, 2, 16, 2, 64)).unwrap();
+    let progress = std::sync::Arc::new(memplan_solver::Progress::new());
     let o = FitOptions {
         objective: Objective::Flops,
         time_limit: Duration::from_secs(8),
+        progress: Some(progress.clone()),
         ..opts(0)
     };
     let f = fit_within(&g, 0.01, &o).unwrap();
+    // The progress counters saw every plan and end at the answer.
+    let relaxed = std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(progress.done.load(relaxed), f.probes);
+    assert_eq!(progress.best_peak.load(relaxed), f.plan.arena_bytes);
     checker::check(&f.graph, &f.plan).unwrap();
     assert!(!f.recomputed.is_empty());
     assert!(f.added.flops > 0.0 && f.added.flops <= 0.01 * f.step.flops);

@@ -92,6 +92,9 @@ pub struct Probe {
 pub trait Oracle {
     /// Plans the step with the candidates marked in `chosen` recomputed.
     fn probe(&mut self, chosen: &[bool]) -> Probe;
+
+    /// Told each time the search's best set changes (for progress).
+    fn best_changed(&mut self, _peak: u64, _cost: f64) {}
 }
 
 /// Limits of the search.
@@ -239,6 +242,7 @@ impl<O: Oracle> Search<'_, O> {
             }
         };
         if better {
+            self.oracle.best_changed(p.peak, self.cost(chosen));
             self.best = Some((chosen.to_vec(), p.clone()));
         }
         p

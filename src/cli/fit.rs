@@ -161,11 +161,15 @@ pub fn run(a: FitArgs) -> Result<()> {
     if a.pareto {
         return pareto(&g, &a, limit);
     }
+    let progress = std::sync::Arc::new(memplan_solver::Progress::new());
+    progress.start_phase("fit: trying recomputation sets", 0);
     let mut opts = FitOptions {
         time_limit: limit,
         objective: a.minimise,
+        progress: Some(progress.clone()),
         ..FitOptions::default()
     };
+    let guard = super::progress::watch_fit(progress);
     let f = match &a.max_added {
         Some(share) => fit_within(&g, parse_share(share)?, &opts)?,
         None => {
@@ -174,6 +178,7 @@ pub fn run(a: FitArgs) -> Result<()> {
             fit(&g, &opts)?
         }
     };
+    drop(guard);
     write_outputs(&f, a.output.as_deref(), a.output_graph.as_deref())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&f.summary_json())?);

@@ -16,8 +16,31 @@ pub struct ProgressGuard {
     handle: Option<JoinHandle<()>>,
 }
 
-/// Starts watching `progress` from a background thread.
+/// Starts watching a solve's `progress` (parts of a phase) from a
+/// background thread.
 pub fn watch(progress: Arc<Progress>) -> ProgressGuard {
+    watch_with(
+        progress,
+        "{spinner} {elapsed_precise} {msg} [{bar:30}] {pos}/{len} parts",
+        |phase, _| phase,
+    )
+}
+
+/// Starts watching a fit's `progress`: the plans it has made and the best
+/// peak so far.
+pub fn watch_fit(progress: Arc<Progress>) -> ProgressGuard {
+    watch_with(
+        progress,
+        "{spinner} {elapsed_precise} {msg}",
+        |phase, done| format!("{phase}: {done} plans"),
+    )
+}
+
+fn watch_with(
+    progress: Arc<Progress>,
+    template: &'static str,
+    message: fn(String, usize) -> String,
+) -> ProgressGuard {
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     let handle = std::thread::spawn(move || {
@@ -30,21 +53,20 @@ pub fn watch(progress: Arc<Progress>) -> ProgressGuard {
         }
         let bar = ProgressBar::new(0);
         bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} {elapsed_precise} {msg} [{bar:30}] {pos}/{len} parts",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+            ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
         );
         while !flag.load(Ordering::Relaxed) {
+            let done = progress.done.load(Ordering::Relaxed);
             bar.set_length(progress.total.load(Ordering::Relaxed) as u64);
-            bar.set_position(progress.done.load(Ordering::Relaxed) as u64);
+            bar.set_position(done as u64);
             let best = progress.best_peak.load(Ordering::Relaxed);
-            let phase = progress.phase();
+            let msg = message(progress.phase(), done);
             if best > 0 {
-                bar.set_message(format!("{phase} (best peak so far {})", human_bytes(best)));
+                bar.set_message(format!("{msg} (best peak so far {})", human_bytes(best)));
             } else {
-                bar.set_message(phase);
+                bar.set_message(msg);
             }
             bar.tick();
             std::thread::sleep(Duration::from_millis(100));
