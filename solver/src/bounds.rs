@@ -205,6 +205,35 @@ pub fn simple_bound(p: &Problem) -> SimpleBound {
     }
     // Bytes at each topological position.
     let mut at_rank = vec![0u64; n];
+    let spans = spans(p, &rank, &mut at_rank);
+    let mut lanes = Lanes::default();
+    for chunk in spans.chunks(LANE_BITS) {
+        lanes.add_chunk(p, topo, &rank, chunk, &mut at_rank);
+    }
+    let mut per_op = vec![0u64; n];
+    for v in p.ops() {
+        // Only direct successors are surely later without reachability.
+        let succs: Vec<OpIdx> = p.succs(v).collect();
+        let save = reuse_savings(p, v, |u| succs.contains(&u));
+        per_op[v.index()] = (at_rank[rank[v.index()] as usize] + resident).saturating_sub(save);
+    }
+    let (at, mut bytes) = per_op
+        .iter()
+        .enumerate()
+        .max_by_key(|&(i, &b)| (b, std::cmp::Reverse(i)))
+        .map(|(i, &b)| (Some(OpIdx(i as u32)), b))
+        .unwrap_or((None, 0));
+    if unused > 0 {
+        bytes = bytes.max(first_step_term(p, &per_op, unused));
+    }
+    SimpleBound { bytes, per_op, at }
+}
+
+/// The buffers whose liveness depends on the order, as spans of
+/// topological positions (sorted); buffers live at their producer's step
+/// only are added to `at_rank` directly.
+fn spans(p: &Problem, rank: &[u32], at_rank: &mut [u64]) -> Vec<Span> {
+    let n = p.num_ops();
     let mut spans: Vec<Span> = Vec::new();
     for b in p.buf_ids() {
         let x = p.buf(b);
@@ -232,12 +261,33 @@ pub fn simple_bound(p: &Problem) -> SimpleBound {
         }
     }
     spans.sort_unstable_by_key(|s| (s.lo, s.hi));
-    let mut fwd: Vec<Lane> = Vec::new();
-    let mut bwd: Vec<Lane> = Vec::new();
-    for chunk in spans.chunks(LANE_BITS) {
+    spans
+}
+
+/// Per-position bit lanes of up to [`LANE_BITS`] spans, reused across
+/// chunks.
+#[derive(Default)]
+struct Lanes {
+    fwd: Vec<Lane>,
+    bwd: Vec<Lane>,
+}
+
+impl Lanes {
+    /// Adds to `at_rank` the bytes of the spans of `chunk` that are surely
+    /// live at each position: reachable from their producer (or born
+    /// before the step) and reaching a user (or persistent).
+    fn add_chunk(
+        &mut self,
+        p: &Problem,
+        topo: &[OpIdx],
+        rank: &[u32],
+        chunk: &[Span],
+        at_rank: &mut [u64],
+    ) {
         let lo = chunk.iter().map(|s| s.lo).min().unwrap_or(0) as usize;
         let hi = chunk.iter().map(|s| s.hi).max().unwrap_or(0) as usize;
         let len = hi - lo + 1;
+        let (fwd, bwd) = (&mut self.fwd, &mut self.bwd);
         fwd.clear();
         fwd.resize(len, [0; LANE_WORDS]);
         bwd.clear();
@@ -305,23 +355,6 @@ pub fn simple_bound(p: &Problem) -> SimpleBound {
             at_rank[r] += sum;
         }
     }
-    let mut per_op = vec![0u64; n];
-    for v in p.ops() {
-        // Only direct successors are surely later without reachability.
-        let succs: Vec<OpIdx> = p.succs(v).collect();
-        let save = reuse_savings(p, v, |u| succs.contains(&u));
-        per_op[v.index()] = (at_rank[rank[v.index()] as usize] + resident).saturating_sub(save);
-    }
-    let (at, mut bytes) = per_op
-        .iter()
-        .enumerate()
-        .max_by_key(|&(i, &b)| (b, std::cmp::Reverse(i)))
-        .map(|(i, &b)| (Some(OpIdx(i as u32)), b))
-        .unwrap_or((None, 0));
-    if unused > 0 {
-        bytes = bytes.max(first_step_term(p, &per_op, unused));
-    }
-    SimpleBound { bytes, per_op, at }
 }
 
 /// Live bytes at step 0 in any order: the op there is a source, so at
