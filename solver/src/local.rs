@@ -209,94 +209,15 @@ pub fn chain_hoist(p: &Problem, order: Vec<OpIdx>, budget: &Budget) -> (Vec<OpId
         }
         stats.rounds += 1;
         let i = pos[v.index()] as usize;
-        // The group: `v` and its private producers.
-        let mut base = vec![v];
-        let mut k = 0;
-        while k < base.len() {
-            let w = base[k];
-            k += 1;
-            for u in p.preds(w) {
-                if !base.contains(&u)
-                    && base.len() < CHAIN_MAX
-                    && p.succs(u).all(|s| base.contains(&s))
-                {
-                    base.push(u);
-                }
-            }
-        }
-        // The second variant also takes the consumers of `v`'s outputs whose
-        // other inputs are ready before `v` (the weight update after a
-        // weight-gradient op), so what `v` allocates can die with it.
-        let mut with_users = base.clone();
-        for b in p.outputs(v) {
-            for s in p.users(b) {
-                if !with_users.contains(&s)
-                    && with_users.len() < CHAIN_MAX
-                    && p.preds(s).all(|u| u == v || pos[u.index()] < i as u32)
-                {
-                    with_users.push(s);
-                }
-            }
-        }
-        let mut variants = vec![base];
-        if with_users.len() > variants[0].len() {
-            variants.push(with_users);
-        }
         let mut best: Option<((u64, u128), Vec<OpIdx>)> = None;
-        for mut group in variants {
-            // Only groups that free more than they keep allocated.
-            let inside = |o: &OpIdx| group.contains(o);
-            let mut read: Vec<_> = group.iter().flat_map(|&w| p.uses(w)).collect();
-            read.sort_unstable();
-            read.dedup();
-            let freed: u64 = read
-                .into_iter()
-                .filter(|&b| {
-                    !p.buf(b).persistent
-                        && !p.buf(b).producer.is_some_and(|q| inside(&q))
-                        && p.users(b).all(|u| inside(&u) || pos[u.index()] < i as u32)
-                })
-                .map(|b| p.size(b))
-                .sum();
-            let kept: u64 = group
-                .iter()
-                .flat_map(|&w| p.outputs(w))
-                .filter(|&b| p.buf(b).persistent || p.users(b).any(|u| !inside(&u)))
-                .map(|b| p.size(b))
-                .sum();
-            if freed <= kept {
+        for mut group in chain_groups(p, v, &pos) {
+            if !frees_more_than_it_keeps(p, &group, &pos, i) {
                 continue;
             }
             group.sort_by_key(|w| pos[w.index()]);
-            let first = pos[group[0].index()] as usize;
-            let earliest = group
-                .iter()
-                .flat_map(|&w| p.preds(w))
-                .filter(|u| !group.contains(u))
-                .map(|u| pos[u.index()] as usize + 1)
-                .max()
-                .unwrap_or(0);
-            if earliest >= first && group.len() == 1 {
+            let Some(points) = insertion_points(p, &group, &pos, i) else {
                 continue;
-            }
-            // Insertion points: the group goes just before `cur[t]`.
-            let mut points = vec![earliest];
-            for &w in &group {
-                for b in p.uses(w) {
-                    if p.buf(b).persistent {
-                        continue;
-                    }
-                    for u in p.users(b) {
-                        let pu = pos[u.index()] as usize;
-                        if !group.contains(&u) && pu >= earliest && pu < i {
-                            points.push(pu + 1);
-                        }
-                    }
-                }
-            }
-            points.sort_unstable();
-            points.dedup();
-            points.truncate(CHAIN_TRIES);
+            };
             for &t in &points {
                 let mut next = Vec::with_capacity(n);
                 for (k, &o) in cur.iter().enumerate() {
@@ -326,6 +247,102 @@ pub fn chain_hoist(p: &Problem, order: Vec<OpIdx>, budget: &Budget) -> (Vec<OpId
         }
     }
     (cur, stats)
+}
+
+/// The groups [`chain_hoist`] tries to move with `v`: `v` and its private
+/// producers; and also, when there are any, the consumers of `v`'s outputs
+/// whose other inputs are ready before `v` (the weight update after a
+/// weight-gradient op), so what `v` allocates can die with it.
+fn chain_groups(p: &Problem, v: OpIdx, pos: &[u32]) -> Vec<Vec<OpIdx>> {
+    let i = pos[v.index()];
+    let mut base = vec![v];
+    let mut k = 0;
+    while k < base.len() {
+        let w = base[k];
+        k += 1;
+        for u in p.preds(w) {
+            if !base.contains(&u) && base.len() < CHAIN_MAX && p.succs(u).all(|s| base.contains(&s))
+            {
+                base.push(u);
+            }
+        }
+    }
+    let mut with_users = base.clone();
+    for b in p.outputs(v) {
+        for s in p.users(b) {
+            if !with_users.contains(&s)
+                && with_users.len() < CHAIN_MAX
+                && p.preds(s).all(|u| u == v || pos[u.index()] < i)
+            {
+                with_users.push(s);
+            }
+        }
+    }
+    let mut variants = vec![base];
+    if with_users.len() > variants[0].len() {
+        variants.push(with_users);
+    }
+    variants
+}
+
+/// Whether moving `group` (of the op at position `i`) frees more bytes,
+/// inputs it reads last, than its outputs keep allocated.
+fn frees_more_than_it_keeps(p: &Problem, group: &[OpIdx], pos: &[u32], i: usize) -> bool {
+    let inside = |o: &OpIdx| group.contains(o);
+    let mut read: Vec<_> = group.iter().flat_map(|&w| p.uses(w)).collect();
+    read.sort_unstable();
+    read.dedup();
+    let freed: u64 = read
+        .into_iter()
+        .filter(|&b| {
+            !p.buf(b).persistent
+                && !p.buf(b).producer.is_some_and(|q| inside(&q))
+                && p.users(b).all(|u| inside(&u) || pos[u.index()] < i as u32)
+        })
+        .map(|b| p.size(b))
+        .sum();
+    let kept: u64 = group
+        .iter()
+        .flat_map(|&w| p.outputs(w))
+        .filter(|&b| p.buf(b).persistent || p.users(b).any(|u| !inside(&u)))
+        .map(|b| p.size(b))
+        .sum();
+    freed > kept
+}
+
+/// Where `group` (sorted by position) may go, as positions it goes just
+/// before: its earliest legal one and just after each other user of a
+/// buffer it reads; `None` when a single op cannot move earlier.
+fn insertion_points(p: &Problem, group: &[OpIdx], pos: &[u32], i: usize) -> Option<Vec<usize>> {
+    let first = pos[group[0].index()] as usize;
+    let earliest = group
+        .iter()
+        .flat_map(|&w| p.preds(w))
+        .filter(|u| !group.contains(u))
+        .map(|u| pos[u.index()] as usize + 1)
+        .max()
+        .unwrap_or(0);
+    if earliest >= first && group.len() == 1 {
+        return None;
+    }
+    let mut points = vec![earliest];
+    for &w in group {
+        for b in p.uses(w) {
+            if p.buf(b).persistent {
+                continue;
+            }
+            for u in p.users(b) {
+                let pu = pos[u.index()] as usize;
+                if !group.contains(&u) && pu >= earliest && pu < i {
+                    points.push(pu + 1);
+                }
+            }
+        }
+    }
+    points.sort_unstable();
+    points.dedup();
+    points.truncate(CHAIN_TRIES);
+    Some(points)
 }
 
 /// Most ops in a block [`tail_sink`] moves.
