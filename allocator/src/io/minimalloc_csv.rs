@@ -67,18 +67,39 @@ pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
         Some(r) => r.map_err(|e| csv_err(file, e))?,
     };
     let hline = header.position().map_or(1, |p| p.line());
+    let cols = columns(&header).map_err(|what| err(hline, what))?;
+    let mut buffers = Vec::new();
+    let mut seen = std::collections::HashMap::new();
+    for rec in records {
+        let rec = rec.map_err(|e| csv_err(file, e))?;
+        let line = rec.position().map_or(0, |p| p.line());
+        if rec.iter().all(|f| f.is_empty()) {
+            continue;
+        }
+        let b = buffer(&cols, &rec).map_err(|what| err(line, what))?;
+        if let Some(prev) = seen.insert(b.id.clone(), line) {
+            return Err(err(
+                line,
+                format!("buffer id {:?} already used on line {prev}", b.id),
+            ));
+        }
+        buffers.push(b);
+    }
+    Ok(Problem::new(buffers))
+}
+
+/// The header's columns: each known, none twice, the four required ones
+/// present.
+fn columns(header: &csv::StringRecord) -> Result<Vec<Col>, String> {
     let mut cols: Vec<Col> = Vec::new();
     for name in header.iter() {
         let c = column(&name.to_ascii_lowercase()).ok_or_else(|| {
-            err(
-                hline,
-                format!(
-                    "unknown column {name:?} (expected id, lower, upper, size, and optionally align, pinned, offset)"
-                ),
+            format!(
+                "unknown column {name:?} (expected id, lower, upper, size, and optionally align, pinned, offset)"
             )
         })?;
         if cols.contains(&c) {
-            return Err(err(hline, format!("column {name:?} appears twice")));
+            return Err(format!("column {name:?} appears twice"));
         }
         cols.push(c);
     }
@@ -89,90 +110,71 @@ pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
         (Col::Size, "size"),
     ] {
         if !cols.contains(&need) {
-            return Err(err(hline, format!("the header has no {name:?} column")));
+            return Err(format!("the header has no {name:?} column"));
         }
     }
-    let mut buffers = Vec::new();
-    let mut seen = std::collections::HashMap::new();
-    for rec in records {
-        let rec = rec.map_err(|e| csv_err(file, e))?;
-        let line = rec.position().map_or(0, |p| p.line());
-        if rec.iter().all(|f| f.is_empty()) {
-            continue;
-        }
-        if rec.len() != cols.len() {
-            return Err(err(
-                line,
-                format!("{} fields, but the header has {}", rec.len(), cols.len()),
-            ));
-        }
-        let mut b = Buffer::new("", 0, 0, 0);
-        for (c, field) in cols.iter().zip(rec.iter()) {
-            let num = |what: &str| -> Result<u64, AllocError> {
-                field.parse::<u64>().map_err(|_| {
-                    err(
-                        line,
-                        format!("{what}: expected a non-negative integer, got {field:?}"),
-                    )
-                })
-            };
-            match c {
-                Col::Id => {
-                    if field.is_empty() {
-                        return Err(err(line, "id: empty".into()));
-                    }
-                    b.id = field.to_string();
+    Ok(cols)
+}
+
+/// One row's buffer, its fields read by `cols` and checked.
+fn buffer(cols: &[Col], rec: &csv::StringRecord) -> Result<Buffer, String> {
+    if rec.len() != cols.len() {
+        return Err(format!(
+            "{} fields, but the header has {}",
+            rec.len(),
+            cols.len()
+        ));
+    }
+    let mut b = Buffer::new("", 0, 0, 0);
+    for (c, field) in cols.iter().zip(rec.iter()) {
+        let num = |what: &str| -> Result<u64, String> {
+            field
+                .parse::<u64>()
+                .map_err(|_| format!("{what}: expected a non-negative integer, got {field:?}"))
+        };
+        match c {
+            Col::Id => {
+                if field.is_empty() {
+                    return Err("id: empty".into());
                 }
-                Col::Lower => b.lower = num("lower")?,
-                Col::Upper => b.upper = num("upper")?,
-                Col::Size => b.size = num("size")?,
-                Col::Align => {
-                    b.align = num("align")?;
-                    if b.align == 0 {
-                        return Err(err(line, "align: must be at least 1".into()));
-                    }
+                b.id = field.to_string();
+            }
+            Col::Lower => b.lower = num("lower")?,
+            Col::Upper => b.upper = num("upper")?,
+            Col::Size => b.size = num("size")?,
+            Col::Align => {
+                b.align = num("align")?;
+                if b.align == 0 {
+                    return Err("align: must be at least 1".into());
                 }
-                Col::Pinned => {
-                    if !field.is_empty() {
-                        b.pinned = Some(num("pinned")?);
-                    }
+            }
+            Col::Pinned => {
+                if !field.is_empty() {
+                    b.pinned = Some(num("pinned")?);
                 }
-                Col::Offset => {
-                    if !field.is_empty() {
-                        num("offset")?;
-                    }
+            }
+            Col::Offset => {
+                if !field.is_empty() {
+                    num("offset")?;
                 }
             }
         }
-        if b.upper < b.lower {
-            return Err(err(
-                line,
-                format!(
-                    "buffer {}: upper {} is below lower {}",
-                    b.id, b.upper, b.lower
-                ),
-            ));
-        }
-        if let Some(p) = b.pinned
-            && p % b.align != 0
-        {
-            return Err(err(
-                line,
-                format!(
-                    "buffer {}: pinned at {p}, not a multiple of its align {}",
-                    b.id, b.align
-                ),
-            ));
-        }
-        if let Some(prev) = seen.insert(b.id.clone(), line) {
-            return Err(err(
-                line,
-                format!("buffer id {:?} already used on line {prev}", b.id),
-            ));
-        }
-        buffers.push(b);
     }
-    Ok(Problem::new(buffers))
+    if b.upper < b.lower {
+        return Err(format!(
+            "buffer {}: upper {} is below lower {}",
+            b.id, b.upper, b.lower
+        ));
+    }
+    if let Some(p) = b.pinned
+        && p % b.align != 0
+    {
+        return Err(format!(
+            "buffer {}: pinned at {p}, not a multiple of its align {}",
+            b.id, b.align
+        ));
+    }
+    Ok(b)
 }
 
 fn csv_err(file: &str, e: csv::Error) -> AllocError {
