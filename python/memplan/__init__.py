@@ -94,10 +94,11 @@ def _budget(budget):
 
 
 def _share(max_added):
-    if isinstance(max_added, bool) or not isinstance(max_added, (int, float)) \
-            or not math.isfinite(max_added) or max_added < 0:
-        raise TypeError("max_added must be a share of the step's cost, 0 or more "
-                        f"(0.001 for 0.1%), not {max_added!r}")
+    if isinstance(max_added, bool) or not isinstance(max_added, (int, float)):
+        raise TypeError(f"max_added must be a number (0.001 for 0.1%), not {max_added!r}")
+    if not math.isfinite(max_added) or max_added < 0:
+        raise ValueError("max_added must be a share of the step's cost, 0 or more "
+                         f"(0.001 for 0.1%), not {max_added!r}")
     return float(max_added)
 
 

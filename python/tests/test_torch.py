@@ -333,8 +333,10 @@ class FittedStepsRecompute(unittest.TestCase):
         self.assertIn("recompute.", " ".join(op["id"] for op in h.step.graph["ops"]))
         with self.assertRaisesRegex(TypeError, "either budget"):
             h.step.fit(1 << 20, max_added=0.01)
-        with self.assertRaisesRegex(TypeError, "max_added"):
+        with self.assertRaisesRegex(ValueError, "max_added"):
             memplan.fit(h.step.graph, max_added=-0.5)
+        with self.assertRaisesRegex(TypeError, "max_added"):
+            memplan.fit(h.step.graph, max_added="1%")
         # The same through capture().
         model = gpt2()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
