@@ -836,13 +836,8 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
         &time,
         &seeds,
     );
-    let mut f = planner.fitted(
-        &sel,
-        &FitOptions {
-            budget: sel.peak,
-            ..opts.clone()
-        },
-    )?;
+    let mut f = planner.fitted(&sel, opts)?;
+    f.budget = f.plan.arena_bytes;
     f.max_added = Some(max_added);
     f.seconds = start.elapsed().as_secs_f64();
     Ok(f)

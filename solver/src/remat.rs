@@ -152,6 +152,7 @@ pub struct Selection {
 
 struct Search<'a, O: Oracle> {
     cands: &'a [Candidate],
+    /// The budget ([`select`]); 0 and unused within a cost.
     budget_bytes: u64,
     /// The most a set may cost ([`select_within`]); infinite when fitting
     /// a budget ([`select`]).
@@ -297,11 +298,13 @@ impl<O: Oracle> Search<'_, O> {
     /// on their own are not tried again.
     /// Groups holding a candidate marked in `excluded` are never added, nor
     /// groups that would take the set's cost above [`Search::max_cost`].
-    /// With `one_by_one`, each round adds only the best idle group.
+    /// With `one_by_one`, each round adds only the best idle group. It aims
+    /// at `target` bytes (the budget, or 0 to go as low as the cost allows).
     fn greedy(
         &mut self,
         mut chosen: Vec<bool>,
         mut p: Probe,
+        target: u64,
         excluded: &[bool],
         one_by_one: bool,
     ) -> (Vec<bool>, Probe) {
@@ -309,8 +312,8 @@ impl<O: Oracle> Search<'_, O> {
         // Share of the excess one round tries to cover: halved after a
         // round that raised the peak, doubled after one that lowered it.
         let mut share = 1.0f64;
-        while p.peak > self.budget_bytes && !self.time.expired() {
-            let excess = ((p.peak - self.budget_bytes) as f64 * share) as u64;
+        while p.peak > target && !self.time.expired() {
+            let excess = ((p.peak - target) as f64 * share) as u64;
             let spent = self.cost(&chosen);
             let mut idle: Vec<(f64, Vec<usize>, u64)> = p
                 .idle
@@ -385,10 +388,11 @@ impl<O: Oracle> Search<'_, O> {
         (chosen, p)
     }
 
-    /// Drops chosen candidates, most expensive first, while the step fits:
-    /// in runs (a whole run at once when that fits, else each half), so a
-    /// large set needs far fewer plans than one per candidate.
-    fn prune(&mut self, mut chosen: Vec<bool>, mut p: Probe) -> (Vec<bool>, Probe) {
+    /// Drops chosen candidates, most expensive first, while the step fits
+    /// `target` bytes: in runs (a whole run at once when that fits, else
+    /// each half), so a large set needs far fewer plans than one per
+    /// candidate.
+    fn prune(&mut self, mut chosen: Vec<bool>, mut p: Probe, target: u64) -> (Vec<bool>, Probe) {
         if !p.unused.is_empty() {
             for &i in &p.unused {
                 chosen[i] = false;
@@ -405,7 +409,7 @@ impl<O: Oracle> Search<'_, O> {
                 chosen[i] = false;
             }
             let q = self.probe(&chosen);
-            if q.peak <= self.budget_bytes {
+            if q.peak <= target {
                 p = q;
                 continue;
             }
@@ -434,11 +438,12 @@ impl<O: Oracle> Search<'_, O> {
         if self.within() {
             return Some(self.descend(start, q, excluded, one_by_one));
         }
-        let (c, q) = self.greedy(start, q, excluded, one_by_one);
-        if q.peak > self.budget_bytes {
+        let budget = self.budget_bytes;
+        let (c, q) = self.greedy(start, q, budget, excluded, one_by_one);
+        if q.peak > budget {
             return None;
         }
-        let (c, q) = self.prune(c, q);
+        let (c, q) = self.prune(c, q, budget);
         (q.peak <= self.budget_bytes).then_some((c, q))
     }
 
@@ -456,10 +461,9 @@ impl<O: Oracle> Search<'_, O> {
         let mut last = u64::MAX;
         while p.peak < last && !self.time.expired() {
             last = p.peak;
-            self.budget_bytes = 0;
-            (chosen, p) = self.greedy(chosen, p, excluded, one_by_one);
-            self.budget_bytes = p.peak;
-            (chosen, p) = self.prune(chosen, p);
+            (chosen, p) = self.greedy(chosen, p, 0, excluded, one_by_one);
+            let reached = p.peak;
+            (chosen, p) = self.prune(chosen, p, reached);
         }
         (chosen, p)
     }
@@ -635,8 +639,8 @@ pub fn select<O: Oracle>(
             }
             None => {
                 let mut starts = vec![
-                    s.greedy(none.clone(), p0.clone(), &none, false),
-                    s.greedy(none.clone(), p0, &none, true),
+                    s.greedy(none.clone(), p0.clone(), budget_bytes, &none, false),
+                    s.greedy(none.clone(), p0, budget_bytes, &none, true),
                 ];
                 for seed in seeds.iter().filter(|x| x.len() == n) {
                     if s.time.expired() {
@@ -650,7 +654,7 @@ pub fn select<O: Oracle>(
                     .filter(|(_, p)| p.peak <= budget_bytes)
                     .min_by(|a, b| s.cost(&a.0).total_cmp(&s.cost(&b.0)));
                 if let Some((chosen, p)) = fitting {
-                    let (chosen, p) = s.prune(chosen, p);
+                    let (chosen, p) = s.prune(chosen, p, budget_bytes);
                     s.local_search(chosen, p, started, params);
                 }
             }
