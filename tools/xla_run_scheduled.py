@@ -278,8 +278,27 @@ def main():
         compile_and_run(a.module, a.out, a.seed)
         return
 
-    work = a.work or tempfile.mkdtemp(prefix="xla_run_scheduled_")
-    os.makedirs(work, exist_ok=True)
+    if a.work:
+        os.makedirs(a.work, exist_ok=True)
+        result = compare(a, a.work)
+        result["work"] = a.work
+    else:
+        # XLA's dumps of a large module take hundreds of MB: without --work
+        # they go to a temporary folder removed at the end.
+        with tempfile.TemporaryDirectory(prefix="xla_run_scheduled_") as work:
+            result = compare(a, work)
+    if a.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for k, v in result.items():
+            print(f"{k:34} {v:.4f}" if isinstance(v, float) else f"{k:34} {v}")
+    if not (result["xla_kept_memplan_order"] and result["outputs_close"]):
+        sys.exit(1)
+
+
+def compare(a, work):
+    """Plans the module, relists it in memplan's order, runs both with XLA
+    in `work` and returns what main prints."""
     plan, relisted = os.path.join(work, "plan.json"), os.path.join(work, "relisted.txt")
     extra = ["--xla-allocations"] if a.xla_allocations else []
     res = subprocess.run([a.memplan, "plan", a.module, "-o", plan, "--json",
@@ -328,14 +347,7 @@ def main():
             "xla_idle_temp_bytes_at_peak": lv["idle"].get("temp", 0),
             "xla_largest_idle_allocation": f"{lv['largest_idle'][1]} ({lv['largest_idle'][0]} bytes)",
         })
-    result["work"] = work
-    if a.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for k, v in result.items():
-            print(f"{k:34} {v:.4f}" if isinstance(v, float) else f"{k:34} {v}")
-    if not (kept and close):
-        sys.exit(1)
+    return result
 
 
 if __name__ == "__main__":
