@@ -5,6 +5,11 @@
 #   cargo build --release --features cuda --bin memplan
 #   scripts/gpu_check.sh [MEMPLAN_BINARY] [OUT_DIR]
 #
+# On a lent machine with no Rust toolchain, build here with
+# scripts/gpu_bundle.sh and carry .gpu/ (its header has the device call):
+# the binary defaults to .gpu/memplan and memplan.torch's extension to
+# .gpu/_memplan.abi3.so when they are there.
+#
 # It finds cuBLAS/NVRTC (a CUDA toolkit, or the nvidia-* wheels PyTorch
 # installs) for LD_LIBRARY_PATH, runs the built-in GPT-2 tiny and small steps
 # on CUDA with --compare-cpu (CUDA losses and final parameters against the
@@ -17,6 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/memplan}
+[ -z "${1:-}" ] && [ -x .gpu/memplan ] && BIN=.gpu/memplan
 OUT=${2:-gpu-check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -26,7 +32,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 libdirs=$(find / \( -path /proc -o -path /sys \) -prune -o \
   \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libnccl.so*' -o -name 'libcublasLt.so*' \) \
   -print 2>/dev/null | grep -v /stubs/ | xargs -r -n1 dirname | sort -u | tr '\n' ':')
-export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
+# cudarc looks for libnccl.so (or .so.<CUDA major>); NCCL's wheel has only
+# libnccl.so.2, so a link to it goes first on the path.
+links=$(mktemp -d)
+nccl=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libnccl.so.2' -print 2>/dev/null | head -1)
+[ -n "$nccl" ] && ln -s "$nccl" "$links/libnccl.so"
+export LD_LIBRARY_PATH="${links}:${libdirs}${LD_LIBRARY_PATH:-}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 
 run() { # name, then memplan arguments
@@ -117,11 +128,16 @@ torch_side() {
 torch_step() {
   # memplan.torch's arena step against eager PyTorch on the GPU, from the
   # same weights (issue 12's GPU targets): max_memory_allocated/reserved,
-  # step time, results. The extension is built with cargo (no maturin
-  # needed; HiGHS off, so no cmake either) and found through PYTHONPATH.
+  # step time, results. The extension comes from .gpu/ (gpu_bundle.sh) or
+  # is built with cargo (no maturin needed; HiGHS off, so no cmake either)
+  # and is found through PYTHONPATH.
   if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    cargo build --release -p memplan-python --no-default-features \
-      && cp target/release/lib_memplan.so python/memplan/_memplan.abi3.so || return
+    if [ -f .gpu/_memplan.abi3.so ]; then
+      cp .gpu/_memplan.abi3.so python/memplan/_memplan.abi3.so || return
+    else
+      cargo build --release -p memplan-python --no-default-features \
+        && cp target/release/lib_memplan.so python/memplan/_memplan.abi3.so || return
+    fi
     local xl=
     python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"

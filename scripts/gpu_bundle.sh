@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds, on this machine, what a lent GPU machine needs to run
+# scripts/gpu_check.sh: that machine has CUDA, PyTorch and transformers but
+# no Rust toolchain and no network, so the memplan binary (with the CUDA
+# executor) and the Python extension travel prebuilt in the ignored folder
+# .gpu/ (the device tool's `carry`, 64 MiB in all; both are stripped).
+#
+#   scripts/gpu_bundle.sh            # then, with the device tool:
+#   run(carry=[".gpu"], command="bash scripts/gpu_check.sh .gpu/memplan /tmp/gc > $OUT/log 2>&1;
+#       tar czf $OUT/gc.tgz -C /tmp gc")
+#
+# SECTIONS=... before `bash` picks gpu_check.sh's sections (each call is at
+# most 10 minutes). cudarc loads CUDA at run time; with no nvcc here its
+# bindings are those of CUDA_VERSION below (13.0 by default: the lent
+# machines' driver 580 and their nvidia-*-cu13 wheels), and libraries are
+# found by their major version (libcublas.so.13, libnvrtc.so.13).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CUDARC_CUDA_VERSION=${CUDA_VERSION:-13000}
+cargo build --release --features cuda --bin memplan
+# The extension without HiGHS (no cmake there, and memplan.torch does not
+# need the ILP); abi3, so the machine's Python 3.12 loads it.
+cargo build --release -p memplan-python --no-default-features
+mkdir -p .gpu
+strip -o .gpu/memplan target/release/memplan
+strip -o .gpu/_memplan.abi3.so target/release/lib_memplan.so
+ls -l .gpu
+du -sh .gpu
