@@ -16,5 +16,15 @@ bash tools/check_cuda_syntax.sh
 cargo test --workspace --exclude memplan-python --doc --features memplan/cuda
 # The Python package (PyO3 + maturin) in the ignored .venv.
 bash scripts/python_tests.sh
+# The CUDA kernels compiled by NVRTC itself (it needs no GPU), with the
+# NVRTC that PyTorch's CUDA wheels put in .venv: machine code for sm_80,
+# sm_90 and sm_100, every kernel within its launch bound, no spills.
+nvrtc=$(ls "$PWD"/.venv/lib/python3*/site-packages/nvidia/*/lib/libnvrtc.so.* 2>/dev/null | head -1)
+if [ -z "$nvrtc" ]; then
+  echo "no libnvrtc.so in .venv's nvidia packages (PyPI's torch wheel brings one)" >&2
+  exit 1
+fi
+LD_LIBRARY_PATH="$(dirname "$nvrtc")" \
+  cargo test --workspace --exclude memplan-python --lib --features memplan/cuda cuda::compile -- --ignored
 # The Python tools' tests, with the torch that python_tests.sh installed.
 .venv/bin/python -m unittest discover -s tools -t .

@@ -14,6 +14,7 @@ cat > "$shim" <<'SHIM'
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(n)
 struct dim3_ { unsigned x, y, z; };
 extern dim3_ threadIdx, blockIdx, blockDim, gridDim;
 float __shfl_xor_sync(unsigned, float, int);

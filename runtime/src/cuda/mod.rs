@@ -20,6 +20,7 @@
 //! the allocation to its page size, and anything a library allocated during
 //! the step, even if it freed it again before the step ended.
 
+pub mod compile;
 pub mod nccl;
 
 use std::collections::HashMap;
@@ -36,8 +37,7 @@ use cudarc::driver::{
 use crate::binding::Bindings;
 use crate::comm::Communicator;
 use crate::device::{
-    CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, KERNELS_CU, Launch, kernel_params,
-    lower_all,
+    CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, Launch, kernel_params, lower_all,
 };
 use crate::error::{Result, RuntimeError};
 use crate::program::{DType, Program, TensorIdx};
@@ -272,20 +272,9 @@ impl CudaExecutor {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| driver("cuDeviceGetAttribute(compute capability)", e))?;
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-            name: Some("memplan_kernels.cu".into()),
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS_CU, opts).map_err(|e| {
-            RuntimeError::Device {
-                library: "NVRTC",
-                call: "nvrtcCompileProgram(kernels.cu)".into(),
-                why: format!("{e:?}"),
-            }
-        })?;
+        let kernels = compile::compile_kernels(major, minor)?;
         let module = ctx
-            .load_module(ptx)
+            .load_module(kernels.image)
             .map_err(|e| driver("cuModuleLoadData", e))?;
         let mut funcs = HashMap::new();
         for k in DevKernel::ALL {

@@ -35,6 +35,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(n)
 
 namespace host {
 struct Dim {

@@ -15,6 +15,11 @@
 
 typedef long long i64;
 
+// Every kernel declares the most threads per block it is launched with
+// (`__launch_bounds__`): the compiler then keeps registers within what a
+// block that size can get, and `device::launch_bound` reads the bound back
+// so the lowering can never launch a larger block. 1024 unless noted.
+
 #define GELU_C 0.7978845608028654f
 // -infinity without math headers (NVRTC compiles without them).
 #define NEG_INF __int_as_float(0xff800000)
@@ -99,12 +104,12 @@ struct Buf {
 __device__ __forceinline__ void fail(int* err, int code) { atomicCAS(err, 0, code); }
 
 // y[i, j] = b[j]  (y: m x n)
-extern "C" __global__ void fill_rows(Buf y, Buf b, i64 m, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) fill_rows(Buf y, Buf b, i64 m, i64 n) {
     GRID_STRIDE(i, m * n) y.set(i, b[i % n]);
 }
 
 // out[j] = sum_i a[i, j]  (a: m x n), rows in order.
-extern "C" __global__ void col_sum(Buf a, Buf out, i64 m, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) col_sum(Buf a, Buf out, i64 m, i64 n) {
     GRID_STRIDE(j, n) {
         float s = 0.f;
         for (i64 i = 0; i < m; ++i) s += a[i * n + j];
@@ -113,12 +118,12 @@ extern "C" __global__ void col_sum(Buf a, Buf out, i64 m, i64 n) {
 }
 
 // In place: c = a or c = b.
-extern "C" __global__ void add_f32(Buf a, Buf b, Buf c, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) add_f32(Buf a, Buf b, Buf c, i64 n) {
     GRID_STRIDE(i, n) c.set(i, a[i] + b[i]);
 }
 
 // y = x in y's dtype. Never in place (a cast between dtypes changes sizes).
-extern "C" __global__ void cast(Buf x, Buf y, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) cast(Buf x, Buf y, i64 n) {
     GRID_STRIDE(i, n) y.set(i, x[i]);
 }
 
@@ -134,17 +139,17 @@ __device__ __forceinline__ float gelu_g(float x) {
 }
 
 // In place: y = x.
-extern "C" __global__ void gelu_fwd(Buf x, Buf y, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) gelu_fwd(Buf x, Buf y, i64 n) {
     GRID_STRIDE(i, n) y.set(i, gelu_f(x[i]));
 }
 
 // In place: dx = dy.
-extern "C" __global__ void gelu_bwd(Buf dy, Buf x, Buf dx, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) gelu_bwd(Buf dy, Buf x, Buf dx, i64 n) {
     GRID_STRIDE(i, n) dx.set(i, dy[i] * gelu_g(x[i]));
 }
 
 // In place: y = x.
-extern "C" __global__ void relu_fwd(Buf x, Buf y, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) relu_fwd(Buf x, Buf y, i64 n) {
     GRID_STRIDE(i, n) {
         float v = x[i];
         y.set(i, v > 0.f ? v : 0.f);
@@ -152,12 +157,12 @@ extern "C" __global__ void relu_fwd(Buf x, Buf y, i64 n) {
 }
 
 // In place: dx = dy.
-extern "C" __global__ void relu_bwd(Buf dy, Buf x, Buf dx, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) relu_bwd(Buf dy, Buf x, Buf dx, i64 n) {
     GRID_STRIDE(i, n) dx.set(i, x[i] > 0.f ? dy[i] : 0.f);
 }
 
 // One block per row.
-extern "C" __global__ void layernorm_fwd(Buf x, Buf g, Buf b, Buf y, Buf mean, Buf rstd, i64 rows, i64 cols,
+extern "C" __global__ void __launch_bounds__(1024) layernorm_fwd(Buf x, Buf g, Buf b, Buf y, Buf mean, Buf rstd, i64 rows, i64 cols,
                                          float eps) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
@@ -180,7 +185,7 @@ extern "C" __global__ void layernorm_fwd(Buf x, Buf g, Buf b, Buf y, Buf mean, B
 }
 
 // dgamma[j] = sum_r dy[r,j] xhat[r,j], dbeta[j] = sum_r dy[r,j]: one thread per column.
-extern "C" __global__ void layernorm_bwd_params(Buf dy, Buf x, Buf mean, Buf rstd, Buf dg, Buf db, i64 rows,
+extern "C" __global__ void __launch_bounds__(1024) layernorm_bwd_params(Buf dy, Buf x, Buf mean, Buf rstd, Buf dg, Buf db, i64 rows,
                                                 i64 cols) {
     GRID_STRIDE(j, cols) {
         float sg = 0.f, sb = 0.f;
@@ -195,7 +200,7 @@ extern "C" __global__ void layernorm_bwd_params(Buf dy, Buf x, Buf mean, Buf rst
 }
 
 // One block per row. In place: dx = dy (runs after layernorm_bwd_params).
-extern "C" __global__ void layernorm_bwd_data(Buf dy, Buf x, Buf mean, Buf rstd, Buf g, Buf dx, i64 rows,
+extern "C" __global__ void __launch_bounds__(1024) layernorm_bwd_data(Buf dy, Buf x, Buf mean, Buf rstd, Buf g, Buf dx, i64 rows,
                                               i64 cols) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
@@ -217,7 +222,7 @@ extern "C" __global__ void layernorm_bwd_data(Buf dy, Buf x, Buf mean, Buf rstd,
 // ---- Llama-style decoder kernels -------------------------------------------
 
 // One block per row: y = x * rstd * g, rstd = 1 / sqrt(mean(x^2) + eps).
-extern "C" __global__ void rmsnorm_fwd(Buf x, Buf g, Buf y, Buf rstd, i64 rows, i64 cols, float eps) {
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fwd(Buf x, Buf g, Buf y, Buf rstd, i64 rows, i64 cols, float eps) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     Buf xr = x + r * cols;
@@ -229,7 +234,7 @@ extern "C" __global__ void rmsnorm_fwd(Buf x, Buf g, Buf y, Buf rstd, i64 rows, 
 }
 
 // dgamma[j] = sum_r dy[r,j] x[r,j] rstd[r]: one thread per column.
-extern "C" __global__ void rmsnorm_bwd_params(Buf dy, Buf x, Buf rstd, Buf dg, i64 rows, i64 cols) {
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_bwd_params(Buf dy, Buf x, Buf rstd, Buf dg, i64 rows, i64 cols) {
     GRID_STRIDE(j, cols) {
         float sg = 0.f;
         for (i64 r = 0; r < rows; ++r) sg += dy[r * cols + j] * x[r * cols + j] * rstd[r];
@@ -239,7 +244,7 @@ extern "C" __global__ void rmsnorm_bwd_params(Buf dy, Buf x, Buf rstd, Buf dg, i
 
 // One block per row. In place: dx = dy (runs after rmsnorm_bwd_params).
 // dx = rstd * (g dy - x rstd^2 mean(g dy x)).
-extern "C" __global__ void rmsnorm_bwd_data(Buf dy, Buf x, Buf rstd, Buf g, Buf dx, i64 rows, i64 cols) {
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_bwd_data(Buf dy, Buf x, Buf rstd, Buf g, Buf dx, i64 rows, i64 cols) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     const float rs = rstd[r];
@@ -254,7 +259,7 @@ extern "C" __global__ void rmsnorm_bwd_data(Buf dy, Buf x, Buf rstd, Buf g, Buf 
 // pair (i, i + D/2) of each head turns by sign * pos * theta^(-2i/D), pos = row % seq;
 // the angle is computed in double. One thread per pair, then the value part
 // is copied when y is not x. In place: y = x.
-extern "C" __global__ void rope_fwd(Buf x, Buf y, i64 rows, i64 seq, i64 rot_heads, i64 width, i64 hd,
+extern "C" __global__ void __launch_bounds__(1024) rope_fwd(Buf x, Buf y, i64 rows, i64 seq, i64 rot_heads, i64 width, i64 hd,
                                     double theta, float sign) {
     i64 half = hd / 2, pairs = rot_heads * half;
     GRID_STRIDE(k, rows * pairs) {
@@ -279,7 +284,7 @@ extern "C" __global__ void rope_fwd(Buf x, Buf y, i64 rows, i64 seq, i64 rot_hea
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
 // h[r, j] = silu(gu[r, j]) * gu[r, F + j]
-extern "C" __global__ void swiglu_fwd(Buf gu, Buf h, i64 rows, i64 hidden) {
+extern "C" __global__ void __launch_bounds__(1024) swiglu_fwd(Buf gu, Buf h, i64 rows, i64 hidden) {
     GRID_STRIDE(k, rows * hidden) {
         i64 r = k / hidden, j = k % hidden;
         float g = gu[r * 2 * hidden + j], u = gu[r * 2 * hidden + hidden + j];
@@ -288,7 +293,7 @@ extern "C" __global__ void swiglu_fwd(Buf gu, Buf h, i64 rows, i64 hidden) {
 }
 
 // dgate = dh * up * silu'(gate), dup = dh * silu(gate)
-extern "C" __global__ void swiglu_bwd(Buf dh, Buf gu, Buf dgu, i64 rows, i64 hidden) {
+extern "C" __global__ void __launch_bounds__(1024) swiglu_bwd(Buf dh, Buf gu, Buf dgu, i64 rows, i64 hidden) {
     GRID_STRIDE(k, rows * hidden) {
         i64 r = k / hidden, j = k % hidden, at = r * 2 * hidden + j;
         float g = gu[at], u = gu[at + hidden], sg = sigmoidf(g), d = dh[k];
@@ -299,7 +304,7 @@ extern "C" __global__ void swiglu_bwd(Buf dh, Buf gu, Buf dgu, i64 rows, i64 hid
 
 // One block per row of length t (row r is row r % t of its matrix).
 // In place: p = s.
-extern "C" __global__ void causal_softmax_fwd(Buf s, Buf p, i64 rows, i64 t) {
+extern "C" __global__ void __launch_bounds__(1024) causal_softmax_fwd(Buf s, Buf p, i64 rows, i64 t) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     i64 i = r % t;
@@ -315,7 +320,7 @@ extern "C" __global__ void causal_softmax_fwd(Buf s, Buf p, i64 rows, i64 t) {
 }
 
 // One block per row. In place: ds = dp.
-extern "C" __global__ void causal_softmax_bwd(Buf dp, Buf p, Buf ds, i64 rows, i64 t) {
+extern "C" __global__ void __launch_bounds__(1024) causal_softmax_bwd(Buf dp, Buf p, Buf ds, i64 rows, i64 t) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     float dot = 0.f;
@@ -325,7 +330,7 @@ extern "C" __global__ void causal_softmax_bwd(Buf dp, Buf p, Buf ds, i64 rows, i
 }
 
 // Zero above the diagonal of `mats` t x t matrices.
-extern "C" __global__ void zero_upper(Buf s, i64 mats, i64 t) {
+extern "C" __global__ void __launch_bounds__(1024) zero_upper(Buf s, i64 mats, i64 t) {
     GRID_STRIDE(k, mats * t * t) {
         i64 i = (k / t) % t, j = k % t;
         if (j > i) s.set(k, 0.f);
@@ -333,7 +338,7 @@ extern "C" __global__ void zero_upper(Buf s, i64 mats, i64 t) {
 }
 
 // Zero the query and key parts (first 2c columns) of `rows` rows of 3c.
-extern "C" __global__ void zero_qk(Buf dqkv, i64 rows, i64 c) {
+extern "C" __global__ void __launch_bounds__(1024) zero_qk(Buf dqkv, i64 rows, i64 c) {
     GRID_STRIDE(k, rows * 2 * c) {
         i64 r = k / (2 * c), j = k % (2 * c);
         dqkv.set(r * 3 * c + j, 0.f);
@@ -341,7 +346,7 @@ extern "C" __global__ void zero_qk(Buf dqkv, i64 rows, i64 c) {
 }
 
 // One block per row; loss (f32) must be zero beforehand.
-extern "C" __global__ void cross_entropy_fwd(Buf logits, const int* tgt, Buf loss, i64 rows, i64 classes, int* err,
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwd(Buf logits, const int* tgt, Buf loss, i64 rows, i64 classes, int* err,
                                              int code) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
@@ -360,7 +365,7 @@ extern "C" __global__ void cross_entropy_fwd(Buf logits, const int* tgt, Buf los
 }
 
 // One block per row. In place: d = logits.
-extern "C" __global__ void cross_entropy_bwd(Buf logits, const int* tgt, Buf d, i64 rows, i64 classes, float scale,
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_bwd(Buf logits, const int* tgt, Buf d, i64 rows, i64 classes, float scale,
                                              int* err, int code) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
@@ -382,7 +387,7 @@ extern "C" __global__ void cross_entropy_bwd(Buf logits, const int* tgt, Buf d, 
 }
 
 // x[r, :] = wte[tok[r], :] + wpe[r % seq, :]  (wpe may be null: no positions)
-extern "C" __global__ void embedding_fwd(const int* tok, Buf wte, Buf wpe, Buf x, i64 bt, i64 seq, i64 width,
+extern "C" __global__ void __launch_bounds__(1024) embedding_fwd(const int* tok, Buf wte, Buf wpe, Buf x, i64 bt, i64 seq, i64 width,
                                          i64 vocab, int* err, int code) {
     GRID_STRIDE(i, bt * width) {
         i64 r = i / width, c = i % width;
@@ -403,7 +408,7 @@ extern "C" __global__ void embedding_fwd(const int* tok, Buf wte, Buf wpe, Buf x
 //
 // 1. count[t + 1] += 1 for every valid token t (count zeroed beforehand,
 //    vocab + 1 entries).
-extern "C" __global__ void embedding_count(const int* tok, int* count, i64 bt, i64 vocab, int* err, int code) {
+extern "C" __global__ void __launch_bounds__(1024) embedding_count(const int* tok, int* count, i64 bt, i64 vocab, int* err, int code) {
     GRID_STRIDE(r, bt) {
         int t = tok[r];
         if (t < 0 || t >= vocab) fail(err, code);
@@ -415,7 +420,7 @@ extern "C" __global__ void embedding_count(const int* tok, int* count, i64 bt, i
 //    sums a contiguous chunk, the block scans the chunk sums, and each
 //    thread rewrites its chunk. Afterwards count[t] is the first slot of
 //    token t and count[t + 1] one past its last.
-extern "C" __global__ void scan_counts(int* count, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) scan_counts(int* count, i64 n) {
     __shared__ int sums[1024];
     i64 chunk = (n + blockDim.x - 1) / blockDim.x;
     i64 lo = threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
@@ -437,7 +442,7 @@ extern "C" __global__ void scan_counts(int* count, i64 n) {
 //    (fill zeroed beforehand, vocab entries). Positions of one token land
 //    in any order, so the f32 sums below may differ in their last bits
 //    between runs, as float atomics would.
-extern "C" __global__ void embedding_place(const int* tok, const int* start, int* fill, int* order, i64 bt,
+extern "C" __global__ void __launch_bounds__(1024) embedding_place(const int* tok, const int* start, int* fill, int* order, i64 bt,
                                            i64 vocab) {
     GRID_STRIDE(r, bt) {
         int t = tok[r];
@@ -448,7 +453,7 @@ extern "C" __global__ void embedding_place(const int* tok, const int* start, int
 // 4. One block per vocabulary row v: dwte[v, :] = init[v, :] (or 0 when
 //    init is null) + the sum of dx's rows at v's positions. In place:
 //    dwte = init.
-extern "C" __global__ void embedding_bwd_rows(Buf dx, const int* start, const int* order, Buf init, Buf dwte,
+extern "C" __global__ void __launch_bounds__(1024) embedding_bwd_rows(Buf dx, const int* start, const int* order, Buf init, Buf dwte,
                                               i64 vocab, i64 width) {
     i64 v = blockIdx.x;
     if (v >= vocab) return;
@@ -461,7 +466,7 @@ extern "C" __global__ void embedding_bwd_rows(Buf dx, const int* start, const in
 }
 
 // dwpe[t, c] = sum_b dx[b, t, c]
-extern "C" __global__ void embedding_bwd_positions(Buf dx, Buf dwpe, i64 batch, i64 seq, i64 width) {
+extern "C" __global__ void __launch_bounds__(1024) embedding_bwd_positions(Buf dx, Buf dwpe, i64 batch, i64 seq, i64 width) {
     GRID_STRIDE(i, seq * width) {
         float s = 0.f;
         for (i64 b = 0; b < batch; ++b) s += dx[b * seq * width + i];
@@ -470,7 +475,7 @@ extern "C" __global__ void embedding_bwd_positions(Buf dx, Buf dwpe, i64 batch, 
 }
 
 // out (f32) += sum of squares (out zeroed beforehand).
-extern "C" __global__ void sum_squares(Buf x, Buf out, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) sum_squares(Buf x, Buf out, i64 n) {
     float s = 0.f;
     GRID_STRIDE(i, n) {
         float v = x[i];
@@ -481,11 +486,11 @@ extern "C" __global__ void sum_squares(Buf x, Buf out, i64 n) {
 }
 
 // In place on one f32.
-extern "C" __global__ void sqrt_inplace(Buf x) { x.set(0, sqrtf(x[0])); }
+extern "C" __global__ void __launch_bounds__(1024) sqrt_inplace(Buf x) { x.set(0, sqrtf(x[0])); }
 
 // PyTorch's single-tensor Adam/AdamW at step `step`; `norm` (nullable)
 // clips by the global norm; `denom` (nullable) receives the denominator.
-extern "C" __global__ void adam_step(Buf g, Buf norm, Buf w, Buf m, Buf v, Buf denom, i64 n, float lr, float b1,
+extern "C" __global__ void __launch_bounds__(1024) adam_step(Buf g, Buf norm, Buf w, Buf m, Buf v, Buf denom, i64 n, float lr, float b1,
                                      float b2, float eps, float wd, int decoupled, i64 step, float max_norm,
                                      int norm_squared) {
     float coef = 1.f;
@@ -532,6 +537,9 @@ extern "C" __global__ void adam_step(Buf g, Buf norm, Buf w, Buf m, Buf v, Buf d
 #define FA_RPW 4
 #define FA_WARPS 4
 #define FA_ROWS (FA_RPW * FA_WARPS)
+// Threads per block of the flash-attention kernels (their launch bound).
+#define FA_THREADS 128
+static_assert(FA_THREADS == 32 * FA_WARPS, "a flash-attention block is FA_WARPS warps");
 #define FA_U (FA_DMAX / 32)
 
 struct FaShape {
@@ -631,7 +639,7 @@ __device__ __forceinline__ void fa_axpys(float (*acc)[FA_U], const float* w, con
 }
 
 // Grid: B * H * ceil(T / FA_ROWS) blocks of 32 * FA_WARPS threads.
-extern "C" __global__ void flash_attn_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attn_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
                                           float scale) {
     __shared__ float ks[32][FA_DP];
     __shared__ float vs[32][FA_DP];
@@ -691,7 +699,7 @@ extern "C" __global__ void flash_attn_fwd(Buf qkv, Buf out, Buf lse, i64 batch, 
 }
 
 // dQ (the query part of dqkv). Grid and block as flash_attn_fwd.
-extern "C" __global__ void flash_attn_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attn_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
                                              i64 kvh, i64 seq, i64 hd, float scale) {
     __shared__ float ks[32][FA_DP];
     __shared__ float vs[32][FA_DP];
@@ -752,7 +760,7 @@ extern "C" __global__ void flash_attn_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse
 // rows of one key/value head; query tiles of 32 (with their lse and
 // D = dO . O) of each query head of its group are staged in turn.
 // Grid: B * Hkv * ceil(T / FA_ROWS) blocks.
-extern "C" __global__ void flash_attn_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attn_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
                                               i64 kvh, i64 seq, i64 hd, float scale) {
     __shared__ float qs[32][FA_DP];
     __shared__ float gs[32][FA_DP];

@@ -5,7 +5,7 @@
 
 use super::{
     Arg, Buf, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM, FLASH_ROWS, Launch,
-    RowMajor, elementwise, gemm_row_major, per_row,
+    RowMajor, check_launch, elementwise, gemm_row_major, per_row,
 };
 use crate::binding::{Bindings, InstrBinding};
 use crate::error::{Result, RuntimeError};
@@ -878,7 +878,8 @@ fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp>
     Ok(DevOp::Launch(Launch {
         kernel,
         grid,
-        block: 128,
+        // Exactly FA_THREADS (FA_WARPS warps), the kernels' launch bound.
+        block: kernel.launch_bound(),
         args,
     }))
 }
@@ -1007,9 +1008,23 @@ impl Geometry {
     }
 }
 
-/// Every instruction's device operations.
+/// Every instruction's device operations, each launch checked against its
+/// kernel's launch bound.
 pub fn lower_all(p: &Program, b: &Bindings, layout: &DeviceLayout) -> Result<Vec<Vec<DevOp>>> {
     (0..p.instrs.len())
-        .map(|i| lower(p, b, layout, i))
+        .map(|i| {
+            let ops = lower(p, b, layout, i)?;
+            for op in &ops {
+                if let DevOp::Launch(l) = op {
+                    check_launch(l).map_err(|why| {
+                        RuntimeError::InvalidProgram(format!(
+                            "instruction {}: {why}",
+                            p.instrs[i].name
+                        ))
+                    })?;
+                }
+            }
+            Ok(ops)
+        })
         .collect()
 }

@@ -35,6 +35,9 @@ mod lower;
 
 pub use lower::{lower, lower_all};
 
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
 use crate::binding::Bindings;
 use crate::error::{Result, RuntimeError};
 use crate::kernel::{Kernel, ReduceOp};
@@ -266,6 +269,62 @@ impl DevKernel {
 
 /// The CUDA C source of every [`DevKernel`].
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
+
+impl DevKernel {
+    /// The most threads per block this kernel may be launched with: its
+    /// `__launch_bounds__` in `kernels.cu`, so the source stays the one
+    /// place that says it (the compiler fits registers to that size, and a
+    /// larger launch would fail on the device).
+    pub fn launch_bound(self) -> u32 {
+        launch_bounds()
+            .get(self.name())
+            .copied()
+            .unwrap_or_else(|| panic!("kernels.cu declares no launch bound for {}", self.name()))
+    }
+}
+
+/// `__launch_bounds__(N) name(` of every kernel in [`KERNELS_CU`]; `N` is a
+/// number or a name `#define`d as one.
+fn launch_bounds() -> &'static HashMap<&'static str, u32> {
+    static BOUNDS: OnceLock<HashMap<&'static str, u32>> = OnceLock::new();
+    BOUNDS.get_or_init(|| {
+        let defined = |name: &str| {
+            KERNELS_CU.lines().find_map(|l| {
+                let mut w = l.strip_prefix("#define ")?.split_whitespace();
+                (w.next()? == name).then(|| w.next()?.parse().ok())?
+            })
+        };
+        KERNELS_CU
+            .split("__launch_bounds__(")
+            .skip(1)
+            .filter_map(|rest| {
+                let (bound, rest) = rest.split_once(')')?;
+                let name = rest.trim_start().split('(').next()?.trim();
+                let n = bound
+                    .trim()
+                    .parse()
+                    .ok()
+                    .or_else(|| defined(bound.trim()))?;
+                Some((name, n))
+            })
+            .collect()
+    })
+}
+
+/// Refuses a launch the device would refuse: no threads, more than the
+/// kernel's launch bound, or no blocks.
+pub fn check_launch(l: &Launch) -> std::result::Result<(), String> {
+    let bound = l.kernel.launch_bound();
+    if l.block == 0 || l.block > bound || l.grid == 0 {
+        return Err(format!(
+            "{} launched as {} blocks of {} threads (at most {bound} per block)",
+            l.kernel.name(),
+            l.grid,
+            l.block
+        ));
+    }
+    Ok(())
+}
 
 /// A float operand of a kernel: where it is (a byte offset into the
 /// allocation; `None`: a null pointer) and whether it holds bf16 (else
@@ -532,9 +591,42 @@ mod tests {
     #[test]
     fn every_kernel_is_defined_in_the_cuda_source() {
         for k in DevKernel::ALL {
-            let decl = format!("__global__ void {}(", k.name());
+            let decl = format!(
+                "__global__ void __launch_bounds__({}) {}(",
+                if k.name().starts_with("flash_attn") {
+                    "FA_THREADS"
+                } else {
+                    "1024"
+                },
+                k.name()
+            );
             assert!(KERNELS_CU.contains(&decl), "{decl} missing from kernels.cu");
         }
+        assert_eq!(launch_bounds().len(), DevKernel::ALL.len());
+    }
+
+    #[test]
+    fn launch_bounds_come_from_the_source() {
+        assert_eq!(DevKernel::FlashAttnFwd.launch_bound(), 128);
+        assert_eq!(DevKernel::Add.launch_bound(), 1024);
+        let mut l = Launch {
+            kernel: DevKernel::FlashAttnFwd,
+            grid: 4,
+            block: 128,
+            args: vec![],
+        };
+        assert!(check_launch(&l).is_ok());
+        l.block = 256;
+        let e = check_launch(&l).unwrap_err();
+        assert!(
+            e.contains("flash_attn_fwd") && e.contains("at most 128"),
+            "{e}"
+        );
+        l.block = 0;
+        assert!(check_launch(&l).is_err());
+        l.block = 64;
+        l.grid = 0;
+        assert!(check_launch(&l).is_err());
     }
 
     #[test]
