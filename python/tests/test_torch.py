@@ -242,6 +242,85 @@ class CapturedStepsMatchEager(unittest.TestCase):
         self.assertIsNotNone(train_step.step.plan)
 
 
+class ArgumentBinding(unittest.TestCase):
+    """A replay binds each op's recorded arguments once per call; the binder
+    made for it must give what a pytree map over the arguments gives."""
+
+    @staticmethod
+    def reference(args, kwargs, env, numbers, subst):
+        from torch.utils._pytree import tree_map
+        from memplan.torch._record import Ref
+
+        def bind(x):
+            if isinstance(x, Ref):
+                return env[x.index]
+            return numbers.get(x, x) if subst and isinstance(x, float) else x
+        return tree_map(bind, args), tree_map(bind, kwargs)
+
+    def assert_same(self, got, want):
+        """Equal, with the same container types, and tensors by identity."""
+        self.assertIs(type(got), type(want))
+        if isinstance(want, torch.Tensor):
+            self.assertIs(got, want)
+        elif isinstance(want, (list, tuple)):
+            self.assertEqual(len(got), len(want))
+            for g, w in zip(got, want):
+                self.assert_same(g, w)
+        elif isinstance(want, dict):
+            self.assertEqual(list(got), list(want))
+            for key in want:
+                self.assert_same(got[key], want[key])
+        else:
+            self.assertEqual(got, want)
+
+    def test_random_arguments_bind_as_a_pytree_map_does(self):
+        from collections import namedtuple
+        from memplan.torch._record import Ref
+        from memplan.torch._run import _binder
+
+        Pair = namedtuple("Pair", "a b")
+        rng = random.Random(7)
+        env = {i: torch.tensor(float(i)) for i in range(6)}
+        numbers = {0.25: 4.0, 1e-3: 2e-3}
+
+        def value(depth):
+            r = rng.random()
+            if depth < 3 and r < 0.3:
+                kind = rng.choice([list, tuple, dict, Pair])
+                if kind is dict:
+                    return {f"k{j}": value(depth + 1) for j in range(rng.randint(0, 3))}
+                if kind is Pair:
+                    return Pair(value(depth + 1), value(depth + 1))
+                return kind(value(depth + 1) for _ in range(rng.randint(0, 3)))
+            return rng.choice([Ref(rng.randrange(6)), 0.25, 1e-3, 3.5, 2, None, "mean", True,
+                               torch.float32])
+
+        for case in range(300):
+            args = tuple(value(0) for _ in range(rng.randint(0, 4)))
+            kwargs = {f"a{j}": value(1) for j in range(rng.randint(0, 2))}
+            for subst in (False, True):
+                got = _binder(args, kwargs, subst)(env, numbers)
+                want = self.reference(args, kwargs, env, numbers, subst)
+                with self.subTest(case=case, subst=subst, args=args, kwargs=kwargs):
+                    self.assert_same(got, want)
+
+    def test_arguments_without_refs_are_not_rebuilt(self):
+        from memplan.torch._record import Ref
+        from memplan.torch._run import _binder
+
+        args, kwargs = ([2, 3], 0.5), {"dim": 1}
+        got = _binder(args, kwargs, False)({}, {0.5: 9.0})
+        self.assertIs(got[0], args)
+        self.assertIs(got[1], kwargs)
+        # Only the list on the way to a Ref is new; its sibling is kept.
+        keep = (4, 5)
+        args = ([Ref(0), 1], keep)
+        x = torch.ones(1)
+        (bound, kept), _ = _binder(args, {}, False)({0: x}, {})
+        self.assertIs(bound[0], x)
+        self.assertIs(kept, keep)
+
+
 class PointwiseOpsWriteOverDyingInputs(unittest.TestCase):
     """Reuse hints: a pointwise op may write its output into an argument of
     the same layout whose last use it is; the plan counts the two once and

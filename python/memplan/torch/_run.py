@@ -90,6 +90,67 @@ def allocator_peak(fn: Callable[[], Any], resident: Iterable[torch.Tensor], devi
     return sum(storages.values()) + peak
 
 
+def _binder(args, kwargs, subst: bool) -> Callable:
+    """A function ``(env, numbers) -> (args, kwargs)`` that puts the values
+    of `env` in place of each :class:`Ref` of a recorded call's arguments
+    (and, with `subst`, the optimizer markers' values in place of floats).
+
+    Replaying a step calls this once per op, so the arguments are walked
+    once here, not by a pytree map on every call: what holds no Ref (or
+    marker) is reused as is, and only the lists, tuples and dicts on the
+    way to one are rebuilt. Arguments in any other container go through
+    ``tree_map`` as before."""
+
+    def part(x):
+        # None: a constant; else a function of (env, numbers).
+        if isinstance(x, Ref):
+            i = x.index
+            return lambda env, nums: env[i]
+        if subst and isinstance(x, float):
+            return lambda env, nums: nums.get(x, x)
+        if type(x) in (list, tuple):
+            parts = [part(y) for y in x]
+            if all(q is None for q in parts):
+                return None
+            pairs, make = list(zip(parts, x)), type(x)
+            return lambda env, nums: make([q(env, nums) if q else y for q, y in pairs])
+        if type(x) is dict:
+            parts = {key: part(y) for key, y in x.items()}
+            if all(q is None for q in parts.values()):
+                return None
+            return lambda env, nums: {key: (q(env, nums) if q else x[key]) for key, q in parts.items()}
+        return None
+
+    def walked(x) -> int:
+        """Refs (and markers) that `part` reaches."""
+        if isinstance(x, Ref) or (subst and isinstance(x, float)):
+            return 1
+        if type(x) in (list, tuple):
+            return sum(walked(y) for y in x)
+        if type(x) is dict:
+            return sum(walked(y) for y in x.values())
+        return 0
+
+    leaves = tree_flatten((args, kwargs))[0]
+    if sum(isinstance(x, Ref) or (subst and isinstance(x, float)) for x in leaves) != walked((args, kwargs)):
+        # A Ref inside a container `part` does not open (a named tuple).
+        def slow(env, nums):
+            def bind(x):
+                if isinstance(x, Ref):
+                    return env[x.index]
+                return nums.get(x, x) if subst and isinstance(x, float) else x
+            return tree_map(bind, args), tree_map(bind, kwargs)
+        return slow
+    a, kw = part(tuple(args)), part(dict(kwargs))
+    if a is None and kw is None:
+        return lambda env, nums: (args, kwargs)
+    if kw is None:
+        return lambda env, nums: (a(env, nums), kwargs)
+    if a is None:
+        return lambda env, nums: (args, kw(env, nums))
+    return lambda env, nums: (a(env, nums), kw(env, nums))
+
+
 class Program:
     """The calls of a step in one order, with the tensors that die after
     each position.
@@ -106,6 +167,7 @@ class Program:
         self.order = list(order)
         self.takes = dict(takes or {})
         self.unreused: set = set()
+        self._binders: Dict[Tuple[int, bool], Callable] = {}
         last: Dict[int, int] = {}
         for pos, k in enumerate(self.order):
             c = calls[k]
@@ -124,17 +186,16 @@ class Program:
                    optimizer_calls: Sequence[bool]):
         """Call `k`'s arguments with the values in `env` (graph tensor index
         -> tensor) and, in an optimizer call, the markers' values."""
+        return self.binder(k, optimizer_calls)(env, numbers)
 
-        def bind(x):
-            if isinstance(x, Ref):
-                return env[x.index]
-            if subst and isinstance(x, float):
-                return numbers.get(x, x)
-            return x
-
-        subst = optimizer_calls[k]
-        c = self.calls[k]
-        return tree_map(bind, c.args), tree_map(bind, c.kwargs)
+    def binder(self, k: int, optimizer_calls: Sequence[bool]) -> Callable:
+        """Call `k`'s argument binding (see :func:`_binder`), made once."""
+        subst = bool(optimizer_calls[k])
+        binder = self._binders.get((k, subst))
+        if binder is None:
+            c = self.calls[k]
+            binder = self._binders[(k, subst)] = _binder(c.args, c.kwargs, subst)
+        return binder
 
     def run(self, env: Dict[int, torch.Tensor], numbers: Dict[float, float],
             optimizer_calls: Sequence[bool]) -> None:
@@ -200,6 +261,9 @@ class Arena:
         self._typed: Dict[torch.dtype, torch.Tensor] = {}
         self.fallbacks: set = set()
         self._expect: Dict[int, tuple] = {}
+        # How each call runs (see run), for the program and places last run.
+        self._ran_with: Optional[tuple] = None
+        self._ways: Dict[int, Callable] = {}
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
 
@@ -221,46 +285,84 @@ class Arena:
 
     def run(self, prog: "Program", placed: Dict[int, torch.Tensor], env: Dict[int, torch.Tensor],
             numbers: Dict[float, float], optimizer_calls: Sequence[bool]) -> None:
-        """Runs `prog` with every new tensor in `placed` made in place."""
+        """Runs `prog` with every new tensor in `placed` made in place.
+
+        How each call runs (its ``out=`` overload into its places, or as
+        recorded with a copy) is settled the first time and kept for the
+        same program and places: the per-op cost is then one binding and
+        one call, as little Python as a replay can have."""
+        if self._ran_with != (id(prog), id(placed)):
+            self._ran_with, self._ways = (id(prog), id(placed)), {}
+        ways = self._ways
+        binders = [prog.binder(k, optimizer_calls) for k in prog.order]
         with torch.no_grad():
             for pos, k in enumerate(prog.order):
-                c = prog.calls[k]
-                args, kwargs = prog.bound_args(k, env, numbers, optimizer_calls)
-                targets = [(p, i) for p, i in c.outputs if i in placed]
-                variant = None
-                if targets and len(targets) == len(c.outputs) and k not in self.fallbacks:
-                    variant = out_variant(c.func)  # cached per op
-                    if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
-                        variant = None
-                if variant is not None:
-                    fn, names = variant
-                    outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
-                    try:
-                        fn(*args, **kwargs, **outs)
-                    except (RuntimeError, TypeError):
-                        variant = None
-                    # An out= kernel may restride or resize its output
-                    # (leaving the arena): then it runs as recorded.
-                    if variant is None or not all(self._intact(placed[i]) for _, i in targets):
-                        self.fallbacks.add(k)
-                        variant = None
-                    else:
-                        for _, i in targets:
-                            env[i] = placed[i]
-                if variant is None:
-                    out = c.func(*args, **kwargs)
-                    flat = tree_flatten(out)[0] if c.outputs else []
-                    made = {flat[p].untyped_storage().data_ptr(): flat[p].untyped_storage().nbytes()
-                            for p, i in c.outputs if i in placed}
-                    self.outside_peak_bytes = max(self.outside_peak_bytes, sum(made.values()))
-                    for p, i in c.outputs:
-                        if i in placed:
-                            placed[i].copy_(flat[p])
-                            env[i] = placed[i]
-                            self.fallbacks.add(k)
-                        else:
-                            env[i] = flat[p]
-                    out = flat = None
+                args, kwargs = binders[pos](env, numbers)
+                way = ways.get(k)
+                if way is None or not way(args, kwargs, env):
+                    ways[k] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
                 args = kwargs = None
                 for i in prog.dies[pos]:
                     env.pop(i, None)
+
+    def _settle(self, c: Call, k: int, args, kwargs, placed: Dict[int, torch.Tensor],
+                env: Dict[int, torch.Tensor]) -> Callable:
+        """Runs call `k` (number `c`) the first time and returns how it runs
+        from then on: a function ``(args, kwargs, env) -> bool`` that is
+        False when the call could not run that way (then it is settled
+        again, as recorded)."""
+        targets = [(p, i) for p, i in c.outputs if i in placed]
+        variant = None
+        if targets and len(targets) == len(c.outputs) and k not in self.fallbacks:
+            variant = out_variant(c.func)  # cached per op
+            if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
+                variant = None
+        if variant is not None:
+            fn, names = variant
+            fn = getattr(fn, "_op", fn)
+            outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
+            into = [(i, placed[i]) for _, i in targets]
+
+            def into_place(args, kwargs, env) -> bool:
+                try:
+                    fn(*args, **kwargs, **outs)
+                except (RuntimeError, TypeError):
+                    self.fallbacks.add(k)
+                    return False
+                for i, t in into:
+                    env[i] = t
+                return True
+
+            # An out= kernel may restride or resize its output (leaving
+            # the arena): then it runs as recorded.
+            if into_place(args, kwargs, env) and all(self._intact(t) for _, t in into):
+                return into_place
+            self.fallbacks.add(k)
+
+        copied = [(p, i, placed[i]) for p, i in c.outputs if i in placed]
+        kept = [(p, i) for p, i in c.outputs if i not in placed]
+        if copied:
+            self.fallbacks.add(k)
+        # The overload's C++ callable itself: one Python frame less per op.
+        func = getattr(c.func, "_op", c.func)
+        only = kept[0][1] if len(c.outputs) == 1 and kept and kept[0][0] == 0 else None
+
+        def as_recorded(args, kwargs, env) -> bool:
+            out = func(*args, **kwargs)
+            if only is not None and isinstance(out, torch.Tensor):
+                env[only] = out  # one new tensor or view the plan does not place
+                return True
+            flat = tree_flatten(out)[0] if c.outputs else []
+            if copied:
+                made = {flat[p].untyped_storage().data_ptr(): flat[p].untyped_storage().nbytes()
+                        for p, _, _ in copied}
+                self.outside_peak_bytes = max(self.outside_peak_bytes, sum(made.values()))
+                for p, i, t in copied:
+                    t.copy_(flat[p])
+                    env[i] = t
+            for p, i in kept:
+                env[i] = flat[p]
+            return True
+
+        as_recorded(args, kwargs, env)
+        return as_recorded
