@@ -525,6 +525,18 @@ class OnDevice(unittest.TestCase):
         self.assertGreaterEqual(row["memplan_allocated_bytes"], row["arena_bytes"])
 
 
+    def test_tiny_decoders_replay_with_eagers_results(self):
+        # `--tiny`: the width-32 decoders whose step time is per-op
+        # overhead; many steps through the settled arena replay.
+        from memplan.torch.bench import on_device, tiny_models
+
+        rows = on_device("cpu", 5, 5.0, tiny_models())
+        self.assertEqual([r["model"] for r in rows], ["tiny-gpt2-4l-32", "tiny-llama-4l-32"])
+        for r in rows:
+            self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
+            self.assertLessEqual(r["param_rel_diff"], 1e-6, r)
+
+
 class AgainstTorchCompile(unittest.TestCase):
     """The measurement behind the torch.compile comparison
     (``python -m memplan.torch.bench --compile``)."""

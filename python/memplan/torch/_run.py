@@ -95,34 +95,41 @@ def _binder(args, kwargs, subst: bool) -> Callable:
     of `env` in place of each :class:`Ref` of a recorded call's arguments
     (and, with `subst`, the optimizer markers' values in place of floats).
 
-    Replaying a step calls this once per op, so the arguments are walked
-    once here, not by a pytree map on every call: what holds no Ref (or
-    marker) is reused as is, and only the lists, tuples and dicts on the
-    way to one are rebuilt. Arguments in any other container go through
-    ``tree_map`` as before."""
+    Replaying a step binds once per op, so the arguments are walked once,
+    here, into one Python expression that rebuilds only the lists, tuples
+    and dicts on the way to a Ref (or marker) and reuses every other value
+    as the recorded object, e.g. ``lambda env, nums, c: ((env[3], c[0]),
+    c[1])`` (bound to its constants `c`): one frame per op, where a pytree
+    map took dozens. Arguments in any other container (a named tuple) go
+    through ``tree_map``."""
+    consts: List[Any] = []
 
-    def part(x):
-        # None: a constant; else a function of (env, numbers).
-        if isinstance(x, Ref):
-            i = x.index
-            return lambda env, nums: env[i]
-        if subst and isinstance(x, float):
-            return lambda env, nums: nums.get(x, x)
+    def const(x) -> str:
+        consts.append(x)
+        return f"c[{len(consts) - 1}]"
+
+    def reaches(x) -> bool:
+        if isinstance(x, Ref) or (subst and isinstance(x, float)):
+            return True
         if type(x) in (list, tuple):
-            parts = [part(y) for y in x]
-            if all(q is None for q in parts):
-                return None
-            pairs, make = list(zip(parts, x)), type(x)
-            return lambda env, nums: make([q(env, nums) if q else y for q, y in pairs])
+            return any(reaches(y) for y in x)
+        return type(x) is dict and any(reaches(y) for y in x.values())
+
+    def expr(x) -> str:
+        if isinstance(x, Ref):
+            return f"env[{int(x.index)}]"
+        if subst and isinstance(x, float):
+            k = const(x)
+            return f"nums.get({k}, {k})"
+        if not reaches(x):
+            return const(x)
         if type(x) is dict:
-            parts = {key: part(y) for key, y in x.items()}
-            if all(q is None for q in parts.values()):
-                return None
-            return lambda env, nums: {key: (q(env, nums) if q else x[key]) for key, q in parts.items()}
-        return None
+            return "{" + ", ".join(f"{const(key)}: {expr(y)}" for key, y in x.items()) + "}"
+        inner = ", ".join(expr(y) for y in x)
+        return f"[{inner}]" if type(x) is list else f"({inner},)"
 
     def walked(x) -> int:
-        """Refs (and markers) that `part` reaches."""
+        """Refs (and markers) that `expr` reaches."""
         if isinstance(x, Ref) or (subst and isinstance(x, float)):
             return 1
         if type(x) in (list, tuple):
@@ -133,7 +140,7 @@ def _binder(args, kwargs, subst: bool) -> Callable:
 
     leaves = tree_flatten((args, kwargs))[0]
     if sum(isinstance(x, Ref) or (subst and isinstance(x, float)) for x in leaves) != walked((args, kwargs)):
-        # A Ref inside a container `part` does not open (a named tuple).
+        # A Ref inside a container `expr` does not open (a named tuple).
         def slow(env, nums):
             def bind(x):
                 if isinstance(x, Ref):
@@ -141,14 +148,11 @@ def _binder(args, kwargs, subst: bool) -> Callable:
                 return nums.get(x, x) if subst and isinstance(x, float) else x
             return tree_map(bind, args), tree_map(bind, kwargs)
         return slow
-    a, kw = part(tuple(args)), part(dict(kwargs))
-    if a is None and kw is None:
-        return lambda env, nums: (args, kwargs)
-    if kw is None:
-        return lambda env, nums: (a(env, nums), kwargs)
-    if a is None:
-        return lambda env, nums: (args, kw(env, nums))
-    return lambda env, nums: (a(env, nums), kw(env, nums))
+    body = f"({expr(tuple(args)) if reaches(tuple(args)) else const(args)}, " \
+           f"{expr(dict(kwargs)) if reaches(dict(kwargs)) else const(kwargs)})"
+    # Only indices, constant slots and brackets are spliced into the source.
+    made = eval(f"lambda c: lambda env, nums: {body}", {"__builtins__": {}})
+    return made(consts)
 
 
 class Program:
@@ -261,9 +265,11 @@ class Arena:
         self._typed: Dict[torch.dtype, torch.Tensor] = {}
         self.fallbacks: set = set()
         self._expect: Dict[int, tuple] = {}
-        # How each call runs (see run), for the program and places last run.
+        # How each call runs (see run), for the program and places last run:
+        # per position, its binding, call and dying values, and its way.
         self._ran_with: Optional[tuple] = None
-        self._ways: Dict[int, Callable] = {}
+        self._plan: List[tuple] = []
+        self._ways: List[Optional[Callable]] = []
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
 
@@ -291,18 +297,22 @@ class Arena:
         recorded with a copy) is settled the first time and kept for the
         same program and places: the per-op cost is then one binding and
         one call, as little Python as a replay can have."""
-        if self._ran_with != (id(prog), id(placed)):
-            self._ran_with, self._ways = (id(prog), id(placed)), {}
+        ran = self._ran_with
+        if ran is None or ran[0] is not prog or ran[1] is not placed or ran[2] is not optimizer_calls:
+            # Held, not compared by id: a new program may reuse an old one's.
+            self._ran_with = (prog, placed, optimizer_calls)
+            self._plan = [(prog.binder(k, optimizer_calls), k, prog.dies[pos])
+                          for pos, k in enumerate(prog.order)]
+            self._ways = [None] * len(prog.order)
         ways = self._ways
-        binders = [prog.binder(k, optimizer_calls) for k in prog.order]
         with torch.no_grad():
-            for pos, k in enumerate(prog.order):
-                args, kwargs = binders[pos](env, numbers)
-                way = ways.get(k)
+            for pos, (bind, k, dies) in enumerate(self._plan):
+                args, kwargs = bind(env, numbers)
+                way = ways[pos]
                 if way is None or not way(args, kwargs, env):
-                    ways[k] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
+                    ways[pos] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
                 args = kwargs = None
-                for i in prog.dies[pos]:
+                for i in dies:
                     env.pop(i, None)
 
     def _settle(self, c: Call, k: int, args, kwargs, placed: Dict[int, torch.Tensor],

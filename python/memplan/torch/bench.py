@@ -6,6 +6,7 @@
     python -m memplan.torch.bench --max-batch 80 --gpt2-xl-batch   # GPT-2 XL in 80 GiB
     python -m memplan.torch.bench --compile       # against torch.compile (Inductor)
     python -m memplan.torch.bench --device cuda --with-gpt2-xl   # eager vs the arena step on a GPU
+    python -m memplan.torch.bench --device cpu --tiny --steps 30  # the replay's per-op overhead
 
 For each small model (Hugging Face GPT-2 and Llama from configs, torchvision
 ResNet-50 and ViT) it runs three steps from the same weights and measures
@@ -105,6 +106,26 @@ def models():
     if not cases:
         raise SystemExit("no models: install transformers or torchvision")
     return cases
+
+
+def tiny_models():
+    """name -> (model, batch, loss_fn): the decoders of :func:`models` at
+    width 32, 4 tokens of 16, where each op's work is a few microseconds and
+    a step's time is what calling the ops costs: the replay's overhead per
+    op against eager's (``--device cpu --tiny``; on a GPU, where eager is
+    bound by launches at this size)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 16))
+    return {
+        "tiny-gpt2-4l-32": (GPT2LMHeadModel(GPT2Config(
+            n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0)), tokens, _causal_lm),
+        "tiny-llama-4l-32": (LlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=128, max_position_embeddings=16)), tokens, _causal_lm),
+    }
 
 
 def eager_tracked(model, opt, batch, loss_fn) -> int:
@@ -485,13 +506,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="with --device: timed steps per side")
     ap.add_argument("--with-gpt2-xl", action="store_true", help="with --device: GPT-2 XL b1 (seq 1024) too")
     ap.add_argument("--json", metavar="FILE", help="with --device: also write the rows as JSON")
+    ap.add_argument("--tiny", action="store_true",
+                    help="with --device: width-32 decoders instead, whose step time is per-op overhead")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
                     help="with --device: first make each step the smallest memplan finds for at most "
                     "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.device:
-        cases = models()
+        cases = tiny_models() if args.tiny else models()
         if args.with_gpt2_xl:
             cases.update(_gpt2_xl_case(args.device))
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added)
