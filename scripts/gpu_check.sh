@@ -143,6 +143,11 @@ torch_step() {
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
       --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
+    # Width-32 decoders: the replay's per-op overhead against eager's
+    # launches.
+    echo "== python3 -m memplan.torch.bench --device cuda --tiny --steps 50"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --tiny --steps 50 \
+      --json "$OUT/torch_step_tiny.json" 2>&1 | tee "$OUT/torch_step_tiny.out"
     # The same with cheap recomputation: at most 0.01% more FLOPs.
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
