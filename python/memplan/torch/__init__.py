@@ -340,57 +340,103 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     _optim.ensure_state(optimizer)
     hyper = _optim.Hyper(optimizer)
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    name_of = {id(p): n for n, p in params.items()}
-    devices = {p.device.type for p in params.values()} | {b.device.type for b in buffers.values()}
+    device, traced = _step_device(model, optimizer, params, meta_device)
+    rec = Recorder(device, align)
+    inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch)
+    loss_index, updated = _trace(rec, model, optimizer, hyper, loss_fn, inputs)
+    for i, value in rec.constants.items():
+        inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
+    label = name or f"{type(model).__name__}-step"
+    meta = {"source": "memplan.torch.capture", "torch": torch.__version__, "device": device,
+            "optimizer": type(optimizer).__name__}
+    leading = {shape[0] if shape else None for _, shape, *_ in inputs.batch_layouts}
+    if len(leading) == 1 and None not in leading:
+        meta["batch"] = leading.pop()
+    graph = rec.finish(label, meta)
+    optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
+    step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
+                updated, hyper, optimizer_calls, time.perf_counter() - t0)
+    if budget is not None:
+        step.fit(budget, time_limit=time_limit)
+    elif max_added is not None:
+        step.fit(max_added=max_added, minimise="flops", time_limit=time_limit)
+    elif plan:
+        step.make_plan(time_limit)
+    return step
+
+
+def _step_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: Dict[str, Any],
+                 meta_device: str):
+    """The device type the step is traced for, and the device a ``meta``
+    model is traced as (else None). Refuses a model on several device
+    types and a param group holding a tensor that is not a parameter."""
+    devices = {p.device.type for p in params.values()} | {b.device.type for b in model.buffers()}
     if len(devices) != 1:
         raise UnsupportedStep(f"the model's tensors are on several device types: {sorted(devices)}")
     device = devices.pop()
     traced = torch.device(meta_device) if device == "meta" else None
-    if traced is not None:
-        device = traced.type
+    ids = {id(p) for p in params.values()}
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if id(p) not in name_of:
+            if id(p) not in ids:
                 raise UnsupportedStep(f"param group {g} holds a tensor that is not a parameter of the model")
+    return (traced.type if traced is not None else device), traced
 
-    rec = Recorder(device, align)
-    fake = FakeTensorMode()
-    bound: Dict[int, torch.Tensor] = {}
 
-    def reg(x: torch.Tensor, id: str, role: str) -> torch.Tensor:
-        if traced is not None and x.device.type == "meta":
-            f = FakeTensor(fake, x.detach(), traced)
+class _Inputs:
+    """What a step reads, registered with the recorder as fake tensors:
+    parameters (`fp`), buffers (`fb`), optimizer state (`fstate`, by
+    parameter id) and the batch (`fbatch`, with its pytree `spec` and each
+    leaf's layout). `bound` maps a graph tensor to the real tensor it is
+    (every input but the batch, which each call binds anew)."""
+
+    def __init__(self, rec: Recorder, traced: Optional[torch.device], params: Dict[str, Any],
+                 buffers: Dict[str, Any], optimizer: torch.optim.Optimizer, example_batch: Any) -> None:
+        self.rec, self.traced = rec, traced
+        self.fake = FakeTensorMode()
+        self.bound: Dict[int, torch.Tensor] = {}
+        self.fp = {n: self.reg(p, f"param:{n}", "parameter") for n, p in params.items()}
+        self.fb = {n: self.reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
+        self.fstate: Dict[int, Dict[str, torch.Tensor]] = {}
+        for n, p in params.items():
+            self.fstate[id(p)] = {k: self.reg(v, f"state:{n}.{k}", "optimizer_state")
+                                  for k, v in _optim.state_tensors(optimizer, p).items()}
+        leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
+        self.batch_layouts = []
+        fleaves = []
+        for path, x in leaves:
+            nm = _path_name(path)
+            if not isinstance(x, torch.Tensor):
+                raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
+            f = self.reg(x, f"input:{nm}", "input")
+            fleaves.append(f)
+            i = rec.index_of(f)
+            del self.bound[i]  # each call binds its own batch
+            self.batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
+        self.fbatch = tree_unflatten(fleaves, self.spec)
+        for f, p in zip(self.fp.values(), params.values()):
+            f.requires_grad_(p.requires_grad)
+
+    def reg(self, x: torch.Tensor, id: str, role: str) -> torch.Tensor:
+        """`x` as a fake tensor the recorder knows as `id`."""
+        if self.traced is not None and x.device.type == "meta":
+            f = FakeTensor(self.fake, x.detach(), self.traced)
         else:
-            f = fake.from_tensor(x)
-        bound[rec.register(f, id, role)] = x
+            f = self.fake.from_tensor(x)
+        self.bound[self.rec.register(f, id, role)] = x
         return f
 
-    fp = {n: reg(p, f"param:{n}", "parameter") for n, p in params.items()}
-    fb = {n: reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
-    fstate: Dict[int, Dict[str, torch.Tensor]] = {}
-    for n, p in params.items():
-        fstate[id(p)] = {k: reg(v, f"state:{n}.{k}", "optimizer_state")
-                         for k, v in _optim.state_tensors(optimizer, p).items()}
-    leaves, spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
-    batch_layouts = []
-    fleaves = []
-    for path, x in leaves:
-        nm = _path_name(path)
-        if not isinstance(x, torch.Tensor):
-            raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
-        f = reg(x, f"input:{nm}", "input")
-        fleaves.append(f)
-        i = rec.index_of(f)
-        del bound[i]  # each call binds its own batch
-        batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
-    fbatch = tree_unflatten(fleaves, spec)
-    for f, p in zip(fp.values(), params.values()):
-        f.requires_grad_(p.requires_grad)
 
-    with fake, rec, _reparametrize_module(model, {**fp, **fb}, tie_weights=True):
+def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper, loss_fn,
+           inputs: _Inputs):
+    """Records forward, backward and each parameter's update on the fake
+    inputs; returns the loss's graph tensor and the parameters updated."""
+    params = dict(model.named_parameters())
+    name_of = {id(p): n for n, p in params.items()}
+    fp = inputs.fp
+    with inputs.fake, rec, _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
         rec.phase = "forward"
-        loss = loss_fn(model, fbatch)
+        loss = loss_fn(model, inputs.fbatch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise UnsupportedStep("loss_fn must return a scalar tensor")
         loss_index = rec.mark(loss, "output", persistent=True)
@@ -412,27 +458,9 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
                     n = name_of[id(p)]
                     if n in grad_of:
                         _optim.update(hyper.kind, group, hyper.markers[gi], fp[n], grad_of[n],
-                                      fstate[id(p)])
+                                      inputs.fstate[id(p)])
                         updated.append(p)
-    for i, value in rec.constants.items():
-        bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
-    label = name or f"{type(model).__name__}-step"
-    meta = {"source": "memplan.torch.capture", "torch": torch.__version__, "device": device,
-            "optimizer": type(optimizer).__name__}
-    leading = {shape[0] if shape else None for _, shape, *_ in batch_layouts}
-    if len(leading) == 1 and None not in leading:
-        meta["batch"] = leading.pop()
-    graph = rec.finish(label, meta)
-    optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
-    step = Step(model, optimizer, rec, graph, bound, spec, batch_layouts, loss_index, updated, hyper,
-                optimizer_calls, time.perf_counter() - t0)
-    if budget is not None:
-        step.fit(budget, time_limit=time_limit)
-    elif max_added is not None:
-        step.fit(max_added=max_added, minimise="flops", time_limit=time_limit)
-    elif plan:
-        step.make_plan(time_limit)
-    return step
+    return loss_index, updated
 
 
 def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
