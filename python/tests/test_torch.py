@@ -205,6 +205,30 @@ class CapturedStepsMatchEager(unittest.TestCase):
         torch.manual_seed(0)
         Harness(self, LlamaForCausalLM(cfg), torch.randint(0, 256, (2, 32)), causal_lm).run()
 
+    def test_huggingface_llama_in_bf16_autocast_and_in_bf16(self):
+        # Mixed precision as users write it: f32 parameters, optimizer and
+        # master weights, the forward under autocast (bf16 products, casts
+        # recorded as ops); and a model held in bf16 throughout.
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        def autocast_lm(m, b):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return causal_lm(m, b)
+
+        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                          max_position_embeddings=64)
+        torch.manual_seed(0)
+        h = Harness(self, LlamaForCausalLM(cfg), torch.randint(0, 256, (2, 32)), autocast_lm)
+        dtypes = {t["dtype"] for t in h.step.graph["tensors"]}
+        self.assertTrue({"bf16", "f32"} <= dtypes, dtypes)
+        h.run()
+        torch.manual_seed(0)
+        h = Harness(self, LlamaForCausalLM(cfg).to(torch.bfloat16), torch.randint(0, 256, (2, 32)),
+                    causal_lm)
+        self.assertNotIn("f32", {t["dtype"] for t in h.step.graph["tensors"] if t.get("role") == "parameter"})
+        h.run()
+
     def test_torchvision_resnet50_with_batchnorm_buffers(self):
         import torchvision
 
