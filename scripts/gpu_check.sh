@@ -148,6 +148,10 @@ torch_step() {
     echo "== python3 -m memplan.torch.bench --device cuda --tiny --steps 50"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --tiny --steps 50 \
       --json "$OUT/torch_step_tiny.json" 2>&1 | tee "$OUT/torch_step_tiny.out"
+    # Mixed precision as users write it: bf16 autocast, f32 master weights.
+    echo "== python3 -m memplan.torch.bench --device cuda --autocast --steps 5"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --autocast --steps 5 \
+      --json "$OUT/torch_step_bf16.json" 2>&1 | tee "$OUT/torch_step_bf16.out"
     # The same with cheap recomputation: at most 0.01% more FLOPs.
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \

@@ -108,6 +108,16 @@ def models():
     return cases
 
 
+def _autocast(loss_fn, device: str):
+    """`loss_fn` with its forward under bf16 autocast on `device`."""
+    kind = torch.device(device).type
+
+    def under_autocast(model, batch):
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            return loss_fn(model, batch)
+    return under_autocast
+
+
 def tiny_models():
     """name -> (model, batch, loss_fn): the decoders of :func:`models` at
     width 32, 4 tokens of 16, where each op's work is a few microseconds and
@@ -506,6 +516,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="with --device: timed steps per side")
     ap.add_argument("--with-gpt2-xl", action="store_true", help="with --device: GPT-2 XL b1 (seq 1024) too")
     ap.add_argument("--json", metavar="FILE", help="with --device: also write the rows as JSON")
+    ap.add_argument("--autocast", action="store_true",
+                    help="with --device: each model's forward under bf16 autocast (f32 master weights)")
     ap.add_argument("--tiny", action="store_true",
                     help="with --device: width-32 decoders instead, whose step time is per-op overhead")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
@@ -517,6 +529,9 @@ def main(argv=None):
         cases = tiny_models() if args.tiny else models()
         if args.with_gpt2_xl:
             cases.update(_gpt2_xl_case(args.device))
+        if args.autocast:
+            cases = {f"{name}-bf16": (model, batch, _autocast(loss_fn, args.device))
+                     for name, (model, batch, loss_fn) in cases.items()}
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added)
         _print_device_rows(rows)
         if args.json:
