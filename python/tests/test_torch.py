@@ -554,8 +554,13 @@ class OnDevice(unittest.TestCase):
         # overhead; many steps through the settled arena replay.
         from memplan.torch.bench import on_device, tiny_models
 
+        from memplan.torch.bench import _autocast
+
         rows = on_device("cpu", 5, 5.0, tiny_models())
         self.assertEqual([r["model"] for r in rows], ["tiny-gpt2-4l-32", "tiny-llama-4l-32"])
+        # `--autocast`: the same under bf16 autocast.
+        rows += on_device("cpu", 2, 5.0, {f"{n}-bf16": (m, b, _autocast(f, "cpu"))
+                                          for n, (m, b, f) in tiny_models().items()})
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)
