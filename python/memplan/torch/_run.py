@@ -172,6 +172,7 @@ class Program:
         self.takes = dict(takes or {})
         self.unreused: set = set()
         self._binders: Dict[Tuple[int, bool], Callable] = {}
+        self._held_plan: Optional[tuple] = None
         last: Dict[int, int] = {}
         for pos, k in enumerate(self.order):
             c = calls[k]
@@ -206,21 +207,37 @@ class Program:
         """Runs every call in order on the values in `env`, substituting the
         optimizer's markers in the calls flagged in `optimizer_calls`."""
         with torch.no_grad():
-            for pos, k in enumerate(self.order):
-                c = self.calls[k]
-                args, kwargs = self.bound_args(k, env, numbers, optimizer_calls)
+            for bind, k, func, outputs, only, dies in self._plan(optimizer_calls):
+                args, kwargs = bind(env, numbers)
                 out = self._call_over(k, args, kwargs, env) if k in self.takes else None
                 if out is None:
-                    out = c.func(*args, **kwargs)
+                    out = func(*args, **kwargs)
                 args = kwargs = None
-                if c.outputs:
+                if only is not None and isinstance(out, torch.Tensor):
+                    env[only] = out
+                elif outputs:
                     flat = tree_flatten(out)[0]
-                    for p, i in c.outputs:
+                    for p, i in outputs:
                         env[i] = flat[p]
                     flat = None
                 out = None  # no reference may outlive the table's
-                for i in self.dies[pos]:
+                for i in dies:
                     env.pop(i, None)
+
+    def _plan(self, optimizer_calls: Sequence[bool]) -> List[tuple]:
+        """Per position: the binding, the call, its outputs (and the one
+        output when it is the whole result), the values dying there. Made
+        once per `optimizer_calls` (held, not compared by id)."""
+        held = self._held_plan
+        if held is None or held[0] is not optimizer_calls:
+            plan = []
+            for pos, k in enumerate(self.order):
+                c = self.calls[k]
+                only = c.outputs[0][1] if len(c.outputs) == 1 and c.outputs[0][0] == 0 else None
+                plan.append((self.binder(k, optimizer_calls), k, getattr(c.func, "_op", c.func), c.outputs,
+                             only, self.dies[pos]))
+            held = self._held_plan = (optimizer_calls, plan)
+        return held[1]
 
 
     def _call_over(self, k: int, args, kwargs, env: Dict[int, torch.Tensor]):
