@@ -77,6 +77,7 @@ fused() {
   run small_fused_cmp run --example gpt2-small --fused-attention --device cuda --steps 2 --compare-cpu
   run small_fused_cuda run --example gpt2-small --fused-attention --device cuda --steps 10 --json
   run xl_fused_cuda run --example gpt2-xl --fused-attention --device cuda --steps 5 --json
+  run small_fused_profile run --example gpt2-small --fused-attention --device cuda --steps 3 --profile
 }
 
 llama() {
@@ -96,6 +97,9 @@ llama() {
   run llama_tiny_fit_cmp run "$OUT/llama_tiny_fit.json" --device cuda --steps 3 --compare-cpu
   run llama_1b_cuda run --example llama3-1b --seq 1024 --device cuda --steps 5 --json
   run llama_1b_bf16_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json
+  # Where the time goes, by kernel (two timing events per instruction).
+  run llama_1b_bf16_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile
+  run llama_1b_profile run --example llama3-1b --seq 1024 --device cuda --steps 3 --profile
 }
 
 torch_side() {

@@ -238,6 +238,59 @@ fn fused_attention_is_an_example_option() {
     );
 }
 
+/// `run --profile`: the time per step by kernel, in the text and JSON
+/// reports; without it the JSON has no profile.
+#[test]
+fn run_profile_reports_time_by_kernel() {
+    let v = json(&[
+        "run",
+        "--example",
+        "llama-tiny",
+        "--steps",
+        "2",
+        "--profile",
+        "--json",
+    ]);
+    let prof = v["profile"].as_array().expect("a profile");
+    let kernels: Vec<&str> = prof.iter().map(|k| k["kernel"].as_str().unwrap()).collect();
+    for k in [
+        "fused_attention",
+        "fused_attention_backward",
+        "rmsnorm",
+        "swiglu",
+        "adamw",
+    ] {
+        assert!(kernels.contains(&k), "{k} missing from {kernels:?}");
+    }
+    let mut unique = kernels.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), kernels.len(), "{kernels:?}");
+    let secs: Vec<f64> = prof
+        .iter()
+        .map(|k| k["seconds_per_step"].as_f64().unwrap())
+        .collect();
+    assert!(secs.windows(2).all(|w| w[0] >= w[1]), "{secs:?}");
+    assert!(prof.iter().all(|k| k["instrs"].as_u64().unwrap() >= 1));
+    let step = v["median_step_seconds"].as_f64().unwrap();
+    assert!(secs.iter().sum::<f64>() <= step, "{secs:?} in {step}");
+    let plain = json(&["run", "--example", "llama-tiny", "--steps", "1", "--json"]);
+    assert!(plain["profile"].is_null(), "{plain}");
+    let o = memplan(&[
+        "run",
+        "--example",
+        "llama-tiny",
+        "--steps",
+        "2",
+        "--profile",
+    ]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && text.contains("time by kernel") && text.contains("fused_attention"),
+        "{text}"
+    );
+}
+
 /// Llama with mixed precision, sharded with FSDP2's options: planned and
 /// run; the options need what they modify.
 #[test]

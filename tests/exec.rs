@@ -40,6 +40,43 @@ fn run(g: &Graph, plan: &Plan, steps: usize) -> RunReport {
     run_cpu(&p, &cfg).unwrap()
 }
 
+#[test]
+fn a_profiled_run_times_every_instruction_by_kernel() {
+    let g = mlp::build(&MlpConfig::default()).unwrap();
+    let p = exec::program(&g, &plan(&g)).unwrap();
+    let cfg = RunConfig {
+        steps: 3,
+        profile: true,
+        ..RunConfig::default()
+    };
+    let r = run_cpu(&p, &cfg).unwrap();
+    assert_eq!(
+        r.profile.iter().map(|k| k.instrs).sum::<usize>(),
+        p.instrs.len()
+    );
+    let kernels: std::collections::HashSet<_> = p.instrs.iter().map(|i| i.kernel.name()).collect();
+    assert_eq!(r.profile.len(), kernels.len());
+    assert!(r.profile.windows(2).all(|w| w[0].seconds >= w[1].seconds));
+    // The instructions' time is within the steps' (the profiled steps are
+    // the second and third).
+    let timed: f64 = r.profile.iter().map(|k| k.seconds).sum();
+    let steps = (r.steps[1].seconds + r.steps[2].seconds) / 2.0;
+    assert!(timed > 0.0 && timed <= steps, "{timed} s of {steps} s");
+    // Off by default, and profiling changes no result.
+    let plain = run_cpu(
+        &p,
+        &RunConfig {
+            steps: 3,
+            ..RunConfig::default()
+        },
+    )
+    .unwrap();
+    assert!(plain.profile.is_empty());
+    for (a, b) in plain.steps.iter().zip(&r.steps) {
+        assert_eq!(a.loss, b.loss);
+    }
+}
+
 fn close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {

@@ -101,6 +101,11 @@ pub struct RunConfig {
     pub data_seed: u64,
     /// Read every persistent tensor back after the last step.
     pub keep_state: bool,
+    /// Time every instruction (rank 0) and report the time by kernel
+    /// ([`RunReport::profile`]). On CUDA this adds two events per
+    /// instruction, so the step times of a profiled run are not the plain
+    /// step's.
+    pub profile: bool,
 }
 
 impl Default for RunConfig {
@@ -110,6 +115,7 @@ impl Default for RunConfig {
             init_seed: 0,
             data_seed: 1,
             keep_state: false,
+            profile: false,
         }
     }
 }
@@ -142,6 +148,64 @@ pub struct RunReport {
     /// With `keep_state`: each rank's persistent tensors after the last
     /// step, by name (f32 ones).
     pub state: Vec<Vec<(String, Vec<f32>)>>,
+    /// With `profile`: rank 0's time per step by kernel, most first.
+    pub profile: Vec<KernelTime>,
+}
+
+/// The time one kernel took in a step, over all its instructions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    pub kernel: &'static str,
+    /// Instructions of this kernel in a step.
+    pub instrs: usize,
+    /// Seconds per step: the mean over the profiled steps (every step but
+    /// the first, which warms up, when there are several).
+    pub seconds: f64,
+}
+
+/// Instruction times summed over the steps of a profiled run.
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    sums: Vec<f64>,
+    steps: usize,
+}
+
+impl Profile {
+    /// Adds step `index` (0 for the first) of `of` steps: its seconds per
+    /// instruction, in program order. The first of several is left out.
+    pub fn add(&mut self, index: usize, of: usize, instr_seconds: &[f64]) {
+        if index == 0 && of > 1 {
+            return;
+        }
+        self.sums.resize(instr_seconds.len(), 0.0);
+        for (sum, s) in self.sums.iter_mut().zip(instr_seconds) {
+            *sum += s;
+        }
+        self.steps += 1;
+    }
+
+    /// The mean time per step by kernel of `p`'s instructions, most first.
+    pub fn by_kernel(&self, p: &Program) -> Vec<KernelTime> {
+        let mut by: Vec<KernelTime> = Vec::new();
+        for (ins, sum) in p.instrs.iter().zip(&self.sums) {
+            let name = ins.kernel.name();
+            let k = match by.iter().position(|k| k.kernel == name) {
+                Some(i) => i,
+                None => {
+                    by.push(KernelTime {
+                        kernel: name,
+                        instrs: 0,
+                        seconds: 0.0,
+                    });
+                    by.len() - 1
+                }
+            };
+            by[k].instrs += 1;
+            by[k].seconds += sum / self.steps.max(1) as f64;
+        }
+        by.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then(a.kernel.cmp(b.kernel)));
+        by
+    }
 }
 
 /// Runs `cfg.steps` steps of `p` on `p.world_size` CPU ranks (threads).
@@ -151,9 +215,11 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
     let per_rank = run_ranks(world, |rank, comm| {
         let mut ex = CpuExecutor::new(p.clone(), rank)?;
         ex.initialize(cfg.init_seed)?;
+        ex.set_profiling(cfg.profile && rank == 0);
         let batch = synthetic_batch(p, cfg.data_seed, rank)?;
         let mut steps = Vec::with_capacity(cfg.steps);
-        for _ in 0..cfg.steps {
+        let mut profile = Profile::default();
+        for s in 0..cfg.steps {
             for (t, d) in &batch {
                 match d {
                     Data::F32(v) => ex.write_f32(*t, v)?,
@@ -166,6 +232,7 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
                 loss += ex.read_f32(t)?[0];
             }
             steps.push((loss, rep.seconds));
+            profile.add(s, cfg.steps, &rep.instr_seconds);
         }
         let state = if cfg.keep_state {
             p.persistent_tensors()
@@ -175,7 +242,7 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
         } else {
             Vec::new()
         };
-        Ok((steps, state, ex.allocated_bytes()))
+        Ok((steps, state, ex.allocated_bytes(), profile))
     })?;
     let steps = (0..cfg.steps)
         .map(|s| StepResult {
@@ -184,12 +251,17 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
             measured_bytes: per_rank.iter().map(|r| r.2).max().unwrap_or(0),
         })
         .collect();
+    let profile = match (cfg.profile, per_rank.first()) {
+        (true, Some(r)) => r.3.by_kernel(p),
+        _ => Vec::new(),
+    };
     Ok(RunReport {
         steps,
         arena_bytes: p.arena_bytes,
         allocated_bytes: per_rank.first().map_or(0, |r| r.2),
         workspace_bytes: per_rank.first().map_or(0, |r| r.2) - p.arena_bytes,
         state: per_rank.into_iter().map(|r| r.1).collect(),
+        profile,
     })
 }
 
@@ -284,7 +356,61 @@ mod tests {
             allocated_bytes: 0,
             workspace_bytes: 0,
             state: vec![vec![("w".into(), state), ("b".into(), vec![0.0, 0.0])]],
+            profile: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_profile_leaves_out_the_first_step_and_groups_by_kernel() {
+        use crate::kernel::Kernel;
+        use crate::program::Instr;
+        let kernels = [
+            Kernel::LayerNormBackward { rows: 1, cols: 1 },
+            Kernel::RmsNormBackward { rows: 1, cols: 1 },
+            Kernel::LayerNormBackward { rows: 2, cols: 2 },
+            Kernel::RmsNormBackward { rows: 2, cols: 2 },
+            Kernel::LayerNormBackward { rows: 3, cols: 3 },
+        ];
+        let p = Program {
+            name: "t".into(),
+            arena_bytes: 0,
+            tensors: vec![],
+            instrs: kernels
+                .iter()
+                .enumerate()
+                .map(|(i, k)| Instr::new(format!("i{i}"), k.clone()))
+                .collect(),
+            world_size: 1,
+        };
+        let mut prof = Profile::default();
+        prof.add(0, 3, &[100.0; 5]); // the warm-up: left out
+        prof.add(1, 3, &[1.0, 2.0, 3.0, 4.0, 5.0]);
+        prof.add(2, 3, &[3.0, 4.0, 5.0, 6.0, 7.0]);
+        let by = prof.by_kernel(&p);
+        // Means per step: layer norms 2 + 4 + 6, RMS norms 3 + 5.
+        let (ln, rms) = (kernels[0].name(), kernels[1].name());
+        assert_eq!(
+            by,
+            vec![
+                KernelTime {
+                    kernel: ln,
+                    instrs: 3,
+                    seconds: 12.0
+                },
+                KernelTime {
+                    kernel: rms,
+                    instrs: 2,
+                    seconds: 8.0
+                },
+            ]
+        );
+        // One step only: that step is the profile.
+        let mut one = Profile::default();
+        one.add(0, 1, &[1.0; 5]);
+        assert_eq!(
+            one.by_kernel(&p).iter().map(|k| k.seconds).sum::<f64>(),
+            5.0
+        );
     }
 
     #[test]

@@ -58,6 +58,12 @@ pub struct RunArgs {
     /// optimizer state are from the CPU's.
     #[arg(long)]
     pub compare_cpu: bool,
+    /// Time every instruction (rank 0) and print the time per step by
+    /// kernel, most first (after the first step when there are several).
+    /// On CUDA each instruction gets two timing events, so the profiled
+    /// run's step times are a little above the plain run's.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -79,6 +85,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         init_seed: a.seed,
         data_seed: a.seed.wrapping_add(1),
         keep_state: a.compare_cpu,
+        profile: a.profile,
     };
     let report = match a.device {
         Device::Cpu => memplan_runtime::runner::run_cpu(&program, &cfg)?,
@@ -175,6 +182,11 @@ fn print(
             "layout_source": s.layout_source,
             "median_step_seconds": med,
             "steps": steps,
+            "profile": a.profile.then(|| r.profile.iter().map(|k| json!({
+                "kernel": k.kernel,
+                "instrs": k.instrs,
+                "seconds_per_step": k.seconds,
+            })).collect::<Vec<_>>()),
             "compare_cpu": agree.map(|g| json!({
                 "loss_rel": g.loss_rel,
                 "state_rel_l2": g.state_rel_l2,
@@ -228,6 +240,9 @@ fn print(
             ""
         }
     );
+    if a.profile {
+        print_profile(r, med);
+    }
     if let Some(g) = agree {
         println!(
             "vs the CPU executor: largest loss difference {:.2e} (relative), parameters and optimizer state ‖Δ‖/‖cpu‖ = {:.2e} over {} elements{}",
@@ -241,4 +256,34 @@ fn print(
         );
     }
     Ok(())
+}
+
+/// The time per step by kernel, with each kernel's share of the step.
+fn print_profile(r: &RunReport, step_seconds: f64) {
+    let timed: f64 = r.profile.iter().map(|k| k.seconds).sum();
+    let rows: Vec<Vec<String>> = r
+        .profile
+        .iter()
+        .map(|k| {
+            vec![
+                k.kernel.to_string(),
+                k.instrs.to_string(),
+                format!("{:.3} ms", k.seconds * 1e3),
+                format!(
+                    "{:.1}%",
+                    100.0 * k.seconds / step_seconds.max(f64::MIN_POSITIVE)
+                ),
+            ]
+        })
+        .collect();
+    println!("time by kernel, per step (rank 0; instructions timed one by one):");
+    print!(
+        "{}",
+        table(&["kernel", "instructions", "time", "of the step"], &rows)
+    );
+    println!(
+        "instructions {:.3} ms of the {:.3} ms step",
+        timed * 1e3,
+        step_seconds * 1e3
+    );
 }

@@ -71,6 +71,8 @@ pub struct StepReport {
     pub seconds: f64,
     /// The step number just run (1 for the first).
     pub step: u64,
+    /// With profiling on: each instruction's seconds, in program order.
+    pub instr_seconds: Vec<f64>,
 }
 
 /// Runs a [`Program`] on the CPU inside one arena; see the module docs.
@@ -80,6 +82,8 @@ pub struct CpuExecutor {
     buf: HostBuffer,
     rank: usize,
     steps_done: u64,
+    /// Time each instruction ([`StepReport::instr_seconds`]).
+    profiling: bool,
 }
 
 impl CpuExecutor {
@@ -105,6 +109,7 @@ impl CpuExecutor {
             buf,
             rank,
             steps_done: 0,
+            profiling: false,
         })
     }
 
@@ -128,6 +133,12 @@ impl CpuExecutor {
     pub fn bindings(&self) -> &Bindings {
         &self.bindings
     }
+    /// Times each instruction of the following steps
+    /// ([`StepReport::instr_seconds`]).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+    }
+
     /// Steps run so far.
     pub fn steps_done(&self) -> u64 {
         self.steps_done
@@ -262,7 +273,13 @@ impl CpuExecutor {
         }
         let start = Instant::now();
         let step = self.steps_done + 1;
+        let mut instr_seconds = Vec::with_capacity(if self.profiling {
+            self.program.instrs.len()
+        } else {
+            0
+        });
         for (ins, bind) in self.program.instrs.iter().zip(&self.bindings.instrs) {
+            let began = self.profiling.then(Instant::now);
             let mut ops = Operands {
                 base: self.buf.ptr,
                 program: &self.program,
@@ -291,11 +308,15 @@ impl CpuExecutor {
                 },
                 Failure::Runtime(e) => e,
             })?;
+            if let Some(t) = began {
+                instr_seconds.push(t.elapsed().as_secs_f64());
+            }
         }
         self.steps_done = step;
         Ok(StepReport {
             seconds: start.elapsed().as_secs_f64(),
             step,
+            instr_seconds,
         })
     }
 }

@@ -41,7 +41,9 @@ use crate::device::{
 };
 use crate::error::{Result, RuntimeError};
 use crate::program::{DType, Program, TensorIdx};
-use crate::runner::{Data, RunConfig, RunReport, StepResult, loss_tensors, synthetic_batch};
+use crate::runner::{
+    Data, Profile, RunConfig, RunReport, StepResult, loss_tensors, synthetic_batch,
+};
 use crate::schedule::Schedule;
 
 pub use nccl::NcclComm;
@@ -243,6 +245,9 @@ pub struct CudaExecutor {
     baseline_free: usize,
     rank: usize,
     steps_done: u64,
+    /// With profiling on: a timing event before and after each
+    /// instruction, on its stream.
+    timing: Option<Vec<(CudaEvent, CudaEvent)>>,
 }
 
 impl CudaExecutor {
@@ -313,6 +318,7 @@ impl CudaExecutor {
             baseline_free: 0,
             rank,
             steps_done: 0,
+            timing: None,
         })
     }
 
@@ -599,8 +605,45 @@ impl CudaExecutor {
         }
     }
 
-    /// Runs one step; returns its seconds and the device memory it used.
-    pub fn step(&mut self, comm: &dyn Communicator<DeviceSlice>) -> Result<(f64, u64)> {
+    /// Times each instruction of the following steps with a pair of CUDA
+    /// events on its stream ([`Self::step`]'s third result).
+    pub fn set_profiling(&mut self, on: bool) -> Result<()> {
+        self.timing = if on {
+            let timed = Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let event = || {
+                self.ctx
+                    .new_event(timed)
+                    .map_err(|e| driver("cuEventCreate", e))
+            };
+            Some(
+                (0..self.ops.len())
+                    .map(|_| Ok((event()?, event()?)))
+                    .collect::<Result<Vec<_>>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// Each instruction's seconds from its timing events (after the step).
+    fn instr_seconds(&self) -> Result<Vec<f64>> {
+        let Some(timing) = &self.timing else {
+            return Ok(Vec::new());
+        };
+        timing
+            .iter()
+            .map(|(a, b)| {
+                a.elapsed_ms(b)
+                    .map(|ms| ms as f64 / 1e3)
+                    .map_err(|e| driver("cuEventElapsedTime", e))
+            })
+            .collect()
+    }
+
+    /// Runs one step; returns its seconds, the device memory it used and,
+    /// with profiling on, each instruction's seconds.
+    pub fn step(&mut self, comm: &dyn Communicator<DeviceSlice>) -> Result<(f64, u64, Vec<f64>)> {
         let base = self.base()?;
         self.ctx
             .bind_to_thread()
@@ -621,6 +664,12 @@ impl CudaExecutor {
                 stream
                     .wait(ev)
                     .map_err(|e| driver("cuStreamWaitEvent", e))?;
+            }
+            if let Some(timing) = &self.timing {
+                timing[j]
+                    .0
+                    .record(stream)
+                    .map_err(|e| driver("cuEventRecord", e))?;
             }
             for op in ops {
                 match op {
@@ -679,6 +728,12 @@ impl CudaExecutor {
                     }
                 }
             }
+            if let Some(timing) = &self.timing {
+                timing[j]
+                    .1
+                    .record(stream)
+                    .map_err(|e| driver("cuEventRecord", e))?;
+            }
             if let Some(ev) = &self.events[j] {
                 ev.record(stream).map_err(|e| driver("cuEventRecord", e))?;
             }
@@ -701,7 +756,8 @@ impl CudaExecutor {
             });
         }
         self.steps_done = step;
-        Ok((seconds, self.baseline_free.saturating_sub(free) as u64))
+        let used = self.baseline_free.saturating_sub(free) as u64;
+        Ok((seconds, used, self.instr_seconds()?))
     }
 }
 
@@ -738,7 +794,7 @@ fn panicked(payload: Box<dyn std::any::Any + Send>) -> RuntimeError {
     }
 }
 
-type RankRun = (Vec<(f32, f64, u64)>, Vec<(String, Vec<f32>)>, u64);
+type RankRun = (Vec<(f32, f64, u64)>, Vec<(String, Vec<f32>)>, u64, Profile);
 
 fn one_rank(
     p: &Program,
@@ -762,22 +818,25 @@ fn one_rank(
     };
     ex.allocate()?;
     ex.initialize(cfg.init_seed)?;
+    ex.set_profiling(cfg.profile && rank == 0)?;
     let batch = synthetic_batch(p, cfg.data_seed, rank)?;
     let losses = loss_tensors(p);
     let mut steps = Vec::with_capacity(cfg.steps);
-    for _ in 0..cfg.steps {
+    let mut profile = Profile::default();
+    for s in 0..cfg.steps {
         for (t, d) in &batch {
             match d {
                 Data::F32(v) => ex.write_f32(*t, v)?,
                 Data::I32(v) => ex.write_i32(*t, v)?,
             }
         }
-        let (secs, used) = ex.step(comm.as_ref())?;
+        let (secs, used, instr_seconds) = ex.step(comm.as_ref())?;
         let mut loss = 0.0;
         for &t in &losses {
             loss += ex.read_f32(t)?[0];
         }
         steps.push((loss, secs, used));
+        profile.add(s, cfg.steps, &instr_seconds);
     }
     let state = if cfg.keep_state {
         p.persistent_tensors()
@@ -789,7 +848,7 @@ fn one_rank(
     };
     let total = ex.layout().total;
     drop(comm);
-    Ok((steps, state, total))
+    Ok((steps, state, total, profile))
 }
 
 /// Runs every rank on its own thread and GPU, NCCL between them.
@@ -882,12 +941,17 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
         })
         .collect();
     let total = per_rank.first().map_or(0, |r| r.2);
+    let profile = match (cfg.profile, per_rank.first()) {
+        (true, Some(r)) => r.3.by_kernel(p),
+        _ => Vec::new(),
+    };
     Ok(RunReport {
         steps,
         arena_bytes: p.arena_bytes,
         allocated_bytes: total,
         workspace_bytes: total - p.arena_bytes,
         state: per_rank.into_iter().map(|r| r.1).collect(),
+        profile,
     })
 }
 
