@@ -213,15 +213,18 @@ def main(argv=None):
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
     with FakeTensorMode(allow_non_fake_inputs=True) if a.fake else contextlib.nullcontext():
-        return compare(a, cfg)
+        if a.keep:
+            os.makedirs(a.keep, exist_ok=True)
+            return compare(a, cfg, a.keep)
+        # The graphs go to a temporary folder, removed at the end.
+        with tempfile.TemporaryDirectory(prefix="torch_remat_compare_") as folder:
+            return compare(a, cfg, folder)
 
 
-def compare(a, cfg):
+def compare(a, cfg, folder):
     torch.manual_seed(0)
     model = torch_eager_gpt2.build(cfg, torch)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
-    folder = a.keep or tempfile.mkdtemp()
-    os.makedirs(folder, exist_ok=True)
 
     def save(name, g):
         path = os.path.join(folder, name + ".json")
