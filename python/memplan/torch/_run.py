@@ -207,7 +207,7 @@ class Program:
         """Runs every call in order on the values in `env`, substituting the
         optimizer's markers in the calls flagged in `optimizer_calls`."""
         with torch.no_grad():
-            for bind, k, func, outputs, only, dies in self._plan(optimizer_calls):
+            for bind, k, func, outputs, only, dies in self.plan(optimizer_calls):
                 args, kwargs = bind(env, numbers)
                 out = self._call_over(k, args, kwargs, env) if k in self.takes else None
                 if out is None:
@@ -224,7 +224,7 @@ class Program:
                 for i in dies:
                     env.pop(i, None)
 
-    def _plan(self, optimizer_calls: Sequence[bool]) -> List[tuple]:
+    def plan(self, optimizer_calls: Sequence[bool]) -> List[tuple]:
         """Per position: the binding, the call, its outputs (and the one
         output when it is the whole result), the values dying there. Made
         once per `optimizer_calls` (held, not compared by id)."""
@@ -282,10 +282,9 @@ class Arena:
         self._typed: Dict[torch.dtype, torch.Tensor] = {}
         self.fallbacks: set = set()
         self._expect: Dict[int, tuple] = {}
-        # How each call runs (see run), for the program and places last run:
-        # per position, its binding, call and dying values, and its way.
+        # How each call runs (see run), by position, for the program and
+        # places last run.
         self._ran_with: Optional[tuple] = None
-        self._plan: List[tuple] = []
         self._ways: List[Optional[Callable]] = []
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
@@ -318,12 +317,10 @@ class Arena:
         if ran is None or ran[0] is not prog or ran[1] is not placed or ran[2] is not optimizer_calls:
             # Held, not compared by id: a new program may reuse an old one's.
             self._ran_with = (prog, placed, optimizer_calls)
-            self._plan = [(prog.binder(k, optimizer_calls), k, prog.dies[pos])
-                          for pos, k in enumerate(prog.order)]
             self._ways = [None] * len(prog.order)
         ways = self._ways
         with torch.no_grad():
-            for pos, (bind, k, dies) in enumerate(self._plan):
+            for pos, (bind, k, _, _, _, dies) in enumerate(prog.plan(optimizer_calls)):
                 args, kwargs = bind(env, numbers)
                 way = ways[pos]
                 if way is None or not way(args, kwargs, env):
