@@ -78,6 +78,10 @@ fused() {
   run small_fused_cuda run --example gpt2-small --fused-attention --device cuda --steps 10 --json
   run xl_fused_cuda run --example gpt2-xl --fused-attention --device cuda --steps 5 --json
   run small_fused_profile run --example gpt2-small --fused-attention --device cuda --steps 3 --profile
+  # The same attention as cuBLAS products over blocks of query rows.
+  run tiny_fused_gemm_cmp run --example gpt2-tiny --fused-attention --seq 100 --device cuda --steps 3 --compare-cpu --attention gemm
+  run small_fused_gemm_cuda run --example gpt2-small --fused-attention --device cuda --steps 10 --json --attention gemm
+  run small_fused_gemm_profile run --example gpt2-small --fused-attention --device cuda --steps 3 --profile --attention gemm
 }
 
 llama() {
@@ -100,6 +104,13 @@ llama() {
   # Where the time goes, by kernel (two timing events per instruction).
   run llama_1b_bf16_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile
   run llama_1b_profile run --example llama3-1b --seq 1024 --device cuda --steps 3 --profile
+  # Fused attention as cuBLAS products (--attention gemm): correctness, then
+  # peak, time and profile of the same Llama 3.2 1B steps.
+  run llama_tiny_gemm_cmp run --example llama-tiny --device cuda --steps 3 --compare-cpu --attention gemm
+  run llama_tiny_bf16_gemm_cmp run --example llama-tiny --mixed-precision --device cuda --steps 3 --compare-cpu --attention gemm
+  run llama_1b_gemm_cuda run --example llama3-1b --seq 1024 --device cuda --steps 5 --json --attention gemm
+  run llama_1b_bf16_gemm_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention gemm
+  run llama_1b_bf16_gemm_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile --attention gemm
 }
 
 torch_side() {

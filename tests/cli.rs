@@ -215,6 +215,28 @@ fn run_options_are_checked_and_cuda_failures_are_errors() {
     if o.status.code() == Some(1) {
         assert!(err.contains("CUDA") || err.contains("cuda"), "{err}");
     }
+    // `--attention` chooses the CUDA lowering of fused attention.
+    let o = memplan(&["run", "--example", "llama-tiny", "--attention", "gemm"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
+    let o = memplan(&["run", "--example", "llama-tiny", "--attention", "tiles"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let o = memplan(&[
+        "run",
+        "--example",
+        "llama-tiny",
+        "--device",
+        "cuda",
+        "--attention",
+        "gemm",
+        "--steps",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)) && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -13,7 +13,7 @@ use memplan::models::llama::{self, LlamaConfig};
 use memplan::models::mlp::{self, MlpConfig};
 use memplan::{Options, checker};
 use memplan_runtime::device::emulate::Emulator;
-use memplan_runtime::device::{CollectiveOp, DevOp};
+use memplan_runtime::device::{AttentionLowering, CollectiveOp, DevOp};
 use memplan_runtime::runner::{Data, RunConfig, loss_tensors, run_cpu, synthetic_batch};
 use memplan_runtime::{Communicator, DType, Program, run_ranks};
 
@@ -40,9 +40,14 @@ enum Kernels {
 }
 
 /// Losses per step and each rank's persistent f32 tensors, on the emulator.
-fn emulate(p: &Program, steps: usize, kernels: Kernels) -> (Vec<f32>, State) {
+fn emulate(
+    p: &Program,
+    steps: usize,
+    kernels: Kernels,
+    attention: AttentionLowering,
+) -> (Vec<f32>, State) {
     let per_rank = run_ranks(p.world_size as usize, |rank, comm| {
-        let mut em = Emulator::new(p.clone())?;
+        let mut em = Emulator::with_attention(p.clone(), attention)?;
         if let Kernels::Source = kernels {
             em.use_host_kernels()?;
         }
@@ -104,6 +109,16 @@ const F32_TOLERANCE: Tolerance = Tolerance {
 };
 
 fn matches_cpu_within(g: &Graph, steps: usize, tol: Tolerance) -> Program {
+    matches_cpu_lowered(g, steps, tol, AttentionLowering::Flash)
+}
+
+/// As [`matches_cpu_within`], fused attention lowered as `attention` says.
+fn matches_cpu_lowered(
+    g: &Graph,
+    steps: usize,
+    tol: Tolerance,
+    attention: AttentionLowering,
+) -> Program {
     let p = program(g);
     let cpu = run_cpu(
         &p,
@@ -115,7 +130,7 @@ fn matches_cpu_within(g: &Graph, steps: usize, tol: Tolerance) -> Program {
     )
     .unwrap();
     for kernels in [Kernels::Mirrors, Kernels::Source] {
-        let (losses, state) = emulate(&p, steps, kernels);
+        let (losses, state) = emulate(&p, steps, kernels, attention);
         for (s, (a, b)) in losses.iter().zip(&cpu.steps).enumerate() {
             assert!(
                 (a - b.loss).abs() <= tol.loss * (1.0 + b.loss.abs()),
@@ -210,6 +225,65 @@ fn fused_attention_lowered_for_the_gpu_matches_the_cpu_executor() {
     assert_eq!(flash, 3, "one forward and two backward launches");
     cfg.checkpoint = true;
     matches_cpu(&fsdp::shard(&gpt2::build(&cfg).unwrap(), 2).unwrap(), 2);
+}
+
+/// Fused attention lowered to cuBLAS products over blocks of query rows
+/// (`AttentionLowering::Gemm`): GPT-2 (one key/value head per query head)
+/// and Llama (grouped-query) in f32, Llama in mixed precision (bf16
+/// operands widened into the scratch, results rounded once), and a
+/// sequence longer than one block of rows.
+#[test]
+fn fused_attention_as_products_matches_the_cpu_executor() {
+    let gemm = AttentionLowering::GEMM;
+    let mut cfg = Gpt2Config::small_config(1, 32, 2, 40, 2, 64);
+    cfg.fused_attention = true;
+    let p = matches_cpu_lowered(&gpt2::build(&cfg).unwrap(), 2, F32_TOLERANCE, gemm);
+    let em = Emulator::with_attention(p, gemm).unwrap();
+    let launched = |em: &Emulator, name: &str| {
+        em.ops()
+            .iter()
+            .flatten()
+            .filter(|o| matches!(o, DevOp::Launch(l) if l.kernel.name() == name))
+            .count()
+    };
+    assert_eq!(launched(&em, "flash_attn_fwd"), 0);
+    assert_eq!(
+        launched(&em, "attn_rows_softmax"),
+        2,
+        "a block per batch entry"
+    );
+    assert!(em.layout().scratch_bytes > 0);
+    matches_cpu_lowered(
+        &llama::build(&small_llama()).unwrap(),
+        2,
+        F32_TOLERANCE,
+        gemm,
+    );
+    let mixed = LlamaConfig {
+        mixed_precision: true,
+        dtype: memplan::models::DType::BF16,
+        ..small_llama()
+    };
+    let bf16 = Tolerance {
+        loss: 1e-5,
+        state: 2e-3,
+        floor: 1e-5,
+        per_tensor: false,
+    };
+    matches_cpu_lowered(&llama::build(&mixed).unwrap(), 2, bf16, gemm);
+    // Blocks of 16 query rows: 16, 16 and 8 of the 40, for each of the 2
+    // batch entries; f32 and mixed precision.
+    let blocks = AttentionLowering::Gemm { rows: 16 };
+    let p = matches_cpu_lowered(
+        &llama::build(&small_llama()).unwrap(),
+        2,
+        F32_TOLERANCE,
+        blocks,
+    );
+    let em = Emulator::with_attention(p, blocks).unwrap();
+    assert_eq!(launched(&em, "attn_rows_softmax"), 6);
+    assert_eq!(launched(&em, "attn_rows_softmax_bwd"), 6);
+    matches_cpu_lowered(&llama::build(&mixed).unwrap(), 2, bf16, blocks);
 }
 
 /// One layer, grouped-query attention (4 heads, 2 key/value heads), a

@@ -106,6 +106,9 @@ pub struct RunConfig {
     /// instruction, so the step times of a profiled run are not the plain
     /// step's.
     pub profile: bool,
+    /// How the CUDA executor runs fused attention (the CPU executor has
+    /// one way).
+    pub attention: crate::device::AttentionLowering,
 }
 
 impl Default for RunConfig {
@@ -116,6 +119,7 @@ impl Default for RunConfig {
             data_seed: 1,
             keep_state: false,
             profile: false,
+            attention: crate::device::AttentionLowering::Flash,
         }
     }
 }

@@ -9,6 +9,7 @@ use clap::ValueEnum;
 use serde_json::json;
 
 use memplan::exec;
+use memplan_runtime::device::AttentionLowering;
 use memplan_runtime::runner::{Agreement, RunConfig, RunReport};
 
 use super::GraphArgs;
@@ -64,6 +65,19 @@ pub struct RunArgs {
     /// run's step times are a little above the plain run's.
     #[arg(long)]
     pub profile: bool,
+    /// With `--device cuda`: how fused attention runs: `flash` (the flash
+    /// kernels, f32 arithmetic on the CUDA cores) or `gemm` (cuBLAS
+    /// products over blocks of query rows, the scores of a block in the
+    /// workspace; docs/runtime.md).
+    #[arg(long, value_enum, default_value = "flash")]
+    pub attention: AttentionArg,
+}
+
+/// `--attention`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    Flash,
+    Gemm,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -72,6 +86,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     if a.compare_cpu && a.device == Device::Cpu {
         bail!("--compare-cpu compares a CUDA run with the CPU executor: add --device cuda");
+    }
+    if a.attention != AttentionArg::Flash && a.device == Device::Cpu {
+        bail!("--attention chooses how the CUDA executor runs fused attention: add --device cuda");
     }
     let g = load(a.graph.as_deref(), &a.source)?;
     let plan = if a.unplanned {
@@ -86,6 +103,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         data_seed: a.seed.wrapping_add(1),
         keep_state: a.compare_cpu,
         profile: a.profile,
+        attention: match a.attention {
+            AttentionArg::Flash => AttentionLowering::Flash,
+            AttentionArg::Gemm => AttentionLowering::GEMM,
+        },
     };
     let report = match a.device {
         Device::Cpu => memplan_runtime::runner::run_cpu(&program, &cfg)?,
@@ -181,6 +202,10 @@ fn print(
             "order_source": s.order_source,
             "layout_source": s.layout_source,
             "median_step_seconds": med,
+            "attention": match a.attention {
+                AttentionArg::Flash => "flash",
+                AttentionArg::Gemm => "gemm",
+            },
             "steps": steps,
             "profile": a.profile.then(|| r.profile.iter().map(|k| json!({
                 "kernel": k.kernel,

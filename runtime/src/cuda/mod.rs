@@ -37,7 +37,8 @@ use cudarc::driver::{
 use crate::binding::Bindings;
 use crate::comm::Communicator;
 use crate::device::{
-    CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, Launch, kernel_params, lower_all,
+    AttentionLowering, CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, Launch,
+    kernel_params, lower_all,
 };
 use crate::error::{Result, RuntimeError};
 use crate::program::{DType, Program, TensorIdx};
@@ -255,10 +256,20 @@ impl CudaExecutor {
     /// `rank`: context, streams, events, kernels, cuBLAS. Allocates nothing
     /// for the program yet: create communicators, then [`Self::allocate`].
     pub fn new(program: Program, ordinal: usize, rank: usize) -> Result<CudaExecutor> {
+        CudaExecutor::with_attention(program, ordinal, rank, AttentionLowering::Flash)
+    }
+
+    /// As [`Self::new`], fused attention lowered as `attention` says.
+    pub fn with_attention(
+        program: Program,
+        ordinal: usize,
+        rank: usize,
+        attention: AttentionLowering,
+    ) -> Result<CudaExecutor> {
         program.validate()?;
         check_libraries(false)?;
         let bindings = Bindings::new(&program)?;
-        let layout = DeviceLayout::new(&program, &bindings);
+        let layout = DeviceLayout::with_attention(&program, &bindings, attention);
         let ops = lower_all(&program, &bindings, &layout)?;
         let schedule = Schedule::new(&program, &bindings);
         let ctx = CudaContext::new(ordinal)
@@ -803,7 +814,7 @@ fn one_rank(
     rank: usize,
     nccl: Option<(cudarc::nccl::sys::ncclUniqueId, Duration, &AtomicBool)>,
 ) -> Result<RankRun> {
-    let mut ex = CudaExecutor::new(p.clone(), gpu, rank)?;
+    let mut ex = CudaExecutor::with_attention(p.clone(), gpu, rank, cfg.attention)?;
     let world = p.world_size as usize;
     let comm: Box<dyn Communicator<DeviceSlice>> = match nccl {
         None => Box::new(crate::comm::SingleRank),

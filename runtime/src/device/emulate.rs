@@ -10,7 +10,10 @@
 //! addresses, product shapes and transposes, launch arguments, staging and
 //! in-place use — against the CPU executor on machines without a GPU.
 
-use super::{Arg, CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, Launch, lower_all};
+use super::{
+    Arg, AttentionLowering, CollectiveOp, DevKernel, DevOp, DeviceLayout, GemmCall, Launch,
+    lower_all,
+};
 use crate::binding::Bindings;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
@@ -187,6 +190,65 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
         DevKernel::FlashAttnBwdDq => flash_bwd(m, &a, false),
         DevKernel::FlashAttnBwdDkv => flash_bwd(m, &a, true),
         DevKernel::AdamStep => adam(m, &a),
+        DevKernel::AttnRowsSoftmax | DevKernel::AttnRowsSoftmaxBwd | DevKernel::AttnRowDot => {
+            attention_rows(m, l.kernel, &a)
+        }
+    }
+}
+
+/// The row kernels of fused attention lowered to products (see
+/// `kernels.cu`'s `attn_rows_softmax`).
+fn attention_rows(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
+    if k == DevKernel::AttnRowDot {
+        let (dout, out, dsum) = (a.p(0), a.p(1), a.p(2));
+        let (batch, seq, heads, hd) = (a.n(3), a.n(4), a.n(5), a.n(6));
+        for i in 0..batch * seq * heads {
+            let (h, bt) = (i % heads, i / heads);
+            let acc: f32 = (0..hd)
+                .map(|d| m.f(dout, i * hd + d) * m.f(out, i * hd + d))
+                .sum();
+            m.set(dsum, (bt / seq * heads + h) * seq + bt % seq, acc);
+        }
+        return;
+    }
+    // Forward: (s, lse, sizes…); backward: (s, dp, lse, dsum, sizes…).
+    let backward = k == DevKernel::AttnRowsSoftmaxBwd;
+    let first = if backward { 4 } else { 2 };
+    let n = |i: usize| a.n(first + i);
+    let (rows, rcount, rmax, r0, r1, ld, t) = (n(0), n(1), n(2), n(3), n(4), n(5), n(6));
+    let s = a.p(0);
+    let lse = a.p(if backward { 2 } else { 1 });
+    for row in 0..rows {
+        let (h, r) = (row / rcount, row % rcount);
+        let (lim, base, at) = (r0 + r + 1, (h * rmax + r) * ld, h * t + r0 + r);
+        if backward {
+            let (dp, dsum) = (a.p(1), a.p(3));
+            let (l, d) = (m.f(lse, at), m.f(dsum, at));
+            for j in 0..r1 {
+                let p = if j < lim {
+                    (m.f(s, base + j) - l).exp()
+                } else {
+                    0.0
+                };
+                let g = p * (m.f(dp, base + j) - d);
+                m.set(s, base + j, p);
+                m.set(dp, base + j, g);
+            }
+            continue;
+        }
+        let mx = (0..lim)
+            .map(|j| m.f(s, base + j))
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = (0..lim).map(|j| (m.f(s, base + j) - mx).exp()).sum();
+        for j in 0..r1 {
+            let v = if j < lim {
+                (m.f(s, base + j) - mx).exp() / sum
+            } else {
+                0.0
+            };
+            m.set(s, base + j, v);
+        }
+        m.set(lse, at, mx + sum.ln());
     }
 }
 
@@ -857,9 +919,14 @@ fn gemm(m: &mut Mem<'_>, g: &GemmCall) {
 impl Emulator {
     /// Lowers `program` (validated here) for the emulated device.
     pub fn new(program: Program) -> Result<Emulator> {
+        Emulator::with_attention(program, AttentionLowering::Flash)
+    }
+
+    /// As [`Self::new`], fused attention lowered as `attention` says.
+    pub fn with_attention(program: Program, attention: AttentionLowering) -> Result<Emulator> {
         program.validate()?;
         let b = Bindings::new(&program)?;
-        let layout = DeviceLayout::new(&program, &b);
+        let layout = DeviceLayout::with_attention(&program, &b, attention);
         let ops = lower_all(&program, &b, &layout)?;
         let buf = vec![0u8; layout.total as usize + 15];
         let start = buf.as_ptr().align_offset(16);

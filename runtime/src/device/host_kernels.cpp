@@ -253,6 +253,9 @@ const Entry kernels[] = {
     COOPERATIVE(flash_attn_fwd),
     COOPERATIVE(flash_attn_bwd_dq),
     COOPERATIVE(flash_attn_bwd_dkv),
+    COOPERATIVE(attn_rows_softmax),
+    KERNEL(attn_rows_softmax_bwd),
+    KERNEL(attn_row_dot),
 };
 }  // namespace host
 

@@ -319,6 +319,59 @@ extern "C" __global__ void __launch_bounds__(1024) causal_softmax_fwd(Buf s, Buf
     for (i64 j = threadIdx.x; j < t; j += blockDim.x) p.set(r * t + j, j <= i ? expf(sr[j] - mx) * inv : 0.f);
 }
 
+// Fused attention lowered to cuBLAS products (`AttentionLowering::Gemm`):
+// the scores of a block of query rows live in a scratch `s` of heads ×
+// rmax rows of `ld` floats, row (h, r) being query r0 + r of head h against
+// keys 0 .. r1 - 1, already scaled. One block per row (rows = heads ×
+// rcount). In place: P = softmax over the causally visible keys (zeros
+// after them) over S; lse[h * t + r0 + r] = the row's log-sum-exp.
+extern "C" __global__ void __launch_bounds__(1024) attn_rows_softmax(Buf s, Buf lse, i64 rows, i64 rcount, i64 rmax,
+                                                                     i64 r0, i64 r1, i64 ld, i64 t) {
+    i64 row = blockIdx.x;
+    if (row >= rows) return;
+    i64 h = row / rcount, r = row % rcount, lim = r0 + r + 1;
+    Buf sr = s + (h * rmax + r) * ld;
+    float mx = NEG_INF;
+    for (i64 j = threadIdx.x; j < lim; j += blockDim.x) mx = fmaxf(mx, sr[j]);
+    mx = block_max(mx);
+    float sum = 0.f;
+    for (i64 j = threadIdx.x; j < lim; j += blockDim.x) sum += expf(sr[j] - mx);
+    sum = block_sum(sum);
+    float inv = 1.f / sum;
+    for (i64 j = threadIdx.x; j < r1; j += blockDim.x) sr.set(j, j < lim ? expf(sr[j] - mx) * inv : 0.f);
+    if (threadIdx.x == 0) lse.set(h * t + r0 + r, mx + logf(sum));
+}
+
+// attn_rows_softmax's backward over the same rows: P = exp(S - lse) (zero
+// after the causal limit) over S, and dS = P * (dP - D) over dP, with
+// D = dsum[h * t + r0 + r] the row's sum of dO * O. One block per row.
+extern "C" __global__ void __launch_bounds__(1024) attn_rows_softmax_bwd(Buf s, Buf dp, Buf lse, Buf dsum, i64 rows,
+                                                                         i64 rcount, i64 rmax, i64 r0, i64 r1, i64 ld,
+                                                                         i64 t) {
+    i64 row = blockIdx.x;
+    if (row >= rows) return;
+    i64 h = row / rcount, r = row % rcount, lim = r0 + r + 1;
+    Buf sr = s + (h * rmax + r) * ld, dr = dp + (h * rmax + r) * ld;
+    float l = lse[h * t + r0 + r], d = dsum[h * t + r0 + r];
+    for (i64 j = threadIdx.x; j < r1; j += blockDim.x) {
+        float pj = j < lim ? expf(sr[j] - l) : 0.f;
+        sr.set(j, pj);
+        dr.set(j, pj * (dr[j] - d));
+    }
+}
+
+// dsum[(b * heads + h) * seq + t] = sum over head h's hd columns of row
+// (b, t) of dout * out, both [B, T, heads * hd].
+extern "C" __global__ void __launch_bounds__(1024) attn_row_dot(Buf dout, Buf out, Buf dsum, i64 batch, i64 seq,
+                                                                i64 heads, i64 hd) {
+    GRID_STRIDE(i, batch * seq * heads) {
+        i64 h = i % heads, bt = i / heads, b = bt / seq, t = bt % seq;
+        float acc = 0.f;
+        for (i64 d = 0; d < hd; ++d) acc += dout[i * hd + d] * out[i * hd + d];
+        dsum.set((b * heads + h) * seq + t, acc);
+    }
+}
+
 // One block per row. In place: ds = dp.
 extern "C" __global__ void __launch_bounds__(1024) causal_softmax_bwd(Buf dp, Buf p, Buf ds, i64 rows, i64 t) {
     i64 r = blockIdx.x;

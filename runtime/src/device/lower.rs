@@ -4,8 +4,9 @@
 //! device allocation ([`DeviceLayout`]).
 
 use super::{
-    Arg, Buf, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM, FLASH_ROWS, Launch,
-    RowMajor, check_launch, elementwise, gemm_row_major, per_row,
+    Arg, AttentionLowering, Buf, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM,
+    FLASH_ROWS, Launch, RowMajor, check_launch, elementwise, gemm_attention, gemm_row_major,
+    per_row,
 };
 use crate::binding::{Bindings, InstrBinding};
 use crate::error::{Result, RuntimeError};
@@ -573,6 +574,33 @@ fn attention_backward(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
 /// Fused attention: the flash kernels of `kernels.cu` (the backward is two
 /// launches, queries then keys and values).
 fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
+    if let AttentionLowering::Gemm { rows } = a.layout.attention {
+        let op = |at: u64, dtype: DType| gemm_attention::Operand { at, dtype };
+        let scratch = a.layout.scratch;
+        return match &a.ins.kernel {
+            Kernel::FusedAttention(at) => gemm_attention::forward(
+                at,
+                rows,
+                op(a.i(0), a.di(0)),
+                op(a.o(0), a.dout(0)),
+                op(a.o(1), a.dout(1)),
+                scratch,
+                ops,
+            ),
+            Kernel::FusedAttentionBackward(at) => gemm_attention::backward(
+                at,
+                rows,
+                op(a.i(0), a.di(0)),
+                op(a.i(1), a.di(1)),
+                op(a.i(2), a.di(2)),
+                op(a.i(3), a.di(3)),
+                op(a.o(0), a.dout(0)),
+                scratch,
+                ops,
+            ),
+            other => Err(misrouted(other, "fused_attention")),
+        };
+    }
     match &a.ins.kernel {
         Kernel::FusedAttention(at) => ops.push(flash(
             DevKernel::FlashAttnFwd,

@@ -29,6 +29,7 @@
 //! arithmetic and indexing, not only its mirror.
 
 pub mod emulate;
+mod gemm_attention;
 #[cfg(feature = "host-kernels")]
 pub mod host;
 mod lower;
@@ -52,6 +53,8 @@ pub const REGION_ALIGN: u64 = 256;
 /// Where everything lives in the one device allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceLayout {
+    /// How fused attention is lowered (its scratch is in `scratch`).
+    pub attention: AttentionLowering,
     pub arena: u64,
     /// Start of the staging workspace (inputs copied before a kernel).
     pub staging: u64,
@@ -69,23 +72,56 @@ pub struct DeviceLayout {
     pub total: u64,
 }
 
+/// How the CUDA lowering runs a fused attention.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum AttentionLowering {
+    /// The flash kernels of `kernels.cu`: no scratch, arithmetic on the
+    /// CUDA cores.
+    #[default]
+    Flash,
+    /// cuBLAS products over blocks of `rows` query rows (0: as many as
+    /// fit 64 MiB of scores), with the scores in the scratch
+    /// (`gemm_attention`).
+    Gemm { rows: u64 },
+}
+
+impl AttentionLowering {
+    /// Products over blocks sized to the scratch's default budget.
+    pub const GEMM: AttentionLowering = AttentionLowering::Gemm { rows: 0 };
+}
+
 impl DeviceLayout {
-    /// The layout for `p` bound by `b`.
+    /// The layout for `p` bound by `b`, fused attention by the flash
+    /// kernels.
     pub fn new(p: &Program, b: &Bindings) -> DeviceLayout {
+        DeviceLayout::with_attention(p, b, AttentionLowering::Flash)
+    }
+
+    /// The layout for `p` bound by `b`, fused attention lowered as
+    /// `attention` says.
+    pub fn with_attention(p: &Program, b: &Bindings, attention: AttentionLowering) -> DeviceLayout {
         let up = |x: u64| x.div_ceil(REGION_ALIGN) * REGION_ALIGN;
         let staging = up(p.arena_bytes);
         let scratch = up(staging + b.workspace_bytes);
         let scratch_bytes = p
             .instrs
             .iter()
-            .map(|i| scratch_bytes(&i.kernel))
+            .map(|i| scratch_bytes(p, i, attention))
             .max()
             .unwrap_or(0);
         let mut end = up(scratch + scratch_bytes);
         let streams = p.num_streams() as usize;
         let mut uses_blas = vec![false; streams];
+        let fused = |k: &Kernel| {
+            matches!(
+                k,
+                Kernel::FusedAttention(_) | Kernel::FusedAttentionBackward(_)
+            )
+        };
         for ins in &p.instrs {
-            if uses_gemm(&ins.kernel) {
+            if uses_gemm(&ins.kernel)
+                || (matches!(attention, AttentionLowering::Gemm { .. }) && fused(&ins.kernel))
+            {
                 uses_blas[ins.stream.index()] = true;
             }
         }
@@ -102,6 +138,7 @@ impl DeviceLayout {
         let error_word = end;
         end += REGION_ALIGN;
         DeviceLayout {
+            attention,
             arena: p.arena_bytes,
             staging,
             staging_bytes: b.workspace_bytes,
@@ -122,11 +159,30 @@ impl DeviceLayout {
 /// Bytes of integer scratch kernel `k` needs: the token-embedding
 /// gradient's bucket sort keeps `vocab + 1` bucket starts, `vocab` fill
 /// counters and one slot per token.
-pub fn scratch_bytes(k: &Kernel) -> u64 {
-    match k {
-        Kernel::EmbeddingBackward {
-            batch, seq, vocab, ..
-        } => 4 * (2 * vocab + 1 + batch * seq),
+pub fn scratch_bytes(
+    p: &Program,
+    ins: &crate::program::Instr,
+    attention: AttentionLowering,
+) -> u64 {
+    let bf = |t: Option<&crate::program::TensorIdx>| {
+        t.is_some_and(|&t| p.tensor(t).dtype == DType::BF16)
+    };
+    let (i, o) = (&ins.inputs, &ins.outputs);
+    match (&ins.kernel, attention) {
+        (
+            Kernel::EmbeddingBackward {
+                batch, seq, vocab, ..
+            },
+            _,
+        ) => 4 * (2 * vocab + 1 + batch * seq),
+        (Kernel::FusedAttention(at), AttentionLowering::Gemm { rows }) => {
+            let wide = [bf(i.first()), bf(o.first()), false, false];
+            gemm_attention::scratch_bytes(at, rows, false, wide)
+        }
+        (Kernel::FusedAttentionBackward(at), AttentionLowering::Gemm { rows }) => {
+            let wide = [bf(i.get(1)), false, bf(i.first()), bf(o.first())];
+            gemm_attention::scratch_bytes(at, rows, true, wide)
+        }
         _ => 0,
     }
 }
@@ -185,10 +241,13 @@ pub enum DevKernel {
     SwigluFwd,
     SwigluBwd,
     Cast,
+    AttnRowsSoftmax,
+    AttnRowsSoftmaxBwd,
+    AttnRowDot,
 }
 
 impl DevKernel {
-    pub const ALL: [DevKernel; 35] = [
+    pub const ALL: [DevKernel; 38] = [
         DevKernel::FillRows,
         DevKernel::ColSum,
         DevKernel::Add,
@@ -224,6 +283,9 @@ impl DevKernel {
         DevKernel::SwigluFwd,
         DevKernel::SwigluBwd,
         DevKernel::Cast,
+        DevKernel::AttnRowsSoftmax,
+        DevKernel::AttnRowsSoftmaxBwd,
+        DevKernel::AttnRowDot,
     ];
     /// The `extern "C"` name in `kernels.cu`.
     pub fn name(self) -> &'static str {
@@ -263,6 +325,9 @@ impl DevKernel {
             DevKernel::SwigluFwd => "swiglu_fwd",
             DevKernel::SwigluBwd => "swiglu_bwd",
             DevKernel::Cast => "cast",
+            DevKernel::AttnRowsSoftmax => "attn_rows_softmax",
+            DevKernel::AttnRowsSoftmaxBwd => "attn_rows_softmax_bwd",
+            DevKernel::AttnRowDot => "attn_row_dot",
         }
     }
 }
