@@ -143,7 +143,7 @@ fn widened(x: Operand, to: Option<u64>, elems: u64, ops: &mut Vec<DevOp>) -> u64
     }
 }
 
-/// Geometry of one attention's f32 operands, in bytes.
+/// Geometry of one attention's operands, in f32 elements.
 struct Shape {
     b: u64,
     t: u64,
@@ -155,6 +155,20 @@ struct Shape {
     w3: u64,
     c: u64,
     rmax: u64,
+}
+
+/// A block of query rows `r0..r1` of batch entry `b`.
+#[derive(Copy, Clone)]
+struct Block {
+    b: u64,
+    r0: u64,
+    r1: u64,
+}
+
+impl Block {
+    fn rows(self) -> u64 {
+        self.r1 - self.r0
+    }
 }
 
 impl Shape {
@@ -171,50 +185,101 @@ impl Shape {
             rmax: block_rows(at, rows),
         }
     }
-    /// Group member `g`'s query heads (one per key/value head) of a
-    /// `[B,T,w]` tensor at `base`, rows from `r0`, column block `col`
-    /// (in heads) — or, with `g` = None, the key/value heads at `col`.
-    fn heads(&self, base: u64, w: u64, b: u64, r0: u64, col: u64, per_group: bool) -> RowMajor {
+    /// Every block, batch entry by batch entry.
+    fn blocks(&self) -> Vec<Block> {
+        (0..self.b)
+            .flat_map(|b| {
+                (0..self.t)
+                    .step_by(self.rmax as usize)
+                    .map(move |r0| Block {
+                        b,
+                        r0,
+                        r1: (r0 + self.rmax).min(self.t),
+                    })
+            })
+            .collect()
+    }
+    /// Heads of an f32 `[B,T,w]` tensor at `base`, from row `r0` of batch
+    /// entry `b`: with `member = Some(g)`, group member `g`'s query heads
+    /// (one per key/value head); with `None`, the `kvh` heads from head
+    /// column `col` on (keys at `h`, values at `h + kvh` in `qkv`).
+    fn heads(&self, base: u64, w: u64, b: u64, r0: u64, member: Option<u64>, col: u64) -> RowMajor {
+        let (col, stride) = match member {
+            Some(g) => (g, self.g * self.d),
+            None => (col, self.d),
+        };
         let at = base + 4 * ((b * self.t + r0) * w + col * self.d);
-        let stride = if per_group { self.g * self.d } else { self.d };
         RowMajor::new(at, w, DType::F32).stride(stride)
+    }
+    fn queries(&self, x: u64, blk: Block, g: u64) -> RowMajor {
+        self.heads(x, self.w3, blk.b, blk.r0, Some(g), 0)
+    }
+    fn keys(&self, x: u64, b: u64) -> RowMajor {
+        self.heads(x, self.w3, b, 0, None, self.h)
+    }
+    fn values(&self, x: u64, b: u64) -> RowMajor {
+        self.heads(x, self.w3, b, 0, None, self.h + self.kvh)
+    }
+    /// Group member `g`'s query heads of an `[B,T,C]` tensor (`out`, `dout`).
+    fn outputs(&self, o: u64, blk: Block, g: u64) -> RowMajor {
+        self.heads(o, self.c, blk.b, blk.r0, Some(g), 0)
     }
     /// Group member `g`'s block of scores at `base`: `rmax × t` per head.
     fn scores(&self, base: u64, g: u64) -> RowMajor {
         RowMajor::new(base + 4 * g * self.rmax * self.t, self.t, DType::F32)
             .stride(self.g * self.rmax * self.t)
     }
-    /// The scaled scores of rows `r0..r1` against keys `0..r1`, every head.
+    /// `C (m × n) = alpha·A B + beta·C`, batched over the key/value heads.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        m: u64,
+        n: u64,
+        k: u64,
+        alpha: f32,
+        a: RowMajor,
+        b: RowMajor,
+        beta: f32,
+        c: RowMajor,
+    ) -> Result<DevOp> {
+        Ok(DevOp::Gemm(gemm_row_major(
+            m, n, k, alpha, a, b, beta, c, self.kvh,
+        )?))
+    }
+    /// The scaled scores of a block's rows against keys `0..r1`, every head.
     fn scores_of(
         &self,
         x: u64,
         s: u64,
-        b: u64,
-        (r0, r1): (u64, u64),
+        blk: Block,
         scale: f32,
         ops: &mut Vec<DevOp>,
     ) -> Result<()> {
         for g in 0..self.g {
-            let q = self.heads(x, self.w3, b, r0, g, true);
-            let k = self.heads(x, self.w3, b, 0, self.h, false).t();
-            ops.push(DevOp::Gemm(gemm_row_major(
-                r1 - r0,
-                r1,
+            let (q, k) = (self.queries(x, blk, g), self.keys(x, blk.b).t());
+            ops.push(self.product(
+                blk.rows(),
+                blk.r1,
                 self.d,
                 scale,
                 q,
                 k,
                 0.0,
                 self.scores(s, g),
-                self.kvh,
-            )?));
+            )?);
         }
         Ok(())
+    }
+    /// A launch of a row kernel over every head's rows of a block: `front`
+    /// arguments, then the block's sizes.
+    fn rows_launch(&self, kernel: DevKernel, blk: Block, mut front: Vec<Arg>) -> Result<DevOp> {
+        let count = self.h * blk.rows();
+        front.extend([count, blk.rows(), self.rmax, blk.r0, blk.r1, self.t, self.t].map(n));
+        per_row(kernel, count, blk.r1, front)
     }
 }
 
 /// `[qkv] -> [out, lse]`.
-#[allow(clippy::too_many_arguments)]
 pub fn forward(
     at: &Attention,
     rows: u64,
@@ -231,42 +296,22 @@ pub fn forward(
     let x = widened(qkv, rel(sc.qkv), sh.b * sh.t * sh.w3, ops);
     let o = rel(sc.out).unwrap_or(out.at);
     let s = scratch + sc.scores;
-    for b in 0..sh.b {
-        for r0 in (0..sh.t).step_by(sh.rmax as usize) {
-            let r1 = (r0 + sh.rmax).min(sh.t);
-            sh.scores_of(x, s, b, (r0, r1), at.scale, ops)?;
-            let rows = sh.h * (r1 - r0);
-            ops.push(per_row(
-                DevKernel::AttnRowsSoftmax,
-                rows,
-                r1,
-                vec![
-                    f32_buf(s),
-                    buf(lse.batch(b, sh.h * sh.t)),
-                    n(rows),
-                    n(r1 - r0),
-                    n(sh.rmax),
-                    n(r0),
-                    n(r1),
-                    n(sh.t),
-                    n(sh.t),
-                ],
+    for blk in sh.blocks() {
+        sh.scores_of(x, s, blk, at.scale, ops)?;
+        let lse_b = buf(lse.batch(blk.b, sh.h * sh.t));
+        ops.push(sh.rows_launch(DevKernel::AttnRowsSoftmax, blk, vec![f32_buf(s), lse_b])?);
+        for g in 0..sh.g {
+            let (p, v) = (sh.scores(s, g), sh.values(x, blk.b));
+            ops.push(sh.product(
+                blk.rows(),
+                sh.d,
+                blk.r1,
+                1.0,
+                p,
+                v,
+                0.0,
+                sh.outputs(o, blk, g),
             )?);
-            for g in 0..sh.g {
-                let v = sh.heads(x, sh.w3, b, 0, sh.h + sh.kvh, false);
-                let dst = sh.heads(o, sh.c, b, r0, g, true);
-                ops.push(DevOp::Gemm(gemm_row_major(
-                    r1 - r0,
-                    sh.d,
-                    r1,
-                    1.0,
-                    sh.scores(s, g),
-                    v,
-                    0.0,
-                    dst,
-                    sh.kvh,
-                )?));
-            }
         }
     }
     if sc.out.is_some() {
@@ -278,6 +323,18 @@ pub fn forward(
         ));
     }
     Ok(())
+}
+
+/// Where the backward pass's f32 values are.
+struct Grad {
+    /// `qkv`, `dout` and the gradient of `qkv`.
+    x: u64,
+    dy: u64,
+    dx: u64,
+    /// Scores then probabilities; their gradient then `dS`; `Σ dO·O`.
+    s: u64,
+    dp: u64,
+    dsum: u64,
 }
 
 /// `[dout, qkv, out, lse] -> [dqkv]`.
@@ -297,118 +354,68 @@ pub fn backward(
     let bf = |o: Operand| o.dtype == DType::BF16;
     let sc = Scratch::new(at, rows, true, [bf(qkv), false, bf(dout), bf(dqkv)]);
     let rel = |o: Option<u64>| o.map(|x| scratch + x);
-    let x = widened(qkv, rel(sc.qkv), sh.b * sh.t * sh.w3, ops);
-    let dy = widened(dout, rel(sc.dout), sh.b * sh.t * sh.c, ops);
-    let dx = rel(sc.dqkv).unwrap_or(dqkv.at);
-    let (s, dp, dsum) = (scratch + sc.scores, scratch + sc.dscores, scratch + sc.dsum);
+    let gr = Grad {
+        x: widened(qkv, rel(sc.qkv), sh.b * sh.t * sh.w3, ops),
+        dy: widened(dout, rel(sc.dout), sh.b * sh.t * sh.c, ops),
+        dx: rel(sc.dqkv).unwrap_or(dqkv.at),
+        s: scratch + sc.scores,
+        dp: scratch + sc.dscores,
+        dsum: scratch + sc.dsum,
+    };
+    let qkv_elems = sh.b * sh.t * sh.w3;
     ops.push(DevOp::Memset {
-        at: dx,
-        bytes: 4 * sh.b * sh.t * sh.w3,
+        at: gr.dx,
+        bytes: 4 * qkv_elems,
     });
-    ops.push(elementwise(
-        DevKernel::AttnRowDot,
-        sh.b * sh.t * sh.h,
-        vec![
-            buf(dout),
-            buf(out),
-            f32_buf(dsum),
-            n(sh.b),
-            n(sh.t),
-            n(sh.h),
-            n(sh.d),
-        ],
-    ));
-    for b in 0..sh.b {
-        for r0 in (0..sh.t).step_by(sh.rmax as usize) {
-            let r1 = (r0 + sh.rmax).min(sh.t);
-            let rc = r1 - r0;
-            sh.scores_of(x, s, b, (r0, r1), at.scale, ops)?;
-            for g in 0..sh.g {
-                let v = sh.heads(x, sh.w3, b, 0, sh.h + sh.kvh, false).t();
-                let dyg = sh.heads(dy, sh.c, b, r0, g, true);
-                ops.push(DevOp::Gemm(gemm_row_major(
-                    rc,
-                    r1,
-                    sh.d,
-                    1.0,
-                    dyg,
-                    v,
-                    0.0,
-                    sh.scores(dp, g),
-                    sh.kvh,
-                )?));
-            }
-            let count = sh.h * rc;
-            let per_b = 4 * b * sh.h * sh.t;
-            ops.push(per_row(
-                DevKernel::AttnRowsSoftmaxBwd,
-                count,
-                r1,
-                vec![
-                    f32_buf(s),
-                    f32_buf(dp),
-                    buf(lse.batch(b, sh.h * sh.t)),
-                    f32_buf(dsum + per_b),
-                    n(count),
-                    n(rc),
-                    n(sh.rmax),
-                    n(r0),
-                    n(r1),
-                    n(sh.t),
-                    n(sh.t),
-                ],
-            )?);
-            for g in 0..sh.g {
-                let dyg = sh.heads(dy, sh.c, b, r0, g, true);
-                let q = sh.heads(x, sh.w3, b, r0, g, true);
-                let k = sh.heads(x, sh.w3, b, 0, sh.h, false);
-                // dV += Pᵀ dO, dK += scale·dSᵀ Q, dQ += scale·dS K.
-                let dv = sh.heads(dx, sh.w3, b, 0, sh.h + sh.kvh, false);
-                let dk = sh.heads(dx, sh.w3, b, 0, sh.h, false);
-                let dq = sh.heads(dx, sh.w3, b, r0, g, true);
-                ops.push(DevOp::Gemm(gemm_row_major(
-                    r1,
-                    sh.d,
-                    rc,
-                    1.0,
-                    sh.scores(s, g).t(),
-                    dyg,
-                    1.0,
-                    dv,
-                    sh.kvh,
-                )?));
-                ops.push(DevOp::Gemm(gemm_row_major(
-                    r1,
-                    sh.d,
-                    rc,
-                    at.scale,
-                    sh.scores(dp, g).t(),
-                    q,
-                    1.0,
-                    dk,
-                    sh.kvh,
-                )?));
-                ops.push(DevOp::Gemm(gemm_row_major(
-                    rc,
-                    sh.d,
-                    r1,
-                    at.scale,
-                    sh.scores(dp, g),
-                    k,
-                    1.0,
-                    dq,
-                    sh.kvh,
-                )?));
-            }
-        }
+    let sizes = [sh.b, sh.t, sh.h, sh.d].map(n);
+    let mut args = vec![buf(dout), buf(out), f32_buf(gr.dsum)];
+    args.extend(sizes);
+    ops.push(elementwise(DevKernel::AttnRowDot, sh.b * sh.t * sh.h, args));
+    for blk in sh.blocks() {
+        block_backward(&sh, &gr, blk, at.scale, lse, ops)?;
     }
     if sc.dqkv.is_some() {
-        let elems = sh.b * sh.t * sh.w3;
         ops.push(elementwise(
             DevKernel::Cast,
-            elems,
-            vec![f32_buf(dx), buf(dqkv), n(elems)],
+            qkv_elems,
+            vec![f32_buf(gr.dx), buf(dqkv), n(qkv_elems)],
         ));
+    }
+    Ok(())
+}
+
+/// One block's share of the backward pass: `S` and `dP = dO Vᵀ`, then `P`
+/// and `dS` in place, then `dV += Pᵀ dO`, `dK += scale·dSᵀ Q` and
+/// `dQ += scale·dS K` for each member of a key/value group.
+fn block_backward(
+    sh: &Shape,
+    gr: &Grad,
+    blk: Block,
+    scale: f32,
+    lse: Operand,
+    ops: &mut Vec<DevOp>,
+) -> Result<()> {
+    let (rc, r1, d, b) = (blk.rows(), blk.r1, sh.d, blk.b);
+    sh.scores_of(gr.x, gr.s, blk, scale, ops)?;
+    for g in 0..sh.g {
+        let (dy, vt) = (sh.outputs(gr.dy, blk, g), sh.values(gr.x, b).t());
+        ops.push(sh.product(rc, r1, d, 1.0, dy, vt, 0.0, sh.scores(gr.dp, g))?);
+    }
+    let per_b = 4 * b * sh.h * sh.t;
+    let front = vec![
+        f32_buf(gr.s),
+        f32_buf(gr.dp),
+        buf(lse.batch(b, sh.h * sh.t)),
+        f32_buf(gr.dsum + per_b),
+    ];
+    ops.push(sh.rows_launch(DevKernel::AttnRowsSoftmaxBwd, blk, front)?);
+    for g in 0..sh.g {
+        let (p, ds) = (sh.scores(gr.s, g), sh.scores(gr.dp, g));
+        let dy = sh.outputs(gr.dy, blk, g);
+        let (q, k) = (sh.queries(gr.x, blk, g), sh.keys(gr.x, b));
+        ops.push(sh.product(r1, d, rc, 1.0, p.t(), dy, 1.0, sh.values(gr.dx, b))?);
+        ops.push(sh.product(r1, d, rc, scale, ds.t(), q, 1.0, sh.keys(gr.dx, b))?);
+        ops.push(sh.product(rc, d, r1, scale, ds, k, 1.0, sh.queries(gr.dx, blk, g))?);
     }
     Ok(())
 }
