@@ -419,3 +419,67 @@ fn block_backward(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama3_1b(seq: u64) -> Attention {
+        Attention {
+            batch: 1,
+            heads: 32,
+            kv_heads: 8,
+            seq,
+            head_dim: 64,
+            scale: 0.125,
+        }
+    }
+
+    #[test]
+    fn blocks_fit_the_budget_and_scratch_adds_up() {
+        let at = llama3_1b(1024);
+        // 32 heads × 1024 keys × 4 bytes = 128 KiB a row: 512 rows.
+        assert_eq!(block_rows(&at, 0), 512);
+        assert_eq!(block_rows(&at, 16), 16);
+        assert_eq!(block_rows(&llama3_1b(40), 0), 40);
+        // At least 64 rows, however long the sequence.
+        assert_eq!(block_rows(&llama3_1b(1 << 17), 0), 64);
+        let mib = 1u64 << 20;
+        // Forward, bf16: qkv widened (12 MiB), a block of scores (64 MiB),
+        // out in f32 (8 MiB).
+        assert_eq!(
+            scratch_bytes(&at, 0, false, [true, true, false, false]),
+            84 * mib
+        );
+        // Backward, bf16: qkv, two blocks, Σ dO·O (128 KiB), dout and
+        // the gradient of qkv.
+        let back = 12 * mib + 128 * mib + 128 * 1024 + 8 * mib + 12 * mib;
+        assert_eq!(scratch_bytes(&at, 0, true, [true, false, true, true]), back);
+        // f32 operands need no copies.
+        assert_eq!(scratch_bytes(&at, 0, false, [false; 4]), 64 * mib);
+    }
+
+    #[test]
+    fn blocks_cover_every_row_once() {
+        let sh = Shape::new(
+            &Attention {
+                batch: 2,
+                seq: 40,
+                ..llama3_1b(40)
+            },
+            16,
+        );
+        let blocks: Vec<_> = sh.blocks().iter().map(|b| (b.b, b.r0, b.r1)).collect();
+        assert_eq!(
+            blocks,
+            vec![
+                (0, 0, 16),
+                (0, 16, 32),
+                (0, 32, 40),
+                (1, 0, 16),
+                (1, 16, 32),
+                (1, 32, 40)
+            ]
+        );
+    }
+}
