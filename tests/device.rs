@@ -284,6 +284,14 @@ fn fused_attention_as_products_matches_the_cpu_executor() {
     assert_eq!(launched(&em, "attn_rows_softmax"), 6);
     assert_eq!(launched(&em, "attn_rows_softmax_bwd"), 6);
     matches_cpu_lowered(&llama::build(&mixed).unwrap(), 2, bf16, blocks);
+    // Sharded over 2 ranks (FSDP2), checkpointed: each rank's attention
+    // in its own workspace.
+    let sharded = LlamaConfig {
+        checkpoint: true,
+        ..small_llama()
+    };
+    let sharded = fsdp::shard(&llama::build(&sharded).unwrap(), 2).unwrap();
+    matches_cpu_lowered(&sharded, 2, F32_TOLERANCE, gemm);
 }
 
 /// One layer, grouped-query attention (4 heads, 2 key/value heads), a
