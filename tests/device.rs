@@ -230,8 +230,8 @@ fn fused_attention_lowered_for_the_gpu_matches_the_cpu_executor() {
 /// Fused attention lowered to cuBLAS products over blocks of query rows
 /// (`AttentionLowering::Gemm`): GPT-2 (one key/value head per query head)
 /// and Llama (grouped-query) in f32, Llama in mixed precision (bf16
-/// operands widened into the scratch, results rounded once), and a
-/// sequence longer than one block of rows.
+/// operands widened into the scratch, results rounded once), blocks of 16
+/// rows (a sequence of several blocks), and Llama sharded over 2 ranks.
 #[test]
 fn fused_attention_as_products_matches_the_cpu_executor() {
     let gemm = AttentionLowering::GEMM;
