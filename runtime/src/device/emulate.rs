@@ -121,6 +121,15 @@ impl Mem<'_> {
             self.0[o..o + 4].copy_from_slice(&v.to_ne_bytes());
         }
     }
+    /// The largest of elements `at .. at + n` and the sum of `exp(x − that)`
+    /// (`kernels.cu`'s `block_max_sum`).
+    fn max_sum(&self, b: B, at: usize, n: usize) -> (f32, f32) {
+        let mx = (at..at + n)
+            .map(|j| self.f(b, j))
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum = (at..at + n).map(|j| (self.f(b, j) - mx).exp()).sum();
+        (mx, sum)
+    }
     fn i(&self, b: B, i: usize) -> i32 {
         let o = b.at + 4 * i;
         i32::from_ne_bytes(self.0[o..o + 4].try_into().expect("4 bytes"))
@@ -236,10 +245,7 @@ fn attention_rows(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
             }
             continue;
         }
-        let mx = (0..lim)
-            .map(|j| m.f(s, base + j))
-            .fold(f32::NEG_INFINITY, f32::max);
-        let sum: f32 = (0..lim).map(|j| (m.f(s, base + j) - mx).exp()).sum();
+        let (mx, sum) = m.max_sum(s, base, lim);
         for j in 0..r1 {
             let v = if j < lim {
                 (m.f(s, base + j) - mx).exp() / sum
@@ -404,14 +410,7 @@ fn attention(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
             let (s, p, rows, t) = (a.p(0), a.p(1), a.n(2), a.n(3));
             for r in 0..rows {
                 let i = r % t;
-                let mut mx = f32::NEG_INFINITY;
-                for j in 0..=i {
-                    mx = mx.max(m.f(s, r * t + j));
-                }
-                let mut sum = 0.0f32;
-                for j in 0..=i {
-                    sum += (m.f(s, r * t + j) - mx).exp();
-                }
+                let (mx, sum) = m.max_sum(s, r * t, i + 1);
                 let inv = 1.0 / sum;
                 for j in 0..t {
                     let v = if j <= i {
@@ -461,14 +460,7 @@ fn cross_entropy(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
             let (x, tgt, loss, rows, classes, err, code) =
                 (a.p(0), a.p(1), a.p(2), a.n(3), a.n(4), a.p(5), a.i(6));
             for r in 0..rows {
-                let mut mx = f32::NEG_INFINITY;
-                for j in 0..classes {
-                    mx = mx.max(m.f(x, r * classes + j));
-                }
-                let mut s = 0.0f32;
-                for j in 0..classes {
-                    s += (m.f(x, r * classes + j) - mx).exp();
-                }
+                let (mx, s) = m.max_sum(x, r * classes, classes);
                 let t = m.i(tgt, r);
                 if t < 0 || t as usize >= classes {
                     m.fail(err, code);
@@ -491,14 +483,7 @@ fn cross_entropy(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
                 a.i(7),
             );
             for r in 0..rows {
-                let mut mx = f32::NEG_INFINITY;
-                for j in 0..classes {
-                    mx = mx.max(m.f(x, r * classes + j));
-                }
-                let mut s = 0.0f32;
-                for j in 0..classes {
-                    s += (m.f(x, r * classes + j) - mx).exp();
-                }
+                let (mx, s) = m.max_sum(x, r * classes, classes);
                 let mut t = m.i(tgt, r) as i64;
                 if t < 0 || t as usize >= classes {
                     m.fail(err, code);

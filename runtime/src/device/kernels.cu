@@ -100,6 +100,19 @@ struct Buf {
     __device__ __forceinline__ bool null() const { return p == 0; }
 };
 
+// The largest of x[0..n) and the sum of exp(x[j] - largest), over the
+// block (blockDim.x a multiple of 32); every thread gets both. The row
+// part of a softmax or a log-sum-exp.
+__device__ void block_max_sum(Buf x, i64 n, float* mx, float* sum) {
+    float m = NEG_INF;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, x[j]);
+    m = block_max(m);
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += expf(x[j] - m);
+    *mx = m;
+    *sum = block_sum(s);
+}
+
 // Records the first failing instruction (code = its index + 1).
 __device__ __forceinline__ void fail(int* err, int code) { atomicCAS(err, 0, code); }
 
@@ -309,12 +322,8 @@ extern "C" __global__ void __launch_bounds__(1024) causal_softmax_fwd(Buf s, Buf
     if (r >= rows) return;
     i64 i = r % t;
     Buf sr = s + r * t;
-    float mx = NEG_INF;
-    for (i64 j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, sr[j]);
-    mx = block_max(mx);
-    float sum = 0.f;
-    for (i64 j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(sr[j] - mx);
-    sum = block_sum(sum);
+    float mx, sum;
+    block_max_sum(sr, i + 1, &mx, &sum);
     float inv = 1.f / sum;
     for (i64 j = threadIdx.x; j < t; j += blockDim.x) p.set(r * t + j, j <= i ? expf(sr[j] - mx) * inv : 0.f);
 }
@@ -331,12 +340,8 @@ extern "C" __global__ void __launch_bounds__(1024) attn_rows_softmax(Buf s, Buf 
     if (row >= rows) return;
     i64 h = row / rcount, r = row % rcount, lim = r0 + r + 1;
     Buf sr = s + (h * rmax + r) * ld;
-    float mx = NEG_INF;
-    for (i64 j = threadIdx.x; j < lim; j += blockDim.x) mx = fmaxf(mx, sr[j]);
-    mx = block_max(mx);
-    float sum = 0.f;
-    for (i64 j = threadIdx.x; j < lim; j += blockDim.x) sum += expf(sr[j] - mx);
-    sum = block_sum(sum);
+    float mx, sum;
+    block_max_sum(sr, lim, &mx, &sum);
     float inv = 1.f / sum;
     for (i64 j = threadIdx.x; j < r1; j += blockDim.x) sr.set(j, j < lim ? expf(sr[j] - mx) * inv : 0.f);
     if (threadIdx.x == 0) lse.set(h * t + r0 + r, mx + logf(sum));
@@ -404,12 +409,8 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwd(Buf logits,
     i64 r = blockIdx.x;
     if (r >= rows) return;
     Buf x = logits + r * classes;
-    float mx = NEG_INF;
-    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) mx = fmaxf(mx, x[j]);
-    mx = block_max(mx);
-    float s = 0.f;
-    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(x[j] - mx);
-    s = block_sum(s);
+    float mx, s;
+    block_max_sum(x, classes, &mx, &s);
     int t = tgt[r];
     if (threadIdx.x == 0) {
         if (t < 0 || t >= classes) fail(err, code);
@@ -423,12 +424,8 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_bwd(Buf logits,
     i64 r = blockIdx.x;
     if (r >= rows) return;
     Buf x = logits + r * classes;
-    float mx = NEG_INF;
-    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) mx = fmaxf(mx, x[j]);
-    mx = block_max(mx);
-    float s = 0.f;
-    for (i64 j = threadIdx.x; j < classes; j += blockDim.x) s += expf(x[j] - mx);
-    s = block_sum(s);
+    float mx, s;
+    block_max_sum(x, classes, &mx, &s);
     int t = tgt[r];
     if (t < 0 || t >= classes) {
         if (threadIdx.x == 0) fail(err, code);
