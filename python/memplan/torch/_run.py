@@ -171,7 +171,6 @@ class Program:
         self.order = list(order)
         self.takes = dict(takes or {})
         self.unreused: set = set()
-        self._binders: Dict[Tuple[int, bool], Callable] = {}
         self._held_plan: Optional[tuple] = None
         last: Dict[int, int] = {}
         for pos, k in enumerate(self.order):
@@ -186,21 +185,6 @@ class Program:
         for i, pos in last.items():
             if i not in kept:
                 self.dies[pos].append(i)
-
-    def bound_args(self, k: int, env: Dict[int, torch.Tensor], numbers: Dict[float, float],
-                   optimizer_calls: Sequence[bool]):
-        """Call `k`'s arguments with the values in `env` (graph tensor index
-        -> tensor) and, in an optimizer call, the markers' values."""
-        return self.binder(k, optimizer_calls)(env, numbers)
-
-    def binder(self, k: int, optimizer_calls: Sequence[bool]) -> Callable:
-        """Call `k`'s argument binding (see :func:`_binder`), made once."""
-        subst = bool(optimizer_calls[k])
-        binder = self._binders.get((k, subst))
-        if binder is None:
-            c = self.calls[k]
-            binder = self._binders[(k, subst)] = _binder(c.args, c.kwargs, subst)
-        return binder
 
     def run(self, env: Dict[int, torch.Tensor], numbers: Dict[float, float],
             optimizer_calls: Sequence[bool]) -> None:
@@ -234,11 +218,10 @@ class Program:
             for pos, k in enumerate(self.order):
                 c = self.calls[k]
                 only = c.outputs[0][1] if len(c.outputs) == 1 and c.outputs[0][0] == 0 else None
-                plan.append((self.binder(k, optimizer_calls), k, getattr(c.func, "_op", c.func), c.outputs,
-                             only, self.dies[pos]))
+                bind = _binder(c.args, c.kwargs, bool(optimizer_calls[k]))
+                plan.append((bind, k, getattr(c.func, "_op", c.func), c.outputs, only, self.dies[pos]))
             held = self._held_plan = (optimizer_calls, plan)
         return held[1]
-
 
     def _call_over(self, k: int, args, kwargs, env: Dict[int, torch.Tensor]):
         """Call `k` written into its reused input's tensor (see `takes`), or

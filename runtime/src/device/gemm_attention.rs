@@ -51,6 +51,9 @@ pub struct Operand {
 }
 
 impl Operand {
+    fn bf16(self) -> bool {
+        self.dtype == DType::BF16
+    }
     /// Batch entry `b` of a tensor of `per_batch` elements per entry.
     fn batch(self, b: u64, per_batch: u64) -> Operand {
         Operand {
@@ -60,7 +63,8 @@ impl Operand {
     }
 }
 
-/// Byte offsets (from the scratch's start) of what a direction needs.
+/// Where in the scratch (byte offsets in the allocation) a direction's
+/// values go; `bytes` in all.
 #[derive(Clone, Debug, Default)]
 struct Scratch {
     /// f32 copies of operands that are bf16, and f32 results to round.
@@ -75,11 +79,13 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(at: &Attention, rows: u64, backward: bool, wide: [bool; 4]) -> Scratch {
+    /// The scratch from byte `base` on; `wide` says which of qkv, out, dout
+    /// and dqkv are bf16 (and so need f32 copies).
+    fn new(at: &Attention, rows: u64, base: u64, backward: bool, wide: [bool; 4]) -> Scratch {
         let (b, t) = (at.batch, at.seq);
         let qkv_elems = b * t * (at.heads + 2 * at.kv_heads) * at.head_dim;
         let out_elems = b * t * at.width();
-        let mut end = 0u64;
+        let mut end = base;
         let mut take = |elems: u64| {
             let at = end;
             end = (end + 4 * elems).div_ceil(256) * 256;
@@ -100,7 +106,7 @@ impl Scratch {
         } else {
             s.out = w_out.then(|| take(out_elems));
         }
-        s.bytes = end;
+        s.bytes = end - base;
         s
     }
 }
@@ -108,7 +114,7 @@ impl Scratch {
 /// Scratch bytes of a fused attention (`backward`: its gradient); `wide`
 /// says which of qkv, out, dout and dqkv are bf16.
 pub fn scratch_bytes(at: &Attention, rows: u64, backward: bool, wide: [bool; 4]) -> u64 {
-    Scratch::new(at, rows, backward, wide).bytes
+    Scratch::new(at, rows, 0, backward, wide).bytes
 }
 
 fn f32_buf(at: u64) -> Arg {
@@ -120,7 +126,7 @@ fn f32_buf(at: u64) -> Arg {
 fn buf(o: Operand) -> Arg {
     Arg::Buf(Buf {
         at: Some(o.at),
-        bf16: o.dtype == DType::BF16,
+        bf16: o.bf16(),
     })
 }
 fn n(x: u64) -> Arg {
@@ -290,12 +296,16 @@ pub fn forward(
     ops: &mut Vec<DevOp>,
 ) -> Result<()> {
     let sh = Shape::new(at, rows);
-    let bf = |o: Operand| o.dtype == DType::BF16;
-    let sc = Scratch::new(at, rows, false, [bf(qkv), bf(out), false, false]);
-    let rel = |o: Option<u64>| o.map(|x| scratch + x);
-    let x = widened(qkv, rel(sc.qkv), sh.b * sh.t * sh.w3, ops);
-    let o = rel(sc.out).unwrap_or(out.at);
-    let s = scratch + sc.scores;
+    let sc = Scratch::new(
+        at,
+        rows,
+        scratch,
+        false,
+        [qkv.bf16(), out.bf16(), false, false],
+    );
+    let x = widened(qkv, sc.qkv, sh.b * sh.t * sh.w3, ops);
+    let o = sc.out.unwrap_or(out.at);
+    let s = sc.scores;
     for blk in sh.blocks() {
         sh.scores_of(x, s, blk, at.scale, ops)?;
         let lse_b = buf(lse.batch(blk.b, sh.h * sh.t));
@@ -351,16 +361,15 @@ pub fn backward(
     ops: &mut Vec<DevOp>,
 ) -> Result<()> {
     let sh = Shape::new(at, rows);
-    let bf = |o: Operand| o.dtype == DType::BF16;
-    let sc = Scratch::new(at, rows, true, [bf(qkv), false, bf(dout), bf(dqkv)]);
-    let rel = |o: Option<u64>| o.map(|x| scratch + x);
+    let wide = [qkv.bf16(), false, dout.bf16(), dqkv.bf16()];
+    let sc = Scratch::new(at, rows, scratch, true, wide);
     let gr = Grad {
-        x: widened(qkv, rel(sc.qkv), sh.b * sh.t * sh.w3, ops),
-        dy: widened(dout, rel(sc.dout), sh.b * sh.t * sh.c, ops),
-        dx: rel(sc.dqkv).unwrap_or(dqkv.at),
-        s: scratch + sc.scores,
-        dp: scratch + sc.dscores,
-        dsum: scratch + sc.dsum,
+        x: widened(qkv, sc.qkv, sh.b * sh.t * sh.w3, ops),
+        dy: widened(dout, sc.dout, sh.b * sh.t * sh.c, ops),
+        dx: sc.dqkv.unwrap_or(dqkv.at),
+        s: sc.scores,
+        dp: sc.dscores,
+        dsum: sc.dsum,
     };
     let qkv_elems = sh.b * sh.t * sh.w3;
     ops.push(DevOp::Memset {
