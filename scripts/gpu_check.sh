@@ -111,6 +111,12 @@ llama() {
   run llama_1b_gemm_cuda run --example llama3-1b --seq 1024 --device cuda --steps 5 --json --attention gemm
   run llama_1b_bf16_gemm_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention gemm
   run llama_1b_bf16_gemm_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile --attention gemm
+  # The flash kernels on the tensor cores (--attention tensor-cores: bf16
+  # attention, head dimension 16-64): correctness (a sequence of 100 ends
+  # part-way through a 64-row block), then peak, time and profile.
+  run llama_tiny_bf16_tc_cmp run --example llama-tiny --mixed-precision --seq 100 --device cuda --steps 3 --compare-cpu --attention tensor-cores
+  run llama_1b_bf16_tc_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention tensor-cores
+  run llama_1b_bf16_tc_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile --attention tensor-cores
 }
 
 torch_side() {
@@ -131,9 +137,15 @@ torch_side() {
         --memplan "$OUT/llama_1b_cuda.out" 2>&1 | tee "$OUT/torch_llama_1b.out"
     fi
     if [ -s "$OUT/llama_1b_bf16_cuda.out" ]; then
+      # One eager run against each lowering of memplan's fused attention
+      # that ran (flash, gemm, tensor-cores).
+      local runs=()
+      for f in llama_1b_bf16_cuda llama_1b_bf16_gemm_cuda llama_1b_bf16_tc_cuda; do
+        [ -s "$OUT/$f.out" ] && runs+=(--memplan "$OUT/$f.out")
+      done
       echo "== PyTorch eager, llama3-1b seq 1024, bf16 autocast over f32 parameters"
       python3 tools/torch_eager_llama.py --config llama3-1b --seq 1024 --steps 5 --mixed-precision \
-        --memplan "$OUT/llama_1b_bf16_cuda.out" 2>&1 | tee "$OUT/torch_llama_1b_bf16.out"
+        "${runs[@]}" 2>&1 | tee "$OUT/torch_llama_1b_bf16.out"
     fi
   else
     echo "python3 has no CUDA torch: skipping the PyTorch eager side"

@@ -219,6 +219,15 @@ fn run_options_are_checked_and_cuda_failures_are_errors() {
     let o = memplan(&["run", "--example", "llama-tiny", "--attention", "gemm"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
+    let o = memplan(&[
+        "run",
+        "--example",
+        "llama-tiny",
+        "--attention",
+        "tensor-cores",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
     let o = memplan(&["run", "--example", "llama-tiny", "--attention", "tiles"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = memplan(&[

@@ -28,6 +28,7 @@ float __int_as_float(int);
 float __uint_as_float(unsigned);
 unsigned __float_as_uint(float);
 void sincos(double, double*, double*);
+void host_mma16816(float*, const unsigned*, const unsigned*);
 SHIM
 "${CXX:-c++}" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Wno-unknown-pragmas -include "$shim" -x c++ runtime/src/device/kernels.cu
 echo "kernels.cu: syntax OK"

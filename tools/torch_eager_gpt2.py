@@ -51,7 +51,8 @@ def step_args(p):
     p.add_argument("--clip-grad-norm", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--memplan", metavar="FILE", help="`memplan run --json` output to compare with")
+    p.add_argument("--memplan", metavar="FILE", action="append", default=[],
+                   help="`memplan run --json` output to compare with (repeat for several)")
 
 
 def parse_args(argv):
@@ -231,9 +232,11 @@ def report(a, out):
         if out["max_memory_allocated"] is not None:
             print(f"max_memory_allocated {out['max_memory_allocated']:,} bytes")
             print(f"max_memory_reserved  {out['max_memory_reserved']:,} bytes")
-    if a.memplan:
-        with open(a.memplan) as f:
+    for path in a.memplan:
+        with open(path) as f:
             m = json.load(f)
+        if len(a.memplan) > 1:
+            print(f"\n== {path} (attention: {m.get('attention', 'flash')})")
         compare(out, m)
 
 

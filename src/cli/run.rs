@@ -66,9 +66,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub profile: bool,
     /// With `--device cuda`: how fused attention runs: `flash` (the flash
-    /// kernels, f32 arithmetic on the CUDA cores) or `gemm` (cuBLAS
+    /// kernels, f32 arithmetic on the CUDA cores), `gemm` (cuBLAS
     /// products over blocks of query rows, the scores of a block in the
-    /// workspace; docs/runtime.md).
+    /// workspace) or `tensor-cores` (flash kernels with bf16 tensor-core
+    /// products, for bf16 attention with a head dimension of 16 to 64 on
+    /// compute capability 8.0 or later; `flash` elsewhere);
+    /// docs/runtime.md.
     #[arg(long, value_enum, default_value = "flash")]
     pub attention: AttentionArg,
 }
@@ -78,6 +81,7 @@ pub struct RunArgs {
 pub enum AttentionArg {
     Flash,
     Gemm,
+    TensorCores,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -106,6 +110,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         attention: match a.attention {
             AttentionArg::Flash => AttentionLowering::Flash,
             AttentionArg::Gemm => AttentionLowering::GEMM,
+            AttentionArg::TensorCores => AttentionLowering::TensorCores,
         },
     };
     let report = match a.device {
@@ -205,6 +210,7 @@ fn print(
             "attention": match a.attention {
                 AttentionArg::Flash => "flash",
                 AttentionArg::Gemm => "gemm",
+                AttentionArg::TensorCores => "tensor-cores",
             },
             "steps": steps,
             "profile": a.profile.then(|| r.profile.iter().map(|k| json!({

@@ -252,5 +252,11 @@ mod tests {
                 k.name()
             );
         }
+        // The tensor-core kernels use the instruction, not the trap that
+        // stands in for it below sm_80.
+        assert!(
+            text.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+            "no bf16 mma.sync in the PTX"
+        );
     }
 }

@@ -288,6 +288,15 @@ impl CudaExecutor {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| driver("cuDeviceGetAttribute(compute capability)", e))?;
+        if attention == AttentionLowering::TensorCores && major < 8 {
+            return Err(RuntimeError::Unavailable(
+                "CUDA",
+                format!(
+                    "tensor-core attention (mma.sync with bf16) needs compute capability 8.0 \
+                     or later; device {ordinal} has {major}.{minor}: use the flash kernels"
+                ),
+            ));
+        }
         let kernels = compile::compile_kernels(major, minor)?;
         let module = ctx
             .load_module(kernels.image)

@@ -195,9 +195,12 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
         | DevKernel::RopeFwd
         | DevKernel::SwigluFwd
         | DevKernel::SwigluBwd => decoder(m, l.kernel, &a),
-        DevKernel::FlashAttnFwd => flash_fwd(m, &a),
-        DevKernel::FlashAttnBwdDq => flash_bwd(m, &a, false),
-        DevKernel::FlashAttnBwdDkv => flash_bwd(m, &a, true),
+        // The tensor-core kernels compute the same, with other roundings
+        // (bf16 hi + lo parts of P and dS); `kernels.cu` itself runs them
+        // with host kernels.
+        DevKernel::FlashAttnFwd | DevKernel::FlashMmaFwd => flash_fwd(m, &a),
+        DevKernel::FlashAttnBwdDq | DevKernel::FlashMmaBwdDq => flash_bwd(m, &a, false),
+        DevKernel::FlashAttnBwdDkv | DevKernel::FlashMmaBwdDkv => flash_bwd(m, &a, true),
         DevKernel::AdamStep => adam(m, &a),
         DevKernel::AttnRowsSoftmax | DevKernel::AttnRowsSoftmaxBwd | DevKernel::AttnRowDot => {
             attention_rows(m, l.kernel, &a)

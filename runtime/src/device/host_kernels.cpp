@@ -7,8 +7,10 @@
 // next fiber until all the block's threads (or the warp's lanes, for a
 // shuffle, which is an exchange through per-warp slots) have arrived; the
 // threads of other kernels simply run one after another. Atomics are
-// std::atomic_ref. __shared__ variables are `static`: one copy, which is
-// right because one block runs at a time.
+// std::atomic_ref. A tensor-core product (mma.sync) is a warp meeting too:
+// each lane computes its part of the result from all lanes' fragments.
+// __shared__ variables are `static`: one copy, which is right because one
+// block runs at a time.
 // What this cannot show is what only a GPU does: the memory model across
 // blocks running at once, occupancy, timing.
 
@@ -191,6 +193,44 @@ inline void sincos(double a, double* s, double* c) {
     *c = std::cos(a);
 }
 
+namespace host {
+// mma.sync.m16n8k16 with bf16 operands and f32 accumulators, for the warp:
+// every lane leaves its fragments in the warp's slots; once all have, each
+// rebuilds A (16 x 16) and B (16 x 8) from the PTX ISA's fragment tables
+// and computes its four elements of D = A B + C.
+void mma16816(float* d, const unsigned* a, const unsigned* b) {
+    unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    static unsigned as[32][32][4], bs[32][32][2];
+    std::memcpy(as[w][lane], a, sizeof as[w][lane]);
+    std::memcpy(bs[w][lane], b, sizeof bs[w][lane]);
+    meet(true);
+    // Element e (0: low half, 1: high half) of a register, widened.
+    auto half = [](unsigned reg, unsigned e) { return __uint_as_float(((reg >> (16 * e)) & 0xffffu) << 16); };
+    float A[16][16], B[16][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        unsigned g = l >> 2, t = l & 3;
+        for (unsigned i = 0; i < 8; ++i) {  // a_i
+            unsigned row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+            unsigned col = 2 * t + (i & 1) + (i >= 4 ? 8 : 0);
+            A[row][col] = half(as[w][l][i / 2], i % 2);
+        }
+        for (unsigned i = 0; i < 4; ++i) {  // b_i
+            unsigned row = 2 * t + (i & 1) + (i >= 2 ? 8 : 0);
+            B[row][g] = half(bs[w][l][i / 2], i % 2);
+        }
+    }
+    meet(true);
+    unsigned g = lane >> 2, t = lane & 3;
+    for (unsigned i = 0; i < 4; ++i) {  // c_i and d_i
+        unsigned row = i < 2 ? g : g + 8, col = 2 * t + (i & 1);
+        float s = 0.f;
+        for (unsigned k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+        d[i] += s;
+    }
+}
+}  // namespace host
+inline void host_mma16816(float* d, const unsigned* a, const unsigned* b) { host::mma16816(d, a, b); }
+
 #include "kernels.cu"
 
 namespace host {
@@ -253,6 +293,9 @@ const Entry kernels[] = {
     COOPERATIVE(flash_attn_fwd),
     COOPERATIVE(flash_attn_bwd_dq),
     COOPERATIVE(flash_attn_bwd_dkv),
+    COOPERATIVE(flash_mma_fwd),
+    COOPERATIVE(flash_mma_bwd_dq),
+    COOPERATIVE(flash_mma_bwd_dkv),
     COOPERATIVE(attn_rows_softmax),
     KERNEL(attn_rows_softmax_bwd),
     KERNEL(attn_row_dot),

@@ -887,3 +887,415 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attn_bwd_dkv(Buf 
         }
     }
 }
+
+// ---- Fused causal attention on the tensor cores (bf16 q, k, v) ----------
+// The three launches above for bf16 operands and a head dimension of 16,
+// 32, 48 or 64 (`AttentionLowering::TensorCores`), with the products done
+// by warp-wide `mma.sync.m16n8k16` instructions (bf16 operands, f32
+// accumulation; sm_80 and later). A block is FA_WARPS warps of 16 rows
+// (FM_ROWS rows); the other side is staged through shared memory FM_TILE
+// rows at a time, as bf16 pairs along the head dimension.
+// Fragments follow the PTX ISA's tables for m16n8k16 (lane = 4 g + t):
+//   A (16 x 16): regs {row g, cols 2t, 2t+1}, {row g+8, same}, {row g,
+//                cols 2t+8, 2t+9}, {row g+8, same};
+//   B (16 x 8):  regs {rows 2t, 2t+1 of column g}, {rows 2t+8, 2t+9};
+//   C (16 x 8):  {row g, cols 2t, 2t+1}, {row g+8, same};
+// the lower-numbered element in the low half of each register. The C
+// fragments of two adjacent 8-column tiles of scores are exactly the A
+// fragment of the next product's 16-wide k-step, so P and dS stay in
+// registers. Those two are f32 values: each is split into bf16 hi + lo
+// parts and multiplied twice, which keeps about 16 of its bits, so the
+// results stay close to the f32 flash kernels' rather than to a bf16 P's.
+typedef unsigned int u32;
+typedef unsigned short u16;
+#define FM_D 64
+#define FM_ROWS (16 * FA_WARPS)
+#define FM_TILE 64
+// u32 words of a staged row: FM_D / 2 pairs and 4 of padding, so the rows
+// that one fragment load touches fall in different shared-memory banks.
+#define FM_W (FM_D / 2 + 4)
+
+// d (C fragment) += a (A fragment) * b (B fragment), for the whole warp.
+__device__ __forceinline__ void mma16816(float* d, const u32* a, const u32* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+    __trap();  // the lowering never picks these kernels below sm_80
+#else
+    host_mma16816(d, a, b);
+#endif
+}
+
+__device__ __forceinline__ u32 pack2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+// (x0, x1) as bf16 pairs: hi = bf16(x), lo = bf16(x - hi).
+__device__ __forceinline__ void split2(float x0, float x1, u32* hi, u32* lo) {
+    u16 h0 = bf16_bits(x0), h1 = bf16_bits(x1);
+    *hi = pack2(h0, h1);
+    *lo = pack2(bf16_bits(x0 - __uint_as_float((u32)h0 << 16)), bf16_bits(x1 - __uint_as_float((u32)h1 << 16)));
+}
+
+// The A fragment (hi and lo parts) of the k-step made of C fragments c[0]
+// (columns 0..7) and c[1] (columns 8..15).
+__device__ __forceinline__ void c_to_a(const float (*c)[4], u32* hi, u32* lo) {
+    split2(c[0][0], c[0][1], &hi[0], &lo[0]);
+    split2(c[0][2], c[0][3], &hi[1], &lo[1]);
+    split2(c[1][0], c[1][1], &hi[2], &lo[2]);
+    split2(c[1][2], c[1][3], &hi[3], &lo[3]);
+}
+
+// FM_TILE rows of bf16 src (row r at src + r * stride) into tile as pairs,
+// zero past `valid` rows and `hd` columns.
+__device__ void fm_stage(u32 (*tile)[FM_W], const u16* src, i64 stride, i64 valid, i64 hd) {
+    for (int e = threadIdx.x; e < FM_TILE * (FM_D / 2); e += blockDim.x) {
+        int r = e / (FM_D / 2), c = 2 * (e % (FM_D / 2));
+        u32 v = 0;
+        if (r < valid && c < hd) {
+            const u16* p = src + r * stride + c;
+            v = pack2(p[0], p[1]);
+        }
+        tile[r][c / 2] = v;
+    }
+}
+
+// The A fragments of 16 bf16 rows (row r at src + r * stride; zero at rows
+// from `valid` and columns from `hd`), one per 16 columns.
+__device__ void fm_afrag(u32 (*a)[4], const u16* src, i64 stride, i64 valid, i64 hd, int lane) {
+    int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < FM_D / 16; ++s)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            int r = g + 8 * (q & 1), c = 16 * s + 2 * t + 8 * (q >> 1);
+            a[s][q] = 0;
+            if (r < valid && c < hd) {
+                const u16* p = src + r * stride + c;
+                a[s][q] = pack2(p[0], p[1]);
+            }
+        }
+}
+
+// The B fragment of columns n0.. and rows k0.. of the transpose of a staged
+// tile: B(k, n) = tile row n0 + n, column k0 + k (K for Q Kᵀ).
+__device__ __forceinline__ void fm_bt(u32* b, const u32 (*tile)[FM_W], int n0, int k0, int lane) {
+    int g = lane >> 2, t = lane & 3;
+    b[0] = tile[n0 + g][k0 / 2 + t];
+    b[1] = tile[n0 + g][k0 / 2 + t + 4];
+}
+
+// Element (r, c) of a staged tile.
+__device__ __forceinline__ u16 fm_at(const u32 (*tile)[FM_W], int r, int c) {
+    return (u16)(tile[r][c >> 1] >> (16 * (c & 1)));
+}
+
+// The B fragment of rows k0.. and columns n0.. of a staged tile: B(k, n) =
+// tile row k0 + k, column n0 + n (V for P V).
+__device__ __forceinline__ void fm_b(u32* b, const u32 (*tile)[FM_W], int k0, int n0, int lane) {
+    int g = lane >> 2, t = lane & 3;
+    b[0] = pack2(fm_at(tile, k0 + 2 * t, n0 + g), fm_at(tile, k0 + 2 * t + 1, n0 + g));
+    b[1] = pack2(fm_at(tile, k0 + 2 * t + 8, n0 + g), fm_at(tile, k0 + 2 * t + 9, n0 + g));
+}
+
+// The sum of x over the four lanes of a fragment row group.
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// Grid: B * H * ceil(T / FM_ROWS) blocks of FA_THREADS threads. A lane's
+// rows are r0 + g and r0 + g + 8 (r0: its warp's first row).
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+                                         float scale) {
+    __shared__ u32 ks[FM_TILE][FM_W];
+    __shared__ u32 vs[FM_TILE][FM_W];
+    FaShape sh = {batch, heads, kvh, seq, hd};
+    const u16* x = (const u16*)qkv.p;
+    i64 tiles = (seq + FM_ROWS - 1) / FM_ROWS;
+    i64 bh = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * FM_ROWS;
+    i64 b = bh / heads, h = bh % heads, g = h / sh.group();
+    int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, steps = (int)(hd / 16);
+    i64 r0 = i0 + 16 * (threadIdx.x >> 5);
+    u32 qf[FM_D / 16][4];
+    fm_afrag(qf, x + sh.qkv(b, h, 0, r0 < seq ? r0 : 0), sh.stride(), seq - r0, hd, lane);
+    float o[FM_D / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < FM_D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    i64 last = i0 + FM_ROWS - 1 < seq ? i0 + FM_ROWS - 1 : seq - 1;
+    // Tiles and blocks are 64-aligned, so key j0 is visible to every row.
+    for (i64 j0 = 0; j0 <= last; j0 += FM_TILE) {
+        __syncthreads();
+        fm_stage(ks, x + sh.qkv(b, g, 1, j0), sh.stride(), seq - j0, hd);
+        fm_stage(vs, x + sh.qkv(b, g, 2, j0), sh.stride(), seq - j0, hd);
+        __syncthreads();
+        float s[FM_TILE / 8][4];
+#pragma unroll
+        for (int n = 0; n < FM_TILE / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            if (j0 + 8 * n > r0 + 15) continue;  // keys after the warp's rows
+#pragma unroll
+            for (int k = 0; k < FM_D / 16; ++k) {
+                u32 bb[2];
+                if (k >= steps) break;
+                fm_bt(bb, ks, 8 * n, 16 * k, lane);
+                mma16816(s[n], qf[k], bb);
+            }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            i64 i = r0 + gq + 8 * hf;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < FM_TILE / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    i64 j = j0 + 8 * n + 2 * t + e;
+                    float v = j <= i && j < seq ? s[n][2 * hf + e] * scale : NEG_INF;
+                    s[n][2 * hf + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            float m_new = fmaxf(m[hf], quad_max(mx)), rescale = expf(m[hf] - m_new), sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < FM_TILE / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float p = expf(s[n][2 * hf + e] - m_new);
+                    s[n][2 * hf + e] = p;
+                    sum += p;
+                }
+            l[hf] = l[hf] * rescale + quad_sum(sum);
+            m[hf] = m_new;
+#pragma unroll
+            for (int n = 0; n < FM_D / 8; ++n) {
+                o[n][2 * hf] *= rescale;
+                o[n][2 * hf + 1] *= rescale;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < FM_TILE / 16; ++k) {
+            if (j0 + 16 * k > r0 + 15) break;
+            u32 ph[4], pl[4];
+            c_to_a(s + 2 * k, ph, pl);
+#pragma unroll
+            for (int n = 0; n < FM_D / 8; ++n) {
+                u32 bb[2];
+                if (n >= 2 * steps) break;
+                fm_b(bb, vs, 16 * k, 8 * n, lane);
+                mma16816(o[n], ph, bb);
+                mma16816(o[n], pl, bb);
+            }
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        i64 i = r0 + gq + 8 * hf;
+        if (i >= seq) continue;
+        float inv = 1.f / l[hf];
+#pragma unroll
+        for (int n = 0; n < FM_D / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int d = 8 * n + 2 * t + e;
+                if (d < hd) out.set(sh.out(b, h, i) + d, o[n][2 * hf + e] * inv);
+            }
+        if (t == 0) lse.set(bh * seq + i, m[hf] + logf(l[hf]));
+    }
+}
+
+// dQ (the query part of dqkv). Grid and block as flash_mma_fwd; keys are
+// taken 16 at a time: scores and dP of those, dS, then dQ += dS K.
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                            i64 kvh, i64 seq, i64 hd, float scale) {
+    __shared__ u32 ks[FM_TILE][FM_W];
+    __shared__ u32 vs[FM_TILE][FM_W];
+    FaShape sh = {batch, heads, kvh, seq, hd};
+    const u16 *x = (const u16*)qkv.p, *go = (const u16*)dout.p;
+    i64 tiles = (seq + FM_ROWS - 1) / FM_ROWS;
+    i64 bh = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * FM_ROWS;
+    i64 b = bh / heads, h = bh % heads, g = h / sh.group();
+    int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, steps = (int)(hd / 16);
+    i64 r0 = i0 + 16 * (threadIdx.x >> 5), rr = r0 < seq ? r0 : 0;
+    u32 qf[FM_D / 16][4], gf[FM_D / 16][4];
+    fm_afrag(qf, x + sh.qkv(b, h, 0, rr), sh.stride(), seq - r0, hd, lane);
+    fm_afrag(gf, go + sh.out(b, h, rr), sh.c(), seq - r0, hd, lane);
+    // D = dO . O of the lane's rows: its fragment columns, then the quad.
+    float dd[2], ls[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        i64 i = r0 + gq + 8 * hf;
+        float part = 0.f;
+        if (i < seq)
+            for (int c = 2 * t; c < hd; c += 8)
+                for (int e = 0; e < 2; ++e) part += dout[sh.out(b, h, i) + c + e] * out[sh.out(b, h, i) + c + e];
+        dd[hf] = quad_sum(part);
+        ls[hf] = i < seq ? lse[bh * seq + i] : 0.f;
+    }
+    float dq[FM_D / 8][4];
+#pragma unroll
+    for (int n = 0; n < FM_D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    i64 last = i0 + FM_ROWS - 1 < seq ? i0 + FM_ROWS - 1 : seq - 1;
+    for (i64 j0 = 0; j0 <= last; j0 += FM_TILE) {
+        __syncthreads();
+        fm_stage(ks, x + sh.qkv(b, g, 1, j0), sh.stride(), seq - j0, hd);
+        fm_stage(vs, x + sh.qkv(b, g, 2, j0), sh.stride(), seq - j0, hd);
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < FM_TILE / 16; ++k) {
+            if (j0 + 16 * k > r0 + 15) break;  // keys after the warp's rows
+            float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+            for (int q = 0; q < 2; ++q)
+#pragma unroll
+                for (int d = 0; d < FM_D / 16; ++d) {
+                    u32 bb[2];
+                    if (d >= steps) break;
+                    fm_bt(bb, ks, 16 * k + 8 * q, 16 * d, lane);
+                    mma16816(s[q], qf[d], bb);
+                    fm_bt(bb, vs, 16 * k + 8 * q, 16 * d, lane);
+                    mma16816(dp[q], gf[d], bb);
+                }
+#pragma unroll
+            for (int q = 0; q < 2; ++q)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    int hf = c >> 1;
+                    i64 i = r0 + gq + 8 * hf, j = j0 + 16 * k + 8 * q + 2 * t + (c & 1);
+                    float p = i < seq && j <= i ? expf(s[q][c] * scale - ls[hf]) : 0.f;
+                    s[q][c] = p * (dp[q][c] - dd[hf]) * scale;
+                }
+            u32 dsh[4], dsl[4];
+            c_to_a(s, dsh, dsl);
+#pragma unroll
+            for (int n = 0; n < FM_D / 8; ++n) {
+                u32 bb[2];
+                if (n >= 2 * steps) break;
+                fm_b(bb, ks, 16 * k, 8 * n, lane);
+                mma16816(dq[n], dsh, bb);
+                mma16816(dq[n], dsl, bb);
+            }
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        i64 i = r0 + gq + 8 * hf;
+        if (i >= seq) continue;
+#pragma unroll
+        for (int n = 0; n < FM_D / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int d = 8 * n + 2 * t + e;
+                if (d < hd) dqkv.set(sh.qkv(b, h, 0, i) + d, dq[n][2 * hf + e]);
+            }
+    }
+}
+
+// dK and dV (the key and value parts of dqkv). A warp owns 16 key rows of
+// one key/value head, K and V as A fragments; query tiles of each query
+// head of the group are staged in turn (with their lse and D = dO . O) and
+// taken 16 queries at a time: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then dV += Pᵀ dO and
+// dK += dSᵀ Q. Grid: B * Hkv * ceil(T / FM_ROWS) blocks.
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                             i64 kvh, i64 seq, i64 hd, float scale) {
+    __shared__ u32 qs[FM_TILE][FM_W];
+    __shared__ u32 gs[FM_TILE][FM_W];
+    __shared__ float lse_s[FM_TILE], dd_s[FM_TILE];
+    FaShape sh = {batch, heads, kvh, seq, hd};
+    const u16 *x = (const u16*)qkv.p, *go = (const u16*)dout.p;
+    i64 tiles = (seq + FM_ROWS - 1) / FM_ROWS;
+    i64 bg = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * FM_ROWS;
+    i64 b = bg / kvh, g = bg % kvh;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3, steps = (int)(hd / 16);
+    i64 r0 = j0 + 16 * w, rr = r0 < seq ? r0 : 0;
+    u32 kf[FM_D / 16][4], vf[FM_D / 16][4];
+    fm_afrag(kf, x + sh.qkv(b, g, 1, rr), sh.stride(), seq - r0, hd, lane);
+    fm_afrag(vf, x + sh.qkv(b, g, 2, rr), sh.stride(), seq - r0, hd, lane);
+    float dk[FM_D / 8][4], dv[FM_D / 8][4];
+#pragma unroll
+    for (int n = 0; n < FM_D / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
+    for (i64 h = g * sh.group(); h < (g + 1) * sh.group(); ++h)
+        for (i64 i0 = j0; i0 < seq; i0 += FM_TILE) {
+            i64 bh = b * heads + h;
+            __syncthreads();
+            fm_stage(qs, x + sh.qkv(b, h, 0, i0), sh.stride(), seq - i0, hd);
+            fm_stage(gs, go + sh.out(b, h, i0), sh.c(), seq - i0, hd);
+            for (int q = w; q < FM_TILE; q += FA_WARPS) {
+                i64 i = i0 + q;
+                float part = 0.f;
+                if (i < seq)
+                    for (i64 d = lane; d < hd; d += 32) part += dout[sh.out(b, h, i) + d] * out[sh.out(b, h, i) + d];
+                part = warp_sum(part);
+                if (lane == 0) {
+                    dd_s[q] = part;
+                    lse_s[q] = i < seq ? lse[bh * seq + i] : 0.f;
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < FM_TILE / 16; ++k) {
+                if (i0 + 16 * k >= seq) break;
+                if (i0 + 16 * k + 15 < r0) continue;  // queries before the warp's keys
+                float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+                for (int q = 0; q < 2; ++q)
+#pragma unroll
+                    for (int d = 0; d < FM_D / 16; ++d) {
+                        u32 bb[2];
+                        if (d >= steps) break;
+                        fm_bt(bb, qs, 16 * k + 8 * q, 16 * d, lane);
+                        mma16816(s[q], kf[d], bb);
+                        fm_bt(bb, gs, 16 * k + 8 * q, 16 * d, lane);
+                        mma16816(dp[q], vf[d], bb);
+                    }
+#pragma unroll
+                for (int q = 0; q < 2; ++q)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        int tq = 16 * k + 8 * q + 2 * t + (c & 1);
+                        i64 j = r0 + gq + 8 * (c >> 1), i = i0 + tq;
+                        bool on = i < seq && j < seq && i >= j;
+                        float p = on ? expf(s[q][c] * scale - lse_s[tq]) : 0.f;
+                        s[q][c] = p;
+                        dp[q][c] = p * (dp[q][c] - dd_s[tq]) * scale;
+                    }
+                u32 ph[4], pl[4], dh[4], dl[4];
+                c_to_a(s, ph, pl);
+                c_to_a(dp, dh, dl);
+#pragma unroll
+                for (int n = 0; n < FM_D / 8; ++n) {
+                    u32 bb[2];
+                    if (n >= 2 * steps) break;
+                    fm_b(bb, gs, 16 * k, 8 * n, lane);
+                    mma16816(dv[n], ph, bb);
+                    mma16816(dv[n], pl, bb);
+                    fm_b(bb, qs, 16 * k, 8 * n, lane);
+                    mma16816(dk[n], dh, bb);
+                    mma16816(dk[n], dl, bb);
+                }
+            }
+        }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        i64 j = r0 + gq + 8 * hf;
+        if (j >= seq) continue;
+#pragma unroll
+        for (int n = 0; n < FM_D / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int d = 8 * n + 2 * t + e;
+                if (d < hd) {
+                    dqkv.set(sh.qkv(b, g, 1, j) + d, dk[n][2 * hf + e]);
+                    dqkv.set(sh.qkv(b, g, 2, j) + d, dv[n][2 * hf + e]);
+                }
+            }
+    }
+}

@@ -5,8 +5,8 @@
 
 use super::{
     Arg, AttentionLowering, Buf, CollectiveOp, DevKernel, DevOp, DeviceLayout, FLASH_MAX_HEAD_DIM,
-    FLASH_ROWS, Launch, RowMajor, check_launch, elementwise, gemm_attention, gemm_row_major,
-    per_row,
+    FLASH_ROWS, Launch, MMA_MAX_HEAD_DIM, MMA_ROWS, RowMajor, check_launch, elementwise,
+    gemm_attention, gemm_row_major, per_row,
 };
 use crate::binding::{Bindings, InstrBinding};
 use crate::error::{Result, RuntimeError};
@@ -601,20 +601,40 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             other => Err(misrouted(other, "fused_attention")),
         };
     }
+    let mma = a.layout.attention == AttentionLowering::TensorCores;
     match &a.ins.kernel {
-        Kernel::FusedAttention(at) => ops.push(flash(
-            DevKernel::FlashAttnFwd,
-            at,
-            vec![a.fi(0), a.fo(0), a.fo(1)],
-        )?),
+        Kernel::FusedAttention(at) => {
+            let kernel = if mma && tensor_cores_apply(at, &[a.di(0)]) {
+                DevKernel::FlashMmaFwd
+            } else {
+                DevKernel::FlashAttnFwd
+            };
+            ops.push(flash(kernel, at, vec![a.fi(0), a.fo(0), a.fo(1)])?)
+        }
         Kernel::FusedAttentionBackward(at) => {
             let args = vec![a.fi(0), a.fi(1), a.fi(2), a.fi(3), a.fo(0)];
-            ops.push(flash(DevKernel::FlashAttnBwdDq, at, args.clone())?);
-            ops.push(flash(DevKernel::FlashAttnBwdDkv, at, args)?);
+            // The kernels read dO and qkv as bf16 fragments.
+            let (dq, dkv) = if mma && tensor_cores_apply(at, &[a.di(0), a.di(1)]) {
+                (DevKernel::FlashMmaBwdDq, DevKernel::FlashMmaBwdDkv)
+            } else {
+                (DevKernel::FlashAttnBwdDq, DevKernel::FlashAttnBwdDkv)
+            };
+            ops.push(flash(dq, at, args.clone())?);
+            ops.push(flash(dkv, at, args)?);
         }
         other => return Err(misrouted(other, "fused_attention")),
     }
     Ok(())
+}
+
+/// Whether the tensor-core flash kernels can run an attention whose
+/// fragment operands have `dtypes`: all bf16, and a head dimension that is
+/// a multiple of 16 up to `FM_D`.
+pub(crate) fn tensor_cores_apply(at: &Attention, dtypes: &[DType]) -> bool {
+    dtypes.iter().all(|&d| d == DType::BF16)
+        && at.head_dim % 16 == 0
+        && at.head_dim > 0
+        && at.head_dim <= MMA_MAX_HEAD_DIM
 }
 
 /// A cast: a copy between equal dtypes, else the `cast` kernel.
@@ -873,8 +893,8 @@ fn layout_and_collectives(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
 }
 
 /// A launch of one of the flash-attention kernels: one block of 4 warps per
-/// 16 rows of each head (each key/value head for dK/dV); `args` are the
-/// pointers, the sizes follow.
+/// 16 rows (64 for the tensor-core kernels) of each head (each key/value
+/// head for dK/dV); `args` are the pointers, the sizes follow.
 fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp> {
     if at.head_dim > FLASH_MAX_HEAD_DIM {
         return Err(RuntimeError::Unavailable(
@@ -885,13 +905,24 @@ fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp>
             ),
         ));
     }
-    // The dK/dV kernel has a block per key/value head's rows.
-    let heads = if kernel == DevKernel::FlashAttnBwdDkv {
+    // The dK/dV kernels have a block per key/value head's rows.
+    let heads = if matches!(
+        kernel,
+        DevKernel::FlashAttnBwdDkv | DevKernel::FlashMmaBwdDkv
+    ) {
         at.kv_heads
     } else {
         at.heads
     };
-    let blocks = at.batch * heads * at.seq.div_ceil(FLASH_ROWS);
+    let rows = if matches!(
+        kernel,
+        DevKernel::FlashMmaFwd | DevKernel::FlashMmaBwdDq | DevKernel::FlashMmaBwdDkv
+    ) {
+        MMA_ROWS
+    } else {
+        FLASH_ROWS
+    };
+    let blocks = at.batch * heads * at.seq.div_ceil(rows);
     let grid = u32::try_from(blocks).map_err(|_| {
         RuntimeError::Unavailable("CUDA", format!("{blocks} blocks exceed the grid limit"))
     })?;

@@ -83,6 +83,12 @@ pub enum AttentionLowering {
     /// fit 64 MiB of scores), with the scores in the scratch
     /// (`gemm_attention`).
     Gemm { rows: u64 },
+    /// The flash kernels' tensor-core versions (`flash_mma_*`: bf16
+    /// `mma.sync` products, f32 accumulation) where they apply — bf16
+    /// operands, a head dimension that is a multiple of 16 up to
+    /// [`MMA_MAX_HEAD_DIM`], a GPU of compute capability 8.0 or later —
+    /// and the flash kernels elsewhere. No scratch.
+    TensorCores,
 }
 
 impl AttentionLowering {
@@ -234,6 +240,9 @@ pub enum DevKernel {
     FlashAttnFwd,
     FlashAttnBwdDq,
     FlashAttnBwdDkv,
+    FlashMmaFwd,
+    FlashMmaBwdDq,
+    FlashMmaBwdDkv,
     RmsnormFwd,
     RmsnormBwdParams,
     RmsnormBwdData,
@@ -247,7 +256,7 @@ pub enum DevKernel {
 }
 
 impl DevKernel {
-    pub const ALL: [DevKernel; 38] = [
+    pub const ALL: [DevKernel; 41] = [
         DevKernel::FillRows,
         DevKernel::ColSum,
         DevKernel::Add,
@@ -276,6 +285,9 @@ impl DevKernel {
         DevKernel::FlashAttnFwd,
         DevKernel::FlashAttnBwdDq,
         DevKernel::FlashAttnBwdDkv,
+        DevKernel::FlashMmaFwd,
+        DevKernel::FlashMmaBwdDq,
+        DevKernel::FlashMmaBwdDkv,
         DevKernel::RmsnormFwd,
         DevKernel::RmsnormBwdParams,
         DevKernel::RmsnormBwdData,
@@ -318,6 +330,9 @@ impl DevKernel {
             DevKernel::FlashAttnFwd => "flash_attn_fwd",
             DevKernel::FlashAttnBwdDq => "flash_attn_bwd_dq",
             DevKernel::FlashAttnBwdDkv => "flash_attn_bwd_dkv",
+            DevKernel::FlashMmaFwd => "flash_mma_fwd",
+            DevKernel::FlashMmaBwdDq => "flash_mma_bwd_dq",
+            DevKernel::FlashMmaBwdDkv => "flash_mma_bwd_dkv",
             DevKernel::RmsnormFwd => "rmsnorm_fwd",
             DevKernel::RmsnormBwdParams => "rmsnorm_bwd_params",
             DevKernel::RmsnormBwdData => "rmsnorm_bwd_data",
@@ -590,6 +605,20 @@ pub fn gemm_row_major(
             ),
         ));
     }
+    // cuBLAS refuses (CUBLAS_STATUS_INVALID_VALUE) a leading dimension
+    // shorter than a stored row; the emulator would not notice.
+    for (name, x, cols) in [
+        ("A", a, if a.t { m } else { k }),
+        ("B", b, if b.t { k } else { n }),
+        ("C", c, n),
+    ] {
+        if x.ld < cols.max(1) {
+            return Err(RuntimeError::InvalidProgram(format!(
+                "a {m}×{n}×{k} product whose {name} has rows of {cols} elements {} apart",
+                x.ld
+            )));
+        }
+    }
     Ok(GemmCall {
         ab: a.dtype,
         c_dtype: c.dtype,
@@ -648,6 +677,10 @@ pub fn per_row(kernel: DevKernel, rows: u64, cols: u64, args: Vec<Arg>) -> Resul
 pub const FLASH_MAX_HEAD_DIM: u64 = 128;
 /// Rows per block of the flash-attention kernels (`FA_ROWS`).
 pub(crate) const FLASH_ROWS: u64 = 16;
+/// Largest head dimension of the tensor-core flash kernels (`FM_D`).
+pub const MMA_MAX_HEAD_DIM: u64 = 64;
+/// Rows per block of the tensor-core flash kernels (`FM_ROWS`).
+pub(crate) const MMA_ROWS: u64 = 64;
 
 #[cfg(test)]
 mod tests {
@@ -658,7 +691,7 @@ mod tests {
         for k in DevKernel::ALL {
             let decl = format!(
                 "__global__ void __launch_bounds__({}) {}(",
-                if k.name().starts_with("flash_attn") {
+                if k.name().starts_with("flash_") {
                     "FA_THREADS"
                 } else {
                     "1024"
@@ -692,6 +725,50 @@ mod tests {
         l.block = 64;
         l.grid = 0;
         assert!(check_launch(&l).is_err());
+    }
+
+    #[test]
+    fn products_refuse_what_cublas_refuses() {
+        let f = |at, ld| RowMajor::new(at, ld, DType::F32);
+        // C (2 × 3) = A (2 × 4) · B (4 × 3): rows of 4, 3 and 3.
+        let ok = gemm_row_major(2, 3, 4, 1.0, f(0, 4), f(64, 3), 0.0, f(128, 3), 1).unwrap();
+        assert_eq!(
+            (ok.m, ok.n, ok.k, ok.lda, ok.ldb, ok.ldc),
+            (3, 2, 4, 3, 4, 3)
+        );
+        // Aᵀ stored as 4 × 2 rows of 2; wider rows are fine.
+        assert!(gemm_row_major(2, 3, 4, 1.0, f(0, 2).t(), f(64, 5), 0.0, f(128, 3), 1).is_ok());
+        for (a, b, c, short) in [
+            (
+                f(0, 3),
+                f(64, 3),
+                f(128, 3),
+                "A has rows of 4 elements 3 apart",
+            ),
+            (
+                f(0, 4),
+                f(64, 2),
+                f(128, 3),
+                "B has rows of 3 elements 2 apart",
+            ),
+            (
+                f(0, 4),
+                f(64, 3).t(),
+                f(128, 3),
+                "B has rows of 4 elements 3 apart",
+            ),
+            (
+                f(0, 4),
+                f(64, 3),
+                f(128, 2),
+                "C has rows of 3 elements 2 apart",
+            ),
+        ] {
+            let e = gemm_row_major(2, 3, 4, 1.0, a, b, 0.0, c, 1).unwrap_err();
+            assert!(e.to_string().contains(short), "{e}");
+        }
+        let bf = RowMajor::new(0, 4, DType::BF16);
+        assert!(gemm_row_major(2, 3, 4, 1.0, bf, f(64, 3), 0.0, f(128, 3), 1).is_err());
     }
 
     #[test]
