@@ -1011,6 +1011,37 @@ __device__ __forceinline__ float quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+// x[0..1] (16 columns from n0) = a1 t1ᵀ and y[0..1] = a2 t2ᵀ over the first
+// `steps` k-steps: scores and dP against 16 staged rows.
+__device__ __forceinline__ void fm_two_products(float (*x)[4], float (*y)[4], const u32 (*a1)[4], const u32 (*t1)[FM_W],
+                                                const u32 (*a2)[4], const u32 (*t2)[FM_W], int n0, int steps,
+                                                int lane) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int d = 0; d < FM_D / 16; ++d) {
+            u32 bb[2];
+            if (d >= steps) break;
+            fm_bt(bb, t1, n0 + 8 * q, 16 * d, lane);
+            mma16816(x[q], a1[d], bb);
+            fm_bt(bb, t2, n0 + 8 * q, 16 * d, lane);
+            mma16816(y[q], a2[d], bb);
+        }
+}
+
+// acc (the head dimension's columns) += (hi + lo) rows k0..k0+15 of tile.
+__device__ __forceinline__ void fm_accumulate(float (*acc)[4], const u32* hi, const u32* lo, const u32 (*tile)[FM_W],
+                                              int k0, int steps, int lane) {
+#pragma unroll
+    for (int n = 0; n < FM_D / 8; ++n) {
+        u32 bb[2];
+        if (n >= 2 * steps) break;
+        fm_b(bb, tile, k0, 8 * n, lane);
+        mma16816(acc[n], hi, bb);
+        mma16816(acc[n], lo, bb);
+    }
+}
+
 // Grid: B * H * ceil(T / FM_ROWS) blocks of FA_THREADS threads. A lane's
 // rows are r0 + g and r0 + g + 8 (r0: its warp's first row).
 extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
@@ -1084,14 +1115,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, 
             if (j0 + 16 * k > r0 + 15) break;
             u32 ph[4], pl[4];
             c_to_a(s + 2 * k, ph, pl);
-#pragma unroll
-            for (int n = 0; n < FM_D / 8; ++n) {
-                u32 bb[2];
-                if (n >= 2 * steps) break;
-                fm_b(bb, vs, 16 * k, 8 * n, lane);
-                mma16816(o[n], ph, bb);
-                mma16816(o[n], pl, bb);
-            }
+            fm_accumulate(o, ph, pl, vs, 16 * k, steps, lane);
         }
     }
 #pragma unroll
@@ -1151,17 +1175,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf do
         for (int k = 0; k < FM_TILE / 16; ++k) {
             if (j0 + 16 * k > r0 + 15) break;  // keys after the warp's rows
             float s[2][4] = {}, dp[2][4] = {};
-#pragma unroll
-            for (int q = 0; q < 2; ++q)
-#pragma unroll
-                for (int d = 0; d < FM_D / 16; ++d) {
-                    u32 bb[2];
-                    if (d >= steps) break;
-                    fm_bt(bb, ks, 16 * k + 8 * q, 16 * d, lane);
-                    mma16816(s[q], qf[d], bb);
-                    fm_bt(bb, vs, 16 * k + 8 * q, 16 * d, lane);
-                    mma16816(dp[q], gf[d], bb);
-                }
+            fm_two_products(s, dp, qf, ks, gf, vs, 16 * k, steps, lane);
 #pragma unroll
             for (int q = 0; q < 2; ++q)
 #pragma unroll
@@ -1173,14 +1187,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf do
                 }
             u32 dsh[4], dsl[4];
             c_to_a(s, dsh, dsl);
-#pragma unroll
-            for (int n = 0; n < FM_D / 8; ++n) {
-                u32 bb[2];
-                if (n >= 2 * steps) break;
-                fm_b(bb, ks, 16 * k, 8 * n, lane);
-                mma16816(dq[n], dsh, bb);
-                mma16816(dq[n], dsl, bb);
-            }
+            fm_accumulate(dq, dsh, dsl, ks, 16 * k, steps, lane);
         }
     }
 #pragma unroll
@@ -1245,17 +1252,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf d
                 if (i0 + 16 * k >= seq) break;
                 if (i0 + 16 * k + 15 < r0) continue;  // queries before the warp's keys
                 float s[2][4] = {}, dp[2][4] = {};
-#pragma unroll
-                for (int q = 0; q < 2; ++q)
-#pragma unroll
-                    for (int d = 0; d < FM_D / 16; ++d) {
-                        u32 bb[2];
-                        if (d >= steps) break;
-                        fm_bt(bb, qs, 16 * k + 8 * q, 16 * d, lane);
-                        mma16816(s[q], kf[d], bb);
-                        fm_bt(bb, gs, 16 * k + 8 * q, 16 * d, lane);
-                        mma16816(dp[q], vf[d], bb);
-                    }
+                fm_two_products(s, dp, kf, qs, vf, gs, 16 * k, steps, lane);
 #pragma unroll
                 for (int q = 0; q < 2; ++q)
 #pragma unroll
@@ -1270,17 +1267,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf d
                 u32 ph[4], pl[4], dh[4], dl[4];
                 c_to_a(s, ph, pl);
                 c_to_a(dp, dh, dl);
-#pragma unroll
-                for (int n = 0; n < FM_D / 8; ++n) {
-                    u32 bb[2];
-                    if (n >= 2 * steps) break;
-                    fm_b(bb, gs, 16 * k, 8 * n, lane);
-                    mma16816(dv[n], ph, bb);
-                    mma16816(dv[n], pl, bb);
-                    fm_b(bb, qs, 16 * k, 8 * n, lane);
-                    mma16816(dk[n], dh, bb);
-                    mma16816(dk[n], dl, bb);
-                }
+                fm_accumulate(dv, ph, pl, gs, 16 * k, steps, lane);
+                fm_accumulate(dk, dh, dl, qs, 16 * k, steps, lane);
             }
         }
 #pragma unroll
