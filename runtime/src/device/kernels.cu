@@ -1042,6 +1042,18 @@ __device__ __forceinline__ void fm_accumulate(float (*acc)[4], const u32* hi, co
     }
 }
 
+// Row hf (0: the lane's row g, 1: g + 8) of accumulators acc, times mul,
+// into dst from element `at` on (hd columns).
+__device__ __forceinline__ void fm_store(Buf dst, i64 at, const float (*acc)[4], int hf, float mul, i64 hd, int t) {
+#pragma unroll
+    for (int n = 0; n < FM_D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            int d = 8 * n + 2 * t + e;
+            if (d < hd) dst.set(at + d, acc[n][2 * hf + e] * mul);
+        }
+}
+
 // Grid: B * H * ceil(T / FM_ROWS) blocks of FA_THREADS threads. A lane's
 // rows are r0 + g and r0 + g + 8 (r0: its warp's first row).
 extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
@@ -1122,14 +1134,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, 
     for (int hf = 0; hf < 2; ++hf) {
         i64 i = r0 + gq + 8 * hf;
         if (i >= seq) continue;
-        float inv = 1.f / l[hf];
-#pragma unroll
-        for (int n = 0; n < FM_D / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int d = 8 * n + 2 * t + e;
-                if (d < hd) out.set(sh.out(b, h, i) + d, o[n][2 * hf + e] * inv);
-            }
+        fm_store(out, sh.out(b, h, i), o, hf, 1.f / l[hf], hd, t);
         if (t == 0) lse.set(bh * seq + i, m[hf] + logf(l[hf]));
     }
 }
@@ -1193,14 +1198,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf do
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         i64 i = r0 + gq + 8 * hf;
-        if (i >= seq) continue;
-#pragma unroll
-        for (int n = 0; n < FM_D / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int d = 8 * n + 2 * t + e;
-                if (d < hd) dqkv.set(sh.qkv(b, h, 0, i) + d, dq[n][2 * hf + e]);
-            }
+        if (i < seq) fm_store(dqkv, sh.qkv(b, h, 0, i), dq, hf, 1.f, hd, t);
     }
 }
 
@@ -1275,15 +1273,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf d
     for (int hf = 0; hf < 2; ++hf) {
         i64 j = r0 + gq + 8 * hf;
         if (j >= seq) continue;
-#pragma unroll
-        for (int n = 0; n < FM_D / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int d = 8 * n + 2 * t + e;
-                if (d < hd) {
-                    dqkv.set(sh.qkv(b, g, 1, j) + d, dk[n][2 * hf + e]);
-                    dqkv.set(sh.qkv(b, g, 2, j) + d, dv[n][2 * hf + e]);
-                }
-            }
+        fm_store(dqkv, sh.qkv(b, g, 1, j), dk, hf, 1.f, hd, t);
+        fm_store(dqkv, sh.qkv(b, g, 2, j), dv, hf, 1.f, hd, t);
     }
 }
