@@ -12,8 +12,18 @@
 //! The compiler's resource report (`--ptxas-options=-v`: registers, spills,
 //! shared memory per kernel) comes back with the image; a test checks it
 //! against each kernel's launch bound.
+//!
+//! Machine code is cached on disk, so only a process's first compile for
+//! a given source, architecture and NVRTC pays NVRTC's few seconds: in
+//! `$MEMPLAN_CACHE_DIR`, else `$XDG_CACHE_HOME/memplan`, else
+//! `~/.cache/memplan` (`MEMPLAN_CACHE_DIR=` with no value turns it off).
+//! The file name holds a hash of all three, so a changed kernel or
+//! compiler is compiled afresh. The cache is only an optimisation: a
+//! directory that cannot be read or written is passed over.
 
 use std::ffi::{CStr, CString, c_char};
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{Ptx, result, sys};
 
@@ -30,20 +40,81 @@ pub struct Compiled {
     pub log: String,
 }
 
-/// Compiles `kernels.cu` for compute capability `major.minor`.
+/// Compiles `kernels.cu` for compute capability `major.minor`, or reads
+/// the machine code from the cache (see the module docs).
 pub fn compile_kernels(major: i32, minor: i32) -> Result<Compiled> {
+    compile_kernels_in(cache_dir().as_deref(), major, minor)
+}
+
+/// The cache directory the environment names, if any.
+fn cache_dir() -> Option<PathBuf> {
+    let var = |name| std::env::var_os(name);
+    match var("MEMPLAN_CACHE_DIR") {
+        Some(d) if d.is_empty() => None,
+        Some(d) => Some(PathBuf::from(d)),
+        None => var("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .map(|d| d.join("memplan")),
+    }
+}
+
+/// The cache file of the machine code of `source` for `sm_XY` by NVRTC
+/// `nvrtc` (its major and minor version).
+fn cache_name(source: &str, major: i32, minor: i32, nvrtc: (i32, i32)) -> String {
+    let mut h = std::hash::DefaultHasher::new();
+    (source, major, minor, nvrtc).hash(&mut h);
+    format!("kernels-sm_{major}{minor}-{:016x}.cubin", h.finish())
+}
+
+/// Writes `bytes` to `path` through a temporary file, so a concurrent
+/// reader sees the whole file or none.
+fn store(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints.
+    let _ = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+    (major, minor)
+}
+
+/// [`compile_kernels`] with the cache in `cache` (None: no cache).
+pub fn compile_kernels_in(cache: Option<&Path>, major: i32, minor: i32) -> Result<Compiled> {
+    let path = cache.map(|d| d.join(cache_name(KERNELS_CU, major, minor, nvrtc_version())));
+    if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        if !bytes.is_empty() {
+            return Ok(Compiled {
+                image: Ptx::from_binary(bytes),
+                machine_code: true,
+                log: format!("(machine code read from {})", path.unwrap().display()),
+            });
+        }
+    }
     let sm = format!("--gpu-architecture=sm_{major}{minor}");
     match compile(&[sm.as_str(), "--ptxas-options=-v"], Output::Cubin) {
-        Ok((image, log)) => Ok(Compiled {
-            image,
-            machine_code: true,
-            log,
-        }),
+        Ok((image, log)) => {
+            if let (Some(p), Image::Cubin(bytes)) = (&path, &image) {
+                let _ = store(p, bytes);
+            }
+            Ok(Compiled {
+                image: image.into_ptx(),
+                machine_code: true,
+                log,
+            })
+        }
         Err(cubin_error) => {
             let ptx = format!("--gpu-architecture=compute_{major}{minor}");
             compile(&[ptx.as_str()], Output::Ptx)
                 .map(|(image, log)| Compiled {
-                    image,
+                    image: image.into_ptx(),
                     machine_code: false,
                     log,
                 })
@@ -62,8 +133,23 @@ enum Output {
     Ptx,
 }
 
+/// What NVRTC wrote.
+enum Image {
+    Cubin(Vec<u8>),
+    Ptx(String),
+}
+
+impl Image {
+    fn into_ptx(self) -> Ptx {
+        match self {
+            Image::Cubin(bytes) => Ptx::from_binary(bytes),
+            Image::Ptx(text) => Ptx::from_src(text),
+        }
+    }
+}
+
 /// One NVRTC compilation; the error is NVRTC's code and log.
-fn compile(options: &[&str], output: Output) -> std::result::Result<(Ptx, String), String> {
+fn compile(options: &[&str], output: Output) -> std::result::Result<(Image, String), String> {
     let src = CString::new(KERNELS_CU).expect("kernels.cu has no NUL");
     let name = CString::new("memplan_kernels.cu").expect("no NUL");
     let prog = result::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
@@ -93,13 +179,13 @@ fn compile(options: &[&str], output: Output) -> std::result::Result<(Ptx, String
 ///
 /// # Safety
 /// `prog` must be a compiled, live NVRTC program.
-unsafe fn image(prog: sys::nvrtcProgram, output: Output) -> std::result::Result<Ptx, String> {
+unsafe fn image(prog: sys::nvrtcProgram, output: Output) -> std::result::Result<Image, String> {
     match output {
         Output::Ptx => {
             let ptx =
                 unsafe { result::get_ptx(prog) }.map_err(|e| format!("nvrtcGetPTX: {e:?}"))?;
             let text = unsafe { CStr::from_ptr(ptx.as_ptr()) };
-            Ok(Ptx::from_src(text.to_string_lossy().into_owned()))
+            Ok(Image::Ptx(text.to_string_lossy().into_owned()))
         }
         Output::Cubin => {
             let mut size = 0usize;
@@ -113,7 +199,7 @@ unsafe fn image(prog: sys::nvrtcProgram, output: Output) -> std::result::Result<
             if size == 0 {
                 return Err("NVRTC wrote an empty cubin".into());
             }
-            Ok(Ptx::from_binary(data))
+            Ok(Image::Cubin(data))
         }
     }
 }
@@ -174,6 +260,30 @@ mod tests {
     use crate::device::DevKernel;
 
     #[test]
+    fn cache_files_name_source_architecture_and_compiler() {
+        let name = cache_name("src", 9, 0, (13, 0));
+        assert!(name.starts_with("kernels-sm_90-") && name.ends_with(".cubin"));
+        assert_eq!(name, cache_name("src", 9, 0, (13, 0)));
+        for other in [
+            cache_name("src2", 9, 0, (13, 0)),
+            cache_name("src", 8, 0, (13, 0)),
+            cache_name("src", 9, 0, (12, 8)),
+        ] {
+            assert_ne!(name, other);
+        }
+        // Written whole, through a temporary file.
+        let dir = std::env::temp_dir().join(format!("memplan-cache-unit-{}", std::process::id()));
+        let path = dir.join("a").join(&name);
+        store(&path, b"cubin").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"cubin");
+        assert_eq!(
+            std::fs::read_dir(path.parent().unwrap()).unwrap().count(),
+            1
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn reads_ptxas_resource_reports() {
         let log = "ptxas info    : 145 bytes gmem\n\
             ptxas info    : Compiling entry function 'flash_attn_fwd' for 'sm_90'\n\
@@ -215,11 +325,21 @@ mod tests {
             unsafe { sys::is_culib_present() },
             "NVRTC could not be loaded: put libnvrtc.so's directory on LD_LIBRARY_PATH"
         );
+        // A cache of its own, so every architecture compiles here first.
+        let cache = std::env::temp_dir().join(format!("memplan-nvrtc-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
         // Ampere, Hopper and Blackwell data-centre GPUs.
         for (major, minor) in [(8, 0), (9, 0), (10, 0)] {
-            let c =
-                compile_kernels(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
+            let c = compile_kernels_in(Some(&cache), major, minor)
+                .unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
             assert!(c.machine_code, "sm_{major}{minor}: fell back to PTX");
+            // The second time, from the cache.
+            let again = compile_kernels_in(Some(&cache), major, minor).unwrap();
+            assert!(
+                again.machine_code && again.log.contains("read from"),
+                "{}",
+                again.log
+            );
             let report = resources(&c.log);
             for k in DevKernel::ALL {
                 let r = report
@@ -242,9 +362,14 @@ mod tests {
             }
             assert_eq!(report.len(), DevKernel::ALL.len(), "{:?}", report);
         }
+        let cached = std::fs::read_dir(&cache).unwrap().count();
+        std::fs::remove_dir_all(&cache).unwrap();
+        assert_eq!(cached, 3, "one cubin per architecture");
         // The PTX fallback: every kernel is an unmangled entry.
-        let (ptx, _) = compile(&["--gpu-architecture=compute_90"], Output::Ptx).unwrap();
-        let text = ptx.to_src();
+        let Ok((Image::Ptx(text), _)) = compile(&["--gpu-architecture=compute_90"], Output::Ptx)
+        else {
+            panic!("no PTX for compute_90");
+        };
         for k in DevKernel::ALL {
             assert!(
                 text.contains(&format!(".entry {}(", k.name())),
