@@ -16,6 +16,14 @@
 //! thus the CPU executor's (which widens bf16 operands around f32 kernels)
 //! up to the order of f32 additions.
 //!
+//! Fused attention has three lowerings ([`AttentionLowering`]): flash
+//! kernels with f32 arithmetic on the CUDA cores; the same kernels with
+//! their products on the tensor cores (`mma.sync` with bf16 operands and
+//! f32 accumulators; the f32 factors `P` and `dS` go in as a bf16 high part
+//! plus a bf16 remainder, which keeps about 16 of their bits); or cuBLAS
+//! products over blocks of query rows with the scores in the scratch
+//! (module `gemm_attention`).
+//!
 //! [`lower`] (module `lower`, one function per kernel family) produces the
 //! operations of every instruction once;
 //! the CUDA executor (feature `cuda`) issues them, and [`emulate`] runs them
