@@ -112,9 +112,13 @@ llama() {
   run llama_1b_bf16_gemm_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention gemm
   run llama_1b_bf16_gemm_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile --attention gemm
   # The flash kernels on the tensor cores (--attention tensor-cores: bf16
-  # attention, head dimension 16-64): correctness (a sequence of 100 ends
+  # attention, head dimension a multiple of 16 up to 128): correctness (a sequence of 100 ends
   # part-way through a 64-row block), then peak, time and profile.
   run llama_tiny_bf16_tc_cmp run --example llama-tiny --mixed-precision --seq 100 --device cuda --steps 3 --compare-cpu --attention tensor-cores
+  # Head dimension 128 (the kernels' larger instantiation): one layer of
+  # Llama 2 7B, one step (the second step's loss is near 0 on the fixed
+  # batch, too small to compare).
+  run llama2_7b_l1_bf16_tc_cmp run --example llama2-7b --layers 1 --seq 256 --mixed-precision --device cuda --steps 1 --compare-cpu --attention tensor-cores
   run llama_1b_bf16_tc_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention tensor-cores
   run llama_1b_bf16_tc_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile --attention tensor-cores
 }

@@ -69,8 +69,9 @@ pub struct RunArgs {
     /// kernels, f32 arithmetic on the CUDA cores), `gemm` (cuBLAS
     /// products over blocks of query rows, the scores of a block in the
     /// workspace) or `tensor-cores` (flash kernels with bf16 tensor-core
-    /// products, for bf16 attention with a head dimension of 16 to 64 on
-    /// compute capability 8.0 or later; `flash` elsewhere);
+    /// products, for bf16 attention with a head dimension that is a
+    /// multiple of 16 up to 128, on compute capability 8.0 or later;
+    /// `flash` elsewhere);
     /// docs/runtime.md.
     #[arg(long, value_enum, default_value = "flash")]
     pub attention: AttentionArg,

@@ -198,9 +198,15 @@ fn launch(m: &mut Mem<'_>, l: &Launch, step: u64) {
         // The tensor-core kernels compute the same, with other roundings
         // (bf16 hi + lo parts of P and dS); `kernels.cu` itself runs them
         // with host kernels.
-        DevKernel::FlashAttnFwd | DevKernel::FlashMmaFwd => flash_fwd(m, &a),
-        DevKernel::FlashAttnBwdDq | DevKernel::FlashMmaBwdDq => flash_bwd(m, &a, false),
-        DevKernel::FlashAttnBwdDkv | DevKernel::FlashMmaBwdDkv => flash_bwd(m, &a, true),
+        DevKernel::FlashAttnFwd | DevKernel::FlashMma64Fwd | DevKernel::FlashMma128Fwd => {
+            flash_fwd(m, &a)
+        }
+        DevKernel::FlashAttnBwdDq | DevKernel::FlashMma64BwdDq | DevKernel::FlashMma128BwdDq => {
+            flash_bwd(m, &a, false)
+        }
+        DevKernel::FlashAttnBwdDkv | DevKernel::FlashMma64BwdDkv | DevKernel::FlashMma128BwdDkv => {
+            flash_bwd(m, &a, true)
+        }
         DevKernel::AdamStep => adam(m, &a),
         DevKernel::AttnRowsSoftmax | DevKernel::AttnRowsSoftmaxBwd | DevKernel::AttnRowDot => {
             attention_rows(m, l.kernel, &a)

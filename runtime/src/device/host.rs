@@ -149,7 +149,14 @@ mod tests {
 
     #[test]
     fn tensor_core_flash_kernels_match_the_f32_flash_kernels() {
-        for (b, heads, kvh, hd) in [(1u64, 4u64, 2u64, 16u64), (1, 2, 1, 64), (2, 2, 2, 32)] {
+        for (b, heads, kvh, hd) in [
+            (1u64, 4u64, 2u64, 16u64),
+            (1, 2, 1, 64),
+            (2, 2, 2, 32),
+            (1, 2, 1, 128),
+            (1, 2, 2, 80),
+        ] {
+            let [fwd_tc, dq_tc, dkv_tc] = DevKernel::tensor_core_attention(hd);
             let t = SEQ;
             let width = (heads + 2 * kvh) * hd;
             let n_qkv = (b * t * width) as usize;
@@ -184,13 +191,7 @@ mod tests {
                 b * heads,
                 fwd(out_f, lse_f),
             );
-            run(
-                &mut m,
-                DevKernel::FlashMmaFwd,
-                64,
-                b * heads,
-                fwd(out_m, lse_m),
-            );
+            run(&mut m, fwd_tc, 64, b * heads, fwd(out_m, lse_m));
             let what = format!("B {b}, H {heads}, Hkv {kvh}, D {hd}");
             let (of, om) = (m.read(out_f, n_out), m.read(out_m, n_out));
             assert!(rel(&om, &of) < 1e-5, "{what}: out {}", rel(&om, &of));
@@ -205,8 +206,8 @@ mod tests {
             };
             run(&mut m, DevKernel::FlashAttnBwdDq, 16, b * heads, bwd(dq_f));
             run(&mut m, DevKernel::FlashAttnBwdDkv, 16, b * kvh, bwd(dq_f));
-            run(&mut m, DevKernel::FlashMmaBwdDq, 64, b * heads, bwd(dq_m));
-            run(&mut m, DevKernel::FlashMmaBwdDkv, 64, b * kvh, bwd(dq_m));
+            run(&mut m, dq_tc, 64, b * heads, bwd(dq_m));
+            run(&mut m, dkv_tc, 64, b * kvh, bwd(dq_m));
             let (gf, gm) = (m.read(dq_f, n_qkv), m.read(dq_m, n_qkv));
             // Each of dQ, dK and dV, by columns of the packed rows.
             for (part, cols) in [

@@ -889,12 +889,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attn_bwd_dkv(Buf 
 }
 
 // ---- Fused causal attention on the tensor cores (bf16 q, k, v) ----------
-// The three launches above for bf16 operands and a head dimension of 16,
-// 32, 48 or 64 (`AttentionLowering::TensorCores`), with the products done
-// by warp-wide `mma.sync.m16n8k16` instructions (bf16 operands, f32
-// accumulation; sm_80 and later). A block is FA_WARPS warps of 16 rows
-// (FM_ROWS rows); the other side is staged through shared memory FM_TILE
-// rows at a time, as bf16 pairs along the head dimension.
+// The three launches above for bf16 operands and a head dimension that is
+// a multiple of 16 (`AttentionLowering::TensorCores`), with the products
+// done by warp-wide `mma.sync.m16n8k16` instructions (bf16 operands, f32
+// accumulation; sm_80 and later). Each is a template over D, the largest
+// head dimension it takes, instantiated for 64 (`flash_mma64_*`) and 128
+// (`flash_mma128_*`). A block is FA_WARPS warps of 16 rows (FM_ROWS rows);
+// the other side is staged through shared memory FM_TILE rows at a time,
+// as bf16 pairs along the head dimension: W = D / 2 + 4 words a row, the 4
+// of padding putting the rows one fragment load touches in different
+// banks. Helpers take their sizes from their array arguments' extents:
+// S = D / 16 k-steps of A fragments, N = D / 8 accumulator tiles.
 // Fragments follow the PTX ISA's tables for m16n8k16 (lane = 4 g + t):
 //   A (16 x 16): regs {row g, cols 2t, 2t+1}, {row g+8, same}, {row g,
 //                cols 2t+8, 2t+9}, {row g+8, same};
@@ -908,12 +913,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attn_bwd_dkv(Buf 
 // results stay close to the f32 flash kernels' rather than to a bf16 P's.
 typedef unsigned int u32;
 typedef unsigned short u16;
-#define FM_D 64
 #define FM_ROWS (16 * FA_WARPS)
 #define FM_TILE 64
-// u32 words of a staged row: FM_D / 2 pairs and 4 of padding, so the rows
-// that one fragment load touches fall in different shared-memory banks.
-#define FM_W (FM_D / 2 + 4)
 
 // d (C fragment) += a (A fragment) * b (B fragment), for the whole warp.
 __device__ __forceinline__ void mma16816(float* d, const u32* a, const u32* b) {
@@ -950,9 +951,11 @@ __device__ __forceinline__ void c_to_a(const float (*c)[4], u32* hi, u32* lo) {
 
 // FM_TILE rows of bf16 src (row r at src + r * stride) into tile as pairs,
 // zero past `valid` rows and `hd` columns.
-__device__ void fm_stage(u32 (*tile)[FM_W], const u16* src, i64 stride, i64 valid, i64 hd) {
-    for (int e = threadIdx.x; e < FM_TILE * (FM_D / 2); e += blockDim.x) {
-        int r = e / (FM_D / 2), c = 2 * (e % (FM_D / 2));
+template <int W>
+__device__ void fm_stage(u32 (&tile)[FM_TILE][W], const u16* src, i64 stride, i64 valid, i64 hd) {
+    constexpr int pairs = W - 4;
+    for (int e = threadIdx.x; e < FM_TILE * pairs; e += blockDim.x) {
+        int r = e / pairs, c = 2 * (e % pairs);
         u32 v = 0;
         if (r < valid && c < hd) {
             const u16* p = src + r * stride + c;
@@ -964,10 +967,11 @@ __device__ void fm_stage(u32 (*tile)[FM_W], const u16* src, i64 stride, i64 vali
 
 // The A fragments of 16 bf16 rows (row r at src + r * stride; zero at rows
 // from `valid` and columns from `hd`), one per 16 columns.
-__device__ void fm_afrag(u32 (*a)[4], const u16* src, i64 stride, i64 valid, i64 hd, int lane) {
+template <int S>
+__device__ void fm_afrag(u32 (&a)[S][4], const u16* src, i64 stride, i64 valid, i64 hd, int lane) {
     int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int s = 0; s < FM_D / 16; ++s)
+    for (int s = 0; s < S; ++s)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             int r = g + 8 * (q & 1), c = 16 * s + 2 * t + 8 * (q >> 1);
@@ -981,20 +985,23 @@ __device__ void fm_afrag(u32 (*a)[4], const u16* src, i64 stride, i64 valid, i64
 
 // The B fragment of columns n0.. and rows k0.. of the transpose of a staged
 // tile: B(k, n) = tile row n0 + n, column k0 + k (K for Q Kᵀ).
-__device__ __forceinline__ void fm_bt(u32* b, const u32 (*tile)[FM_W], int n0, int k0, int lane) {
+template <int W>
+__device__ __forceinline__ void fm_bt(u32* b, const u32 (&tile)[FM_TILE][W], int n0, int k0, int lane) {
     int g = lane >> 2, t = lane & 3;
     b[0] = tile[n0 + g][k0 / 2 + t];
     b[1] = tile[n0 + g][k0 / 2 + t + 4];
 }
 
 // Element (r, c) of a staged tile.
-__device__ __forceinline__ u16 fm_at(const u32 (*tile)[FM_W], int r, int c) {
+template <int W>
+__device__ __forceinline__ u16 fm_at(const u32 (&tile)[FM_TILE][W], int r, int c) {
     return (u16)(tile[r][c >> 1] >> (16 * (c & 1)));
 }
 
 // The B fragment of rows k0.. and columns n0.. of a staged tile: B(k, n) =
 // tile row k0 + k, column n0 + n (V for P V).
-__device__ __forceinline__ void fm_b(u32* b, const u32 (*tile)[FM_W], int k0, int n0, int lane) {
+template <int W>
+__device__ __forceinline__ void fm_b(u32* b, const u32 (&tile)[FM_TILE][W], int k0, int n0, int lane) {
     int g = lane >> 2, t = lane & 3;
     b[0] = pack2(fm_at(tile, k0 + 2 * t, n0 + g), fm_at(tile, k0 + 2 * t + 1, n0 + g));
     b[1] = pack2(fm_at(tile, k0 + 2 * t + 8, n0 + g), fm_at(tile, k0 + 2 * t + 9, n0 + g));
@@ -1013,13 +1020,14 @@ __device__ __forceinline__ float quad_max(float x) {
 
 // x[0..1] (16 columns from n0) = a1 t1ᵀ and y[0..1] = a2 t2ᵀ over the first
 // `steps` k-steps: scores and dP against 16 staged rows.
-__device__ __forceinline__ void fm_two_products(float (*x)[4], float (*y)[4], const u32 (*a1)[4], const u32 (*t1)[FM_W],
-                                                const u32 (*a2)[4], const u32 (*t2)[FM_W], int n0, int steps,
-                                                int lane) {
+template <int S, int W>
+__device__ __forceinline__ void fm_two_products(float (*x)[4], float (*y)[4], const u32 (&a1)[S][4],
+                                                const u32 (&t1)[FM_TILE][W], const u32 (&a2)[S][4],
+                                                const u32 (&t2)[FM_TILE][W], int n0, int steps, int lane) {
 #pragma unroll
     for (int q = 0; q < 2; ++q)
 #pragma unroll
-        for (int d = 0; d < FM_D / 16; ++d) {
+        for (int d = 0; d < S; ++d) {
             u32 bb[2];
             if (d >= steps) break;
             fm_bt(bb, t1, n0 + 8 * q, 16 * d, lane);
@@ -1030,10 +1038,11 @@ __device__ __forceinline__ void fm_two_products(float (*x)[4], float (*y)[4], co
 }
 
 // acc (the head dimension's columns) += (hi + lo) rows k0..k0+15 of tile.
-__device__ __forceinline__ void fm_accumulate(float (*acc)[4], const u32* hi, const u32* lo, const u32 (*tile)[FM_W],
-                                              int k0, int steps, int lane) {
+template <int N, int W>
+__device__ __forceinline__ void fm_accumulate(float (&acc)[N][4], const u32* hi, const u32* lo,
+                                              const u32 (&tile)[FM_TILE][W], int k0, int steps, int lane) {
 #pragma unroll
-    for (int n = 0; n < FM_D / 8; ++n) {
+    for (int n = 0; n < N; ++n) {
         u32 bb[2];
         if (n >= 2 * steps) break;
         fm_b(bb, tile, k0, 8 * n, lane);
@@ -1044,9 +1053,10 @@ __device__ __forceinline__ void fm_accumulate(float (*acc)[4], const u32* hi, co
 
 // Row hf (0: the lane's row g, 1: g + 8) of accumulators acc, times mul,
 // into dst from element `at` on (hd columns).
-__device__ __forceinline__ void fm_store(Buf dst, i64 at, const float (*acc)[4], int hf, float mul, i64 hd, int t) {
+template <int N>
+__device__ __forceinline__ void fm_store(Buf dst, i64 at, const float (&acc)[N][4], int hf, float mul, i64 hd, int t) {
 #pragma unroll
-    for (int n = 0; n < FM_D / 8; ++n)
+    for (int n = 0; n < N; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             int d = 8 * n + 2 * t + e;
@@ -1056,10 +1066,11 @@ __device__ __forceinline__ void fm_store(Buf dst, i64 at, const float (*acc)[4],
 
 // Grid: B * H * ceil(T / FM_ROWS) blocks of FA_THREADS threads. A lane's
 // rows are r0 + g and r0 + g + 8 (r0: its warp's first row).
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
-                                         float scale) {
-    __shared__ u32 ks[FM_TILE][FM_W];
-    __shared__ u32 vs[FM_TILE][FM_W];
+template <int D>
+__device__ void fm_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd, float scale) {
+    constexpr int W = D / 2 + 4;
+    __shared__ u32 ks[FM_TILE][W];
+    __shared__ u32 vs[FM_TILE][W];
     FaShape sh = {batch, heads, kvh, seq, hd};
     const u16* x = (const u16*)qkv.p;
     i64 tiles = (seq + FM_ROWS - 1) / FM_ROWS;
@@ -1067,11 +1078,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, 
     i64 b = bh / heads, h = bh % heads, g = h / sh.group();
     int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, steps = (int)(hd / 16);
     i64 r0 = i0 + 16 * (threadIdx.x >> 5);
-    u32 qf[FM_D / 16][4];
+    u32 qf[D / 16][4];
     fm_afrag(qf, x + sh.qkv(b, h, 0, r0 < seq ? r0 : 0), sh.stride(), seq - r0, hd, lane);
-    float o[FM_D / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[D / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 #pragma unroll
-    for (int n = 0; n < FM_D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     i64 last = i0 + FM_ROWS - 1 < seq ? i0 + FM_ROWS - 1 : seq - 1;
     // Tiles and blocks are 64-aligned, so key j0 is visible to every row.
     for (i64 j0 = 0; j0 <= last; j0 += FM_TILE) {
@@ -1085,7 +1096,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, 
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             if (j0 + 8 * n > r0 + 15) continue;  // keys after the warp's rows
 #pragma unroll
-            for (int k = 0; k < FM_D / 16; ++k) {
+            for (int k = 0; k < D / 16; ++k) {
                 u32 bb[2];
                 if (k >= steps) break;
                 fm_bt(bb, ks, 8 * n, 16 * k, lane);
@@ -1117,7 +1128,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, 
             l[hf] = l[hf] * rescale + quad_sum(sum);
             m[hf] = m_new;
 #pragma unroll
-            for (int n = 0; n < FM_D / 8; ++n) {
+            for (int n = 0; n < D / 8; ++n) {
                 o[n][2 * hf] *= rescale;
                 o[n][2 * hf + 1] *= rescale;
             }
@@ -1139,12 +1150,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_fwd(Buf qkv, 
     }
 }
 
-// dQ (the query part of dqkv). Grid and block as flash_mma_fwd; keys are
+// dQ (the query part of dqkv). Grid and block as fm_fwd; keys are
 // taken 16 at a time: scores and dP of those, dS, then dQ += dS K.
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
-                                            i64 kvh, i64 seq, i64 hd, float scale) {
-    __shared__ u32 ks[FM_TILE][FM_W];
-    __shared__ u32 vs[FM_TILE][FM_W];
+template <int D>
+__device__ void fm_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads, i64 kvh, i64 seq,
+                          i64 hd, float scale) {
+    constexpr int W = D / 2 + 4;
+    __shared__ u32 ks[FM_TILE][W];
+    __shared__ u32 vs[FM_TILE][W];
     FaShape sh = {batch, heads, kvh, seq, hd};
     const u16 *x = (const u16*)qkv.p, *go = (const u16*)dout.p;
     i64 tiles = (seq + FM_ROWS - 1) / FM_ROWS;
@@ -1152,7 +1165,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf do
     i64 b = bh / heads, h = bh % heads, g = h / sh.group();
     int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, steps = (int)(hd / 16);
     i64 r0 = i0 + 16 * (threadIdx.x >> 5), rr = r0 < seq ? r0 : 0;
-    u32 qf[FM_D / 16][4], gf[FM_D / 16][4];
+    u32 qf[D / 16][4], gf[D / 16][4];
     fm_afrag(qf, x + sh.qkv(b, h, 0, rr), sh.stride(), seq - r0, hd, lane);
     fm_afrag(gf, go + sh.out(b, h, rr), sh.c(), seq - r0, hd, lane);
     // D = dO . O of the lane's rows: its fragment columns, then the quad.
@@ -1167,9 +1180,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf do
         dd[hf] = quad_sum(part);
         ls[hf] = i < seq ? lse[bh * seq + i] : 0.f;
     }
-    float dq[FM_D / 8][4];
+    float dq[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < FM_D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
     i64 last = i0 + FM_ROWS - 1 < seq ? i0 + FM_ROWS - 1 : seq - 1;
     for (i64 j0 = 0; j0 <= last; j0 += FM_TILE) {
         __syncthreads();
@@ -1207,10 +1220,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dq(Buf do
 // head of the group are staged in turn (with their lse and D = dO . O) and
 // taken 16 queries at a time: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, then dV += Pᵀ dO and
 // dK += dSᵀ Q. Grid: B * Hkv * ceil(T / FM_ROWS) blocks.
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
-                                             i64 kvh, i64 seq, i64 hd, float scale) {
-    __shared__ u32 qs[FM_TILE][FM_W];
-    __shared__ u32 gs[FM_TILE][FM_W];
+template <int D>
+__device__ void fm_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads, i64 kvh, i64 seq,
+                           i64 hd, float scale) {
+    constexpr int W = D / 2 + 4;
+    __shared__ u32 qs[FM_TILE][W];
+    __shared__ u32 gs[FM_TILE][W];
     __shared__ float lse_s[FM_TILE], dd_s[FM_TILE];
     FaShape sh = {batch, heads, kvh, seq, hd};
     const u16 *x = (const u16*)qkv.p, *go = (const u16*)dout.p;
@@ -1219,12 +1234,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf d
     i64 b = bg / kvh, g = bg % kvh;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3, steps = (int)(hd / 16);
     i64 r0 = j0 + 16 * w, rr = r0 < seq ? r0 : 0;
-    u32 kf[FM_D / 16][4], vf[FM_D / 16][4];
+    u32 kf[D / 16][4], vf[D / 16][4];
     fm_afrag(kf, x + sh.qkv(b, g, 1, rr), sh.stride(), seq - r0, hd, lane);
     fm_afrag(vf, x + sh.qkv(b, g, 2, rr), sh.stride(), seq - r0, hd, lane);
-    float dk[FM_D / 8][4], dv[FM_D / 8][4];
+    float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < FM_D / 8; ++n)
+    for (int n = 0; n < D / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) dk[n][c] = dv[n][c] = 0.f;
     for (i64 h = g * sh.group(); h < (g + 1) * sh.group(); ++h)
@@ -1276,4 +1291,35 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma_bwd_dkv(Buf d
         fm_store(dqkv, sh.qkv(b, g, 1, j), dk, hf, 1.f, hd, t);
         fm_store(dqkv, sh.qkv(b, g, 2, j), dv, hf, 1.f, hd, t);
     }
+}
+
+// The instantiations: D = 64 (head dimensions 16 to 64) and 128 (80 to 128).
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma64_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+                                         float scale) {
+    fm_fwd<64>(qkv, out, lse, batch, heads, kvh, seq, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma128_fwd(Buf qkv, Buf out, Buf lse, i64 batch, i64 heads, i64 kvh, i64 seq, i64 hd,
+                                         float scale) {
+    fm_fwd<128>(qkv, out, lse, batch, heads, kvh, seq, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma64_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                            i64 kvh, i64 seq, i64 hd, float scale) {
+    fm_bwd_dq<64>(dout, qkv, out, lse, dqkv, batch, heads, kvh, seq, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma128_bwd_dq(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                            i64 kvh, i64 seq, i64 hd, float scale) {
+    fm_bwd_dq<128>(dout, qkv, out, lse, dqkv, batch, heads, kvh, seq, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma64_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                             i64 kvh, i64 seq, i64 hd, float scale) {
+    fm_bwd_dkv<64>(dout, qkv, out, lse, dqkv, batch, heads, kvh, seq, hd, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_mma128_bwd_dkv(Buf dout, Buf qkv, Buf out, Buf lse, Buf dqkv, i64 batch, i64 heads,
+                                             i64 kvh, i64 seq, i64 hd, float scale) {
+    fm_bwd_dkv<128>(dout, qkv, out, lse, dqkv, batch, heads, kvh, seq, hd, scale);
 }

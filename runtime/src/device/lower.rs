@@ -605,7 +605,7 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
     match &a.ins.kernel {
         Kernel::FusedAttention(at) => {
             let kernel = if mma && tensor_cores_apply(at, &[a.di(0)]) {
-                DevKernel::FlashMmaFwd
+                DevKernel::tensor_core_attention(at.head_dim)[0]
             } else {
                 DevKernel::FlashAttnFwd
             };
@@ -615,7 +615,8 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             let args = vec![a.fi(0), a.fi(1), a.fi(2), a.fi(3), a.fo(0)];
             // The kernels read dO and qkv as bf16 fragments.
             let (dq, dkv) = if mma && tensor_cores_apply(at, &[a.di(0), a.di(1)]) {
-                (DevKernel::FlashMmaBwdDq, DevKernel::FlashMmaBwdDkv)
+                let [_, dq, dkv] = DevKernel::tensor_core_attention(at.head_dim);
+                (dq, dkv)
             } else {
                 (DevKernel::FlashAttnBwdDq, DevKernel::FlashAttnBwdDkv)
             };
@@ -629,7 +630,7 @@ fn fused_attention(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
 
 /// Whether the tensor-core flash kernels can run an attention whose
 /// fragment operands have `dtypes`: all bf16, and a head dimension that is
-/// a multiple of 16 up to `FM_D`.
+/// a multiple of 16 up to [`MMA_MAX_HEAD_DIM`].
 pub(crate) fn tensor_cores_apply(at: &Attention, dtypes: &[DType]) -> bool {
     dtypes.iter().all(|&d| d == DType::BF16)
         && at.head_dim % 16 == 0
@@ -906,18 +907,12 @@ fn flash(kernel: DevKernel, at: &Attention, mut args: Vec<Arg>) -> Result<DevOp>
         ));
     }
     // The dK/dV kernels have a block per key/value head's rows.
-    let heads = if matches!(
-        kernel,
-        DevKernel::FlashAttnBwdDkv | DevKernel::FlashMmaBwdDkv
-    ) {
+    let heads = if kernel.name().ends_with("_bwd_dkv") {
         at.kv_heads
     } else {
         at.heads
     };
-    let rows = if matches!(
-        kernel,
-        DevKernel::FlashMmaFwd | DevKernel::FlashMmaBwdDq | DevKernel::FlashMmaBwdDkv
-    ) {
+    let rows = if kernel.is_tensor_core_attention() {
         MMA_ROWS
     } else {
         FLASH_ROWS

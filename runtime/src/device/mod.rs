@@ -91,11 +91,11 @@ pub enum AttentionLowering {
     /// fit 64 MiB of scores), with the scores in the scratch
     /// (`gemm_attention`).
     Gemm { rows: u64 },
-    /// The flash kernels' tensor-core versions (`flash_mma_*`: bf16
-    /// `mma.sync` products, f32 accumulation) where they apply — bf16
-    /// operands, a head dimension that is a multiple of 16 up to
-    /// [`MMA_MAX_HEAD_DIM`], a GPU of compute capability 8.0 or later —
-    /// and the flash kernels elsewhere. No scratch.
+    /// The flash kernels' tensor-core versions (`flash_mma64_*` and
+    /// `flash_mma128_*`: bf16 `mma.sync` products, f32 accumulation) where
+    /// they apply — bf16 operands, a head dimension that is a multiple of
+    /// 16 up to [`MMA_MAX_HEAD_DIM`], a GPU of compute capability 8.0 or
+    /// later — and the flash kernels elsewhere. No scratch.
     TensorCores,
 }
 
@@ -248,9 +248,12 @@ pub enum DevKernel {
     FlashAttnFwd,
     FlashAttnBwdDq,
     FlashAttnBwdDkv,
-    FlashMmaFwd,
-    FlashMmaBwdDq,
-    FlashMmaBwdDkv,
+    FlashMma64Fwd,
+    FlashMma64BwdDq,
+    FlashMma64BwdDkv,
+    FlashMma128Fwd,
+    FlashMma128BwdDq,
+    FlashMma128BwdDkv,
     RmsnormFwd,
     RmsnormBwdParams,
     RmsnormBwdData,
@@ -264,7 +267,7 @@ pub enum DevKernel {
 }
 
 impl DevKernel {
-    pub const ALL: [DevKernel; 41] = [
+    pub const ALL: [DevKernel; 44] = [
         DevKernel::FillRows,
         DevKernel::ColSum,
         DevKernel::Add,
@@ -293,9 +296,12 @@ impl DevKernel {
         DevKernel::FlashAttnFwd,
         DevKernel::FlashAttnBwdDq,
         DevKernel::FlashAttnBwdDkv,
-        DevKernel::FlashMmaFwd,
-        DevKernel::FlashMmaBwdDq,
-        DevKernel::FlashMmaBwdDkv,
+        DevKernel::FlashMma64Fwd,
+        DevKernel::FlashMma64BwdDq,
+        DevKernel::FlashMma64BwdDkv,
+        DevKernel::FlashMma128Fwd,
+        DevKernel::FlashMma128BwdDq,
+        DevKernel::FlashMma128BwdDkv,
         DevKernel::RmsnormFwd,
         DevKernel::RmsnormBwdParams,
         DevKernel::RmsnormBwdData,
@@ -307,6 +313,30 @@ impl DevKernel {
         DevKernel::AttnRowsSoftmaxBwd,
         DevKernel::AttnRowDot,
     ];
+    /// The tensor-core flash kernels (fwd, dQ, dK/dV) for head dimensions
+    /// up to 64 or, above that, up to 128.
+    pub fn tensor_core_attention(head_dim: u64) -> [DevKernel; 3] {
+        if head_dim <= 64 {
+            [
+                DevKernel::FlashMma64Fwd,
+                DevKernel::FlashMma64BwdDq,
+                DevKernel::FlashMma64BwdDkv,
+            ]
+        } else {
+            [
+                DevKernel::FlashMma128Fwd,
+                DevKernel::FlashMma128BwdDq,
+                DevKernel::FlashMma128BwdDkv,
+            ]
+        }
+    }
+
+    /// Whether this is one of the tensor-core flash kernels (blocks of 64
+    /// rows).
+    pub fn is_tensor_core_attention(self) -> bool {
+        self.name().starts_with("flash_mma")
+    }
+
     /// The `extern "C"` name in `kernels.cu`.
     pub fn name(self) -> &'static str {
         match self {
@@ -338,9 +368,12 @@ impl DevKernel {
             DevKernel::FlashAttnFwd => "flash_attn_fwd",
             DevKernel::FlashAttnBwdDq => "flash_attn_bwd_dq",
             DevKernel::FlashAttnBwdDkv => "flash_attn_bwd_dkv",
-            DevKernel::FlashMmaFwd => "flash_mma_fwd",
-            DevKernel::FlashMmaBwdDq => "flash_mma_bwd_dq",
-            DevKernel::FlashMmaBwdDkv => "flash_mma_bwd_dkv",
+            DevKernel::FlashMma64Fwd => "flash_mma64_fwd",
+            DevKernel::FlashMma64BwdDq => "flash_mma64_bwd_dq",
+            DevKernel::FlashMma64BwdDkv => "flash_mma64_bwd_dkv",
+            DevKernel::FlashMma128Fwd => "flash_mma128_fwd",
+            DevKernel::FlashMma128BwdDq => "flash_mma128_bwd_dq",
+            DevKernel::FlashMma128BwdDkv => "flash_mma128_bwd_dkv",
             DevKernel::RmsnormFwd => "rmsnorm_fwd",
             DevKernel::RmsnormBwdParams => "rmsnorm_bwd_params",
             DevKernel::RmsnormBwdData => "rmsnorm_bwd_data",
@@ -685,8 +718,9 @@ pub fn per_row(kernel: DevKernel, rows: u64, cols: u64, args: Vec<Arg>) -> Resul
 pub const FLASH_MAX_HEAD_DIM: u64 = 128;
 /// Rows per block of the flash-attention kernels (`FA_ROWS`).
 pub(crate) const FLASH_ROWS: u64 = 16;
-/// Largest head dimension of the tensor-core flash kernels (`FM_D`).
-pub const MMA_MAX_HEAD_DIM: u64 = 64;
+/// Largest head dimension of the tensor-core flash kernels (their
+/// larger instantiation, `D = 128`).
+pub const MMA_MAX_HEAD_DIM: u64 = 128;
 /// Rows per block of the tensor-core flash kernels (`FM_ROWS`).
 pub(crate) const MMA_ROWS: u64 = 64;
 
