@@ -183,6 +183,11 @@ torch_step() {
     echo "== python3 -m memplan.torch.bench --device cuda --autocast --steps 5"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --autocast --steps 5 \
       --json "$OUT/torch_step_bf16.json" 2>&1 | tee "$OUT/torch_step_bf16.out"
+    # Dropout at 0.1 (GPT-2's default; native_dropout and SDPA with
+    # dropout on CUDA): eager and memplan draw the same masks.
+    echo "== python3 -m memplan.torch.bench --device cuda --dropout 0.1 --steps 5"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --dropout 0.1 --steps 5 \
+      --json "$OUT/torch_step_dropout.json" 2>&1 | tee "$OUT/torch_step_dropout.out"
     # The same with cheap recomputation: at most 0.01% more FLOPs.
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \

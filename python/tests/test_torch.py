@@ -41,15 +41,20 @@ class Residual(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def random_model(rng):
-    """A small MLP or residual stack with a random shape."""
+def random_model(rng, dropout=False):
+    """A small MLP or residual stack with a random shape; with `dropout`,
+    dropout after the first layer and after some blocks."""
     width = rng.choice([8, 12, 16, 24])
     layers = [nn.Linear(6, width)]
+    if dropout:
+        layers.append(nn.Dropout(rng.choice([0.1, 0.5])))
     for _ in range(rng.randint(1, 4)):
         if rng.random() < 0.5:
             layers.append(Residual(width, rng.choice([16, 32]), rng.random() < 0.5))
         else:
             layers += [nn.Linear(width, width), rng.choice([nn.ReLU(), nn.Tanh(), nn.GELU()])]
+        if dropout and rng.random() < 0.5:
+            layers.append(nn.Dropout(rng.choice([0.1, 0.3])))
     layers.append(nn.Linear(width, 3))
     return nn.Sequential(*layers)
 
@@ -101,13 +106,25 @@ class Harness:
         self.ref_opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    def paired(self, memplan_step):
+        """`memplan_step()` and an eager step from the same generator state
+        (random ops, e.g. dropout, draw alike); asserts that both drew as
+        many numbers and returns the two losses."""
+        state = torch.get_rng_state()
+        loss = memplan_step()
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        want = self.eager_step()
+        self.test.assertTrue(torch.equal(torch.get_rng_state(), after), "eager drew other random numbers")
+        return loss, want
+
     def run(self, steps=2):
         """Trains both for `steps`; returns the planned run's tracked peak."""
         t = self.test
         for _ in range(steps):
-            loss = self.step(self.batch, track=True)
+            loss, want = self.paired(lambda: self.step(self.batch, track=True))
             t.assertEqual(self.step.tracked_peak_bytes, self.step.plan["stats"]["max_live_bytes"])
-            torch.testing.assert_close(loss, self.eager_step(), **TOL)
+            torch.testing.assert_close(loss, want, **TOL)
         for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{n}: {m}")
         for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
@@ -117,8 +134,7 @@ class Harness:
         t.assertEqual(self.step.program().unreused, set())
         # The recorded (eager) order, run and tracked the same way, is never
         # below the plan: memplan's order is the better one.
-        self.step.run(self.batch, order="eager", track=True)
-        self.eager_step()
+        self.paired(lambda: self.step.run(self.batch, order="eager", track=True))
         t.assertLessEqual(planned, self.step.tracked_peak_bytes)
         report = memplan.check(self.step.graph, self.step.plan)
         t.assertEqual(report["max_live_bytes"], planned)
@@ -127,8 +143,8 @@ class Harness:
         # bytes are the results of ops without an out= variant, copied into
         # place and freed at once.
         for _ in range(2):
-            loss = self.step(self.batch, arena=True, track=True)
-            torch.testing.assert_close(loss, self.eager_step(), **TOL)
+            loss, want = self.paired(lambda: self.step(self.batch, arena=True, track=True))
+            torch.testing.assert_close(loss, want, **TOL)
         arena = self.step.place()
         t.assertEqual(arena.buffer.numel(), self.step.plan["arena_bytes"])
         t.assertEqual(self.step.tracked_peak_bytes, arena.buffer.numel() + arena.outside_peak_bytes)
@@ -400,13 +416,101 @@ class PointwiseOpsWriteOverDyingInputs(unittest.TestCase):
                 self.assertEqual((o["shape"], o["dtype"]), (i["shape"], i["dtype"]), op)
 
 
-def gpt2(layers=2, width=64):
+def gpt2(layers=2, width=64, dropout=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=256, n_positions=64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     torch.manual_seed(0)
     return GPT2LMHeadModel(cfg)
+
+
+def random_ops(graph):
+    """The ids of the ops that draw random numbers (they update rng:cpu)."""
+    return [op["id"] for op in graph["ops"] if "rng:cpu" in op.get("updates", [])]
+
+
+class Noisy(nn.Module):
+    """Two random ops that read no tensor: nothing but the generator orders
+    them, and a planner would like to make each just before its use."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 32)
+        self.b = nn.Linear(32, 3)
+
+    def forward(self, x):
+        late = torch.randn(x.shape[0], 3)  # drawn first, used last
+        early = torch.rand(x.shape[0], 32)
+        return self.b(torch.tanh(self.a(x)) * early) + late
+
+
+class RandomOpsDrawAsEager(unittest.TestCase):
+    """Dropout and other random ops: every plan keeps them in eager's
+    sequence (they all update the generator's zero-byte tensor), none is
+    recomputed, and a step from the same generator state draws exactly
+    what eager draws (the Harness restores the state between the two and
+    checks they end in the same state)."""
+
+    def test_huggingface_gpt2_with_its_default_dropout(self):
+        model = gpt2(dropout=0.1)
+        h = Harness(self, model, torch.randint(0, 256, (2, 32)), causal_lm)
+        (rng,) = [t for t in h.step.graph["tensors"] if t["id"].startswith("rng:")]
+        self.assertEqual((rng["id"], rng["size"], rng["role"], rng["lifetime"]),
+                         ("rng:cpu", 0, "input", "persistent"))
+        drawn = random_ops(h.step.graph)
+        # The embeddings' dropout, then per layer attention, attention
+        # output and MLP output (CPU dropout is `bernoulli_` on a mask).
+        self.assertEqual(len(drawn), 1 + 3 * 2)
+        self.assertEqual([h.step.graph["ops"][int(o[1:])]["type"] for o in drawn],
+                         ["aten.bernoulli_.float"] * len(drawn))
+        planned = [o for o in h.step.plan["order"] if o in set(drawn)]
+        self.assertEqual(planned, drawn)
+        h.run()
+
+    def test_random_ops_keep_eagers_sequence(self):
+        torch.manual_seed(0)
+        h = Harness(self, Noisy(), (torch.randn(16, 6), torch.randint(0, 3, (16,))), classify)
+        graph, order = h.step.graph, list(h.step.plan["order"])
+        first, second = random_ops(graph)
+        self.assertEqual(graph["ops"][int(first[1:])]["type"], "aten.randn.default")
+        self.assertLess(order.index(first), order.index(second))
+        # The two swapped: refused by the checker, for the generator's
+        # tensor alone (without it the same order is valid).
+        i, j = order.index(first), order.index(second)
+        order[i], order[j] = order[j], order[i]
+        swapped = dict(h.step.plan, order=order)
+        with self.assertRaisesRegex(memplan.MemplanError, first):
+            memplan.check(graph, swapped)
+        free = json.loads(json.dumps(graph))
+        for op in free["ops"]:
+            if "rng:cpu" in op.get("updates", []):
+                op["updates"].remove("rng:cpu")
+                if not op["updates"]:
+                    del op["updates"]
+        memplan.check(free, swapped)
+        h.run(steps=3)
+
+    def test_random_models_with_dropout(self):
+        rng = random.Random(5)
+        for case in range(6):
+            with self.subTest(case=case):
+                torch.manual_seed(case)
+                model = random_model(rng, dropout=True)
+                self.assertTrue(any(isinstance(m, nn.Dropout) for m in model.modules()))
+                x = torch.randn(rng.randint(2, 8), 6)
+                Harness(self, model, (x, torch.randint(0, 3, (x.shape[0],))), classify,
+                        ["adamw", "sgd"][case % 2]).run(steps=2)
+
+    def test_a_fitted_step_never_recomputes_a_random_op(self):
+        h = Harness(self, gpt2(dropout=0.1), torch.randint(0, 256, (8, 64)), causal_lm, budget_share=0.8)
+        ops = h.step.graph["ops"]
+        recomputed = [op for op in ops if "recompute." in op["id"]]
+        self.assertTrue(recomputed)
+        self.assertFalse([op["id"] for op in recomputed if "rng:cpu" in op.get("updates", [])])
+        self.assertEqual(len(random_ops(h.step.graph)), 7)
+        tracked = h.run()
+        self.assertLessEqual(tracked, h.step.fitted["budget_bytes"])
 
 
 class FittedStepsRecompute(unittest.TestCase):
@@ -561,6 +665,8 @@ class OnDevice(unittest.TestCase):
         # `--autocast`: the same under bf16 autocast.
         rows += on_device("cpu", 2, 5.0, {f"{n}-bf16": (m, b, _autocast(f, "cpu"))
                                           for n, (m, b, f) in tiny_models().items()})
+        # `--dropout 0.1`: both sides draw the same masks.
+        rows += on_device("cpu", 2, 5.0, {f"{n}-dropout": c for n, c in tiny_models(0.1).items()})
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)
@@ -647,11 +753,6 @@ class BadInputIsRefusedByName(unittest.TestCase):
         batch = batch if batch is not None else (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
         opt = opt or torch.optim.AdamW(model.parameters())
         return mt.capture(model, opt, batch, loss_fn, time_limit=1)
-
-    def test_random_ops(self):
-        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Linear(8, 3))
-        with self.assertRaisesRegex(mt.UnsupportedStep, r"aten\.\w*(dropout|bernoulli)\w*.*random"):
-            self.capture(model)
 
     def test_values_read_into_python(self):
         class Branchy(nn.Module):

@@ -24,9 +24,11 @@ What is outside the plan: memory that kernels allocate for themselves
 optimizer state and the batch, which the plan counts as live for the whole
 step).
 
-What cannot be captured raises :class:`UnsupportedStep` naming the op:
-random ops (dropout), reading values into Python (``.item()``,
-data-dependent shapes), optimizers other than AdamW/Adam/SGD. A batch of
+Random ops (dropout) are kept in eager's sequence by every plan and never
+recomputed, so a step draws what eager draws from the same generator
+state. What cannot be captured raises :class:`UnsupportedStep` naming the
+op: reading values into Python (``.item()``, data-dependent shapes),
+optimizers other than AdamW/Adam/SGD. A batch of
 another shape than the captured one is refused at run time (capture again).
 """
 
@@ -303,7 +305,7 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
             return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
 
         new_calls.append(Call(c.func, tree_map(ref, c.args), tree_map(ref, c.kwargs),
-                              [(p, remap.get(i, i)) for p, i in c.outputs]))
+                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random))
     return new_calls, new_layouts
 
 

@@ -21,11 +21,21 @@ that argument; an argument the op's schema marks as written (``add_``,
 ``copy_``, ``out=``) is an update. On fake tensors none of this costs
 memory or time, so a GPT-2 XL step records in seconds.
 
+**Random ops** (dropout's ``bernoulli_`` on the CPU, ``native_dropout``
+on CUDA, ``rand``...) draw from their device's generator, so a replay
+equals eager only if it makes the same draws in the same sequence. Each
+such op also updates one zero-byte tensor per device, ``rng:<device>``
+(role ``input``): the generator's state. In-place updates of one tensor
+run in the order they were recorded (docs/graph-format.md), so every order
+memplan plans keeps the random ops in eager's sequence, and recomputation
+never runs one again (``memplan fit`` recomputes no op that updates in
+place). The replay calls them as recorded (:attr:`Call.random`), never
+twice, so a step from the same generator state draws what eager draws.
+
 What cannot be replayed is refused with an :class:`UnsupportedStep` that
-names the op: random ops (their draws would change with the order), ops
-that read a tensor's value into Python (``.item()``, data-dependent shapes:
-the recorded program would bake one step's value in), and tensors made
-outside any op the recorder saw.
+names the op: ops that read a tensor's value into Python (``.item()``,
+data-dependent shapes: the recorded program would bake one step's value
+in), and tensors made outside any op the recorder saw.
 """
 
 from __future__ import annotations
@@ -143,15 +153,17 @@ class Ref:
 class Call:
     """One recorded aten call: ``func(*args, **kwargs)`` with :class:`Ref`
     in place of tensors; ``outputs`` pairs a position in the flattened
-    result with the graph tensor it becomes."""
+    result with the graph tensor it becomes. ``random``: the call draws
+    random numbers, so it must run exactly once per step, as recorded."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs")
+    __slots__ = ("func", "args", "kwargs", "outputs", "random")
 
-    def __init__(self, func, args, kwargs, outputs: List[Tuple[int, int]]) -> None:
+    def __init__(self, func, args, kwargs, outputs: List[Tuple[int, int]], random: bool = False) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.outputs = outputs
+        self.random = random
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -200,6 +212,7 @@ class Recorder(TorchDispatchMode):
         self._phase_of: Dict[int, str] = {}
         self._used_in: Dict[int, set] = {}
         self._fixed_role: Dict[int, str] = {}
+        self._generators: Dict[str, int] = {}  # device -> its rng:<device> tensor
 
     # ---- tensors ------------------------------------------------------
 
@@ -302,11 +315,7 @@ class Recorder(TorchDispatchMode):
                 f"{func}: reads a tensor's value into Python (`.item()`, a data-dependent shape); "
                 "memplan replays a fixed graph, so the step must not branch on values"
             )
-        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
-            raise UnsupportedStep(
-                f"{func}: draws random numbers; replayed in another order it would draw others "
-                "(turn dropout off, or set its probability to 0)"
-            )
+        random = torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs)
         schema = func._schema
         written = set()
         for pos, a in enumerate(schema.arguments):
@@ -366,6 +375,8 @@ class Recorder(TorchDispatchMode):
             outputs.append(i)
             call_outputs.append((pos, i))
 
+        if random:
+            writes.append(self._generator(func, arg_objs, tree_flatten(out)[0], kwargs))
         updates = _unique(writes)
         inputs = [i for i in _unique(reads) if i not in updates and i not in outputs]
         if not (inputs or updates or outputs):
@@ -381,10 +392,34 @@ class Recorder(TorchDispatchMode):
         if hint is not None:
             op["reuse"] = [{"output": self.tensors[hint[0]]["id"], "input": self.tensors[hint[1]]["id"]}]
         self.ops.append(op)
-        self.calls.append(Call(func, call_args, call_kwargs, call_outputs))
+        self.calls.append(Call(func, call_args, call_kwargs, call_outputs, random))
         for i in inputs + updates + outputs:
             self._used_in.setdefault(self.root(i), set()).add(self.phase)
         return out
+
+    def _generator(self, func, args: Sequence[torch.Tensor], outs: Sequence[Any], kwargs) -> int:
+        """The graph tensor standing for the state of the generator a random
+        op draws from: ``rng:<device>``, zero bytes, made on first use. An
+        explicit ``generator=`` is its own device's; ops that make a tensor
+        from nothing (``rand``) draw on their output's device."""
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator):
+            device = gen.device
+        else:
+            tensors = [x for x in list(args) + list(outs) if isinstance(x, torch.Tensor)]
+            if not tensors:
+                raise UnsupportedStep(f"{func}: draws random numbers on no tensor's device")
+            device = tensors[0].device
+        key = str(device)
+        i = self._generators.get(key)
+        if i is None:
+            self.tensors.append({"id": f"rng:{key}", "size": 0, "role": "input", "lifetime": "persistent"})
+            self.parent.append(None)
+            self.layouts.append(((), (), 0, torch.uint8, device))
+            i = self._generators[key] = len(self.tensors) - 1
+            self._fixed_role[i] = "input"
+            self._phase_of[i] = "before"
+        return i
 
     def _reuse_hint(self, func, writes, outputs, new_roots, args, inputs) -> Optional[Tuple[int, int]]:
         """A reuse hint (output, input) for a pointwise op with one new

@@ -15,6 +15,7 @@ peak is what the run really held in tensors, whatever the runner believes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -247,13 +248,53 @@ class Program:
         return target
 
 
+# A factory's tensor options: its out= overload takes them from `out`.
+TENSOR_OPTIONS = ("dtype", "layout", "device", "pin_memory")
+
+
+@functools.lru_cache(maxsize=None)
+def placed_variant(func):
+    """How `func` writes into a given tensor: ``(overload, out names,
+    dropped)``, or None. :func:`out_variant`'s overload, else, for a
+    factory (``ones``, ``arange``, ``scalar_tensor``, ``_to_copy``...), the
+    ``out=`` overload taking the same arguments but the tensor options
+    `dropped`, which the caller leaves out: the place already has the
+    recorded dtype, layout and device."""
+    found = out_variant(func)
+    if found is not None:
+        return found[0], found[1], ()
+    if func.namespace != "aten":
+        return None
+    args = func._schema.arguments
+    dropped = tuple(a.name for a in args if a.name in TENSOR_OPTIONS and a.kwarg_only)
+    if not dropped:
+        return None
+    names = [(a.name, str(a.type)) for a in args if a.name not in dropped]
+    packet = func.overloadpacket
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        outs = [a.name for a in cand._schema.arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in cand._schema.arguments if not a.is_out]
+        if outs and rest == names and len(outs) == len(func._schema.returns):
+            return cand, outs, dropped
+    return None
+
+
+# Ops whose result is memory with undefined contents: in the arena their
+# output is their planned place, with no call.
+UNINITIALISED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                 "aten::new_empty_strided"}
+
+
 class Arena:
     """One buffer of the planned size on the step's device; every tensor the
     plan places gets a view of it at its offset, with the recorded shape,
     strides and dtype.
 
     Ops that make new tensors run as their ``out=`` overload, writing into
-    their planned places. An op without one (or whose outputs include a
+    their planned places; ops that make uninitialised memory
+    (``empty_like``...) are not called: their place is their result. An
+    op without one (or whose outputs include a
     view) runs as recorded and its new outputs are copied into their places;
     those results are the only tensor bytes outside the arena (at most
     :attr:`outside_peak_bytes` at once, freed right after the copy), and
@@ -319,18 +360,32 @@ class Arena:
         False when the call could not run that way (then it is settled
         again, as recorded)."""
         targets = [(p, i) for p, i in c.outputs if i in placed]
+        if c.func._schema.name in UNINITIALISED and len(targets) == len(c.outputs) == 1:
+            # Its place is its value: nothing to run, nothing to copy.
+            i, t = targets[0][1], placed[targets[0][1]]
+
+            def placed_as_is(args, kwargs, env) -> bool:
+                env[i] = t
+                return True
+
+            placed_as_is(args, kwargs, env)
+            return placed_as_is
         variant = None
-        if targets and len(targets) == len(c.outputs) and k not in self.fallbacks:
-            variant = out_variant(c.func)  # cached per op
+        # A random call runs as recorded: a failed or moved out= call
+        # followed by the recorded one would draw twice.
+        if targets and len(targets) == len(c.outputs) and k not in self.fallbacks and not c.random:
+            variant = placed_variant(c.func)  # cached per op
             if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
                 variant = None
         if variant is not None:
-            fn, names = variant
+            fn, names, dropped = variant
             fn = getattr(fn, "_op", fn)
             outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
             into = [(i, placed[i]) for _, i in targets]
 
             def into_place(args, kwargs, env) -> bool:
+                if dropped:
+                    kwargs = {n: v for n, v in kwargs.items() if n not in dropped}
                 try:
                     fn(*args, **kwargs, **outs)
                 except (RuntimeError, TypeError):

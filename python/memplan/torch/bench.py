@@ -69,10 +69,12 @@ def _classify(m, b):
     return F.cross_entropy(m(b[0]), b[1])
 
 
-def models():
+def models(dropout: float = 0.0):
     """name -> (model, batch, loss_fn), small enough for a CPU. Families
     whose library is not installed (transformers, torchvision) are left
-    out with a note on stderr."""
+    out with a note on stderr. `dropout` is the probability of every
+    dropout the models' configurations have (GPT-2's three, Llama's
+    attention dropout, ViT's two; ResNet-50 has none)."""
     import sys
 
     torch.manual_seed(0)
@@ -86,13 +88,14 @@ def models():
     else:
         cases["hf-gpt2-4l-256"] = (
             GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096,
-                                       n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0)), tokens, _causal_lm)
+                                       n_positions=256, resid_pdrop=dropout, embd_pdrop=dropout,
+                                       attn_pdrop=dropout)), tokens, _causal_lm)
         cases["hf-llama-4l-256"] = (
             LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=256,
                                          intermediate_size=688, num_attention_heads=8,
                                          num_key_value_heads=4, vocab_size=4096,
-                                         max_position_embeddings=256)), tokens, _causal_lm)
+                                         max_position_embeddings=256, attention_dropout=dropout)),
+            tokens, _causal_lm)
     try:
         import torchvision
     except ImportError:
@@ -102,7 +105,8 @@ def models():
         cases["vit-4l-256"] = (
             torchvision.models.VisionTransformer(image_size=64, patch_size=8, num_layers=4,
                                                  num_heads=4, hidden_dim=256, mlp_dim=1024,
-                                                 num_classes=10), images, _classify)
+                                                 num_classes=10, dropout=dropout,
+                                                 attention_dropout=dropout), images, _classify)
     if not cases:
         raise SystemExit("no models: install transformers or torchvision")
     return cases
@@ -118,23 +122,24 @@ def _autocast(loss_fn, device: str):
     return under_autocast
 
 
-def tiny_models():
+def tiny_models(dropout: float = 0.0):
     """name -> (model, batch, loss_fn): the decoders of :func:`models` at
     width 32, 4 tokens of 16, where each op's work is a few microseconds and
     a step's time is what calling the ops costs: the replay's overhead per
     op against eager's (``--device cpu --tiny``; on a GPU, where eager is
-    bound by launches at this size)."""
+    bound by launches at this size). `dropout` as for :func:`models`."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (4, 16))
     return {
         "tiny-gpt2-4l-32": (GPT2LMHeadModel(GPT2Config(
-            n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=16, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0)), tokens, _causal_lm),
+            n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=16, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout)), tokens, _causal_lm),
         "tiny-llama-4l-32": (LlamaForCausalLM(LlamaConfig(
             num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=128, max_position_embeddings=16)), tokens, _causal_lm),
+            num_key_value_heads=1, vocab_size=128, max_position_embeddings=16,
+            attention_dropout=dropout)), tokens, _causal_lm),
     }
 
 
@@ -335,6 +340,18 @@ def _timed(fn, device: torch.device, steps: int, resident):
     return allocator_peak(fn, resident(), device.type), None, median
 
 
+def _rng_states(restore=None):
+    """The CPU's and every CUDA device's generator states; with `restore`,
+    sets them to those instead."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if restore is not None:
+        torch.set_rng_state(restore[0])
+        if restore[1] is not None:
+            torch.cuda.set_rng_state_all(restore[1])
+        return restore
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+
+
 def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
@@ -352,7 +369,12 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     With `max_added` (a share of the step's FLOPs) the captured step is
     first made the smallest memplan finds for at most that many more FLOPs
     (``step.fit(max_added=..., minimise="flops")``), so the rows show what
-    cheap recomputation costs in time and saves in memory."""
+    cheap recomputation costs in time and saves in memory.
+
+    Both sides start from the same generator states (CPU and every CUDA
+    device) and run as many steps, so models with dropout draw the same
+    masks in eager and in memplan's step and are compared like the
+    others."""
     dev = torch.device(device)
     rows = []
     for name, (model, batch, loss_fn) in (cases or models()).items():
@@ -363,6 +385,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         del model
         opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, weight_decay=0.01)
         eager_losses = []
+        rng = _rng_states()
 
         def eager_step():
             loss = loss_fn(eager_model, batch)
@@ -389,6 +412,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         def memplan_step():
             my_losses.append(step(batch, arena=True).detach().clone())
 
+        _rng_states(rng)  # the draws of eager's first step, then of its next...
         memplan_step()
         arena = step.place()
 
@@ -436,11 +460,11 @@ def _print_device_rows(rows):
               f"{r['param_rel_diff']:10.1e}", flush=True)
 
 
-def _gpt2_xl_case(device: str):
+def _gpt2_xl_case(device: str, dropout: float = 0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)
@@ -520,15 +544,18 @@ def main(argv=None):
                     help="with --device: each model's forward under bf16 autocast (f32 master weights)")
     ap.add_argument("--tiny", action="store_true",
                     help="with --device: width-32 decoders instead, whose step time is per-op overhead")
+    ap.add_argument("--dropout", metavar="P", type=float, default=0.0,
+                    help="with --device: every dropout of the models' configurations at P (GPT-2's "
+                    "default is 0.1); eager and memplan draw the same masks")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
                     help="with --device: first make each step the smallest memplan finds for at most "
                     "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.device:
-        cases = tiny_models() if args.tiny else models()
+        cases = tiny_models(args.dropout) if args.tiny else models(args.dropout)
         if args.with_gpt2_xl:
-            cases.update(_gpt2_xl_case(args.device))
+            cases.update(_gpt2_xl_case(args.device, args.dropout))
         if args.autocast:
             cases = {f"{name}-bf16": (model, batch, _autocast(loss_fn, args.device))
                      for name, (model, batch, loss_fn) in cases.items()}
