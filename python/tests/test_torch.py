@@ -10,6 +10,7 @@ kernels on the same values, so on CPU they are in practice equal to the bit.
 import copy
 import json
 import random
+import re
 import unittest
 
 import torch
@@ -467,6 +468,13 @@ class RandomOpsDrawAsEager(unittest.TestCase):
         planned = [o for o in h.step.plan["order"] if o in set(drawn)]
         self.assertEqual(planned, drawn)
         h.run()
+        # In the arena the masks' `empty_like` is its place (no call, no
+        # copy), and factories (`ones`, `scalar_tensor`, `arange`...) write
+        # into theirs through out= without their tensor options: none of
+        # them falls back to a copy into place.
+        fallbacks = {str(h.step._calls[k].func) for k in h.step.place().fallbacks}
+        self.assertFalse({f for f in fallbacks if re.search(r"empty|ones|scalar_tensor|arange", f)},
+                         fallbacks)
 
     def test_random_ops_keep_eagers_sequence(self):
         torch.manual_seed(0)
