@@ -7,6 +7,7 @@ Tolerance: losses, parameters and buffers must match eager within
 kernels on the same values, so on CPU they are in practice equal to the bit.
 """
 
+import collections
 import copy
 import json
 import random
@@ -510,6 +511,52 @@ class RandomOpsDrawAsEager(unittest.TestCase):
                 Harness(self, model, (x, torch.randint(0, 3, (x.shape[0],))), classify,
                         ["adamw", "sgd"][case % 2]).run(steps=2)
 
+    def test_activation_checkpointing_recomputes_the_forwards_masks(self):
+        # torch.utils.checkpoint reads the generator's state before a
+        # checkpointed block and sets it again before recomputing the block
+        # in the backward pass, so dropout there draws the forward's masks:
+        # the capture records both as ops on rng:cpu and the step runs them.
+        model = gpt2(dropout=0.1)
+        model.gradient_checkpointing_enable()
+        h = Harness(self, model, torch.randint(0, 256, (2, 32)), causal_lm)
+        kinds = collections.Counter((op["type"], op["kind"]) for op in h.step.graph["ops"]
+                                    if op["type"].startswith("memplan."))
+        # Per layer: the state read before the block, and in the backward
+        # pass the fork (read), the forward's state set, the fork's undo.
+        self.assertEqual(kinds, {("memplan.get_rng_state", "forward"): 2,
+                                 ("memplan.get_rng_state", "backward"): 2,
+                                 ("memplan.set_rng_state", "backward"): 4})
+        drawn = [o for o in random_ops(h.step.graph)
+                 if h.step.graph["ops"][int(o[1:])]["type"] == "aten.bernoulli_.float"]
+        self.assertEqual(len(drawn), 1 + 2 * 3 + 2 * 3)  # the blocks' dropouts twice
+        h.run()
+
+    def test_checkpointed_blocks_with_memplans_recomputation_on_top(self):
+        from torch.utils.checkpoint import checkpoint
+
+        class Block(nn.Module):
+            def __init__(self, reentrant):
+                super().__init__()
+                self.inner = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 16),
+                                           nn.Dropout(0.1))
+                self.reentrant = reentrant
+
+            def forward(self, x):
+                return x + checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+        def model(reentrant):
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), Block(reentrant), Block(reentrant),
+                                 nn.Linear(16, 3))
+
+        batch = (torch.randn(256, 6), torch.randint(0, 3, (256,)))
+        Harness(self, model(False), batch, classify).run(steps=2)
+        # memplan's recomputation on top of the checkpointing.
+        Harness(self, model(False), batch, classify, "sgd", max_added=0.01).run(steps=2)
+        # The reentrant flavour's backward needs `loss.backward()`.
+        with self.assertRaisesRegex(mt.UnsupportedStep, "use_reentrant=True.*use_reentrant=False"):
+            Harness(self, model(True), batch, classify)
+
     def test_a_fitted_step_never_recomputes_a_random_op(self):
         h = Harness(self, gpt2(dropout=0.1), torch.randint(0, 256, (8, 64)), causal_lm, budget_share=0.8)
         ops = h.step.graph["ops"]
@@ -761,6 +808,28 @@ class BadInputIsRefusedByName(unittest.TestCase):
         batch = batch if batch is not None else (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
         opt = opt or torch.optim.AdamW(model.parameters())
         return mt.capture(model, opt, batch, loss_fn, time_limit=1)
+
+    def test_reseeding_inside_the_step(self):
+        def reseeded(m, b):
+            torch.manual_seed(1)
+            return classify(m, b)
+
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Linear(8, 3))
+        functions = (torch.manual_seed, torch.get_rng_state, torch.set_rng_state, torch.cuda.get_rng_state,
+                     torch.random.set_rng_state)
+        with self.assertRaisesRegex(mt.UnsupportedStep, "manual_seed inside the step"):
+            self.capture(model, loss_fn=reseeded)
+        outside = torch.get_rng_state()
+
+        def restored(m, b):
+            torch.set_rng_state(outside)
+            return classify(m, b)
+
+        with self.assertRaisesRegex(mt.UnsupportedStep, "set_rng_state on cpu: the state was not read inside"):
+            self.capture(model, loss_fn=restored)
+        # The capture leaves the functions as they were.
+        self.assertEqual(functions, (torch.manual_seed, torch.get_rng_state, torch.set_rng_state,
+                                     torch.cuda.get_rng_state, torch.random.set_rng_state))
 
     def test_values_read_into_python(self):
         class Branchy(nn.Module):

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 import memplan
 
 from . import _optim
-from ._record import Call, Recorder, Ref, UnsupportedStep
+from ._record import Call, GeneratorStates, Recorder, Ref, UnsupportedStep
 from ._run import Arena, Program, StorageTracker
 
 __all__ = ["capture", "compile", "max_batch", "Step", "UnsupportedStep"]
@@ -436,7 +436,8 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     params = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     fp = inputs.fp
-    with inputs.fake, rec, _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
+    with inputs.fake, rec, GeneratorStates(rec), \
+            _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
         rec.phase = "forward"
         loss = loss_fn(model, inputs.fbatch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -444,7 +445,17 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         loss_index = rec.mark(loss, "output", persistent=True)
         rec.phase = "backward"
         trainable = [n for n, p in params.items() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [fp[n] for n in trainable], allow_unused=True)
+        try:
+            grads = torch.autograd.grad(loss, [fp[n] for n in trainable], allow_unused=True)
+        except RuntimeError as e:
+            if "use_reentrant=True" not in str(e):
+                raise
+            raise UnsupportedStep(
+                "torch.utils.checkpoint(..., use_reentrant=True): its backward cannot be recorded "
+                "through torch.autograd.grad; pass use_reentrant=False (PyTorch's recommendation), "
+                "or drop the checkpointing and let memplan choose what to recompute "
+                "(capture(..., budget=N) or step.fit)"
+            ) from None
         grad_of = {}
         for n, g in zip(trainable, grads):
             if g is not None:

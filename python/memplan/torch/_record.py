@@ -31,6 +31,9 @@ memplan plans keeps the random ops in eager's sequence, and recomputation
 never runs one again (``memplan fit`` recomputes no op that updates in
 place). The replay calls them as recorded (:attr:`Call.random`), never
 twice, so a step from the same generator state draws what eager draws.
+Reading and setting a generator's state (``torch.get_rng_state``, which
+``torch.utils.checkpoint`` uses to recompute dropout with the forward's
+masks) are recorded as ops on the same tensor (:class:`GeneratorStates`).
 
 What cannot be replayed is refused with an :class:`UnsupportedStep` that
 names the op: ops that read a tensor's value into Python (``.item()``,
@@ -181,6 +184,85 @@ def _draws(func, args, kwargs) -> bool:
     return True
 
 
+_ORIGINAL_STATE_CALLS = {
+    "get": (torch.random.get_rng_state, torch.cuda.random.get_rng_state),
+    "set": (torch.random.set_rng_state, torch.cuda.random.set_rng_state),
+}
+
+
+def _cuda_device(device) -> torch.device:
+    """`torch.cuda`'s device argument (an index, a name, a device) as a
+    device with an index."""
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def read_generator(device: str) -> torch.Tensor:
+    """The state of `device`'s default generator (a recorded
+    ``get_rng_state``, run)."""
+    cpu_get, cuda_get = _ORIGINAL_STATE_CALLS["get"]
+    return cpu_get() if device == "cpu" else cuda_get(device)
+
+
+def write_generator(state: torch.Tensor, device: str) -> None:
+    """Sets `device`'s default generator to `state` (a recorded
+    ``set_rng_state``, run)."""
+    cpu_set, cuda_set = _ORIGINAL_STATE_CALLS["set"]
+    if device == "cpu":
+        cpu_set(state)
+    else:
+        cuda_set(state, device)
+
+
+class GeneratorStates:
+    """While a step is captured, ``torch.get_rng_state``/``set_rng_state``
+    and ``torch.cuda``'s become ops of the recorder (:meth:`Recorder.get_state`,
+    :meth:`Recorder.set_state`): how ``torch.utils.checkpoint`` replays
+    dropout in its recomputation with the forward's masks. Reseeding
+    inside the step (``torch.manual_seed``) is refused."""
+
+    def __init__(self, rec: "Recorder") -> None:
+        self.rec = rec
+        self._saved: List[Tuple[Any, str, Any]] = []
+
+    def _patch(self, module, name: str, value) -> None:
+        self._saved.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def __enter__(self) -> "GeneratorStates":
+        rec = self.rec
+
+        def get_cpu():
+            return rec.get_state(torch.device("cpu"))
+
+        def set_cpu(new_state):
+            rec.set_state(new_state, torch.device("cpu"))
+
+        def get_cuda(device="cuda"):
+            return rec.get_state(_cuda_device(device))
+
+        def set_cuda(new_state, device="cuda"):
+            rec.set_state(new_state, _cuda_device(device))
+
+        def reseed(*_args, **_kwargs):
+            raise UnsupportedStep("torch.manual_seed inside the step: seed before capturing and running it")
+
+        for module in (torch, torch.random):
+            self._patch(module, "get_rng_state", get_cpu)
+            self._patch(module, "set_rng_state", set_cpu)
+            self._patch(module, "manual_seed", reseed)
+        for module in (torch.cuda, torch.cuda.random):
+            self._patch(module, "get_rng_state", get_cuda)
+            self._patch(module, "set_rng_state", set_cuda)
+            self._patch(module, "manual_seed", reseed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, value in reversed(self._saved):
+            setattr(module, name, value)
+        self._saved.clear()
+
+
 def _unique(xs: Sequence[int]) -> List[int]:
     seen = set()
     return [x for x in xs if not (x in seen or seen.add(x))]
@@ -213,6 +295,7 @@ class Recorder(TorchDispatchMode):
         self._used_in: Dict[int, set] = {}
         self._fixed_role: Dict[int, str] = {}
         self._generators: Dict[str, int] = {}  # device -> its rng:<device> tensor
+        self._states: Dict[int, int] = {}  # id of a recorded generator state -> its tensor
 
     # ---- tensors ------------------------------------------------------
 
@@ -410,6 +493,10 @@ class Recorder(TorchDispatchMode):
             if not tensors:
                 raise UnsupportedStep(f"{func}: draws random numbers on no tensor's device")
             device = tensors[0].device
+        return self._generator_of(torch.device(device))
+
+    def _generator_of(self, device: torch.device) -> int:
+        """The ``rng:<device>`` tensor, made on first use."""
         key = str(device)
         i = self._generators.get(key)
         if i is None:
@@ -420,6 +507,51 @@ class Recorder(TorchDispatchMode):
             self._fixed_role[i] = "input"
             self._phase_of[i] = "before"
         return i
+
+    # ---- generator states (activation checkpointing) --------------------
+
+    def get_state(self, device: torch.device) -> torch.Tensor:
+        """Records reading `device`'s generator state (what
+        ``torch.get_rng_state()`` does for ``torch.utils.checkpoint``): an
+        op that reads ``rng:<device>`` and makes a state tensor, whose call
+        reads the real state when the step runs. Returns a stand-in the
+        caller hands back to :meth:`set_state`."""
+        rng = self._generator_of(device)
+        with _disable_current_modes():
+            stand_in = torch.empty(0, dtype=torch.uint8)
+        i = len(self.tensors)
+        self.tensors.append({"id": f"t{i}", "size": 0, "role": "activation", "lifetime": "transient",
+                             "dtype": "u8", "shape": [0]})
+        self.parent.append(None)
+        self.layouts.append(((0,), (1,), 0, torch.uint8, torch.device("cpu")))
+        self._phase_of[i] = self.phase
+        self._states[id(stand_in)] = i
+        self._kept.append(stand_in)
+        self._generator_op("get_rng_state", {"inputs": [rng], "outputs": [i]},
+                           Call(read_generator, (str(device),), {}, [(0, i)]))
+        self._used_in.setdefault(i, set()).add(self.phase)
+        return stand_in
+
+    def set_state(self, state: Any, device: torch.device) -> None:
+        """Records setting `device`'s generator to a state :meth:`get_state`
+        recorded: an op that reads the state and updates ``rng:<device>``."""
+        i = self._states.get(id(state))
+        if i is None:
+            raise UnsupportedStep(
+                f"set_rng_state on {device}: the state was not read inside the step, so the step "
+                "cannot restore it when it runs again (seed outside the step)"
+            )
+        rng = self._generator_of(device)
+        self._generator_op("set_rng_state", {"inputs": [i], "updates": [rng]},
+                           Call(write_generator, (Ref(i), str(device)), {}, []))
+        self._used_in.setdefault(i, set()).add(self.phase)
+
+    def _generator_op(self, what: str, fields: Dict[str, List[int]], call: Call) -> None:
+        op: Dict[str, Any] = {"id": f"o{len(self.ops)}", "kind": self.phase, "type": f"memplan.{what}"}
+        for field, ts in fields.items():
+            op[field] = [self.tensors[t]["id"] for t in ts]
+        self.ops.append(op)
+        self.calls.append(call)
 
     def _reuse_hint(self, func, writes, outputs, new_roots, args, inputs) -> Optional[Tuple[int, int]]:
         """A reuse hint (output, input) for a pointwise op with one new
@@ -460,6 +592,7 @@ class Recorder(TorchDispatchMode):
             if "view_of" in t:
                 t["role"] = self.tensors[self.root(i)]["role"]
         self._kept.clear()
+        self._states.clear()
         self._root_of_storage.clear()
         return {
             "format": "memplan-graph",

@@ -360,7 +360,8 @@ class Arena:
         False when the call could not run that way (then it is settled
         again, as recorded)."""
         targets = [(p, i) for p, i in c.outputs if i in placed]
-        if c.func._schema.name in UNINITIALISED and len(targets) == len(c.outputs) == 1:
+        schema = getattr(c.func, "_schema", None)  # None: a Python call (generator states)
+        if schema is not None and schema.name in UNINITIALISED and len(targets) == len(c.outputs) == 1:
             # Its place is its value: nothing to run, nothing to copy.
             i, t = targets[0][1], placed[targets[0][1]]
 
@@ -373,7 +374,8 @@ class Arena:
         variant = None
         # A random call runs as recorded: a failed or moved out= call
         # followed by the recorded one would draw twice.
-        if targets and len(targets) == len(c.outputs) and k not in self.fallbacks and not c.random:
+        if (targets and len(targets) == len(c.outputs) and k not in self.fallbacks and not c.random
+                and schema is not None):
             variant = placed_variant(c.func)  # cached per op
             if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
                 variant = None
