@@ -284,6 +284,69 @@ class CapturedStepsMatchEager(unittest.TestCase):
         self.assertIsNotNone(train_step.step.plan)
 
 
+class Strided(nn.Module):
+    """Reads columns 16..23 of a hidden layer through ``as_strided`` with a
+    storage offset (its backward writes through one too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 32)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(torch.as_strided(h, (x.shape[0], 8), (32, 1), 16))
+
+
+class Scaled(nn.Module):
+    """Makes constants from Python numbers inside the step (``lift_fresh``
+    of a ``torch.tensor``): aliases of the constant, no bytes of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x * torch.tensor(0.5)) + torch.tensor([1.0, 0.0, -1.0])
+
+
+class ViewsAndConstants(unittest.TestCase):
+    """Ops whose meaning depends on where a tensor's bytes are, and
+    results that alias an argument though fake tensors gave them bytes."""
+
+    def test_as_strided_offsets_count_from_the_tensors_own_bytes(self):
+        # In the arena `h` is a view at some offset of one big buffer, so
+        # the recorded offset 16 is moved by `h`'s place (FromStorageStart);
+        # torchvision's ConvNeXt and Swin make such calls in their backward.
+        torch.manual_seed(0)
+        h = Harness(self, Strided(), (torch.randn(8, 6), torch.randint(0, 3, (8,))), classify)
+        calls = [c for c in h.step._calls if "as_strided" in str(c.func)]
+        self.assertTrue(calls)
+        self.assertTrue(all(type(c.func).__name__ == "FromStorageStart" for c in calls), calls)
+        h.run()
+
+    def test_constants_made_in_the_step_alias_their_value(self):
+        torch.manual_seed(0)
+        h = Harness(self, Scaled(), (torch.randn(8, 6), torch.randint(0, 3, (8,))), classify)
+        graph = h.step.graph
+        lifted = [op for op in graph["ops"] if op["type"] == "aten.lift_fresh.default"]
+        self.assertEqual(len(lifted), 2)
+        tensors = {t["id"]: t for t in graph["tensors"]}
+        for op in lifted:
+            (out,) = op["outputs"]
+            self.assertEqual(tensors[out]["view_of"], op["inputs"][0])
+        h.run()  # tracked bytes equal the plan's, in the arena too
+
+    def test_convnext_with_stochastic_depth(self):
+        import torchvision
+
+        torch.manual_seed(0)
+        model = torchvision.models.ConvNeXt(
+            [torchvision.models.convnext.CNBlockConfig(16, 32, 1), torchvision.models.convnext.CNBlockConfig(32, None, 1)],
+            stochastic_depth_prob=0.5, num_classes=10)
+        Harness(self, model, (torch.randn(2, 3, 32, 32), torch.tensor([3, 4])), classify).run()
+
+
 class ArgumentBinding(unittest.TestCase):
     """A replay binds each op's recorded arguments once per call; the binder
     made for it must give what a pytree map over the arguments gives."""

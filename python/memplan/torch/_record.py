@@ -174,6 +174,61 @@ def storage_key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
+# Ops whose `storage_offset` counts from the start of `self`'s storage.
+STORAGE_OFFSET_OPS = {"aten::as_strided", "aten::as_strided_", "aten::as_strided_copy"}
+
+
+class FromStorageStart:
+    """A recorded ``as_strided(self, size, stride, storage_offset)`` (or
+    ``as_strided_``, ``as_strided_copy``) with an explicit offset, which
+    counts elements from the start of `self`'s storage. When the step runs,
+    `self` may sit elsewhere in a larger storage (a view into the arena):
+    the offset moves by as much as `self`'s own storage offset moved from
+    the recorded `self_offset`, so the result covers the same bytes of
+    `self`'s tensor as it did when recorded."""
+
+    __slots__ = ("func", "_raw", "self_offset")
+
+    def __init__(self, func, self_offset: int) -> None:
+        self.func = func
+        self._raw = getattr(func, "_op", func)
+        self.self_offset = self_offset
+
+    def __call__(self, x, size, stride, storage_offset=None, **kwargs):
+        if storage_offset is not None:
+            storage_offset = storage_offset + x.storage_offset() - self.self_offset
+        return self._raw(x, size, stride, storage_offset, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.func} (offset from self's storage)"
+
+
+def _replayed(func, args, kwargs):
+    """What a :class:`Call` runs for `func` called with `args`: `func`, or
+    for an explicit storage offset a :class:`FromStorageStart`."""
+    if func._schema.name not in STORAGE_OFFSET_OPS:
+        return func
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if offset is None:
+        return func
+    return FromStorageStart(func, int(args[0].storage_offset()))
+
+
+def _aliased_argument(func, pos: int, args, kwargs) -> Optional[torch.Tensor]:
+    """The tensor argument that result `pos` of `func` is declared to alias
+    without writing it (``lift_fresh(Tensor(a) self) -> Tensor(a)``), or
+    None."""
+    returns = func._schema.returns
+    if pos >= len(returns) or returns[pos].alias_info is None or returns[pos].alias_info.is_write:
+        return None
+    sets = returns[pos].alias_info.before_set
+    for k, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set == sets:
+            v = args[k] if k < len(args) else kwargs.get(a.name)
+            return v if isinstance(v, torch.Tensor) else None
+    return None
+
+
 def _draws(func, args, kwargs) -> bool:
     """Whether a seeded op really draws: attention kernels carry the tag
     for their dropout and draw nothing when its probability is 0."""
@@ -444,7 +499,16 @@ class Recorder(TorchDispatchMode):
                 continue  # an in-place result or `out=` argument: an update
             key = storage_key(x)
             base = self._root_of_storage.get(key)
-            if base is None:
+            aliased = _aliased_argument(func, pos, args, kwargs) if base is None else None
+            if aliased is not None:
+                # Declared an alias of an argument (`lift_fresh`), though a
+                # fake tensor gave it new bytes: a view, as the real op
+                # returns its argument.
+                src = self._arg(aliased, func)
+                self._root_of_storage[key] = self.root(src)
+                self._kept.append(x.untyped_storage())
+                i = self._add(x, f"t{len(self.tensors)}", 0, "activation", "transient", src)
+            elif base is None:
                 role = "temporary" if self.phase == "optimizer" else "activation"
                 i = self._new_root(x, f"t{len(self.tensors)}", role, "transient")
                 new_roots.append(x)
@@ -475,7 +539,7 @@ class Recorder(TorchDispatchMode):
         if hint is not None:
             op["reuse"] = [{"output": self.tensors[hint[0]]["id"], "input": self.tensors[hint[1]]["id"]}]
         self.ops.append(op)
-        self.calls.append(Call(func, call_args, call_kwargs, call_outputs, random))
+        self.calls.append(Call(_replayed(func, args, kwargs), call_args, call_kwargs, call_outputs, random))
         for i in inputs + updates + outputs:
             self._used_in.setdefault(self.root(i), set()).add(self.phase)
         return out

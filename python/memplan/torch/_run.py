@@ -418,9 +418,15 @@ class Arena:
                 return True
             flat = tree_flatten(out)[0] if c.outputs else []
             if copied:
+                # New bytes only: a result may alias an argument (`lift_fresh`
+                # returns its input, which may live in the arena).
+                held = {x.untyped_storage().data_ptr() for x in tree_flatten((args, kwargs))[0]
+                        if isinstance(x, torch.Tensor)}
+                held.add(self.buffer.untyped_storage().data_ptr())
                 made = {flat[p].untyped_storage().data_ptr(): flat[p].untyped_storage().nbytes()
                         for p, _, _ in copied}
-                self.outside_peak_bytes = max(self.outside_peak_bytes, sum(made.values()))
+                new = sum(n for ptr, n in made.items() if ptr not in held)
+                self.outside_peak_bytes = max(self.outside_peak_bytes, new)
                 for p, i, t in copied:
                     t.copy_(flat[p])
                     env[i] = t
