@@ -74,7 +74,7 @@ def make_optimizer(kind, params):
 class Harness:
     """A model captured by memplan next to its eager twin."""
 
-    def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None, max_added=None):
+    def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None, max_added=None, clip=None):
         torch.manual_seed(0)
         self.test = test
         self.model = model.train()
@@ -83,7 +83,9 @@ class Harness:
         self.ref_opt = make_optimizer(opt, self.ref.parameters())
         self.batch = batch
         self.loss_fn = loss_fn
-        self.step = mt.capture(self.model, self.opt, batch, loss_fn, time_limit=5)
+        self.clip = clip
+        self.eager_norm = None
+        self.step = mt.capture(self.model, self.opt, batch, loss_fn, time_limit=5, clip_grad_norm=clip)
         if budget_share is not None:
             # Fitted by recomputation: from here on the step runs the
             # recomputed ops, and run() checks it like any plan.
@@ -104,6 +106,8 @@ class Harness:
     def eager_step(self):
         loss = self.loss_fn(self.ref, self.batch)
         loss.backward()
+        if self.clip is not None:
+            self.eager_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.clip)
         self.ref_opt.step()
         self.ref_opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -127,6 +131,8 @@ class Harness:
             loss, want = self.paired(lambda: self.step(self.batch, track=True))
             t.assertEqual(self.step.tracked_peak_bytes, self.step.plan["stats"]["max_live_bytes"])
             torch.testing.assert_close(loss, want, **TOL)
+            if self.clip is not None:
+                torch.testing.assert_close(self.step.grad_norm, self.eager_norm, **TOL)
         for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{n}: {m}")
         for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
@@ -629,6 +635,37 @@ class RandomOpsDrawAsEager(unittest.TestCase):
         self.assertEqual(len(random_ops(h.step.graph)), 7)
         tracked = h.run()
         self.assertLessEqual(tracked, h.step.fitted["budget_bytes"])
+
+
+class GradientClipping(unittest.TestCase):
+    """``capture(..., clip_grad_norm=max_norm)``: PyTorch's
+    ``clip_grad_norm_`` between the backward pass and the update, as eager
+    training loops (and Hugging Face's Trainer, at 1.0) run it."""
+
+    def test_gpt2_clipped(self):
+        h = Harness(self, gpt2(dropout=0.1), torch.randint(0, 256, (4, 32)), causal_lm, clip=0.5)
+        ops = h.step.graph["ops"]
+        scaled = [op for op in ops if op["kind"] == "optimizer" and "mul_" in op["type"]
+                  and any(u.startswith("t") for u in op.get("updates", []))]
+        self.assertTrue(any("norm" in op["type"] for op in ops), {op["type"] for op in ops})
+        h.run()
+        # The norm was above 0.5, so the step really clipped.
+        self.assertGreater(float(h.step.grad_norm), 0.5)
+        self.assertTrue(scaled)
+
+    def test_random_models_clipped(self):
+        rng = random.Random(9)
+        for case in range(4):
+            with self.subTest(case=case):
+                torch.manual_seed(case)
+                x = torch.randn(8, 6)
+                h = Harness(self, random_model(rng), (x, torch.randint(0, 3, (8,))), classify,
+                            ["sgd", "adamw"][case % 2], clip=[0.01, 100.0][case // 2])
+                h.run(steps=2)
+
+    def test_clipping_with_recomputation(self):
+        h = Harness(self, gpt2(), torch.randint(0, 256, (8, 64)), causal_lm, max_added=0.001, clip=1.0)
+        h.run()
 
 
 class FittedStepsRecompute(unittest.TestCase):

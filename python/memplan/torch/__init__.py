@@ -72,6 +72,8 @@ class Step:
         self._batch_spec = batch_spec
         self._batch_layouts = batch_layouts  # (index, shape, dtype, device) per leaf
         self._loss = loss_index
+        self._norm: Optional[int] = None  # the clipped gradients' total norm, if clipping
+        self.grad_norm: Optional[torch.Tensor] = None
         self._updated = updated
         self._hyper = hyper
         self._optimizer_calls = optimizer_calls
@@ -143,7 +145,7 @@ class Step:
                 seq = [index[op] for op in self.plan["order"]]
             else:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
-            keep = list(self._bound) + [self._loss]
+            keep = list(self._bound) + [self._loss] + ([self._norm] if self._norm is not None else [])
             takes = self._taken_reuses() if order == "planned" else None
             self._programs[order] = Program(self._calls, seq, keep, takes)
         return self._programs[order]
@@ -261,6 +263,8 @@ class Step:
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
             go()
+        if self._norm is not None:
+            self.grad_norm = env[self._norm]
         return env[self._loss]
 
     __call__ = run
@@ -313,7 +317,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, plan: bool = True,
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
             meta_device: str = "cpu", budget: Optional[int] = None,
-            max_added: Optional[float] = None) -> Step:
+            max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
+            norm_type: float = 2.0) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -327,6 +332,14 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     share of the step's FLOPs, e.g. 0.001), it becomes the smallest step
     memplan finds for at most that many more FLOPs
     (``Step.fit(max_added=..., minimise="flops")``).
+
+    With `clip_grad_norm` (``max_norm``), the gradients are clipped between
+    the backward pass and the update as ``loss.backward();
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type);
+    optimizer.step()`` does (PyTorch's own function is what is recorded);
+    after each run :attr:`Step.grad_norm` holds the total norm before
+    clipping, what ``clip_grad_norm_`` returns. Every update then waits for
+    every gradient, as in eager PyTorch.
 
     The graph's metadata records the batch size (``"batch"``: the leading
     dimension every batch tensor shares), which :func:`max_batch` uses.
@@ -345,7 +358,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     device, traced = _step_device(model, optimizer, params, meta_device)
     rec = Recorder(device, align)
     inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch)
-    loss_index, updated = _trace(rec, model, optimizer, hyper, loss_fn, inputs)
+    loss_index, updated, norm_index = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
+                                             clip_grad_norm, norm_type)
     for i, value in rec.constants.items():
         inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
     label = name or f"{type(model).__name__}-step"
@@ -358,6 +372,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
                 updated, hyper, optimizer_calls, time.perf_counter() - t0)
+    step._norm = norm_index
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -430,9 +445,11 @@ class _Inputs:
 
 
 def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper, loss_fn,
-           inputs: _Inputs):
-    """Records forward, backward and each parameter's update on the fake
-    inputs; returns the loss's graph tensor and the parameters updated."""
+           inputs: _Inputs, clip_grad_norm: Optional[float] = None, norm_type: float = 2.0):
+    """Records forward, backward, gradient clipping (with `clip_grad_norm`)
+    and each parameter's update on the fake inputs; returns the loss's
+    graph tensor, the parameters updated and the total norm's graph tensor
+    (or None)."""
     params = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     fp = inputs.fp
@@ -464,6 +481,7 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                     rec.tensors[r]["role"] = "gradient"
                 grad_of[n] = g
         rec.phase = "optimizer"
+        norm_index = _clip(rec, fp, grad_of, clip_grad_norm, norm_type) if clip_grad_norm is not None else None
         updated = []
         with torch.no_grad():
             for gi, group in enumerate(optimizer.param_groups):
@@ -473,7 +491,28 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                         _optim.update(hyper.kind, group, hyper.markers[gi], fp[n], grad_of[n],
                                       inputs.fstate[id(p)])
                         updated.append(p)
-    return loss_index, updated
+    return loss_index, updated, norm_index
+
+
+def _clip(rec: Recorder, fp: Dict[str, torch.Tensor], grad_of: Dict[str, torch.Tensor], max_norm: float,
+          norm_type: float) -> int:
+    """Records ``torch.nn.utils.clip_grad_norm_`` over the gradients (held
+    as the fake parameters' ``.grad`` for the call): the norms, their total
+    and each gradient scaled in place. Returns the total's graph tensor."""
+    names = list(grad_of)
+    # Eager PyTorch takes the foreach kernels for CUDA (and CPU) tensors,
+    # but not for fake ones: ask for them where they are fused kernels
+    # (CUDA), so the step rounds as eager does. On the CPU they loop over
+    # the per-tensor kernels, which are what is recorded.
+    foreach = True if rec.device == "cuda" else None
+    try:
+        for n in names:
+            fp[n].grad = grad_of[n]
+        total = torch.nn.utils.clip_grad_norm_([fp[n] for n in names], max_norm, norm_type, foreach=foreach)
+    finally:
+        for n in names:
+            fp[n].grad = None
+    return rec.mark(total, "output", persistent=True)
 
 
 def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
