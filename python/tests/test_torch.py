@@ -74,7 +74,8 @@ def make_optimizer(kind, params):
 class Harness:
     """A model captured by memplan next to its eager twin."""
 
-    def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None, max_added=None, clip=None):
+    def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None, max_added=None, clip=None,
+                 accumulate=1):
         torch.manual_seed(0)
         self.test = test
         self.model = model.train()
@@ -85,7 +86,11 @@ class Harness:
         self.loss_fn = loss_fn
         self.clip = clip
         self.eager_norm = None
-        self.step = mt.capture(self.model, self.opt, batch, loss_fn, time_limit=5, clip_grad_norm=clip)
+        self.accumulate = accumulate
+        # With accumulation `batch` is the list of micro-batches.
+        example = batch[0] if accumulate > 1 else batch
+        self.step = mt.capture(self.model, self.opt, example, loss_fn, time_limit=5, clip_grad_norm=clip,
+                               accumulate=accumulate)
         if budget_share is not None:
             # Fitted by recomputation: from here on the step runs the
             # recomputed ops, and run() checks it like any plan.
@@ -104,8 +109,15 @@ class Harness:
             test.assertEqual(self.step.plan["arena_bytes"], fitted["arena_bytes"])
 
     def eager_step(self):
-        loss = self.loss_fn(self.ref, self.batch)
-        loss.backward()
+        if self.accumulate > 1:
+            loss = None
+            for mb in self.batch:
+                part = self.loss_fn(self.ref, mb) / self.accumulate
+                part.backward()
+                loss = part.detach() if loss is None else loss + part.detach()
+        else:
+            loss = self.loss_fn(self.ref, self.batch)
+            loss.backward()
         if self.clip is not None:
             self.eager_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.clip)
         self.ref_opt.step()
@@ -666,6 +678,54 @@ class GradientClipping(unittest.TestCase):
     def test_clipping_with_recomputation(self):
         h = Harness(self, gpt2(), torch.randint(0, 256, (8, 64)), causal_lm, max_added=0.001, clip=1.0)
         h.run()
+
+
+class GradientAccumulation(unittest.TestCase):
+    """``capture(..., accumulate=N)``: N micro-batches' gradients summed
+    before one update, as ``(loss / N).backward()`` per micro-batch and one
+    ``optimizer.step()`` do in eager PyTorch."""
+
+    def test_gpt2_over_three_micro_batches_with_dropout_and_clipping(self):
+        torch.manual_seed(1)
+        micro = [torch.randint(0, 256, (2, 32)) for _ in range(3)]
+        h = Harness(self, gpt2(dropout=0.1), micro, causal_lm, clip=1.0, accumulate=3)
+        graph = h.step.graph
+        self.assertEqual(graph["metadata"]["accumulate"], 3)
+        self.assertEqual(len([t for t in graph["tensors"] if t["id"].startswith("input:")]), 3)
+        # The updates wait for the last micro-batch's gradients only.
+        self.assertEqual(len(random_ops(graph)), 3 * 7)
+        h.run()
+        with self.assertRaisesRegex(mt.UnsupportedStep, "over 3 micro-batches"):
+            h.step(micro[:2])
+
+    def test_random_models_and_tied_or_shared_gradients(self):
+        # A parameter used twice, and two parameters whose gradients are one
+        # tensor (``a + b``): the accumulators are copies where autograd's
+        # are shared.
+        class Shared(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(6, 6)
+                self.a = nn.Parameter(torch.randn(3))
+                self.b = nn.Parameter(torch.randn(3))
+                self.out = nn.Linear(6, 3)
+
+            def forward(self, x):
+                h = torch.tanh(self.lin(self.lin(x)))
+                return self.out(h) + (self.a + self.b)
+
+        rng = random.Random(3)
+        for case, model in enumerate([Shared(), random_model(rng), random_model(rng, dropout=True)]):
+            with self.subTest(case=case):
+                torch.manual_seed(case)
+                micro = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2 + case)]
+                Harness(self, model, micro, classify, ["adamw", "sgd"][case % 2], accumulate=len(micro)).run()
+
+    def test_accumulate_is_checked(self):
+        model = nn.Linear(6, 3)
+        with self.assertRaisesRegex(ValueError, "accumulate"):
+            mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 6),
+                       lambda m, b: m(b).sum(), accumulate=0)
 
 
 class FittedStepsRecompute(unittest.TestCase):

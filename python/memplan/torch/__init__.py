@@ -34,6 +34,7 @@ another shape than the captured one is refused at run time (capture again).
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -73,6 +74,7 @@ class Step:
         self._batch_layouts = batch_layouts  # (index, shape, dtype, device) per leaf
         self._loss = loss_index
         self._norm: Optional[int] = None  # the clipped gradients' total norm, if clipping
+        self.accumulate = 1  # micro-batches per step
         self.grad_norm: Optional[torch.Tensor] = None
         self._updated = updated
         self._hyper = hyper
@@ -185,9 +187,20 @@ class Step:
     # ---- running --------------------------------------------------------
 
     def _bind_batch(self, batch, env: Dict[int, torch.Tensor]) -> None:
-        leaves, spec = tree_flatten(batch)
-        if spec != self._batch_spec or len(leaves) != len(self._batch_layouts):
-            raise UnsupportedStep(f"the batch's structure {spec} is not the captured one {self._batch_spec}")
+        micro = self.accumulate
+        if micro == 1:
+            batches = [batch]
+        elif not isinstance(batch, (list, tuple)) or len(batch) != micro:
+            raise UnsupportedStep(f"the step accumulates gradients over {micro} micro-batches: pass a list of "
+                                  f"{micro} batches of the captured shapes")
+        else:
+            batches = list(batch)
+        leaves = []
+        for b in batches:
+            flat, spec = tree_flatten(b)
+            if spec != self._batch_spec:
+                raise UnsupportedStep(f"the batch's structure {spec} is not the captured one {self._batch_spec}")
+            leaves += flat
         for x, (i, shape, dtype, device, name) in zip(leaves, self._batch_layouts):
             if not isinstance(x, torch.Tensor):
                 raise UnsupportedStep(f"batch element {name}: expected a tensor, got {type(x).__name__}")
@@ -318,7 +331,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
             meta_device: str = "cpu", budget: Optional[int] = None,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
-            norm_type: float = 2.0) -> Step:
+            norm_type: float = 2.0, accumulate: int = 1) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -341,6 +354,16 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     clipping, what ``clip_grad_norm_`` returns. Every update then waits for
     every gradient, as in eager PyTorch.
 
+    With `accumulate` = N > 1 the step accumulates gradients over N
+    micro-batches of `example_batch`'s shapes before clipping and updating,
+    as eager PyTorch does with ``(loss_fn(model, mb) / N).backward()`` for
+    each micro-batch and one ``optimizer.step()``: the step is called with
+    a list of N batches and returns the sum of the divided losses (their
+    mean). The graph holds every micro-batch's forward and backward, so
+    memplan orders across them (each update can run in the last backward
+    pass), and each micro-batch is an input the caller holds for the whole
+    step.
+
     The graph's metadata records the batch size (``"batch"``: the leading
     dimension every batch tensor shares), which :func:`max_batch` uses.
 
@@ -357,7 +380,9 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     params = dict(model.named_parameters())
     device, traced = _step_device(model, optimizer, params, meta_device)
     rec = Recorder(device, align)
-    inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch)
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive number of micro-batches, not {accumulate!r}")
+    inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch, accumulate)
     loss_index, updated, norm_index = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
                                              clip_grad_norm, norm_type)
     for i, value in rec.constants.items():
@@ -368,11 +393,14 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     leading = {shape[0] if shape else None for _, shape, *_ in inputs.batch_layouts}
     if len(leading) == 1 and None not in leading:
         meta["batch"] = leading.pop()
+    if accumulate > 1:
+        meta["accumulate"] = accumulate
     graph = rec.finish(label, meta)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
                 updated, hyper, optimizer_calls, time.perf_counter() - t0)
     step._norm = norm_index
+    step.accumulate = accumulate
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -408,7 +436,8 @@ class _Inputs:
     (every input but the batch, which each call binds anew)."""
 
     def __init__(self, rec: Recorder, traced: Optional[torch.device], params: Dict[str, Any],
-                 buffers: Dict[str, Any], optimizer: torch.optim.Optimizer, example_batch: Any) -> None:
+                 buffers: Dict[str, Any], optimizer: torch.optim.Optimizer, example_batch: Any,
+                 micro: int = 1) -> None:
         self.rec, self.traced = rec, traced
         self.fake = FakeTensorMode()
         self.bound: Dict[int, torch.Tensor] = {}
@@ -420,17 +449,22 @@ class _Inputs:
                                   for k, v in _optim.state_tensors(optimizer, p).items()}
         leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
         self.batch_layouts = []
-        fleaves = []
-        for path, x in leaves:
-            nm = _path_name(path)
-            if not isinstance(x, torch.Tensor):
-                raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
-            f = self.reg(x, f"input:{nm}", "input")
-            fleaves.append(f)
-            i = rec.index_of(f)
-            del self.bound[i]  # each call binds its own batch
-            self.batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
-        self.fbatch = tree_unflatten(fleaves, self.spec)
+        self.fbatches = []  # one fake batch per micro-batch
+        for k in range(micro):
+            fleaves = []
+            for path, x in leaves:
+                nm = _path_name(path) if micro == 1 else f"[{k}]{_path_name(path)}"
+                if not isinstance(x, torch.Tensor):
+                    raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
+                # Each micro-batch is an input of its own (the example's copy
+                # stands for the later ones' values while recording).
+                f = self.reg(x if k == 0 else x.clone(), f"input:{nm}", "input")
+                fleaves.append(f)
+                i = rec.index_of(f)
+                del self.bound[i]  # each call binds its own batch
+                self.batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
+            self.fbatches.append(tree_unflatten(fleaves, self.spec))
+        self.fbatch = self.fbatches[0]
         for f, p in zip(self.fp.values(), params.values()):
             f.requires_grad_(p.requires_grad)
 
@@ -446,40 +480,25 @@ class _Inputs:
 
 def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper, loss_fn,
            inputs: _Inputs, clip_grad_norm: Optional[float] = None, norm_type: float = 2.0):
-    """Records forward, backward, gradient clipping (with `clip_grad_norm`)
-    and each parameter's update on the fake inputs; returns the loss's
-    graph tensor, the parameters updated and the total norm's graph tensor
-    (or None)."""
+    """Records forward and backward (of every micro-batch, gradients
+    accumulated), gradient clipping (with `clip_grad_norm`) and each
+    parameter's update on the fake inputs; returns the loss's graph tensor,
+    the parameters updated and the total norm's graph tensor (or None)."""
     params = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     fp = inputs.fp
+    trainable = [n for n, p in params.items() if p.requires_grad]
     with inputs.fake, rec, GeneratorStates(rec), \
             _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
-        rec.phase = "forward"
-        loss = loss_fn(model, inputs.fbatch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise UnsupportedStep("loss_fn must return a scalar tensor")
+        if len(inputs.fbatches) == 1:
+            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatch, fp, trainable, 1)
+        else:
+            loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, fp, trainable)
         loss_index = rec.mark(loss, "output", persistent=True)
-        rec.phase = "backward"
-        trainable = [n for n, p in params.items() if p.requires_grad]
-        try:
-            grads = torch.autograd.grad(loss, [fp[n] for n in trainable], allow_unused=True)
-        except RuntimeError as e:
-            if "use_reentrant=True" not in str(e):
-                raise
-            raise UnsupportedStep(
-                "torch.utils.checkpoint(..., use_reentrant=True): its backward cannot be recorded "
-                "through torch.autograd.grad; pass use_reentrant=False (PyTorch's recommendation), "
-                "or drop the checkpointing and let memplan choose what to recompute "
-                "(capture(..., budget=N) or step.fit)"
-            ) from None
-        grad_of = {}
-        for n, g in zip(trainable, grads):
-            if g is not None:
-                r = rec.root(rec.index_of(g))
-                if rec.tensors[r]["role"] != "parameter":
-                    rec.tensors[r]["role"] = "gradient"
-                grad_of[n] = g
+        for g in grad_of.values():
+            r = rec.root(rec.index_of(g))
+            if rec.tensors[r]["role"] != "parameter":
+                rec.tensors[r]["role"] = "gradient"
         rec.phase = "optimizer"
         norm_index = _clip(rec, fp, grad_of, clip_grad_norm, norm_type) if clip_grad_norm is not None else None
         updated = []
@@ -492,6 +511,58 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                                       inputs.fstate[id(p)])
                         updated.append(p)
     return loss_index, updated, norm_index
+
+
+def _forward_backward(rec: Recorder, model, loss_fn, fbatch, fp: Dict[str, torch.Tensor], trainable: List[str],
+                      micro: int):
+    """Records ``loss_fn(model, fbatch)`` (divided by `micro`, the number
+    of micro-batches, when there are several) and its gradients; returns
+    the loss and the gradient of each trainable parameter that has one."""
+    rec.phase = "forward"
+    loss = loss_fn(model, fbatch)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise UnsupportedStep("loss_fn must return a scalar tensor")
+    if micro != 1:
+        loss = loss / micro
+    rec.phase = "backward"
+    try:
+        grads = torch.autograd.grad(loss, [fp[n] for n in trainable], allow_unused=True)
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise UnsupportedStep(
+            "torch.utils.checkpoint(..., use_reentrant=True): its backward cannot be recorded "
+            "through torch.autograd.grad; pass use_reentrant=False (PyTorch's recommendation), "
+            "or drop the checkpointing and let memplan choose what to recompute "
+            "(capture(..., budget=N) or step.fit)"
+        ) from None
+    return loss, {n: g for n, g in zip(trainable, grads) if g is not None}
+
+
+def _accumulate(rec: Recorder, model, loss_fn, fbatches: List[Any], fp: Dict[str, torch.Tensor],
+                trainable: List[str]):
+    """Records gradient accumulation over `fbatches` as eager PyTorch runs
+    ``(loss_fn(model, mb) / N).backward()`` for each micro-batch: the first
+    micro-batch's gradients become the accumulators (copied, as autograd's
+    ``AccumulateGrad`` copies them, where one is shared with another
+    parameter's or laid out otherwise than its parameter), each later one
+    is added in place. Returns the sum of the divided losses and the
+    accumulated gradients."""
+    total = None
+    acc: Dict[str, torch.Tensor] = {}
+    for fbatch in fbatches:
+        loss, grads = _forward_backward(rec, model, loss_fn, fbatch, fp, trainable, len(fbatches))
+        roots = collections.Counter(rec.root(rec.index_of(g)) for g in grads.values())
+        with torch.no_grad():
+            total = loss if total is None else total + loss
+            for n, g in grads.items():
+                if n in acc:
+                    acc[n].add_(g)
+                    continue
+                i = rec.index_of(g)
+                owned = rec.root(i) == i and roots[i] == 1 and g.stride() == fp[n].stride()
+                acc[n] = g if owned else g.clone(memory_format=torch.preserve_format)
+    return total, acc
 
 
 def _clip(rec: Recorder, fp: Dict[str, torch.Tensor], grad_of: Dict[str, torch.Tensor], max_norm: float,
