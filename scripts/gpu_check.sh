@@ -183,10 +183,11 @@ torch_step() {
     echo "== python3 -m memplan.torch.bench --device cuda --autocast --steps 5"
     PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --autocast --steps 5 \
       --json "$OUT/torch_step_bf16.json" 2>&1 | tee "$OUT/torch_step_bf16.out"
-    # Dropout at 0.1 (GPT-2's default; native_dropout and SDPA with
-    # dropout on CUDA): eager and memplan draw the same masks.
-    echo "== python3 -m memplan.torch.bench --device cuda --dropout 0.1 --steps 5"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --dropout 0.1 --steps 5 \
+    # Training as Hugging Face's Trainer runs it by default: dropout at 0.1
+    # (native_dropout and SDPA with dropout on CUDA; eager and memplan draw
+    # the same masks) and gradients clipped to norm 1.0 (foreach kernels).
+    echo "== python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5 \
       --json "$OUT/torch_step_dropout.json" 2>&1 | tee "$OUT/torch_step_dropout.out"
     # The same with cheap recomputation: at most 0.01% more FLOPs.
     echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"

@@ -880,8 +880,9 @@ class OnDevice(unittest.TestCase):
         # `--autocast`: the same under bf16 autocast.
         rows += on_device("cpu", 2, 5.0, {f"{n}-bf16": (m, b, _autocast(f, "cpu"))
                                           for n, (m, b, f) in tiny_models().items()})
-        # `--dropout 0.1`: both sides draw the same masks.
-        rows += on_device("cpu", 2, 5.0, {f"{n}-dropout": c for n, c in tiny_models(0.1).items()})
+        # `--dropout 0.1 --clip-grad-norm 1.0`: both sides draw the same
+        # masks and clip alike.
+        rows += on_device("cpu", 2, 5.0, {f"{n}-dropout": c for n, c in tiny_models(0.1).items()}, clip=1.0)
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)

@@ -352,7 +352,7 @@ def _rng_states(restore=None):
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
 
 
-def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None):
+def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -374,7 +374,11 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     Both sides start from the same generator states (CPU and every CUDA
     device) and run as many steps, so models with dropout draw the same
     masks in eager and in memplan's step and are compared like the
-    others."""
+    others.
+
+    With `clip` (``max_norm``) both sides clip the gradients' norm before
+    the update (``clip_grad_norm_`` in eager, ``capture(...,
+    clip_grad_norm=clip)`` for memplan)."""
     dev = torch.device(device)
     rows = []
     for name, (model, batch, loss_fn) in (cases or models()).items():
@@ -390,6 +394,8 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         def eager_step():
             loss = loss_fn(eager_model, batch)
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(eager_model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             eager_losses.append(loss.detach())
@@ -402,7 +408,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
 
         e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
         mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01)
-        step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit)
+        step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit, clip_grad_norm=clip)
         added = 0.0
         if max_added is not None:
             f = step.fit(max_added=max_added, minimise="flops", time_limit=max(time_limit, 30.0))
@@ -547,6 +553,8 @@ def main(argv=None):
     ap.add_argument("--dropout", metavar="P", type=float, default=0.0,
                     help="with --device: every dropout of the models' configurations at P (GPT-2's "
                     "default is 0.1); eager and memplan draw the same masks")
+    ap.add_argument("--clip-grad-norm", metavar="MAX", type=float,
+                    help="with --device: clip the gradients' norm to MAX before each update, on both sides")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
                     help="with --device: first make each step the smallest memplan finds for at most "
                     "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
@@ -559,7 +567,7 @@ def main(argv=None):
         if args.autocast:
             cases = {f"{name}-bf16": (model, batch, _autocast(loss_fn, args.device))
                      for name, (model, batch, loss_fn) in cases.items()}
-        rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added)
+        rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
