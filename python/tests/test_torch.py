@@ -721,6 +721,30 @@ class GradientAccumulation(unittest.TestCase):
                 micro = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2 + case)]
                 Harness(self, model, micro, classify, ["adamw", "sgd"][case % 2], accumulate=len(micro)).run()
 
+    def test_compile_takes_the_micro_batches(self):
+        torch.manual_seed(0)
+        model = random_model(random.Random(4), dropout=True)
+        ref = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        train_step = mt.compile(model, opt, classify, time_limit=2, accumulate=2, clip_grad_norm=0.5)
+        for _ in range(2):
+            micro = [(torch.randn(3, 6), torch.tensor([0, 1, 2])) for _ in range(2)]
+            state = torch.get_rng_state()
+            loss = train_step(micro)
+            torch.set_rng_state(state)
+            parts = []
+            for mb in micro:
+                part = classify(ref, mb) / 2
+                part.backward()
+                parts.append(part.detach())
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, parts[0] + parts[1], **TOL)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+
     def test_accumulate_is_checked(self):
         model = nn.Linear(6, 3)
         with self.assertRaisesRegex(ValueError, "accumulate"):

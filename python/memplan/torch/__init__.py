@@ -613,12 +613,15 @@ def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], **options) -> Callable[[Any], torch.Tensor]:
     """A training-step function that captures and plans on its first batch
-    (options as for :func:`capture`) and runs the planned step on every
-    batch; ``fn.step`` is the :class:`Step` once captured."""
+    (options as for :func:`capture`; with ``accumulate=N`` each call takes
+    a list of N micro-batches) and runs the planned step on every batch;
+    ``fn.step`` is the :class:`Step` once captured."""
 
     def train_step(batch):
         if train_step.step is None:
-            train_step.step = capture(model, optimizer, batch, loss_fn, **options)
+            # With accumulation the batch is the list of micro-batches.
+            example = batch[0] if options.get("accumulate", 1) > 1 else batch
+            train_step.step = capture(model, optimizer, example, loss_fn, **options)
         return train_step.step(batch)
 
     train_step.step = None
