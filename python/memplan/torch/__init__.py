@@ -63,7 +63,8 @@ class Step:
 
     def __init__(self, model, optimizer, rec: Recorder, graph: Dict[str, Any], bound: Dict[str, int],
                  batch_spec, batch_layouts, loss_index: int, updated: List[torch.Tensor],
-                 hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float) -> None:
+                 hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
+                 norm_index: Optional[int] = None, accumulate: int = 1) -> None:
         self.model = model
         self.optimizer = optimizer
         self.graph = graph
@@ -73,8 +74,8 @@ class Step:
         self._batch_spec = batch_spec
         self._batch_layouts = batch_layouts  # (index, shape, dtype, device) per leaf
         self._loss = loss_index
-        self._norm: Optional[int] = None  # the clipped gradients' total norm, if clipping
-        self.accumulate = 1  # micro-batches per step
+        self._norm = norm_index  # the clipped gradients' total norm, if clipping
+        self.accumulate = accumulate  # micro-batches per step
         self.grad_norm: Optional[torch.Tensor] = None
         self._updated = updated
         self._hyper = hyper
@@ -398,9 +399,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     graph = rec.finish(label, meta)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
-                updated, hyper, optimizer_calls, time.perf_counter() - t0)
-    step._norm = norm_index
-    step.accumulate = accumulate
+                updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -431,9 +430,10 @@ def _step_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, param
 class _Inputs:
     """What a step reads, registered with the recorder as fake tensors:
     parameters (`fp`), buffers (`fb`), optimizer state (`fstate`, by
-    parameter id) and the batch (`fbatch`, with its pytree `spec` and each
-    leaf's layout). `bound` maps a graph tensor to the real tensor it is
-    (every input but the batch, which each call binds anew)."""
+    parameter id) and the batch (`fbatches`, one per micro-batch, with
+    their pytree `spec` and each leaf's layout). `bound` maps a graph
+    tensor to the real tensor it is (every input but the batch, which each
+    call binds anew)."""
 
     def __init__(self, rec: Recorder, traced: Optional[torch.device], params: Dict[str, Any],
                  buffers: Dict[str, Any], optimizer: torch.optim.Optimizer, example_batch: Any,
@@ -464,7 +464,6 @@ class _Inputs:
                 del self.bound[i]  # each call binds its own batch
                 self.batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
             self.fbatches.append(tree_unflatten(fleaves, self.spec))
-        self.fbatch = self.fbatches[0]
         for f, p in zip(self.fp.values(), params.values()):
             f.requires_grad_(p.requires_grad)
 
@@ -491,7 +490,7 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     with inputs.fake, rec, GeneratorStates(rec), \
             _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
         if len(inputs.fbatches) == 1:
-            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatch, fp, trainable, 1)
+            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatches[0], fp, trainable, 1)
         else:
             loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, fp, trainable)
         loss_index = rec.mark(loss, "output", persistent=True)

@@ -102,15 +102,15 @@ def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> Optional[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def out_variant(func):
+def out_variant(func, without: Tuple[str, ...] = ()):
     """The ``out=`` overload of `func` and the names of its out arguments,
-    or None. Its other arguments must be `func`'s, by name and type
-    (``pow.Tensor_Scalar``'s is ``pow.Tensor_Scalar_out``, not
-    ``pow.Tensor_Tensor_out``)."""
+    or None. Its other arguments must be `func`'s but those named in
+    `without`, by name and type (``pow.Tensor_Scalar``'s is
+    ``pow.Tensor_Scalar_out``, not ``pow.Tensor_Tensor_out``)."""
     if func.namespace != "aten":
         return None
     packet = func.overloadpacket
-    names = [(a.name, str(a.type)) for a in func._schema.arguments]
+    names = [(a.name, str(a.type)) for a in func._schema.arguments if a.name not in without]
     for ov in packet.overloads():
         cand = getattr(packet, ov)
         outs = [a.name for a in cand._schema.arguments if a.is_out]

@@ -265,19 +265,9 @@ def placed_variant(func):
         return found[0], found[1], ()
     if func.namespace != "aten":
         return None
-    args = func._schema.arguments
-    dropped = tuple(a.name for a in args if a.name in TENSOR_OPTIONS and a.kwarg_only)
-    if not dropped:
-        return None
-    names = [(a.name, str(a.type)) for a in args if a.name not in dropped]
-    packet = func.overloadpacket
-    for ov in packet.overloads():
-        cand = getattr(packet, ov)
-        outs = [a.name for a in cand._schema.arguments if a.is_out]
-        rest = [(a.name, str(a.type)) for a in cand._schema.arguments if not a.is_out]
-        if outs and rest == names and len(outs) == len(func._schema.returns):
-            return cand, outs, dropped
-    return None
+    dropped = tuple(a.name for a in func._schema.arguments if a.name in TENSOR_OPTIONS and a.kwarg_only)
+    found = out_variant(func, dropped) if dropped else None
+    return None if found is None else (found[0], found[1], dropped)
 
 
 # Ops whose result is memory with undefined contents: in the arena their
