@@ -201,6 +201,32 @@ class EmulationTest(unittest.TestCase):
         self.assertEqual(len(bwd), 1)
         self.assertIn(mask, bwd[0]["inputs"])
 
+    def test_random_ops_update_the_generator_in_eager_order(self):
+        from memplan.torch.export.recorder import Recorder
+        from memplan.torch.export.emulate import CudaEmulation
+
+        # Two dropouts on independent branches and a `rand` that reads no
+        # tensor: only the generator orders them.
+        x = torch.empty(4, 256, device="meta", requires_grad=True)
+        rec = Recorder("d", "meta")
+        rec.register(x, "x", "input", persistent=False)
+        with CudaEmulation(), rec:
+            drop = torch.nn.Dropout(0.1)
+            noise = torch.rand(4, 256, device="meta")
+            (drop(x * 2).sum() + drop(x * 3).sum() + (x * noise).sum()).backward()
+        d = rec.finish().to_dict()
+        graph.check(d)
+        rng = by_id(d)["rng:meta"]
+        self.assertEqual((rng["size"], rng["role"], rng["lifetime"]), (0, "input", "persistent"))
+        drawn = [o for o in d["ops"] if "rng:meta" in o.get("updates", [])]
+        self.assertEqual([o["type"] for o in drawn],
+                         ["aten.rand.default"] + ["aten.native_dropout.default"] * 2)
+        # A plan keeps that order, though the draws depend on nothing else.
+        from memplan import plan
+
+        order = [o for o in plan(d, time_limit=2)["order"] if o in {op["id"] for op in drawn}]
+        self.assertEqual(order, [o["id"] for o in drawn])
+
     def test_emulated_attention_matches_math_on_cpu(self):
         from memplan.torch.export.emulate import emulated_sdpa
 

@@ -120,10 +120,32 @@ def out_variant(func, without: Tuple[str, ...] = ()):
     return None
 
 
+# Ops that are not pointwise but may still write their result over an
+# argument of the same layout: softmax and log-softmax and their backward
+# passes reduce each row first (max, sum) and then write every element of
+# the row from the same element of their arguments, once the reductions are
+# done (aten's CPU kernels and CUDA's `cunn_SoftMax*`/persistent kernels
+# alike). `out=` over either argument gives the functional result bit for
+# bit (python/tests/test_torch.py, RowWiseOpsWriteOverDyingInputs). At the
+# loss of a language model these are the vocabulary-sized tensors.
+ROW_WISE = frozenset({
+    "aten::_softmax", "aten::_log_softmax",
+    "aten::_softmax_backward_data", "aten::_log_softmax_backward_data",
+})
+
+
+def writes_like_pointwise(func) -> bool:
+    """Whether `func` reads each element of its arguments before it writes
+    the same element of its result, so that result may take an argument's
+    bytes (:func:`may_write_over`): aten's pointwise ops and
+    :data:`ROW_WISE`."""
+    return torch.Tag.pointwise in func.tags or func._schema.name in ROW_WISE
+
+
 def may_write_over(x: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether a pointwise op's new output `x` may be written into the bytes
-    of its argument `a`: the two have the same shape, strides and element
-    size, and each fills its whole storage from offset 0. Then ``out=a``
+    """Whether a pointwise (or :data:`ROW_WISE`) op's new output `x` may be
+    written into the bytes of its argument `a`: the two have the same shape,
+    strides and element size, and each fills its whole storage from offset 0. Then ``out=a``
     writes every element exactly where it was read from, after reading it
     (what aten's kernels do for a fully overlapping output)."""
     return (
@@ -618,13 +640,13 @@ class Recorder(TorchDispatchMode):
         self.calls.append(call)
 
     def _reuse_hint(self, func, writes, outputs, new_roots, args, inputs) -> Optional[Tuple[int, int]]:
-        """A reuse hint (output, input) for a pointwise op with one new
-        output: it may be written into an argument's bytes
+        """A reuse hint (output, input) for a pointwise or :data:`ROW_WISE`
+        op with one new output: it may be written into an argument's bytes
         (:func:`may_write_over`, and of its dtype, so the runner can pass
         that tensor as ``out=``) when memplan's order makes the op that
         argument's last use; the runner then calls the op's ``out=``
         overload with that argument (:class:`memplan.torch._run.Program`)."""
-        if writes or len(outputs) != 1 or len(new_roots) != 1 or torch.Tag.pointwise not in func.tags:
+        if writes or len(outputs) != 1 or len(new_roots) != 1 or not writes_like_pointwise(func):
             return None
         x = new_roots[0]
         if x.device.type != self.device:

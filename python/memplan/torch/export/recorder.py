@@ -17,7 +17,8 @@ it is closed so an address is never reused by a later storage. On fake or
 meta tensors that costs no memory.
 
 Pointwise ops (aten's ``pointwise`` tag: ``add``, ``mul``, ``gelu``,
-``threshold_backward``...) get **reuse hints**: an output may take the bytes
+``threshold_backward``...) and softmax, log-softmax and their backward passes
+(``ROW_WISE``) get **reuse hints**: an output may take the bytes
 of an argument with exactly its layout if the op is that argument's last use
 (memplan decides; PyTorch eager never does this on its own, a planned
 executor would call the op with ``out=`` that argument).
@@ -46,7 +47,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # Shared with memplan.torch's recorder: which namespaces are bookkeeping,
 # element type names, storage identity, and PyTorch's FLOP formulas.
-from memplan.torch._record import DTYPE_NAMES, SKIPPED_NAMESPACES, may_write_over, op_flops, storage_key
+from memplan.torch._record import (DTYPE_NAMES, SKIPPED_NAMESPACES, may_write_over, op_flops, storage_key,
+                                   writes_like_pointwise)
 
 from .graph import GraphBuilder
 
@@ -80,6 +82,7 @@ class Recorder(TorchDispatchMode):
         self._fixed_role: Dict[int, str] = {}  # roots whose role the driver set
         self.unseen_storages = 0  # storages first met as an op argument
         self.skipped_ops = 0
+        self._generators: Dict[str, int] = {}  # "rng:<device>" -> its tensor
 
     # ---- registration by the driver -------------------------------------
 
@@ -221,10 +224,13 @@ class Recorder(TorchDispatchMode):
                 self._by_object[x] = i
             outputs.append(i)
 
+        writes_tensors = bool(writes)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            writes.append(self._generator(arg_objs + [x for x in flat_out if isinstance(x, torch.Tensor)]))
         updates = _unique(writes)
         inputs = [i for i in _unique(reads) if i not in updates and i not in outputs]
         reuse = []
-        if self.reuse_hints and not writes and torch.Tag.pointwise in func.tags:
+        if self.reuse_hints and not writes_tensors and writes_like_pointwise(func):
             reuse = self._pointwise_reuse(new_roots, arg_objs, inputs)
         if not (inputs or updates or outputs):
             self.skipped_ops += 1
@@ -247,8 +253,25 @@ class Recorder(TorchDispatchMode):
             self._used_in.setdefault(r, set()).add(self.phase)
         return out
 
+    def _generator(self, tensors: List[torch.Tensor]) -> int:
+        """The zero-byte tensor ``rng:<device>`` standing for the state of
+        the generator a random op (``nondeterministic_seeded``: dropout,
+        ``bernoulli_``, ``rand``...) draws from, on its first tensor's
+        device; made on first use. Every random op updates it, so every
+        order memplan plans keeps eager's sequence of draws (as
+        :mod:`memplan.torch` does for the steps it runs)."""
+        device = tensors[0].device.type if tensors else self.device
+        name = f"rng:{'host' if device != self.device else device}"
+        i = self._generators.get(name)
+        if i is None:
+            i = self.graph.add_tensor(name, 0, role="input", lifetime="persistent")
+            self._generators[name] = i
+            self._fixed_role[i] = "input"
+            self._phase_of[i] = "before"
+        return i
+
     def _pointwise_reuse(self, outs, args, inputs) -> List[tuple]:
-        """Reuse hints for a pointwise op: an output may take the bytes of an
+        """Reuse hints for a pointwise (or row-wise) op: an output may take the bytes of an
         argument with the same layout (shape, strides, offset 0, element
         size) that fills its whole storage, exactly as the output will; each
         element is then read before it is written, as in ``out=`` calls."""
