@@ -704,6 +704,47 @@ class RandomOpsDrawAsEager(unittest.TestCase):
         self.assertLessEqual(tracked, h.step.fitted["budget_bytes"])
 
 
+class LearningRateSchedules(unittest.TestCase):
+    """The numbers of the update come from `param_groups` at each step:
+    groups with their own learning rate and weight decay, and a scheduler
+    changing them between steps, give eager's parameters."""
+
+    def test_groups_and_a_warm_up_schedule_as_in_eager(self):
+        import warnings
+
+        torch.manual_seed(0)
+        model = gpt2(layers=1, width=32)
+        ref = copy.deepcopy(model)
+
+        def groups(m):
+            # The usual split: no weight decay on biases and norms.
+            return [{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3}]
+
+        opt, ref_opt = torch.optim.AdamW(groups(model), lr=1e-2), torch.optim.AdamW(groups(ref), lr=1e-2)
+        warm_up = lambda s: min(1.0, (s + 1) / 3)  # noqa: E731
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warm_up)
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, warm_up)
+        batch = torch.randint(0, 256, (2, 16))
+        step = mt.compile(model, opt, causal_lm, time_limit=5)
+        with warnings.catch_warnings():
+            # PyTorch warns when scheduler.step() comes before any
+            # optimizer.step(): memplan's step stands for the latter.
+            warnings.simplefilter("error", UserWarning)
+            for _ in range(4):
+                loss = step(batch)
+                sched.step()
+                want = causal_lm(ref, batch)
+                want.backward()
+                ref_opt.step()
+                ref_opt.zero_grad(set_to_none=True)
+                ref_sched.step()
+                torch.testing.assert_close(loss, want.detach(), **TOL)
+        self.assertEqual([g["lr"] for g in opt.param_groups], [g["lr"] for g in ref_opt.param_groups])
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+
+
 class GradientClipping(unittest.TestCase):
     """``capture(..., clip_grad_norm=max_norm)``: PyTorch's
     ``clip_grad_norm_`` between the backward pass and the update, as eager

@@ -277,6 +277,9 @@ class Step:
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
             go()
+        # The step took optimizer.step()'s place: learning-rate schedulers
+        # check this flag to tell a late scheduler.step() call.
+        self.optimizer._opt_called = True
         if self._norm is not None:
             self.grad_norm = env[self._norm]
         return env[self._loss]
