@@ -107,7 +107,10 @@ def _kind(opt: torch.optim.Optimizer) -> str:
             f"optimizer {name}: memplan.torch captures torch.optim.AdamW, Adam and SGD"
         )
     for g, group in enumerate(opt.param_groups):
-        for flag in ("amsgrad", "maximize", "differentiable", "capturable", "fused"):
+        # `fused` and `foreach` choose PyTorch's kernels, not the update:
+        # the captured step runs the single-tensor arithmetic either way
+        # (equal to the fused kernels to rounding: python/README.md).
+        for flag in ("amsgrad", "maximize", "differentiable", "capturable"):
             if group.get(flag):
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: {flag}=True is not supported")
         for k in ("lr", "weight_decay", "momentum", "dampening", "eps"):
@@ -131,7 +134,10 @@ def ensure_state(opt: torch.optim.Optimizer) -> None:
             st = opt.state[p]
             if kind in ("adam", "adamw"):
                 if not st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # Where PyTorch keeps it: with the parameter for the
+                    # fused kernels, on the host otherwise.
+                    where = p.device if group.get("fused") else "cpu"
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif group["momentum"] != 0 and st.get("momentum_buffer") is None:
@@ -178,19 +184,31 @@ def update(kind: str, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> N
 def advance_steps(opt: torch.optim.Optimizer, updated) -> Dict[int, float]:
     """Increments the step counter of every updated parameter as
     ``optimizer.step()`` does and returns each group's step count (what its
-    bias correction uses; the parameters of a group must agree)."""
+    bias correction uses; the parameters of a group must agree). Counters
+    on the device (fused optimizers) are read once per group, not once per
+    parameter."""
     ids = {id(p) for p in updated}
     steps: Dict[int, float] = {}
     for gi, group in enumerate(opt.param_groups):
+        counters = []
         for p in group["params"]:
             st = opt.state.get(p)
-            if id(p) not in ids or not st or not isinstance(st.get("step"), torch.Tensor):
-                continue
-            st["step"] += 1
-            s = float(st["step"].item())
-            if steps.setdefault(gi, s) != s:
-                raise UnsupportedStep(
-                    f"param group {gi}: its parameters have taken different numbers of steps "
-                    f"({steps[gi]:g} and {s:g}); memplan's update uses one count per group"
-                )
+            if id(p) in ids and st and isinstance(st.get("step"), torch.Tensor):
+                st["step"] += 1
+                counters.append(st["step"])
+        if not counters:
+            continue
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for c in counters:
+            by_device.setdefault(c.device, []).append(c)
+        values = set()
+        for cs in by_device.values():
+            values.update(torch.stack(torch.stack(cs).aminmax()).tolist())  # one read per device
+        seen = sorted(values)
+        if len(seen) != 1:
+            raise UnsupportedStep(
+                f"param group {gi}: its parameters have taken different numbers of steps "
+                f"({seen[0]:g} and {seen[-1]:g}); memplan's update uses one count per group"
+            )
+        steps[gi] = seen[0]
     return steps
