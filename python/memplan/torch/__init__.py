@@ -229,7 +229,9 @@ class Step:
         for i, t in enumerate(self.graph["tensors"]):
             if "view_of" in t or t["size"] == 0 or t["id"] not in offsets:
                 continue
-            placed[i] = arena.view(offsets[t["id"]], self._layouts[i])
+            # The step's own tensors (parameters, state) own their bytes.
+            own = t["size"] if i in self._bound else None
+            placed[i] = arena.view(offsets[t["id"]], self._layouts[i], own_storage=own)
         with torch.no_grad():
             for i, x in list(self._bound.items()):
                 if i in placed:
@@ -269,6 +271,8 @@ class Step:
 
         if track:
             tracker = StorageTracker(self.device)
+            if arena:
+                tracker.count_as_one(self._arena.buffer)
             for x in env.values():
                 tracker.track(x)
             tracker.measure()

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ._record import Call, Ref, out_variant
 
@@ -36,11 +37,23 @@ class StorageTracker(TorchDispatchMode):
         self._live: Dict[int, Any] = {}  # storage key -> (weak ref, bytes)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._whole: Optional[Tuple[int, int, Any]] = None  # (start, end, arena storage)
+
+    def count_as_one(self, buffer: torch.Tensor) -> None:
+        """Counts `buffer`'s storage, and every storage whose bytes lie
+        inside it (an arena's parameters have storages of their own over
+        its bytes: :meth:`Arena.view`), as that one storage."""
+        st = buffer.untyped_storage()
+        self._whole = (st.data_ptr(), st.data_ptr() + st.nbytes(), st)
+        self.track(buffer)
 
     def track(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or x.device.type != self.device:
             return
         st = x.untyped_storage()
+        whole = self._whole
+        if whole is not None and whole[0] <= st.data_ptr() < whole[1]:
+            st = whole[2]
         ref = StorageWeakRef(st)
         seen = self._live.get(ref.cdata)
         if seen is None or seen[0].expired():  # new, or a dead one's address reused
@@ -303,11 +316,20 @@ class Arena:
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
 
-    def view(self, offset: int, layout) -> torch.Tensor:
+    def view(self, offset: int, layout, own_storage: Optional[int] = None) -> torch.Tensor:
+        """The tensor of `layout` at `offset`. With `own_storage` (a byte
+        count), the tensor gets a storage of its own over those bytes of the
+        arena instead of the arena's (made through DLPack, which keeps the
+        arena alive): for parameters, buffers and optimizer state, so that
+        ``torch.save`` of a state dict writes each tensor's bytes and not
+        the whole arena's."""
         shape, stride, storage_offset, dtype, _ = layout
         size = torch.empty((), dtype=dtype, device="meta").element_size()
         if offset % size:
             raise ValueError(f"offset {offset} is not a multiple of the element size {size}")
+        if own_storage is not None:
+            window = from_dlpack(to_dlpack(self.buffer[offset:offset + own_storage]))
+            return window.view(dtype).as_strided(shape, stride, storage_offset)
         typed = self._typed.get(dtype)
         if typed is None:
             n = self.buffer.numel() - self.buffer.numel() % size
