@@ -156,49 +156,67 @@ torch_side() {
   fi
 }
 
-torch_step() {
-  # memplan.torch's arena step against eager PyTorch on the GPU, from the
-  # same weights (issue 12's GPU targets): max_memory_allocated/reserved,
-  # step time, results. The extension comes from .gpu/ (gpu_bundle.sh) or
-  # is built with cargo (no maturin needed; HiGHS off, so no cmake either)
-  # and is found through PYTHONPATH.
-  if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    if [ -f .gpu/_memplan.abi3.so ]; then
-      cp .gpu/_memplan.abi3.so python/memplan/_memplan.abi3.so || return
-    else
-      cargo build --release -p memplan-python --no-default-features \
-        && cp target/release/lib_memplan.so python/memplan/_memplan.abi3.so || return
-    fi
-    local xl=
-    python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
-    echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
-      --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
-    # Width-32 decoders: the replay's per-op overhead against eager's
-    # launches.
-    echo "== python3 -m memplan.torch.bench --device cuda --tiny --steps 50"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --tiny --steps 50 \
-      --json "$OUT/torch_step_tiny.json" 2>&1 | tee "$OUT/torch_step_tiny.out"
-    # Mixed precision as users write it: bf16 autocast, f32 master weights.
-    echo "== python3 -m memplan.torch.bench --device cuda --autocast --steps 5"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --autocast --steps 5 \
-      --json "$OUT/torch_step_bf16.json" 2>&1 | tee "$OUT/torch_step_bf16.out"
-    # Training as Hugging Face's Trainer runs it by default: dropout at 0.1
-    # (native_dropout and SDPA with dropout on CUDA; eager and memplan draw
-    # the same masks) and gradients clipped to norm 1.0 (foreach kernels).
-    echo "== python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5 \
-      --json "$OUT/torch_step_dropout.json" 2>&1 | tee "$OUT/torch_step_dropout.out"
-    # The same with cheap recomputation: at most 0.01% more FLOPs.
-    echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
-      --json "$OUT/torch_step_fit.json" 2>&1 | tee "$OUT/torch_step_fit.out"
-  else
+# Whether python3 has torch with CUDA; if so, puts memplan.torch's
+# extension in place: from .gpu/ (gpu_bundle.sh), or built with cargo (no
+# maturin needed; HiGHS off, so no cmake either). Found through PYTHONPATH.
+torch_ready() {
+  if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "python3 has no CUDA torch: skipping memplan.torch on the GPU"
+    return 1
+  fi
+  if [ -f .gpu/_memplan.abi3.so ]; then
+    cp .gpu/_memplan.abi3.so python/memplan/_memplan.abi3.so
+  else
+    cargo build --release -p memplan-python --no-default-features \
+      && cp target/release/lib_memplan.so python/memplan/_memplan.abi3.so
   fi
 }
 
+torch_step() {
+  # memplan.torch's arena step against eager PyTorch on the GPU, from the
+  # same weights (issue 12's GPU targets): max_memory_allocated/reserved,
+  # step time, results.
+  torch_ready || return
+  local xl=
+  python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
+  echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
+    --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
+  # Width-32 decoders: the replay's per-op overhead against eager's
+  # launches.
+  echo "== python3 -m memplan.torch.bench --device cuda --tiny --steps 50"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --tiny --steps 50 \
+    --json "$OUT/torch_step_tiny.json" 2>&1 | tee "$OUT/torch_step_tiny.out"
+  # Mixed precision as users write it: bf16 autocast, f32 master weights.
+  echo "== python3 -m memplan.torch.bench --device cuda --autocast --steps 5"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --autocast --steps 5 \
+    --json "$OUT/torch_step_bf16.json" 2>&1 | tee "$OUT/torch_step_bf16.out"
+}
+
+torch_step_loops() {
+  # The same comparison for training loops as people write them (a second
+  # call: each call has 10 minutes).
+  torch_ready || return
+  local xl=
+  python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
+  # Training as Hugging Face's Trainer runs it by default: dropout at 0.1
+  # (native_dropout and SDPA with dropout on CUDA; eager and memplan draw
+  # the same masks) and gradients clipped to norm 1.0 (foreach kernels).
+  echo "== python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5 \
+    --json "$OUT/torch_step_dropout.json" 2>&1 | tee "$OUT/torch_step_dropout.out"
+  # AdamW(fused=True) on both sides: eager's fused kernel, memplan's
+  # single-tensor update with its step counters on the GPU.
+  echo "== python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5 \
+    --json "$OUT/torch_step_fused.json" 2>&1 | tee "$OUT/torch_step_fused.out"
+  # The same with cheap recomputation: at most 0.01% more FLOPs.
+  echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
+    --json "$OUT/torch_step_fit.json" 2>&1 | tee "$OUT/torch_step_fit.out"
+}
+
 # SECTIONS picks what runs (default: all).
-for section in ${SECTIONS:-explicit fused llama torch_side torch_step}; do
+for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops}; do
   "$section"
 done

@@ -1059,6 +1059,21 @@ class OnDevice(unittest.TestCase):
         self.assertIsNone(row["eager_reserved_bytes"])
         self.assertGreater(row["eager_step_seconds"], 0)
         self.assertGreater(row["memplan_step_seconds"], 0)
+        # A checkpoint of the arena model holds its weights, not the arena.
+        self.assertLess(row["arena_bytes"], row["parameter_bytes"] * 10)
+        self.assertLess(row["checkpoint_bytes"], 1.1 * row["parameter_bytes"] + 16384, row)
+
+    def test_fused_adamw_side_by_side(self):
+        # `--fused-optimizer`: eager's fused kernel against memplan's
+        # single-tensor update; equal to rounding.
+        from memplan.torch.bench import on_device
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 64), Residual(64, 256, True), nn.Linear(64, 3))
+        batch = (torch.randn(128, 6), torch.randint(0, 3, (128,)))
+        (row,) = on_device("cpu", 2, 5.0, {"residual": (model, batch, classify)}, fused=True)
+        self.assertLessEqual(row["loss_rel_diff"], 1e-5)
+        self.assertLessEqual(row["param_rel_diff"], 1e-5)
 
     def test_with_cheap_recomputation(self):
         # `--max-added`: the arena step runs the smallest step memplan finds

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gzip
+import io
 import json
 import logging
 import os
@@ -352,7 +353,8 @@ def _rng_states(restore=None):
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
 
 
-def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None):
+def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None,
+              fused: bool = False):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -378,7 +380,15 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
 
     With `clip` (``max_norm``) both sides clip the gradients' norm before
     the update (``clip_grad_norm_`` in eager, ``capture(...,
-    clip_grad_norm=clip)`` for memplan)."""
+    clip_grad_norm=clip)`` for memplan).
+
+    With `fused` both sides use ``AdamW(fused=True)``: eager runs PyTorch's
+    fused kernel, memplan its single-tensor arithmetic (equal to rounding).
+
+    Each row also has the bytes ``torch.save`` writes for the memplan
+    model's state dict after the run (``checkpoint_bytes``), beside the
+    parameters' own bytes (``parameter_bytes``): the arena's tensors own
+    their bytes, so the two differ by pickle's framing only."""
     dev = torch.device(device)
     rows = []
     for name, (model, batch, loss_fn) in (cases or models()).items():
@@ -387,7 +397,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         eager_model = copy.deepcopy(model).to(dev)
         mine = copy.deepcopy(model).to(dev)
         del model
-        opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, weight_decay=0.01)
+        opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
         eager_losses = []
         rng = _rng_states()
 
@@ -407,7 +417,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
                     + [v for st in opt.state.values() for v in st.values()])
 
         e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
-        mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01)
+        mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
         step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit, clip_grad_norm=clip)
         added = 0.0
         if max_added is not None:
@@ -443,11 +453,20 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
             "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
             "loss_rel_diff": loss_diff, "param_rel_diff": param_diff,
             "max_added_share": max_added, "added_flops_share": added,
+            "checkpoint_bytes": _saved_bytes(mine.state_dict()),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
         })
         del eager_model, mine, opt, mopt, step, arena
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _saved_bytes(obj) -> int:
+    """The bytes ``torch.save(obj)`` writes."""
+    f = io.BytesIO()
+    torch.save(obj, f)
+    return f.getbuffer().nbytes
 
 
 def _print_device_rows(rows):
@@ -555,6 +574,8 @@ def main(argv=None):
                     "default is 0.1); eager and memplan draw the same masks")
     ap.add_argument("--clip-grad-norm", metavar="MAX", type=float,
                     help="with --device: clip the gradients' norm to MAX before each update, on both sides")
+    ap.add_argument("--fused-optimizer", action="store_true",
+                    help="with --device: AdamW(fused=True) on both sides (eager runs PyTorch's fused kernel)")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
                     help="with --device: first make each step the smallest memplan finds for at most "
                     "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
@@ -567,7 +588,8 @@ def main(argv=None):
         if args.autocast:
             cases = {f"{name}-bf16": (model, batch, _autocast(loss_fn, args.device))
                      for name, (model, batch, loss_fn) in cases.items()}
-        rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm)
+        rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm,
+                         args.fused_optimizer)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
