@@ -837,6 +837,48 @@ class Checkpoints(unittest.TestCase):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL)
 
 
+class OutOverloadsThatUseOutAsScratch(unittest.TestCase):
+    """aten's losses with a reduction resize their `out=` tensor to the
+    input's shape, use it as scratch and shrink it back. In the arena that
+    wrote over the neighbours' bytes (here: wrong parameters from the
+    second step, then a corrupted heap when the arena's storage was
+    reallocated under its views). The arena now probes each out= overload
+    once on fresh tensors and runs these as recorded."""
+
+    LOSSES = {
+        "mse_loss": lambda y, t: F.mse_loss(y, t),
+        "smooth_l1_loss": lambda y, t: F.smooth_l1_loss(y, t),
+        "huber_loss": lambda y, t: F.huber_loss(y, t),
+        "soft_margin_loss": lambda y, t: F.soft_margin_loss(y, t.sign()),
+        "binary_cross_entropy": lambda y, t: F.binary_cross_entropy(torch.sigmoid(y), t.sigmoid()),
+    }
+
+    def test_regression_losses_in_the_arena_as_in_eager(self):
+        for name, loss in self.LOSSES.items():
+            with self.subTest(name):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+                ref = copy.deepcopy(model)
+                batch = (torch.randn(256, 16), torch.randn(256, 1))
+
+                def loss_fn(m, b):
+                    return loss(m(b[0]), b[1])
+
+                opt, ref_opt = make_optimizer("adamw", model.parameters()), make_optimizer("adamw", ref.parameters())
+                step = mt.capture(model, opt, batch, loss_fn, time_limit=5)
+                for _ in range(3):
+                    got = step(batch, arena=True)
+                    want = loss_fn(ref, batch)
+                    want.backward()
+                    ref_opt.step()
+                    ref_opt.zero_grad(set_to_none=True)
+                    torch.testing.assert_close(got, want.detach(), **TOL)
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+                fallbacks = {str(step._calls[k].func) for k in step.place().fallbacks}
+                self.assertIn(f"aten.{name}.default", fallbacks)
+
+
 class GradientClipping(unittest.TestCase):
     """``capture(..., clip_grad_norm=max_norm)``: PyTorch's
     ``clip_grad_norm_`` between the backward pass and the update, as eager

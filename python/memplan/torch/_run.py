@@ -16,6 +16,7 @@ peak is what the run really held in tensors, whatever the runner believes.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -261,6 +262,29 @@ class Program:
         return target
 
 
+def _writes_only_its_outputs(fn, args, kwargs, outs: Dict[str, torch.Tensor]) -> bool:
+    """Whether the out= overload `fn` writes its results and nothing else
+    into the tensors `outs` it is given: called once on fresh tensors of
+    their layouts, it must leave each as and where it was. Some do not:
+    aten's losses with a reduction (``mse_loss``, ``huber_loss``,
+    ``binary_cross_entropy``...) resize `out` to the input's shape, use it
+    as scratch, and shrink it back; given a place in the arena, that writes
+    over the neighbours' bytes (and may reallocate the arena). Those run as
+    recorded. A probe is one extra call, on the first arena run only."""
+    if not all(isinstance(t, torch.Tensor) for t in outs.values()):
+        return False
+    fresh = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for n, t in outs.items()}
+    before = {n: (t.data_ptr(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) for n, t in fresh.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "An output with one or more elements was resized"
+            fn(*args, **kwargs, **fresh)
+    except (RuntimeError, TypeError):
+        return False
+    return all((t.data_ptr(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) == before[n]
+               for n, t in fresh.items())
+
+
 # A factory's tensor options: its out= overload takes them from `out`.
 TENSOR_OPTIONS = ("dtype", "layout", "device", "pin_memory")
 
@@ -396,6 +420,10 @@ class Arena:
             fn = getattr(fn, "_op", fn)
             outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
             into = [(i, placed[i]) for _, i in targets]
+            if not _writes_only_its_outputs(fn, args, {n: v for n, v in kwargs.items() if n not in dropped},
+                                            outs):
+                variant = None
+        if variant is not None:
 
             def into_place(args, kwargs, env) -> bool:
                 if dropped:
