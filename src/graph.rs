@@ -942,7 +942,20 @@ impl Specs<'_> {
                 chain_producers(Some(t), d);
             }
             for &t in &o.outputs {
+                // An output may be a view of another output of the same op
+                // (aten returns one tensor for two results: the bias
+                // gradients of mkldnn's RNN backward): no dependency on
+                // itself.
+                let start = d.len();
                 chain_producers(self.tensors[t.index()].view_of, d);
+                let mut k = start;
+                while k < d.len() {
+                    if d[k].index() == i {
+                        d.swap_remove(k);
+                    } else {
+                        k += 1;
+                    }
+                }
             }
             d.extend(o.after.iter().copied());
             d.sort_unstable();
@@ -1154,6 +1167,31 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_op_may_output_a_view_of_its_own_output() {
+        // mkldnn's RNN backward returns one tensor as both bias gradients.
+        let mut b = GraphBuilder::new("t");
+        let x = b.add_tensor(TensorSpec::new("x", 8));
+        let g = b.add_tensor(TensorSpec::new("g", 8));
+        let h = b.add_tensor(TensorSpec::new("h", 8).view_of(g));
+        let y = b.add_tensor(TensorSpec::new("y", 8));
+        b.add_op(OpSpec::new("make", OpKind::Other, "f").outputs([x]));
+        let both = b.add_op(
+            OpSpec::new("both", OpKind::Other, "f")
+                .inputs([x])
+                .outputs([g, h]),
+        );
+        let read = b.add_op(
+            OpSpec::new("read", OpKind::Other, "f")
+                .inputs([h])
+                .outputs([y]),
+        );
+        let graph = b.build().unwrap();
+        assert!(!graph.deps(both).contains(&both));
+        assert!(graph.deps(read).contains(&both));
+        assert_eq!(names(&graph, graph.program_order()), ["make", "both", "read"]);
     }
 
     #[test]

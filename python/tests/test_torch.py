@@ -1301,6 +1301,21 @@ class BadInputIsRefusedByName(unittest.TestCase):
         with self.assertRaisesRegex(mt.UnsupportedStep, "amsgrad"):
             self.capture(model, opt=torch.optim.AdamW(model.parameters(), amsgrad=True))
 
+    def test_sparse_gradients(self):
+        class Bag(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.e = nn.Embedding(50, 16, sparse=True)
+                self.h = nn.Linear(16, 3)
+
+            def forward(self, i):
+                return self.h(self.e(i).mean(1))
+
+        model = Bag()
+        batch = (torch.randint(0, 50, (8, 5)), torch.randint(0, 3, (8,)))
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"sparse_coo tensor \(sparse gradients"):
+            mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, classify)
+
 
 if __name__ == "__main__":
     unittest.main()

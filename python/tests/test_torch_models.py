@@ -247,6 +247,30 @@ class TrainingLoops(unittest.TestCase):
             layer.self_attn.v_proj = LowRankAdapter(layer.self_attn.v_proj)
         Harness(self, model, self.TOKENS, lm).run()
 
+    def test_recurrent_layers(self):
+        class Recurrent(nn.Module):
+            def __init__(self, core):
+                super().__init__()
+                self.core = core
+                self.head = nn.Linear(16, 3)
+
+            def forward(self, s):
+                return self.head(self.core(s)[0].mean(1))
+
+        batch = (torch.randn(8, 10, 16), torch.randint(0, 3, (8,)))
+        torch.manual_seed(0)
+        Harness(self, Recurrent(nn.GRU(16, 16, num_layers=2, batch_first=True)), batch, classify).run()
+        # oneDNN's LSTM returns its backward's workspace only while
+        # autograd records; the step replays without autograd.
+        import memplan.torch as mt
+
+        lstm = Recurrent(nn.LSTM(16, 16, num_layers=2, batch_first=True))
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"mkldnn_rnn_layer.*mkldnn\.flags\(enabled=False\)"):
+            mt.capture(lstm, torch.optim.AdamW(lstm.parameters()), batch, classify)
+        # As the message says: plain ops, the same on both sides.
+        with torch.backends.mkldnn.flags(enabled=False):
+            Harness(self, lstm, batch, classify).run()
+
     def test_a_data_dependent_loss_is_refused_by_name(self):
         # Wav2Vec2's CTC loss selects the labels that are not padding, a
         # shape only the data knows.

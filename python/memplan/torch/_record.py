@@ -158,6 +158,17 @@ def may_write_over(x: torch.Tensor, a: torch.Tensor) -> bool:
     )
 
 
+# Ops whose real kernels return other results without autograd than with
+# it; the step replays under `torch.no_grad()`.
+GRAD_MODE_DEPENDENT = {
+    "aten::mkldnn_rnn_layer": (
+        "oneDNN's LSTM keeps the workspace its backward needs only while autograd records, and the step "
+        "replays without it; capture (and train) with torch.backends.mkldnn.flags(enabled=False), which "
+        "records the LSTM as plain ops"
+    ),
+}
+
+
 class UnsupportedStep(ValueError):
     """A step memplan cannot run in another order; the message names the
     op and says why."""
@@ -470,6 +481,8 @@ class Recorder(TorchDispatchMode):
         if func.namespace in SKIPPED_NAMESPACES:
             return func(*args, **kwargs)
         name = func._schema.name
+        if name in GRAD_MODE_DEPENDENT:
+            raise UnsupportedStep(f"{func}: {GRAD_MODE_DEPENDENT[name]}")
         if name in DATA_DEPENDENT:
             raise UnsupportedStep(
                 f"{func}: reads a tensor's value into Python (`.item()`, a data-dependent shape); "
@@ -512,6 +525,12 @@ class Recorder(TorchDispatchMode):
                 "nonzero); memplan replays a graph of static shapes"
             ) from None
 
+        for x in arg_objs + tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor) and x.layout != torch.strided:
+                raise UnsupportedStep(
+                    f"{func}: a {x.layout} tensor (sparse gradients: nn.Embedding(sparse=True)...); memplan "
+                    "plans dense tensors, whose bytes are known before the step runs"
+                )
         arg_ids = {id(x) for x in arg_objs}
         outputs: List[int] = []
         new_roots: List[torch.Tensor] = []
