@@ -1191,7 +1191,10 @@ mod tests {
         let graph = b.build().unwrap();
         assert!(!graph.deps(both).contains(&both));
         assert!(graph.deps(read).contains(&both));
-        assert_eq!(names(&graph, graph.program_order()), ["make", "both", "read"]);
+        assert_eq!(
+            names(&graph, graph.program_order()),
+            ["make", "both", "read"]
+        );
     }
 
     #[test]
