@@ -194,10 +194,10 @@ def advance_steps(opt: torch.optim.Optimizer, updated) -> Dict[int, float]:
         for p in group["params"]:
             st = opt.state.get(p)
             if id(p) in ids and st and isinstance(st.get("step"), torch.Tensor):
-                st["step"] += 1
                 counters.append(st["step"])
         if not counters:
             continue
+        torch._foreach_add_(counters, 1.0)  # one launch, not one per parameter, for fused optimizers
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for c in counters:
             by_device.setdefault(c.device, []).append(c)
