@@ -1301,6 +1301,23 @@ class BadInputIsRefusedByName(unittest.TestCase):
         with self.assertRaisesRegex(mt.UnsupportedStep, "amsgrad"):
             self.capture(model, opt=torch.optim.AdamW(model.parameters(), amsgrad=True))
 
+    def test_a_storage_grown_inside_the_step(self):
+        # `resize_` would grow bytes memplan placed at their first size: in
+        # the arena, over other tensors' bytes.
+        class Grows(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(6, 3)
+
+            def forward(self, x):
+                buf = torch.empty(0)
+                buf.resize_(x.shape[0], 3)
+                return buf.copy_(self.a(x))
+
+        model = Grows()
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"aten\.resize_\S*: grows the storage .* from 0 to 48 bytes"):
+            self.capture(model)
+
     def test_sparse_gradients(self):
         class Bag(nn.Module):
             def __init__(self):

@@ -450,6 +450,24 @@ class Recorder(TorchDispatchMode):
         self._fixed_role[i] = role
         return i
 
+    def _refuse_grown_storages(self, func, arg_objs: List[torch.Tensor], writes: List[int]) -> None:
+        """An op that writes a tensor must leave its storage the size it
+        was made with (`resize_`, `set_` may grow it): memplan places each
+        tensor's bytes when it is made, and the arena has no more there."""
+        if not writes:
+            return
+        for x in arg_objs:
+            i = self._by_object.get(x)
+            if i is None or i not in writes or x.device.type != self.device:
+                continue
+            made = self.tensors[self.root(i)]["size"]
+            now = x.untyped_storage().nbytes()
+            if now > made:
+                raise UnsupportedStep(
+                    f"{func}: grows the storage of a tensor made earlier in the step from {made} to {now} "
+                    "bytes; memplan places each tensor's bytes when it is made (make it at its full size)"
+                )
+
     def _arg(self, x: torch.Tensor, func) -> int:
         i = self._by_object.get(x)
         if i is not None:
@@ -525,6 +543,7 @@ class Recorder(TorchDispatchMode):
                 "nonzero); memplan replays a graph of static shapes"
             ) from None
 
+        self._refuse_grown_storages(func, arg_objs, writes)
         for x in arg_objs + tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor) and x.layout != torch.strided:
                 raise UnsupportedStep(
