@@ -271,6 +271,32 @@ class TrainingLoops(unittest.TestCase):
         with torch.backends.mkldnn.flags(enabled=False):
             Harness(self, lstm, batch, classify).run()
 
+    def test_rotary_embeddings_through_complex_numbers(self):
+        # Meta's Llama reference code rotates queries as complex numbers;
+        # the backward multiplies by the conjugate (a lazily conjugated
+        # view, which PyTorch materialises before an out= kernel: in the
+        # arena that copy is counted outside, and no output takes a
+        # conjugated view's bytes).
+        class Rotary(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Linear(16, 16)
+                self.head = nn.Linear(16, 3)
+                freqs = 1.0 / (10000 ** (torch.arange(0, 8).float() / 8))
+                angles = torch.outer(torch.arange(10).float(), freqs)
+                self.register_buffer("cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+            def forward(self, x):
+                q = self.q(x)
+                qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+                return self.head(torch.view_as_real(qc * self.cis).flatten(2).mean(1))
+
+        torch.manual_seed(0)
+        h = Harness(self, Rotary(), (torch.randn(8, 10, 16), torch.randint(0, 3, (8,))), classify)
+        h.run()
+        fallbacks = {str(h.step._calls[k].func) for k in h.step.place().fallbacks}
+        self.assertIn("aten.clone.default", fallbacks)
+
     def test_a_data_dependent_loss_is_refused_by_name(self):
         # Wav2Vec2's CTC loss selects the labels that are not padding, a
         # shape only the data knows.

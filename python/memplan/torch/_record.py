@@ -145,11 +145,13 @@ def writes_like_pointwise(func) -> bool:
 def may_write_over(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether a pointwise (or :data:`ROW_WISE`) op's new output `x` may be
     written into the bytes of its argument `a`: the two have the same shape,
-    strides and element size, and each fills its whole storage from offset 0. Then ``out=a``
+    strides and element size, each fills its whole storage from offset 0,
+    and neither is a lazily conjugated or negated view. Then ``out=a``
     writes every element exactly where it was read from, after reading it
     (what aten's kernels do for a fully overlapping output)."""
     return (
-        a.shape == x.shape
+        not (a.is_conj() or a.is_neg() or x.is_conj() or x.is_neg())  # lazily conjugated or negated views
+        and a.shape == x.shape
         and a.stride() == x.stride()
         and a.storage_offset() == 0
         and x.storage_offset() == 0

@@ -262,27 +262,49 @@ class Program:
         return target
 
 
-def _writes_only_its_outputs(fn, args, kwargs, outs: Dict[str, torch.Tensor]) -> bool:
-    """Whether the out= overload `fn` writes its results and nothing else
-    into the tensors `outs` it is given: called once on fresh tensors of
-    their layouts, it must leave each as and where it was. Some do not:
-    aten's losses with a reduction (``mse_loss``, ``huber_loss``,
-    ``binary_cross_entropy``...) resize `out` to the input's shape, use it
-    as scratch, and shrink it back; given a place in the arena, that writes
-    over the neighbours' bytes (and may reallocate the arena). Those run as
-    recorded. A probe is one extra call, on the first arena run only."""
+class _Seen(TorchDispatchMode):
+    """The ops that reach the dispatcher's Python key inside a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _writes_only_its_outputs(overload, args, kwargs, outs: Dict[str, torch.Tensor]) -> bool:
+    """Whether the out= `overload` writes its results straight into the
+    tensors `outs` it is given and does nothing else: called once on fresh
+    tensors of their layouts, it must be the only op dispatched and leave
+    each of them as and where it was. Two kinds fail:
+
+    - aten's losses with a reduction (``mse_loss``, ``huber_loss``,
+      ``binary_cross_entropy``...) resize `out` to the input's shape, use it
+      as scratch and shrink it back; given a place in the arena, that
+      writes over the neighbours' bytes (and may reallocate the arena);
+    - a call that first makes a temporary: an argument with the conjugate
+      or negative bit is materialised by PyTorch's fallback (``_conj``,
+      ``clone``) before the kernel runs, bytes the arena does not count.
+
+    Those run as recorded and are copied into place, counted as outside
+    the arena. A probe is one extra call, on the first arena run only."""
     if not all(isinstance(t, torch.Tensor) for t in outs.values()):
         return False
     fresh = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for n, t in outs.items()}
     before = {n: (t.data_ptr(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) for n, t in fresh.items()}
+    seen = _Seen()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "An output with one or more elements was resized"
-            fn(*args, **kwargs, **fresh)
+            with seen:
+                overload(*args, **kwargs, **fresh)
     except (RuntimeError, TypeError):
         return False
-    return all((t.data_ptr(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) == before[n]
-               for n, t in fresh.items())
+    return seen.ops == [overload] and all(
+        (t.data_ptr(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride()) == before[n]
+        for n, t in fresh.items())
 
 
 # A factory's tensor options: its out= overload takes them from `out`.
@@ -416,12 +438,12 @@ class Arena:
             if variant is not None and [p for p, _ in targets] != list(range(len(targets))):
                 variant = None
         if variant is not None:
-            fn, names, dropped = variant
-            fn = getattr(fn, "_op", fn)
+            overload, names, dropped = variant
+            fn = getattr(overload, "_op", overload)
             outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
             into = [(i, placed[i]) for _, i in targets]
-            if not _writes_only_its_outputs(fn, args, {n: v for n, v in kwargs.items() if n not in dropped},
-                                            outs):
+            if not _writes_only_its_outputs(overload, args,
+                                            {n: v for n, v in kwargs.items() if n not in dropped}, outs):
                 variant = None
         if variant is not None:
 
