@@ -70,6 +70,11 @@ def make_optimizer(kind, params):
         return torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    if kind == "muon+adamw":
+        # Muon's usual pairing: Muon for matrices, AdamW for the rest.
+        params = list(params)
+        return [torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02, weight_decay=0.1),
+                torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-2, weight_decay=0.1)]
     if kind == "adamw-fused":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     if kind == "sgd-fused":
@@ -127,8 +132,9 @@ class Harness:
             loss.backward()
         if self.clip is not None:
             self.eager_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.clip)
-        self.ref_opt.step()
-        self.ref_opt.zero_grad(set_to_none=True)
+        for o in self.ref_opt if isinstance(self.ref_opt, list) else [self.ref_opt]:
+            o.step()
+            o.zero_grad(set_to_none=True)
         return loss.detach()
 
     def paired(self, memplan_step):
@@ -750,6 +756,34 @@ class LearningRateSchedules(unittest.TestCase):
         self.assertEqual([g["lr"] for g in opt.param_groups], [g["lr"] for g in ref_opt.param_groups])
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+
+
+class SeveralOptimizers(unittest.TestCase):
+    """`capture(model, [opt_a, opt_b], ...)`: optimizers over disjoint
+    parameters, each update recorded from its own kind. Muon (PyTorch's
+    Newton-Schulz iteration, recorded op for op) with AdamW, as Muon is
+    used, equals eager's two `step()` calls to the bit."""
+
+    def test_muon_for_matrices_adamw_for_the_rest(self):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+        torch.manual_seed(0)
+        h = Harness(self, LlamaForCausalLM(cfg), torch.randint(0, 256, (2, 16)), causal_lm, opt="muon+adamw")
+        self.assertEqual(h.step.graph["metadata"]["optimizer"], "Muon+AdamW")
+        # The Newton-Schulz iteration's bf16 products are in the graph.
+        types = [op["type"] for op in h.step.graph["ops"] if op["kind"] == "optimizer"]
+        self.assertGreater(types.count("aten.addmm.default"), 0)
+        h.run()
+        for st in h.opt[0].state.values():
+            self.assertEqual(set(st), {"momentum_buffer"})
+
+    def test_a_parameter_in_two_optimizers_is_refused(self):
+        model = nn.Linear(4, 4)
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW([model.weight])]
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"a parameter of shape \(4, 4\) is in two param groups"):
+            mt.capture(model, opts, torch.randn(3, 4), lambda m, b: m(b).sum())
 
 
 class FusedOptimizers(unittest.TestCase):

@@ -28,7 +28,7 @@ Random ops (dropout) are kept in eager's sequence by every plan and never
 recomputed, so a step draws what eager draws from the same generator
 state. What cannot be captured raises :class:`UnsupportedStep` naming the
 op: reading values into Python (``.item()``, data-dependent shapes),
-optimizers other than AdamW/Adam/SGD. A batch of
+optimizers other than AdamW/Adam/SGD/Muon. A batch of
 another shape than the captured one is refused at run time (capture again).
 """
 
@@ -283,7 +283,8 @@ class Step:
             go()
         # The step took optimizer.step()'s place: learning-rate schedulers
         # check this flag to tell a late scheduler.step() call.
-        self.optimizer._opt_called = True
+        for o in self.optimizer.members:
+            o._opt_called = True
         if self._norm is not None:
             self.grad_norm = env[self._norm]
         return env[self._loss]
@@ -334,7 +335,7 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
     return new_calls, new_layouts
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
+def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, plan: bool = True,
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
             meta_device: str = "cpu", budget: Optional[int] = None,
@@ -344,9 +345,11 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
     tensor or a tuple, list or dict of tensors (the shapes every later batch
-    must have). `optimizer` is a ``torch.optim.AdamW``, ``Adam`` or ``SGD``
-    over the model's parameters; its state is made (zeros) if no step ran
-    yet, as its first ``step()`` would. With ``plan=False`` the step is not
+    must have). `optimizer` is a ``torch.optim.AdamW``, ``Adam``, ``SGD``
+    or ``Muon`` over the model's parameters, or a list of them over
+    disjoint parameters (Muon for the matrices, AdamW for the rest); its
+    state is made (zeros) if no step ran yet, as its first ``step()``
+    would. With ``plan=False`` the step is not
     planned until :meth:`Step.make_plan` or the first planned run. With
     `budget` (bytes), the step is fitted into it by recomputation instead
     (:meth:`Step.fit`, within `time_limit` seconds); with `max_added` (a
@@ -383,6 +386,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
     if budget is not None and max_added is not None:
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
     t0 = time.perf_counter()
+    optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
     _optim.ensure_state(optimizer)
     hyper = _optim.Hyper(optimizer)
     params = dict(model.named_parameters())
@@ -397,7 +401,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_ba
         inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
     label = name or f"{type(model).__name__}-step"
     meta = {"source": "memplan.torch.capture", "torch": torch.__version__, "device": device,
-            "optimizer": type(optimizer).__name__}
+            "optimizer": optimizer.name}
     leading = {shape[0] if shape else None for _, shape, *_ in inputs.batch_layouts}
     if len(leading) == 1 and None not in leading:
         meta["batch"] = leading.pop()
@@ -513,7 +517,7 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 for p in group["params"]:
                     n = name_of[id(p)]
                     if n in grad_of:
-                        _optim.update(hyper.kind, group, hyper.markers[gi], fp[n], grad_of[n],
+                        _optim.update(hyper.kinds[gi], group, hyper.markers[gi], fp[n], grad_of[n],
                                       inputs.fstate[id(p)])
                         updated.append(p)
     return loss_index, updated, norm_index

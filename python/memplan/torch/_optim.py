@@ -4,8 +4,8 @@ PyTorch's ``optimizer.step()`` updates every parameter after the whole
 backward pass, and on CUDA in ``_foreach_*`` ops that take all parameters at
 once, so no gradient can die before the last one is made. The captured step
 instead runs each parameter's update as its own ops (the arithmetic of
-PyTorch's single-tensor ``Adam``/``AdamW``/``SGD``, op for op, so the result
-is the same bits), and memplan places each update right after the
+PyTorch's single-tensor ``Adam``/``AdamW``/``SGD``/``Muon``, op for op, so
+the result is the same bits), and memplan places each update right after the
 parameter's gradient is complete.
 
 Hyperparameters change between steps (learning-rate schedules, Adam's bias
@@ -32,6 +32,56 @@ from ._record import UnsupportedStep
 ADAM_NUMBERS = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
                 "neg_step_size")
 SGD_NUMBERS = ("wd", "momentum", "one_minus_dampening", "neg_lr")
+MUON_NUMBERS = ("decay", "momentum", "one_minus_momentum")  # and "neg_lr*<ratio>" per shape ratio
+NAMES = {"adam": ADAM_NUMBERS, "adamw": ADAM_NUMBERS, "sgd": SGD_NUMBERS, "muon": MUON_NUMBERS}
+
+
+class Optimizers:
+    """One optimizer, or several over disjoint parameters, seen as one:
+    their param groups in order (`param_groups`, each with its `kinds`
+    entry) and each parameter's state in the optimizer that owns it
+    (`state`). Several are how Muon is used: Muon for the hidden layers'
+    matrices, AdamW for embeddings, norms and biases."""
+
+    def __init__(self, optimizer) -> None:
+        self.members = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.param_groups: List[Dict[str, Any]] = []
+        self.kinds: List[str] = []
+        self._owner: Dict[int, torch.optim.Optimizer] = {}
+        for o in self.members:
+            kind = _kind(o)
+            for group in o.param_groups:
+                for p in group["params"]:
+                    if id(p) in self._owner:
+                        raise UnsupportedStep(f"a parameter of shape {tuple(p.shape)} is in two param groups")
+                    self._owner[id(p)] = o
+                self.param_groups.append(group)
+                self.kinds.append(kind)
+        self.state = _State(self._owner, self.members)
+
+    @property
+    def name(self) -> str:
+        return "+".join(type(o).__name__ for o in self.members)
+
+
+class _State:
+    """`Optimizers.state`: a parameter's state in its own optimizer (empty,
+    and not stored, for a parameter none of them owns)."""
+
+    def __init__(self, owner: Dict[int, torch.optim.Optimizer], members: List[torch.optim.Optimizer]) -> None:
+        self._owner = owner
+        self._members = members
+
+    def __getitem__(self, p) -> Dict[str, Any]:
+        o = self._owner.get(id(p))
+        return o.state[p] if o is not None else {}
+
+    def get(self, p, default=None):
+        o = self._owner.get(id(p))
+        return o.state.get(p, default) if o is not None else default
+
+    def values(self):
+        return [st for o in self._members for st in o.state.values()]
 
 
 def _marker(group: int, k: int) -> float:
@@ -43,20 +93,27 @@ class Hyper:
     """The optimizer's numbers as markers while recording, as values when
     running."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: "Optimizers") -> None:
         self.optimizer = optimizer
-        self.kind = _kind(optimizer)
-        names = ADAM_NUMBERS if self.kind in ("adam", "adamw") else SGD_NUMBERS
-        self.markers: List[Dict[str, float]] = [
-            {n: _marker(g, k) for k, n in enumerate(names)}
-            for g in range(len(optimizer.param_groups))
-        ]
+        self.kinds = optimizer.kinds
+        self.markers: List[Dict[str, float]] = []
+        for g, (group, kind) in enumerate(zip(optimizer.param_groups, self.kinds)):
+            names = list(NAMES[kind])
+            if kind == "muon":
+                names += [f"neg_lr*{r!r}" for r in _muon_ratios(group)]
+            if len(names) > 64:
+                raise UnsupportedStep(f"param group {g}: more than {64 - len(NAMES[kind])} parameter shapes")
+            self.markers.append({n: _marker(g, k) for k, n in enumerate(names)})
         # What the recorded structure assumed (weight decay on or off...).
-        self.shape = [self._structure(g) for g in optimizer.param_groups]
+        self.shape = [self._structure(g, k) for g, k in zip(optimizer.param_groups, self.kinds)]
 
-    def _structure(self, group: Dict[str, Any]) -> Tuple:
-        if self.kind in ("adam", "adamw"):
+    @staticmethod
+    def _structure(group: Dict[str, Any], kind: str) -> Tuple:
+        if kind in ("adam", "adamw"):
             return (group["weight_decay"] != 0,)
+        if kind == "muon":
+            return (bool(group["nesterov"]), tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
+                    group["adjust_lr_fn"], tuple(_muon_ratios(group)))
         return (group["weight_decay"] != 0, group["momentum"] != 0, bool(group["nesterov"]))
 
     def values(self, steps: Dict[int, float]) -> Dict[float, float]:
@@ -64,19 +121,27 @@ class Hyper:
         after its increment."""
         out: Dict[float, float] = {}
         for g, group in enumerate(self.optimizer.param_groups):
-            if self._structure(group) != self.shape[g]:
+            if self._structure(group, self.kinds[g]) != self.shape[g]:
                 raise UnsupportedStep(
                     f"param group {g}: weight decay, momentum or nesterov was switched on or off "
-                    "after capture; capture the step again"
+                    "(or Muon's iteration or parameters changed) after capture; capture the step again"
                 )
-            vals = self._group_values(group, steps.get(g, 1.0))
+            vals = self._group_values(group, self.kinds[g], steps.get(g, 1.0))
             for n, v in vals.items():
                 out[self.markers[g][n]] = v
         return out
 
-    def _group_values(self, group: Dict[str, Any], step: float) -> Dict[str, float]:
+    @staticmethod
+    def _group_values(group: Dict[str, Any], kind: str, step: float) -> Dict[str, float]:
         lr = float(group["lr"])
-        if self.kind in ("adam", "adamw"):
+        if kind == "muon":
+            # As torch.optim.Muon: `lr * ratio` for each shape, then negated.
+            vals = {"decay": 1 - lr * group["weight_decay"], "momentum": group["momentum"],
+                    "one_minus_momentum": 1 - group["momentum"]}
+            for r in _muon_ratios(group):
+                vals[f"neg_lr*{r!r}"] = -(lr * r)
+            return vals
+        if kind in ("adam", "adamw"):
             beta1, beta2 = (float(b) for b in group["betas"])
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
@@ -101,10 +166,10 @@ class Hyper:
 
 def _kind(opt: torch.optim.Optimizer) -> str:
     name = type(opt).__name__
-    kinds = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}
-    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+    kinds = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Muon": "muon"}
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, getattr(torch.optim, "Muon", None)):
         raise UnsupportedStep(
-            f"optimizer {name}: memplan.torch captures torch.optim.AdamW, Adam and SGD"
+            f"optimizer {name}: memplan.torch captures torch.optim.AdamW, Adam, SGD and Muon"
         )
     for g, group in enumerate(opt.param_groups):
         # `fused` and `foreach` choose PyTorch's kernels, not the update:
@@ -123,16 +188,18 @@ def _kind(opt: torch.optim.Optimizer) -> str:
     return kind
 
 
-def ensure_state(opt: torch.optim.Optimizer) -> None:
+def ensure_state(opt: Optimizers) -> None:
     """Makes the optimizer state PyTorch makes on the first step (zeros), so
     the captured step reads it as a step input."""
-    kind = _kind(opt)
-    for group in opt.param_groups:
+    for group, kind in zip(opt.param_groups, opt.kinds):
         for p in group["params"]:
             if not p.requires_grad:
                 continue
             st = opt.state[p]
-            if kind in ("adam", "adamw"):
+            if kind == "muon":
+                if st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif kind in ("adam", "adamw"):
                 if not st:
                     # Where PyTorch keeps it: with the parameter for the
                     # fused kernels, on the host otherwise.
@@ -172,6 +239,9 @@ def update(kind: str, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> N
         denom = (exp_avg_sq.sqrt() / m["bc2_sqrt"]).add_(m["eps"])
         p.addcdiv_(exp_avg, denom, value=m["neg_step_size"])
         return
+    if kind == "muon":
+        _muon_update(group, m, p, g, st)
+        return
     if group["weight_decay"] != 0:
         g = g.add(p, alpha=m["wd"])
     if group["momentum"] != 0:
@@ -181,7 +251,29 @@ def update(kind: str, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> N
     p.add_(g, alpha=m["neg_lr"])
 
 
-def advance_steps(opt: torch.optim.Optimizer, updated) -> Dict[int, float]:
+def _muon_ratios(group: Dict[str, Any]) -> List[float]:
+    """The learning-rate ratios torch.optim.Muon applies to the group's
+    parameters (one per distinct shape)."""
+    from torch.optim._muon import _adjust_lr
+
+    return sorted({_adjust_lr(1.0, group["adjust_lr_fn"], p.shape) for p in group["params"]})
+
+
+def _muon_update(group: Dict[str, Any], m: Dict[str, float], p, g, st) -> None:
+    """torch.optim.Muon's single-tensor update: momentum (Nesterov's by
+    default), the Newton-Schulz orthogonalisation (PyTorch's own function,
+    recorded op for op), decoupled weight decay, the shape-scaled step."""
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    buf = st["momentum_buffer"]
+    buf.lerp_(g, m["one_minus_momentum"])
+    u = g.lerp(buf, m["momentum"]) if group["nesterov"] else buf
+    u = _zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    p.mul_(m["decay"])
+    p.add_(u, alpha=m[f"neg_lr*{_adjust_lr(1.0, group['adjust_lr_fn'], p.shape)!r}"])
+
+
+def advance_steps(opt: Optimizers, updated) -> Dict[int, float]:
     """Increments the step counter of every updated parameter as
     ``optimizer.step()`` does and returns each group's step count (what its
     bias correction uses; the parameters of a group must agree). Counters
