@@ -57,7 +57,7 @@ class Optimizers:
                     self._owner[id(p)] = o
                 self.param_groups.append(group)
                 self.kinds.append(kind)
-        self.state = _State(self._owner, self.members)
+        self.state = _State(self._owner)
 
     @property
     def name(self) -> str:
@@ -68,9 +68,8 @@ class _State:
     """`Optimizers.state`: a parameter's state in its own optimizer (empty,
     and not stored, for a parameter none of them owns)."""
 
-    def __init__(self, owner: Dict[int, torch.optim.Optimizer], members: List[torch.optim.Optimizer]) -> None:
+    def __init__(self, owner: Dict[int, torch.optim.Optimizer]) -> None:
         self._owner = owner
-        self._members = members
 
     def __getitem__(self, p) -> Dict[str, Any]:
         o = self._owner.get(id(p))
@@ -79,9 +78,6 @@ class _State:
     def get(self, p, default=None):
         o = self._owner.get(id(p))
         return o.state.get(p, default) if o is not None else default
-
-    def values(self):
-        return [st for o in self._members for st in o.state.values()]
 
 
 def _marker(group: int, k: int) -> float:
