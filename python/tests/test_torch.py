@@ -457,6 +457,40 @@ class ArgumentBinding(unittest.TestCase):
         self.assertIs(kept, keep)
 
 
+class SettledArenaReplay(unittest.TestCase):
+    """After its first run the arena replays each call through one
+    generated function (binding, the out= call into its places, the
+    values dying there); a call that fails there is settled again as
+    recorded and the step goes on with eager's results."""
+
+    def test_generated_calls_and_their_recovery(self):
+        model = gpt2(layers=1, width=32)
+        h = Harness(self, model, torch.randint(0, 256, (2, 16)), causal_lm)
+        for _ in range(2):
+            loss, want = h.paired(lambda: h.step(h.batch, arena=True))
+            torch.testing.assert_close(loss, want, **TOL)
+        arena = h.step.place()
+        self.assertEqual(len(arena._fast), len(h.step.plan["order"]))
+        # Break one generated out= call (an addmm into its place): it is
+        # settled again as recorded, copied into its place, and counted.
+        prog = h.step.program("planned")
+        pos = next(p for p, k in enumerate(prog.order)
+                   if str(prog.calls[k].func) == "aten.addmm.default" and k not in arena.fallbacks)
+
+        def refuses(env, nums):
+            raise RuntimeError("out= refused")
+
+        arena._fast[pos] = refuses
+        loss, want = h.paired(lambda: h.step(h.batch, arena=True))
+        torch.testing.assert_close(loss, want, **TOL)
+        self.assertIn(prog.order[pos], arena.fallbacks)
+        self.assertIsNot(arena._fast[pos], refuses)
+        loss, want = h.paired(lambda: h.step(h.batch, arena=True))
+        torch.testing.assert_close(loss, want, **TOL)
+        for p, q in zip(model.parameters(), h.ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+
+
 class PointwiseOpsWriteOverDyingInputs(unittest.TestCase):
     """Reuse hints: a pointwise op may write its output into an argument of
     the same layout whose last use it is; the plan counts the two once and

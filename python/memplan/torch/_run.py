@@ -163,11 +163,14 @@ def _binder(args, kwargs, subst: bool) -> Callable:
                 return nums.get(x, x) if subst and isinstance(x, float) else x
             return tree_map(bind, args), tree_map(bind, kwargs)
         return slow
-    body = f"({expr(tuple(args)) if reaches(tuple(args)) else const(args)}, " \
-           f"{expr(dict(kwargs)) if reaches(dict(kwargs)) else const(kwargs)})"
+    args_src = expr(tuple(args)) if reaches(tuple(args)) else const(args)
+    kwargs_src = expr(dict(kwargs)) if reaches(dict(kwargs)) else const(kwargs)
     # Only indices, constant slots and brackets are spliced into the source.
-    made = eval(f"lambda c: lambda env, nums: {body}", {"__builtins__": {}})
-    return made(consts)
+    made = eval(f"lambda c: lambda env, nums: ({args_src}, {kwargs_src})", {"__builtins__": {}})(consts)
+    # For the arena's generated calls (Arena._generate): the two
+    # expressions, over `env`, `nums` and the constants `c`.
+    made.source = (args_src, kwargs_src, consts)
+    return made
 
 
 class Program:
@@ -359,6 +362,8 @@ class Arena:
         # places last run.
         self._ran_with: Optional[tuple] = None
         self._ways: List[Optional[Callable]] = []
+        # Once every way is settled, one generated function per position.
+        self._fast: Optional[List[Callable]] = None
         # The most bytes a fallback op's results held outside the arena.
         self.outside_peak_bytes = 0
 
@@ -400,9 +405,14 @@ class Arena:
             # Held, not compared by id: a new program may reuse an old one's.
             self._ran_with = (prog, placed, optimizer_calls)
             self._ways = [None] * len(prog.order)
+            self._fast = None
         ways = self._ways
+        plan = prog.plan(optimizer_calls)
         with torch.no_grad():
-            for pos, (bind, k, _, _, _, dies) in enumerate(prog.plan(optimizer_calls)):
+            if self._fast is not None:
+                self._run_fast(prog, plan, placed, env, numbers)
+                return
+            for pos, (bind, k, _, _, _, dies) in enumerate(plan):
                 args, kwargs = bind(env, numbers)
                 way = ways[pos]
                 if way is None or not way(args, kwargs, env):
@@ -410,6 +420,66 @@ class Arena:
                 args = kwargs = None
                 for i in dies:
                     env.pop(i, None)
+        # Settled: from the next run on, one generated function per call.
+        self._fast = [self._generate(pos, step) for pos, step in enumerate(plan)]
+
+    def _run_fast(self, prog: "Program", plan: List[tuple], placed: Dict[int, torch.Tensor],
+                  env: Dict[int, torch.Tensor], numbers: Dict[float, float]) -> None:
+        """The settled replay: each position's generated function binds,
+        calls and drops its dead values in one frame. A call that fails
+        (an out= overload refusing what it took before) is settled again
+        as recorded, and its function made anew."""
+        fast = self._fast
+        for pos, f in enumerate(fast):
+            try:
+                f(env, numbers)
+            except (RuntimeError, TypeError):
+                bind, k, _, _, _, dies = plan[pos]
+                self.fallbacks.add(k)
+                args, kwargs = bind(env, numbers)
+                self._ways[pos] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
+                for i in dies:
+                    env.pop(i, None)
+                fast[pos] = self._generate(pos, plan[pos])
+
+    def _generate(self, pos: int, step: tuple) -> Callable:
+        """Position `pos`'s settled way as one generated function
+        ``(env, nums) -> None``: the out= call written out with its
+        arguments' expressions (the binder's) and its places as constants,
+        or the way itself called on the bound arguments; then the values
+        dying there dropped. Only indices and constant slots are spliced
+        into the source."""
+        bind, _, _, _, _, dies = step
+        way = self._ways[pos]
+        spec = getattr(way, "spec", ("recorded",))
+        source = getattr(bind, "source", None)
+        consts: List[Any] = [] if source is None else list(source[2])
+
+        def const(x) -> str:
+            consts.append(x)
+            return f"c[{len(consts) - 1}]"
+
+        if source is None:  # a binder walking the arguments (one is a named tuple)
+            lines = [f"a, kw = {const(bind)}(env, nums)"]
+            args_src, kwargs_src = "a", "kw"
+        else:
+            args_src, kwargs_src = source[0], source[1]
+            lines = []
+        if spec[0] == "as_is":
+            lines += [f"env[{int(i)}] = {const(t)}" for i, t in spec[1]]
+        elif spec[0] == "into":
+            _, fn, outs, into, dropped = spec
+            if dropped:
+                kwargs_src = f"{{n: v for n, v in {kwargs_src}.items() if n not in {const(set(dropped))}}}"
+            lines.append(f"{const(fn)}(*{args_src}, **{kwargs_src}, **{const(outs)})")
+            lines += [f"env[{int(i)}] = {const(t)}" for i, t in into]
+        else:
+            lines.append(f"{const(way)}({args_src}, {kwargs_src}, env)")
+        lines += [f"env.pop({int(i)}, None)" for i in dies]
+        src = "def f(env, nums):\n" + "".join(f"    {line}\n" for line in lines)
+        scope: Dict[str, Any] = {"__builtins__": {}, "c": consts}
+        exec(src, scope)
+        return scope["f"]
 
     def _settle(self, c: Call, k: int, args, kwargs, placed: Dict[int, torch.Tensor],
                 env: Dict[int, torch.Tensor]) -> Callable:
@@ -428,6 +498,7 @@ class Arena:
                 return True
 
             placed_as_is(args, kwargs, env)
+            placed_as_is.spec = ("as_is", [(i, t)])
             return placed_as_is
         variant = None
         # A random call runs as recorded: a failed or moved out= call
@@ -462,6 +533,7 @@ class Arena:
             # An out= kernel may restride or resize its output (leaving
             # the arena): then it runs as recorded.
             if into_place(args, kwargs, env) and all(self._intact(t) for _, t in into):
+                into_place.spec = ("into", fn, outs, into, dropped)
                 return into_place
             self.fallbacks.add(k)
 
@@ -497,4 +569,5 @@ class Arena:
             return True
 
         as_recorded(args, kwargs, env)
+        as_recorded.spec = ("recorded",)
         return as_recorded
