@@ -66,7 +66,8 @@ class Step:
                  hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
                  norm_index: Optional[int] = None, accumulate: int = 1) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self._optimizers = optimizer  # _optim.Optimizers over what the caller gave
+        self.optimizer = optimizer.members[0] if len(optimizer.members) == 1 else list(optimizer.members)
         self.graph = graph
         self.device = rec.device
         self._calls = rec.calls
@@ -261,7 +262,7 @@ class Step:
             for i, slot in self._batch_slots.items():
                 slot.copy_(env[i])
                 env[i] = slot
-        numbers = self._hyper.values(_optim.advance_steps(self.optimizer, self._updated))
+        numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
         def go():
             if arena:
@@ -283,7 +284,7 @@ class Step:
             go()
         # The step took optimizer.step()'s place: learning-rate schedulers
         # check this flag to tell a late scheduler.step() call.
-        for o in self.optimizer.members:
+        for o in self._optimizers.members:
             o._opt_called = True
         if self._norm is not None:
             self.grad_norm = env[self._norm]
