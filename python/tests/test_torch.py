@@ -491,6 +491,46 @@ class SettledArenaReplay(unittest.TestCase):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL)
 
 
+class TensorsFromOutsideTheStep(unittest.TestCase):
+    """A loss or a model may read tensors made before the step that are
+    neither parameters nor buffers (class weights, a fixed mask): they are
+    constant inputs of the step, their values copied at capture."""
+
+    def test_class_weights_and_a_mask(self):
+        weights = torch.tensor([1.0, 2.0, 0.5])
+        mask = (torch.rand(6) > 0.3).float()
+
+        def weighted(m, b):
+            return F.cross_entropy(m(b[0] * mask), b[1], weight=weights)
+
+        torch.manual_seed(0)
+        h = Harness(self, random_model(random.Random(3)), (torch.randn(16, 6), torch.randint(0, 3, (16,))),
+                    weighted)
+        consts = [t for t in h.step.graph["tensors"] if t["id"].startswith("const")]
+        self.assertEqual(sorted(t["shape"] for t in consts), [[3], [6]])
+        self.assertTrue(all(t["lifetime"] == "persistent" for t in consts))
+        h.run()
+
+    def test_one_the_step_writes_is_refused(self):
+        seen = torch.zeros(3)
+
+        def counting(m, b):
+            seen.add_(1)  # eager would count in `seen`, the step in a copy
+            return F.cross_entropy(m(b[0]), b[1])
+
+        model = nn.Linear(6, 3)
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"aten\.add_\S*: writes a tensor made outside the step"):
+            mt.capture(model, torch.optim.AdamW(model.parameters()), (torch.randn(4, 6), torch.tensor([0, 1, 2, 0])),
+                       counting)
+
+    def test_one_that_requires_grad_is_refused(self):
+        scale = torch.ones(3, requires_grad=True)
+        model = nn.Linear(6, 3)
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"requires grad but is not a parameter"):
+            mt.capture(model, torch.optim.AdamW(model.parameters()), (torch.randn(4, 6), torch.tensor([0, 1, 2, 0])),
+                       lambda m, b: F.cross_entropy(m(b[0]) * scale, b[1]))
+
+
 class PointwiseOpsWriteOverDyingInputs(unittest.TestCase):
     """Reuse hints: a pointwise op may write its output into an argument of
     the same layout whose last use it is; the plan counts the two once and

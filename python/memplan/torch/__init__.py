@@ -396,6 +396,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive number of micro-batches, not {accumulate!r}")
     inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch, accumulate)
+    rec.fake_mode = inputs.fake
     loss_index, updated, norm_index = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
                                              clip_grad_norm, norm_type)
     for i, value in rec.constants.items():

@@ -375,6 +375,11 @@ class Recorder(TorchDispatchMode):
         self.ops: List[Dict[str, Any]] = []
         self.calls: List[Call] = []
         self.constants: Dict[int, torch.Tensor] = {}  # graph tensor -> its value
+        # The capture's FakeTensorMode (set by the driver), and the fake
+        # stand-in of each real tensor the step reads from outside.
+        self.fake_mode = None
+        self._outside: Dict[int, torch.Tensor] = {}
+        self._outside_roots: set = set()
         self.parent: List[Optional[int]] = []  # per tensor: what it is a view of
         # Per graph tensor: shape, stride, storage offset, dtype, device.
         self.layouts: List[Tuple[tuple, tuple, int, torch.dtype, torch.device]] = []
@@ -452,6 +457,32 @@ class Recorder(TorchDispatchMode):
         self._fixed_role[i] = role
         return i
 
+    def _from_outside(self, x, func):
+        """A real tensor the step reads from outside it (class weights in a
+        loss, a mask made before the step) becomes a constant input: its
+        value, copied at capture, is bound at every run, and a fake
+        stand-in takes its place while recording."""
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+            return x
+        fake = self._outside.get(id(x))
+        if fake is None:
+            if x.requires_grad:
+                raise UnsupportedStep(
+                    f"{func}: reads a tensor of shape {tuple(x.shape)} that requires grad but is not a "
+                    "parameter of the model (make it one, or detach it)"
+                )
+            with _disable_current_modes():
+                value = x.detach().clone()
+                fake = self.fake_mode.from_tensor(value)
+            i = self._new_root(fake, f"const{len(self.constants)}", "input", "persistent")
+            self._fixed_role[i] = "input"
+            self._phase_of[i] = "before"
+            self.constants[i] = value
+            self._outside[id(x)] = fake
+            self._outside_roots.add(i)
+            self._kept.append(x)  # its id stays its own while recording
+        return fake
+
     def _refuse_grown_storages(self, func, arg_objs: List[torch.Tensor], writes: List[int]) -> None:
         """An op that writes a tensor must leave its storage the size it
         was made with (`resize_`, `set_` may grow it): memplan places each
@@ -508,6 +539,8 @@ class Recorder(TorchDispatchMode):
                 f"{func}: reads a tensor's value into Python (`.item()`, a data-dependent shape); "
                 "memplan replays a fixed graph, so the step must not branch on values"
             )
+        if self.fake_mode is not None:
+            args, kwargs = tree_map(lambda x: self._from_outside(x, func), (args, kwargs))
         random = torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs)
         schema = func._schema
         written = set()
@@ -546,6 +579,11 @@ class Recorder(TorchDispatchMode):
             ) from None
 
         self._refuse_grown_storages(func, arg_objs, writes)
+        if any(self.root(i) in self._outside_roots for i in writes):
+            raise UnsupportedStep(
+                f"{func}: writes a tensor made outside the step that is not a buffer of the model (the step "
+                "would update a copy of it); register it as a buffer"
+            )
         for x in arg_objs + tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor) and x.layout != torch.strided:
                 raise UnsupportedStep(
@@ -718,6 +756,8 @@ class Recorder(TorchDispatchMode):
             if "view_of" in t:
                 t["role"] = self.tensors[self.root(i)]["role"]
         self._kept.clear()
+        self._outside.clear()
+        self._outside_roots.clear()
         self._states.clear()
         self._root_of_storage.clear()
         return {
