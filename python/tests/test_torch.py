@@ -905,6 +905,26 @@ class Checkpoints(unittest.TestCase):
     optimizer holds those bytes, not the whole arena, and loading one
     writes into the arena's places."""
 
+    def test_parameters_sharing_one_storage_move_together(self):
+        # Two parameters carved from one flat tensor: the second is a view
+        # of the first's root and moves into the arena with it (it stayed
+        # in its old bytes, outside the plan, before).
+        class Flat(nn.Module):
+            def __init__(self):
+                super().__init__()
+                flat = torch.randn(6 * 3 + 3) * 0.1
+                self.w = nn.Parameter(flat[:18].view(6, 3))
+                self.b = nn.Parameter(flat[18:])
+
+            def forward(self, x):
+                return x @ self.w + self.b
+
+        torch.manual_seed(0)
+        model = Flat()
+        h = Harness(self, model, (torch.randn(8, 6), torch.randint(0, 3, (8,))), classify)
+        h.run()  # the arena run's tracked bytes are the arena's: nothing left outside
+        self.assertEqual(model.w.untyped_storage().data_ptr(), model.b.untyped_storage().data_ptr())
+
     def test_state_dicts_save_their_own_bytes_and_load_back(self):
         import io
 

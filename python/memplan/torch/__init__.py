@@ -239,10 +239,31 @@ class Step:
                     placed[i].copy_(x)
                     x.data = placed[i]
                     del placed[i]  # bound: lives there, nothing makes it
+            self._place_bound_views(device)
         self._batch_slots = {i: placed.pop(i) for i, *_ in self._batch_layouts if i in placed}
         self._placed = placed
         self._arena = arena
         return arena
+
+    def _place_bound_views(self, device: torch.device) -> None:
+        """Parameters (or state) that share their bytes with another one
+        were recorded as views of its root: each moves with that root, to
+        its own offset in the root's new storage, with its value."""
+        tensors = self.graph["tensors"]
+        index = {t["id"]: k for k, t in enumerate(tensors)}
+        for i, x in self._bound.items():
+            if "view_of" not in tensors[i]:
+                continue
+            r = i
+            while "view_of" in tensors[r]:
+                r = index[tensors[r]["view_of"]]
+            root = self._bound.get(r)
+            if root is None:
+                continue
+            shape, stride, offset, dtype, _ = self._layouts[i]
+            moved = torch.empty(0, dtype=dtype, device=device).set_(root.untyped_storage(), offset, shape, stride)
+            moved.copy_(x)
+            x.data = moved
 
     def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False) -> torch.Tensor:
         """One training step on `batch`; `order` is ``"planned"`` or
