@@ -946,16 +946,9 @@ impl Specs<'_> {
                 // (aten returns one tensor for two results: the bias
                 // gradients of mkldnn's RNN backward): no dependency on
                 // itself.
-                let start = d.len();
-                chain_producers(self.tensors[t.index()].view_of, d);
-                let mut k = start;
-                while k < d.len() {
-                    if d[k].index() == i {
-                        d.swap_remove(k);
-                    } else {
-                        k += 1;
-                    }
-                }
+                let mut chain = Vec::new();
+                chain_producers(self.tensors[t.index()].view_of, &mut chain);
+                d.extend(chain.into_iter().filter(|p| p.index() != i));
             }
             d.extend(o.after.iter().copied());
             d.sort_unstable();

@@ -92,11 +92,12 @@ class Hyper:
     def __init__(self, optimizer: "Optimizers") -> None:
         self.optimizer = optimizer
         self.kinds = optimizer.kinds
+        # Per group, the learning-rate ratios Muon applies by shape (its
+        # parameters are fixed at capture).
+        self.ratios = [_muon_ratios(g) if k == "muon" else [] for g, k in zip(optimizer.param_groups, self.kinds)]
         self.markers: List[Dict[str, float]] = []
         for g, (group, kind) in enumerate(zip(optimizer.param_groups, self.kinds)):
-            names = list(NAMES[kind])
-            if kind == "muon":
-                names += [f"neg_lr*{r!r}" for r in _muon_ratios(group)]
+            names = list(NAMES[kind]) + [f"neg_lr*{r!r}" for r in self.ratios[g]]
             if len(names) > 64:
                 raise UnsupportedStep(f"param group {g}: more than {64 - len(NAMES[kind])} parameter shapes")
             self.markers.append({n: _marker(g, k) for k, n in enumerate(names)})
@@ -109,7 +110,7 @@ class Hyper:
             return (group["weight_decay"] != 0,)
         if kind == "muon":
             return (bool(group["nesterov"]), tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
-                    group["adjust_lr_fn"], tuple(_muon_ratios(group)))
+                    group["adjust_lr_fn"])
         return (group["weight_decay"] != 0, group["momentum"] != 0, bool(group["nesterov"]))
 
     def values(self, steps: Dict[int, float]) -> Dict[float, float]:
@@ -120,21 +121,21 @@ class Hyper:
             if self._structure(group, self.kinds[g]) != self.shape[g]:
                 raise UnsupportedStep(
                     f"param group {g}: weight decay, momentum or nesterov was switched on or off "
-                    "(or Muon's iteration or parameters changed) after capture; capture the step again"
+                    "(or Muon's iteration settings changed) after capture; capture the step again"
                 )
-            vals = self._group_values(group, self.kinds[g], steps.get(g, 1.0))
+            vals = self._group_values(group, self.kinds[g], steps.get(g, 1.0), self.ratios[g])
             for n, v in vals.items():
                 out[self.markers[g][n]] = v
         return out
 
     @staticmethod
-    def _group_values(group: Dict[str, Any], kind: str, step: float) -> Dict[str, float]:
+    def _group_values(group: Dict[str, Any], kind: str, step: float, ratios: List[float]) -> Dict[str, float]:
         lr = float(group["lr"])
         if kind == "muon":
             # As torch.optim.Muon: `lr * ratio` for each shape, then negated.
             vals = {"decay": 1 - lr * group["weight_decay"], "momentum": group["momentum"],
                     "one_minus_momentum": 1 - group["momentum"]}
-            for r in _muon_ratios(group):
+            for r in ratios:
                 vals[f"neg_lr*{r!r}"] = -(lr * r)
             return vals
         if kind in ("adam", "adamw"):

@@ -584,7 +584,8 @@ class Recorder(TorchDispatchMode):
                 f"{func}: writes a tensor made outside the step that is not a buffer of the model (the step "
                 "would update a copy of it); register it as a buffer"
             )
-        for x in arg_objs + tree_flatten(out)[0]:
+        flat_out = tree_flatten(out)[0]
+        for x in arg_objs + flat_out:
             if isinstance(x, torch.Tensor) and x.layout != torch.strided:
                 raise UnsupportedStep(
                     f"{func}: a {x.layout} tensor (sparse gradients: nn.Embedding(sparse=True)...); memplan "
@@ -594,7 +595,7 @@ class Recorder(TorchDispatchMode):
         outputs: List[int] = []
         new_roots: List[torch.Tensor] = []
         call_outputs: List[Tuple[int, int]] = []
-        for pos, x in enumerate(tree_flatten(out)[0]):
+        for pos, x in enumerate(flat_out):
             if not isinstance(x, torch.Tensor) or id(x) in arg_ids:
                 continue  # an in-place result or `out=` argument: an update
             key = storage_key(x)
@@ -623,7 +624,7 @@ class Recorder(TorchDispatchMode):
             call_outputs.append((pos, i))
 
         if random:
-            writes.append(self._generator(func, arg_objs, tree_flatten(out)[0], kwargs))
+            writes.append(self._generator(func, arg_objs, flat_out, kwargs))
         updates = _unique(writes)
         inputs = [i for i in _unique(reads) if i not in updates and i not in outputs]
         if not (inputs or updates or outputs):
