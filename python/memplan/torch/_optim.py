@@ -4,20 +4,23 @@ PyTorch's ``optimizer.step()`` updates every parameter after the whole
 backward pass, and on CUDA in ``_foreach_*`` ops that take all parameters at
 once, so no gradient can die before the last one is made. The captured step
 instead runs each parameter's update as its own ops (the arithmetic of
-PyTorch's single-tensor ``Adam``/``AdamW``/``SGD``/``Muon``, op for op, so
-the result is the same bits), and memplan places each update right after the
+PyTorch's single-tensor implementation of each optimizer, op for op, so the
+result is the same bits), and memplan places each update right after the
 parameter's gradient is complete.
 
-Hyperparameters change between steps (learning-rate schedules, Adam's bias
-correction, which depends on the step count). They are Python numbers in
-PyTorch's update, and a recorded program would keep the numbers of the step
-it was recorded on. So the update is recorded with **markers**: distinct
-odd float values standing for "this group's ``neg_step_size``", etc. The
-recorder keeps them in the calls' arguments; before each step,
+Each optimizer PyTorch ships that memplan captures is a :class:`Kind`: the
+per-group numbers its update reads, the settings that change which ops it
+runs (its *structure*), the state it keeps per parameter, and the update
+itself. Hyperparameters change between steps (learning-rate schedules,
+Adam's bias correction, which depends on the step count). They are Python
+numbers in PyTorch's update, and a recorded program would keep the numbers
+of the step it was recorded on. So the update is recorded with **markers**:
+distinct odd float values standing for "this group's ``neg_step_size``",
+etc. The recorder keeps them in the calls' arguments; before each step,
 :meth:`Hyper.values` computes every marker's value from the optimizer's
-current ``param_groups`` and state exactly as PyTorch would, and the runner
-substitutes them. Tensors are fake while recording, so the markers never
-reach a kernel.
+current ``param_groups`` and step count exactly as PyTorch would, and the
+runner substitutes them. Tensors are fake while recording, so the markers
+never reach a kernel.
 """
 
 from __future__ import annotations
@@ -28,12 +31,398 @@ import torch
 
 from ._record import UnsupportedStep
 
-# Names of the per-group numbers each optimizer's update reads.
-ADAM_NUMBERS = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
-                "neg_step_size")
-SGD_NUMBERS = ("wd", "momentum", "one_minus_dampening", "neg_lr")
-MUON_NUMBERS = ("decay", "momentum", "one_minus_momentum")  # and "neg_lr*<ratio>" per shape ratio
-NAMES = {"adam": ADAM_NUMBERS, "adamw": ADAM_NUMBERS, "sgd": SGD_NUMBERS, "muon": MUON_NUMBERS}
+
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _host_step() -> torch.Tensor:
+    """A step counter where PyTorch keeps it when neither fused nor
+    capturable: a 0-d tensor on the host."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return torch.tensor(0.0, dtype=_get_scalar_dtype())
+
+
+class Kind:
+    """One optimizer's update, as PyTorch's single-tensor implementation
+    writes it. `numbers` are the per-group values the update reads (as
+    markers while recording); `flags` the boolean settings it honours."""
+
+    numbers: Tuple[str, ...] = ()
+    flags: Tuple[str, ...] = ("maximize",)
+
+    def structure(self, group: Dict[str, Any]) -> Tuple:
+        """The settings that choose which ops the update runs: a change
+        after capture needs a new capture."""
+        return tuple(bool(group.get(f)) for f in self.flags) + (group.get("weight_decay", 0) != 0,)
+
+    def values(self, group: Dict[str, Any], counts: Dict[str, float]) -> Dict[str, float]:
+        """The numbers' values for a step; `counts["step"]` is the group's
+        step count after its increment (absent for optimizers that keep
+        none)."""
+        raise NotImplementedError
+
+    def advance(self, group: Dict[str, Any], states: List[Dict[str, Any]], step: float) -> Dict[str, float]:
+        """Updates the host-side state PyTorch updates with the step count
+        (beside the counter itself) of the group's updated parameters;
+        returns what `values` reads of it."""
+        return {}
+
+    def state_keys(self, group: Dict[str, Any]) -> Tuple[str, ...]:
+        """The device tensors of a parameter's state the update reads and
+        writes."""
+        raise NotImplementedError
+
+    def init_state(self, group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any]) -> None:
+        """Makes the state PyTorch makes on the first step, so the captured
+        step reads it as a step input."""
+        raise NotImplementedError
+
+    def update(self, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> None:
+        """One parameter's update with the group's numbers as markers `m`
+        (p, g and the state are fake tensors)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def grad(group: Dict[str, Any], m: Dict[str, float], p, g, coupled: bool = True):
+        """The gradient as the update reads it: negated for `maximize`,
+        plus L2 weight decay where the decay is coupled."""
+        if group.get("maximize"):
+            g = -g
+        if coupled and group.get("weight_decay", 0) != 0:
+            g = g.add(p, alpha=m["wd"])
+        return g
+
+
+class Adam(Kind):
+    """Adam and AdamW (`decoupled` weight decay), `amsgrad` included."""
+
+    numbers = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps", "neg_step_size")
+    flags = ("maximize", "amsgrad")
+
+    def __init__(self, decoupled: bool) -> None:
+        self.decoupled = decoupled
+
+    def values(self, group, counts):
+        step = counts.get("step", 1.0)
+        lr = float(group["lr"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return {
+            "decay": 1 - lr * group["weight_decay"],
+            "wd": group["weight_decay"],
+            "one_minus_beta1": 1 - beta1,
+            "beta2": beta2,
+            "one_minus_beta2": 1 - beta2,
+            "bc2_sqrt": (1 - beta2**step) ** 0.5,
+            "eps": group["eps"],
+            "neg_step_size": -(lr / (1 - beta1**step)),
+        }
+
+    def state_keys(self, group):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        # Where PyTorch keeps it: with the parameter for the fused kernels,
+        # on the host otherwise.
+        st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if group.get("fused") else "cpu")
+        st["exp_avg"], st["exp_avg_sq"] = _zeros(p), _zeros(p)
+        if group.get("amsgrad"):
+            st["max_exp_avg_sq"] = _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g, coupled=not self.decoupled)
+        if self.decoupled and group["weight_decay"] != 0:
+            p.mul_(m["decay"])
+        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+        exp_avg.lerp_(g, m["one_minus_beta1"])
+        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
+        if group.get("amsgrad"):
+            torch.maximum(st["max_exp_avg_sq"], exp_avg_sq, out=st["max_exp_avg_sq"])
+            exp_avg_sq = st["max_exp_avg_sq"]
+        denom = (exp_avg_sq.sqrt() / m["bc2_sqrt"]).add_(m["eps"])
+        p.addcdiv_(exp_avg, denom, value=m["neg_step_size"])
+
+
+class SGD(Kind):
+    """SGD with momentum, dampening, Nesterov and weight decay."""
+
+    numbers = ("wd", "momentum", "one_minus_dampening", "neg_lr")
+    flags = ("maximize", "nesterov")
+
+    def structure(self, group):
+        return super().structure(group) + (group["momentum"] != 0,)
+
+    def values(self, group, counts):
+        return {"wd": group["weight_decay"], "momentum": group["momentum"],
+                "one_minus_dampening": 1 - group["dampening"], "neg_lr": -float(group["lr"])}
+
+    def state_keys(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def init_state(self, group, p, st):
+        if group["momentum"] == 0 or st.get("momentum_buffer") is not None:
+            return
+        if group["dampening"] != 0:
+            raise UnsupportedStep(
+                "SGD with dampening makes its momentum buffer on the first step as a copy of "
+                "the gradient; run one eager step before capturing"
+            )
+        # buf * momentum + grad * (1 - 0) equals the first step's copy.
+        st["momentum_buffer"] = _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g)
+        if group["momentum"] != 0:
+            buf = st["momentum_buffer"]
+            buf.mul_(m["momentum"]).add_(g, alpha=m["one_minus_dampening"])
+            g = g.add(buf, alpha=m["momentum"]) if group["nesterov"] else buf
+        p.add_(g, alpha=m["neg_lr"])
+
+
+class RMSprop(Kind):
+    """RMSprop, `centered` and with momentum included."""
+
+    numbers = ("wd", "alpha", "one_minus_alpha", "eps", "momentum", "neg_lr")
+    flags = ("maximize", "centered")
+
+    def structure(self, group):
+        return super().structure(group) + (group["momentum"] > 0,)
+
+    def values(self, group, counts):
+        return {"wd": group["weight_decay"], "alpha": group["alpha"], "one_minus_alpha": 1 - group["alpha"],
+                "eps": group["eps"], "momentum": group["momentum"], "neg_lr": -float(group["lr"])}
+
+    def state_keys(self, group):
+        return (("square_avg",) + (("momentum_buffer",) if group["momentum"] > 0 else ())
+                + (("grad_avg",) if group["centered"] else ()))
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        st["step"] = _host_step()
+        for k in self.state_keys(group):
+            st[k] = _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g)
+        square_avg = st["square_avg"]
+        square_avg.mul_(m["alpha"]).addcmul_(g, g, value=m["one_minus_alpha"])
+        if group["centered"]:
+            grad_avg = st["grad_avg"]
+            grad_avg.lerp_(g, m["one_minus_alpha"])
+            avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+        else:
+            avg = square_avg.sqrt()
+        avg = avg.add_(m["eps"])
+        if group["momentum"] > 0:
+            buf = st["momentum_buffer"]
+            buf.mul_(m["momentum"]).addcdiv_(g, avg)
+            p.add_(buf, alpha=m["neg_lr"])
+        else:
+            p.addcdiv_(g, avg, value=m["neg_lr"])
+
+
+class Adagrad(Kind):
+    """Adagrad with learning-rate decay and an initial accumulator."""
+
+    numbers = ("wd", "eps", "neg_clr")
+
+    def values(self, group, counts):
+        step = counts.get("step", 1.0)
+        return {"wd": group["weight_decay"], "eps": group["eps"],
+                "neg_clr": -(float(group["lr"]) / (1 + (step - 1) * group["lr_decay"]))}
+
+    def state_keys(self, group):
+        return ("sum",)
+
+    def init_state(self, group, p, st):
+        # Adagrad makes its state in its constructor; this only restores a
+        # cleared one.
+        if st:
+            return
+        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused") else _host_step()
+        st["sum"] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g)
+        st["sum"].addcmul_(g, g, value=1)
+        std = st["sum"].sqrt().add_(m["eps"])
+        p.addcdiv_(g, std, value=m["neg_clr"])
+
+
+class Adamax(Kind):
+    """Adamax: Adam with the infinity norm."""
+
+    numbers = ("wd", "one_minus_beta1", "beta2", "eps", "neg_clr")
+
+    def values(self, group, counts):
+        step = counts.get("step", 1.0)
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return {"wd": group["weight_decay"], "one_minus_beta1": 1 - beta1, "beta2": beta2, "eps": group["eps"],
+                "neg_clr": -(float(group["lr"]) / (1 - beta1**step))}
+
+    def state_keys(self, group):
+        return ("exp_avg", "exp_inf")
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        st["step"] = _host_step()
+        st["exp_avg"], st["exp_inf"] = _zeros(p), _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g)
+        exp_avg, exp_inf = st["exp_avg"], st["exp_inf"]
+        exp_avg.lerp_(g, m["one_minus_beta1"])
+        torch.maximum(exp_inf.mul_(m["beta2"]), g.abs().add_(m["eps"]), out=exp_inf)
+        p.addcdiv_(exp_avg, exp_inf, value=m["neg_clr"])
+
+
+class Adadelta(Kind):
+    """Adadelta."""
+
+    numbers = ("wd", "rho", "one_minus_rho", "eps", "neg_lr")
+
+    def values(self, group, counts):
+        return {"wd": group["weight_decay"], "rho": group["rho"], "one_minus_rho": 1 - group["rho"],
+                "eps": group["eps"], "neg_lr": -float(group["lr"])}
+
+    def state_keys(self, group):
+        return ("square_avg", "acc_delta")
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        st["step"] = _host_step()
+        st["square_avg"], st["acc_delta"] = _zeros(p), _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g)
+        square_avg, acc_delta = st["square_avg"], st["acc_delta"]
+        square_avg.mul_(m["rho"]).addcmul_(g, g, value=m["one_minus_rho"])
+        std = square_avg.add(m["eps"]).sqrt_()
+        delta = acc_delta.add(m["eps"]).sqrt_()
+        delta.div_(std).mul_(g)
+        acc_delta.mul_(m["rho"]).addcmul_(delta, delta, value=m["one_minus_rho"])
+        p.add_(delta, alpha=m["neg_lr"])
+
+
+class NAdam(Kind):
+    """NAdam: Adam with Nesterov momentum whose coefficient `mu` warms up
+    with the step count. PyTorch keeps the product of the `mu`s so far per
+    parameter as a host tensor; :meth:`advance` multiplies it as
+    ``optimizer.step()`` does, and the update's two step sizes are
+    computed from it."""
+
+    numbers = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2", "eps", "neg_grad_step",
+               "neg_avg_step")
+    flags = ("maximize", "decoupled_weight_decay")
+
+    @staticmethod
+    def mus(group: Dict[str, Any], step: float) -> Tuple[float, float]:
+        beta1, decay = float(group["betas"][0]), group["momentum_decay"]
+        return (beta1 * (1.0 - 0.5 * (0.96 ** (step * decay))),
+                beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * decay))))
+
+    def advance(self, group, states, step):
+        mu, _ = self.mus(group, step)
+        products = [st["mu_product"] for st in states]
+        for t in products:
+            t.mul_(mu)  # as PyTorch: the host tensor's own rounding
+        return {"mu_product": _one_value(products, "a different product of momentum coefficients")}
+
+    def values(self, group, counts):
+        step = counts.get("step", 1.0)
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        mu, mu_next = self.mus(group, step)
+        vals = {"decay": 1 - lr * wd, "wd": wd, "one_minus_beta1": 1 - beta1, "beta2": beta2,
+                "one_minus_beta2": 1 - beta2, "bc2": 1 - beta2**step, "eps": group["eps"],
+                "neg_grad_step": 0.0, "neg_avg_step": 0.0}  # unused by a group no parameter of which updates
+        product = counts.get("mu_product")
+        if product is not None:
+            vals["neg_grad_step"] = -lr * (1.0 - mu) / (1.0 - product)
+            vals["neg_avg_step"] = (-lr * mu_next) / (1.0 - product * mu_next)
+        return vals
+
+    def state_keys(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        st["step"], st["mu_product"] = _host_step(), _host_step().add_(1.0)
+        st["exp_avg"], st["exp_avg_sq"] = _zeros(p), _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        decoupled = bool(group["decoupled_weight_decay"])
+        g = self.grad(group, m, p, g, coupled=not decoupled)
+        if decoupled and group["weight_decay"] != 0:
+            p.mul_(m["decay"])
+        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+        exp_avg.lerp_(g, m["one_minus_beta1"])
+        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
+        denom = exp_avg_sq.div(m["bc2"]).sqrt()
+        denom.add_(m["eps"])
+        p.addcdiv_(g, denom, value=m["neg_grad_step"])
+        p.addcdiv_(exp_avg, denom, value=m["neg_avg_step"])
+
+
+class Muon(Kind):
+    """torch.optim.Muon: momentum (Nesterov's by default), the
+    Newton-Schulz orthogonalisation (PyTorch's own function, recorded op
+    for op), decoupled weight decay, a step scaled by the parameter's
+    shape. Its learning rate per shape ratio is a number of its own
+    (`neg_lr*<ratio>`, added by :class:`Hyper`)."""
+
+    numbers = ("decay", "momentum", "one_minus_momentum")
+    flags = ("nesterov",)
+
+    def structure(self, group):
+        return (bool(group["nesterov"]), tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
+                group["adjust_lr_fn"])
+
+    def values(self, group, counts):
+        lr = float(group["lr"])
+        return {"decay": 1 - lr * group["weight_decay"], "momentum": group["momentum"],
+                "one_minus_momentum": 1 - group["momentum"]}
+
+    def state_keys(self, group):
+        return ("momentum_buffer",)
+
+    def init_state(self, group, p, st):
+        if st.get("momentum_buffer") is None:
+            st["momentum_buffer"] = _zeros(p)
+
+    @staticmethod
+    def ratios(group: Dict[str, Any]) -> List[float]:
+        """The learning-rate ratios PyTorch applies to the group's
+        parameters (one per distinct shape)."""
+        from torch.optim._muon import _adjust_lr
+
+        return sorted({_adjust_lr(1.0, group["adjust_lr_fn"], p.shape) for p in group["params"]})
+
+    def update(self, group, m, p, g, st):
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        buf = st["momentum_buffer"]
+        buf.lerp_(g, m["one_minus_momentum"])
+        u = g.lerp(buf, m["momentum"]) if group["nesterov"] else buf
+        u = _zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        p.mul_(m["decay"])
+        p.add_(u, alpha=m[f"neg_lr*{_adjust_lr(1.0, group['adjust_lr_fn'], p.shape)!r}"])
+
+
+# PyTorch's optimizer classes memplan captures, by name.
+KINDS: Dict[str, Kind] = {
+    "adam": Adam(decoupled=False), "adamw": Adam(decoupled=True), "sgd": SGD(), "rmsprop": RMSprop(),
+    "adagrad": Adagrad(), "adamax": Adamax(), "adadelta": Adadelta(), "nadam": NAdam(), "muon": Muon(),
+}
+_CLASSES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad",
+            "Adamax": "adamax", "Adadelta": "adadelta", "NAdam": "nadam", "Muon": "muon"}
 
 
 class Optimizers:
@@ -48,6 +437,7 @@ class Optimizers:
         self.param_groups: List[Dict[str, Any]] = []
         self.kinds: List[str] = []
         self._owner: Dict[int, torch.optim.Optimizer] = {}
+        self._group_of: Dict[int, int] = {}
         for o in self.members:
             kind = _kind(o)
             for group in o.param_groups:
@@ -55,6 +445,7 @@ class Optimizers:
                     if id(p) in self._owner:
                         raise UnsupportedStep(f"a parameter of shape {tuple(p.shape)} is in two param groups")
                     self._owner[id(p)] = o
+                    self._group_of[id(p)] = len(self.param_groups)
                 self.param_groups.append(group)
                 self.kinds.append(kind)
         self.state = _State(self._owner)
@@ -62,6 +453,11 @@ class Optimizers:
     @property
     def name(self) -> str:
         return "+".join(type(o).__name__ for o in self.members)
+
+    def group_of(self, p: torch.Tensor) -> int:
+        """The index of `p`'s param group (-1 for a parameter none of them
+        owns)."""
+        return self._group_of.get(id(p), -1)
 
 
 class _State:
@@ -94,210 +490,127 @@ class Hyper:
         self.kinds = optimizer.kinds
         # Per group, the learning-rate ratios Muon applies by shape (its
         # parameters are fixed at capture).
-        self.ratios = [_muon_ratios(g) if k == "muon" else [] for g, k in zip(optimizer.param_groups, self.kinds)]
+        self.ratios = [Muon.ratios(g) if k == "muon" else [] for g, k in zip(optimizer.param_groups, self.kinds)]
         self.markers: List[Dict[str, float]] = []
-        for g, (group, kind) in enumerate(zip(optimizer.param_groups, self.kinds)):
-            names = list(NAMES[kind]) + [f"neg_lr*{r!r}" for r in self.ratios[g]]
+        for g, kind in enumerate(self.kinds):
+            names = list(KINDS[kind].numbers) + [f"neg_lr*{r!r}" for r in self.ratios[g]]
             if len(names) > 64:
-                raise UnsupportedStep(f"param group {g}: more than {64 - len(NAMES[kind])} parameter shapes")
+                raise UnsupportedStep(f"param group {g}: more than {64 - len(KINDS[kind].numbers)} parameter shapes")
             self.markers.append({n: _marker(g, k) for k, n in enumerate(names)})
         # What the recorded structure assumed (weight decay on or off...).
-        self.shape = [self._structure(g, k) for g, k in zip(optimizer.param_groups, self.kinds)]
+        self.shape = [KINDS[k].structure(g) for g, k in zip(optimizer.param_groups, self.kinds)]
 
-    @staticmethod
-    def _structure(group: Dict[str, Any], kind: str) -> Tuple:
-        if kind in ("adam", "adamw"):
-            return (group["weight_decay"] != 0,)
-        if kind == "muon":
-            return (bool(group["nesterov"]), tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
-                    group["adjust_lr_fn"])
-        return (group["weight_decay"] != 0, group["momentum"] != 0, bool(group["nesterov"]))
-
-    def values(self, steps: Dict[int, float]) -> Dict[float, float]:
-        """marker -> value for this step; `steps[g]` is group g's step count
-        after its increment."""
+    def values(self, counts: Dict[int, Dict[str, float]]) -> Dict[float, float]:
+        """marker -> value for this step; `counts[g]` is what
+        :func:`advance_steps` returned for group g (its step count after
+        the increment...)."""
         out: Dict[float, float] = {}
         for g, group in enumerate(self.optimizer.param_groups):
-            if self._structure(group, self.kinds[g]) != self.shape[g]:
+            kind = KINDS[self.kinds[g]]
+            if kind.structure(group) != self.shape[g]:
                 raise UnsupportedStep(
-                    f"param group {g}: weight decay, momentum or nesterov was switched on or off "
-                    "(or Muon's iteration settings changed) after capture; capture the step again"
+                    f"param group {g}: a setting that chooses the update's operations (weight decay, "
+                    f"momentum, {', '.join(kind.flags)}) changed after capture; capture the step again"
                 )
-            vals = self._group_values(group, self.kinds[g], steps.get(g, 1.0), self.ratios[g])
+            vals = kind.values(group, counts.get(g, {}))
+            for r in self.ratios[g]:
+                # As torch.optim.Muon: `lr * ratio` for each shape, then negated.
+                vals[f"neg_lr*{r!r}"] = -(float(group["lr"]) * r)
             for n, v in vals.items():
                 out[self.markers[g][n]] = v
         return out
 
-    @staticmethod
-    def _group_values(group: Dict[str, Any], kind: str, step: float, ratios: List[float]) -> Dict[str, float]:
-        lr = float(group["lr"])
-        if kind == "muon":
-            # As torch.optim.Muon: `lr * ratio` for each shape, then negated.
-            vals = {"decay": 1 - lr * group["weight_decay"], "momentum": group["momentum"],
-                    "one_minus_momentum": 1 - group["momentum"]}
-            for r in ratios:
-                vals[f"neg_lr*{r!r}"] = -(lr * r)
-            return vals
-        if kind in ("adam", "adamw"):
-            beta1, beta2 = (float(b) for b in group["betas"])
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            step_size = lr / bias_correction1
-            return {
-                "decay": 1 - lr * group["weight_decay"],
-                "wd": group["weight_decay"],
-                "one_minus_beta1": 1 - beta1,
-                "beta2": beta2,
-                "one_minus_beta2": 1 - beta2,
-                "bc2_sqrt": bias_correction2**0.5,
-                "eps": group["eps"],
-                "neg_step_size": -step_size,
-            }
-        return {
-            "wd": group["weight_decay"],
-            "momentum": group["momentum"],
-            "one_minus_dampening": 1 - group["dampening"],
-            "neg_lr": -lr,
-        }
-
 
 def _kind(opt: torch.optim.Optimizer) -> str:
     name = type(opt).__name__
-    kinds = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Muon": "muon"}
-    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, getattr(torch.optim, "Muon", None)):
+    if name not in _CLASSES or type(opt) is not getattr(torch.optim, name, None):
         raise UnsupportedStep(
-            f"optimizer {name}: memplan.torch captures torch.optim.AdamW, Adam, SGD and Muon"
+            f"optimizer {name}: memplan.torch captures torch.optim's "
+            f"{', '.join(sorted(_CLASSES, key=str.lower))}"
         )
+    kind = _CLASSES[name]
+    if kind == "adam" and any(g.get("decoupled_weight_decay") for g in opt.param_groups):
+        kind = "adamw"
     for g, group in enumerate(opt.param_groups):
         # `fused` and `foreach` choose PyTorch's kernels, not the update:
         # the captured step runs the single-tensor arithmetic either way
         # (equal to the fused kernels to rounding: python/README.md).
         for flag in ("amsgrad", "maximize", "differentiable", "capturable"):
-            if group.get(flag):
+            if group.get(flag) and flag not in KINDS[kind].flags:
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: {flag}=True is not supported")
-        for k in ("lr", "weight_decay", "momentum", "dampening", "eps"):
-            if isinstance(group.get(k), torch.Tensor):
+        for k, v in group.items():
+            if k != "params" and any(isinstance(x, torch.Tensor) for x in (v if isinstance(v, tuple) else (v,))):
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: a tensor {k} is not supported")
-    kind = kinds[name]
-    if kind == "adam" and type(opt) is torch.optim.Adam:
-        if any(g.get("decoupled_weight_decay") for g in opt.param_groups):
-            kind = "adamw"
     return kind
 
 
 def ensure_state(opt: Optimizers) -> None:
-    """Makes the optimizer state PyTorch makes on the first step (zeros), so
-    the captured step reads it as a step input."""
+    """Makes the optimizer state PyTorch makes on the first step, so the
+    captured step reads it as a step input."""
     for group, kind in zip(opt.param_groups, opt.kinds):
         for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            st = opt.state[p]
-            if kind == "muon":
-                if st.get("momentum_buffer") is None:
-                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif kind in ("adam", "adamw"):
-                if not st:
-                    # Where PyTorch keeps it: with the parameter for the
-                    # fused kernels, on the host otherwise.
-                    where = p.device if group.get("fused") else "cpu"
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif group["momentum"] != 0 and st.get("momentum_buffer") is None:
-                if group["dampening"] != 0:
-                    raise UnsupportedStep(
-                        "SGD with dampening makes its momentum buffer on the first step as a copy of "
-                        "the gradient; run one eager step before capturing"
-                    )
-                # buf * momentum + grad * (1 - 0) equals the first step's copy.
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if p.requires_grad:
+                KINDS[kind].init_state(group, p, opt.state[p])
 
 
-def state_tensors(opt: torch.optim.Optimizer, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+def state_tensors(opt: Optimizers, p: torch.Tensor) -> Dict[str, torch.Tensor]:
     """The device tensors of `p`'s state the update reads and writes."""
+    g = opt.group_of(p)
+    if g < 0:
+        return {}
     st = opt.state[p]
-    keys = ("exp_avg", "exp_avg_sq") if "exp_avg" in st else ("momentum_buffer",)
+    keys = KINDS[opt.kinds[g]].state_keys(opt.param_groups[g])
     return {k: st[k] for k in keys if isinstance(st.get(k), torch.Tensor)}
 
 
 def update(kind: str, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> None:
     """One parameter's update, PyTorch's single-tensor arithmetic with the
     group's numbers as markers `m` (p, g and the state are fake tensors)."""
-    if kind in ("adam", "adamw"):
-        if group["weight_decay"] != 0:
-            if kind == "adamw":
-                p.mul_(m["decay"])
-            else:
-                g = g.add(p, alpha=m["wd"])
-        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
-        exp_avg.lerp_(g, m["one_minus_beta1"])
-        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
-        denom = (exp_avg_sq.sqrt() / m["bc2_sqrt"]).add_(m["eps"])
-        p.addcdiv_(exp_avg, denom, value=m["neg_step_size"])
-        return
-    if kind == "muon":
-        _muon_update(group, m, p, g, st)
-        return
-    if group["weight_decay"] != 0:
-        g = g.add(p, alpha=m["wd"])
-    if group["momentum"] != 0:
-        buf = st["momentum_buffer"]
-        buf.mul_(m["momentum"]).add_(g, alpha=m["one_minus_dampening"])
-        g = g.add(buf, alpha=m["momentum"]) if group["nesterov"] else buf
-    p.add_(g, alpha=m["neg_lr"])
+    KINDS[kind].update(group, m, p, g, st)
 
 
-def _muon_ratios(group: Dict[str, Any]) -> List[float]:
-    """The learning-rate ratios torch.optim.Muon applies to the group's
-    parameters (one per distinct shape)."""
-    from torch.optim._muon import _adjust_lr
-
-    return sorted({_adjust_lr(1.0, group["adjust_lr_fn"], p.shape) for p in group["params"]})
-
-
-def _muon_update(group: Dict[str, Any], m: Dict[str, float], p, g, st) -> None:
-    """torch.optim.Muon's single-tensor update: momentum (Nesterov's by
-    default), the Newton-Schulz orthogonalisation (PyTorch's own function,
-    recorded op for op), decoupled weight decay, the shape-scaled step."""
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-    buf = st["momentum_buffer"]
-    buf.lerp_(g, m["one_minus_momentum"])
-    u = g.lerp(buf, m["momentum"]) if group["nesterov"] else buf
-    u = _zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"])
-    p.mul_(m["decay"])
-    p.add_(u, alpha=m[f"neg_lr*{_adjust_lr(1.0, group['adjust_lr_fn'], p.shape)!r}"])
-
-
-def advance_steps(opt: Optimizers, updated) -> Dict[int, float]:
+def advance_steps(opt: Optimizers, updated) -> Dict[int, Dict[str, float]]:
     """Increments the step counter of every updated parameter as
-    ``optimizer.step()`` does and returns each group's step count (what its
-    bias correction uses; the parameters of a group must agree). Counters
-    on the device (fused optimizers) are read once per group, not once per
-    parameter."""
+    ``optimizer.step()`` does (and the host state that goes with it:
+    :meth:`Kind.advance`) and returns, per group, its step count (what its
+    bias correction uses; the parameters of a group must agree) and what
+    its kind read of that state. Counters on the device (fused optimizers)
+    are read once per group, not once per parameter."""
     ids = {id(p) for p in updated}
-    steps: Dict[int, float] = {}
+    counts: Dict[int, Dict[str, float]] = {}
     for gi, group in enumerate(opt.param_groups):
-        counters = []
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if id(p) in ids and st and isinstance(st.get("step"), torch.Tensor):
-                counters.append(st["step"])
+        states = [opt.state[p] for p in group["params"] if id(p) in ids and opt.state.get(p)]
+        counters = [st["step"] for st in states if isinstance(st.get("step"), torch.Tensor)]
         if not counters:
             continue
         torch._foreach_add_(counters, 1.0)  # one launch, not one per parameter, for fused optimizers
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for c in counters:
-            by_device.setdefault(c.device, []).append(c)
-        values = set()
-        for cs in by_device.values():
-            values.update(torch.stack(torch.stack(cs).aminmax()).tolist())  # one read per device
-        seen = sorted(values)
-        if len(seen) != 1:
+        try:
+            step = _one_value(counters, "different numbers of steps")
+            counts[gi] = {"step": step, **KINDS[opt.kinds[gi]].advance(group, states, step)}
+        except _Disagree as e:
             raise UnsupportedStep(
-                f"param group {gi}: its parameters have taken different numbers of steps "
-                f"({seen[0]:g} and {seen[-1]:g}); memplan's update uses one count per group"
-            )
-        steps[gi] = seen[0]
-    return steps
+                f"param group {gi}: its parameters have taken {e.what} ({e.seen[0]:g} and {e.seen[-1]:g}); "
+                "memplan's update uses one per group"
+            ) from None
+    return counts
+
+
+class _Disagree(Exception):
+    def __init__(self, what: str, seen: List[float]) -> None:
+        super().__init__(what)
+        self.what, self.seen = what, seen
+
+
+def _one_value(tensors: List[torch.Tensor], what: str) -> float:
+    """The value all the 0-d `tensors` hold, read once per device; raises
+    `_Disagree` (naming `what`) where they differ."""
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    values = set()
+    for ts in by_device.values():
+        values.update(torch.stack(torch.stack(ts).aminmax()).tolist())
+    seen = sorted(values)
+    if len(seen) != 1:
+        raise _Disagree(what, seen)
+    return seen[0]
