@@ -22,6 +22,7 @@ import memplan
 import memplan.torch as mt
 
 TOL = dict(rtol=1e-6, atol=1e-7)
+EXACT = dict(rtol=0, atol=0)
 # Against PyTorch's fused optimizer kernels, which round otherwise.
 FUSED_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -84,6 +85,12 @@ OTHER_OPTIMIZERS = {
     "nadam-decay-maximize": (torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.01, momentum_decay=0.01,
                                                      maximize=True)),
     "nadamw": (torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    # beta2=0.9: rectified from the sixth step on (the Harness runs six), so
+    # both of PyTorch's forms run.
+    "radam": (torch.optim.RAdam, dict(lr=1e-2, betas=(0.9, 0.9))),
+    "radamw-maximize": (torch.optim.RAdam, dict(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.1,
+                                                 decoupled_weight_decay=True, maximize=True)),
+    "radam-decay": (torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.01)),
 }
 
 
@@ -888,11 +895,11 @@ class SeveralOptimizers(unittest.TestCase):
 
 
 class OtherOptimizers(unittest.TestCase):
-    """torch.optim's RMSprop, Adagrad, Adamax, Adadelta and NAdam, and Adam's
+    """torch.optim's RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, and Adam's
     `amsgrad` and every optimizer's `maximize`: each update recorded from
     PyTorch's single-tensor arithmetic, op for op, equals eager's
     `step()` to the bit (parameters, optimizer state and step counts)
-    over three steps in each mode of the Harness."""
+    after the Harness's six steps in every mode."""
 
     def test_each_optimizer_equals_eager(self):
         rng = random.Random(7)
@@ -905,18 +912,20 @@ class OtherOptimizers(unittest.TestCase):
                 h.run(steps=3)
                 self.assertEqual(h.step.graph["metadata"]["optimizer"], type(h.opt).__name__)
                 for p, q in zip(h.model.parameters(), h.ref.parameters()):
+                    self.assertTrue(torch.equal(p, q), kind)
                     mine, eager = h.opt.state[p], h.ref_opt.state[q]
                     self.assertEqual(set(mine), set(eager))
                     for k, v in eager.items():
-                        torch.testing.assert_close(mine[k], v, **TOL, msg=lambda m: f"{kind} {k}: {m}")
+                        torch.testing.assert_close(mine[k], v, **EXACT, msg=lambda m: f"{kind} {k}: {m}")
 
     def test_a_learning_rate_decay_follows_the_step_count(self):
-        # Adagrad's lr_decay, Adamax's bias correction and NAdam's momentum
-        # warm-up are numbers of the step count (NAdam's also of a product
-        # it keeps on the host): a step recorded once runs every later
-        # step's values.
+        # Adagrad's lr_decay, Adamax's bias correction, NAdam's momentum
+        # warm-up (and the product it keeps on the host) and RAdam's switch
+        # to the rectified step are numbers of the step count: a step
+        # recorded once runs every later step's values.
         for cls, kwargs in ((torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.5)), (torch.optim.Adamax, dict(lr=0.1)),
-                            (torch.optim.NAdam, dict(lr=0.1, momentum_decay=0.1))):
+                            (torch.optim.NAdam, dict(lr=0.1, momentum_decay=0.1)),
+                            (torch.optim.RAdam, dict(lr=0.1, betas=(0.9, 0.9)))):
             with self.subTest(cls.__name__):
                 torch.manual_seed(0)
                 model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -924,16 +933,16 @@ class OtherOptimizers(unittest.TestCase):
                 opt, ref_opt = cls(model.parameters(), **kwargs), cls(ref.parameters(), **kwargs)
                 batch = (torch.randn(5, 6), torch.randint(0, 3, (5,)))
                 step = mt.capture(model, opt, batch, classify, time_limit=5)
-                for _ in range(4):
+                for _ in range(7):  # RAdam: five steps unrectified, two rectified
                     step(batch, arena=True)
                     classify(ref, batch).backward()
                     ref_opt.step()
                     ref_opt.zero_grad(set_to_none=True)
                 for p, q in zip(model.parameters(), ref.parameters()):
-                    torch.testing.assert_close(p.detach(), q.detach(), **TOL)
-                    self.assertEqual(float(opt.state[p]["step"]), 4.0)
+                    torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+                    self.assertEqual(float(opt.state[p]["step"]), 7.0)
                     for k, v in ref_opt.state[q].items():
-                        torch.testing.assert_close(opt.state[p][k], v, **TOL)
+                        torch.testing.assert_close(opt.state[p][k], v, **EXACT)
 
     def test_a_setting_that_changes_the_operations_is_refused_after_capture(self):
         model = nn.Linear(4, 2)
@@ -945,8 +954,8 @@ class OtherOptimizers(unittest.TestCase):
 
     def test_optimizers_it_does_not_capture_are_refused_by_name(self):
         model = nn.Linear(4, 2)
-        for opt in (torch.optim.RAdam(model.parameters()), torch.optim.Adafactor(model.parameters()),
-                    torch.optim.LBFGS(model.parameters())):
+        for opt in (torch.optim.Adafactor(model.parameters()), torch.optim.LBFGS(model.parameters()),
+                    torch.optim.ASGD(model.parameters())):
             with self.subTest(type(opt).__name__):
                 with self.assertRaisesRegex(mt.UnsupportedStep, rf"optimizer {type(opt).__name__}: memplan.torch "
                                             r"captures torch.optim's Adadelta, Adagrad, Adam, Adamax, AdamW"):
@@ -1515,8 +1524,8 @@ class BadInputIsRefusedByName(unittest.TestCase):
 
     def test_unsupported_optimizer_and_loss(self):
         model = nn.Linear(6, 3)
-        with self.assertRaisesRegex(mt.UnsupportedStep, "RAdam"):
-            self.capture(model, opt=torch.optim.RAdam(model.parameters()))
+        with self.assertRaisesRegex(mt.UnsupportedStep, "Adafactor"):
+            self.capture(model, opt=torch.optim.Adafactor(model.parameters()))
         with self.assertRaisesRegex(mt.UnsupportedStep, "scalar"):
             self.capture(model, loss_fn=lambda m, b: m(b[0]))
         with self.assertRaisesRegex(mt.UnsupportedStep, "capturable=True is not supported"):

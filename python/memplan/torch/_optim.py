@@ -371,6 +371,56 @@ class NAdam(Kind):
         p.addcdiv_(exp_avg, denom, value=m["neg_avg_step"])
 
 
+class RAdam(Kind):
+    """RAdam: Adam whose adaptive step is switched on (and rectified) once
+    the variance estimate is trusted, after about five steps. PyTorch
+    picks one of two sets of operations per step; the captured step is one
+    program for every step, so it records the rectified form with the
+    adaptive factor raised to a number `rectified`, 1 or 0:
+    ``x.pow(1)`` is `x` and ``x.pow(0)`` is 1 exactly, and so is a product
+    with 1, so both of PyTorch's forms come out to the bit (at the cost of
+    one product more per parameter while unrectified)."""
+
+    numbers = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc1", "lr", "eps", "bc2_sqrt",
+               "rectified", "rect")
+    flags = ("maximize", "decoupled_weight_decay")
+
+    def values(self, group, counts):
+        step = counts.get("step", 1.0)
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        bc2 = 1 - beta2**step
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * step * (beta2**step) / bc2
+        on = rho_t > 5.0
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5 if on else 1.0
+        return {"decay": 1 - lr * wd, "wd": wd, "one_minus_beta1": 1 - beta1, "beta2": beta2,
+                "one_minus_beta2": 1 - beta2, "bc1": 1 - beta1**step, "lr": lr, "eps": group["eps"],
+                "bc2_sqrt": bc2**0.5, "rectified": 1.0 if on else 0.0, "rect": rect}
+
+    def state_keys(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        st["step"] = _host_step()
+        st["exp_avg"], st["exp_avg_sq"] = _zeros(p), _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        decoupled = bool(group["decoupled_weight_decay"])
+        g = self.grad(group, m, p, g, coupled=not decoupled)
+        if decoupled and group["weight_decay"] != 0:
+            p.mul_(m["decay"])
+        exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+        exp_avg.lerp_(g, m["one_minus_beta1"])
+        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
+        x = exp_avg / m["bc1"] * m["lr"]
+        # PyTorch's `bias_correction2**0.5 / sqrt_` is `sqrt_.reciprocal() * ...`.
+        adaptive = exp_avg_sq.sqrt().add_(m["eps"]).reciprocal() * m["bc2_sqrt"]
+        p.add_(x * adaptive.pow(m["rectified"]) * m["rect"], alpha=-1.0)
+
+
 class Muon(Kind):
     """torch.optim.Muon: momentum (Nesterov's by default), the
     Newton-Schulz orthogonalisation (PyTorch's own function, recorded op
@@ -419,10 +469,12 @@ class Muon(Kind):
 # PyTorch's optimizer classes memplan captures, by name.
 KINDS: Dict[str, Kind] = {
     "adam": Adam(decoupled=False), "adamw": Adam(decoupled=True), "sgd": SGD(), "rmsprop": RMSprop(),
-    "adagrad": Adagrad(), "adamax": Adamax(), "adadelta": Adadelta(), "nadam": NAdam(), "muon": Muon(),
+    "adagrad": Adagrad(), "adamax": Adamax(), "adadelta": Adadelta(), "nadam": NAdam(), "radam": RAdam(),
+    "muon": Muon(),
 }
 _CLASSES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad",
-            "Adamax": "adamax", "Adadelta": "adadelta", "NAdam": "nadam", "Muon": "muon"}
+            "Adamax": "adamax", "Adadelta": "adadelta", "NAdam": "nadam", "RAdam": "radam",
+            "Muon": "muon"}
 
 
 class Optimizers:
