@@ -222,6 +222,8 @@ class Harness:
             t.assertFalse(base <= x.data_ptr() < base + arena.buffer.numel(), "the caller's batch moved")
         for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **self.tol, msg=lambda m: f"{n}: {m}")
+        for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
+            torch.testing.assert_close(b, r, **self.tol, msg=lambda m: f"{n} (arena): {m}")
         return planned
 
 
@@ -1261,6 +1263,44 @@ class FittedStepsRecompute(unittest.TestCase):
                           causal_lm, plan=False)
         with self.assertRaisesRegex(memplan.MemplanError, "needs at least"):
             step.fit(1 << 10, time_limit=2)
+
+
+class BatchNormInTraining(unittest.TestCase):
+    """Batch norm in training updates its running statistics, though the
+    op eager calls (`native_batch_norm`) does not declare it: the capture
+    records them as updated, so the arena's first run (which tries each
+    out= overload once) updates them once and `fit` never recomputes the
+    op. Over the batch itself (the input needs no gradient) its backward
+    makes no input gradient, which PyTorch's fake kernel does."""
+
+    def test_over_the_batch_itself(self):
+        torch.manual_seed(0)
+        for norm in (nn.BatchNorm1d(5), nn.BatchNorm1d(5, momentum=0.3, affine=False)):
+            with self.subTest(affine=norm.affine):
+                model = nn.Sequential(norm, nn.Flatten(), nn.Linear(80, 4))
+                batch = (torch.randn(8, 5, 16) * 3 + 1, torch.randint(0, 4, (8,)))
+                h = Harness(self, model, batch, classify)
+                h.run()
+                for b, r in zip(h.model.buffers(), h.ref.buffers()):
+                    torch.testing.assert_close(b, r, **EXACT)
+                graph = h.step.graph
+                backward = [op for op in graph["ops"] if op["type"] == "aten.native_batch_norm_backward.default"]
+                # No gradient at all flows into a norm without weights.
+                self.assertEqual([len(op["outputs"]) for op in backward], [2] if norm.affine else [])
+
+    def test_running_statistics_are_updates_and_never_recomputed(self):
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()) for c in (3, 16, 16)]
+        model = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+        batch = (torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,)))
+        h = Harness(self, model, batch, classify, budget_share=0.85)
+        norms = [op for op in h.step.graph["ops"] if op["type"] == "aten.native_batch_norm.default"]
+        self.assertEqual(len(norms), 3)  # none recomputed
+        for op in norms:
+            self.assertEqual([t.rsplit(".", 1)[-1] for t in op["updates"]], ["running_mean", "running_var"])
+        h.run()
+        for b, r in zip(h.model.buffers(), h.ref.buffers()):
+            torch.testing.assert_close(b, r, **EXACT)
 
 
 class LargestBatch(unittest.TestCase):

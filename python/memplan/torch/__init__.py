@@ -353,7 +353,7 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
             return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
 
         new_calls.append(Call(c.func, tree_map(ref, c.args), tree_map(ref, c.kwargs),
-                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random))
+                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random, c.writes))
     return new_calls, new_layouts
 
 

@@ -192,16 +192,19 @@ class Call:
     """One recorded aten call: ``func(*args, **kwargs)`` with :class:`Ref`
     in place of tensors; ``outputs`` pairs a position in the flattened
     result with the graph tensor it becomes. ``random``: the call draws
-    random numbers, so it must run exactly once per step, as recorded."""
+    random numbers, so it must run exactly once per step, as recorded.
+    ``writes``: the arguments (positions and names) it updates in place."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "random")
+    __slots__ = ("func", "args", "kwargs", "outputs", "random", "writes")
 
-    def __init__(self, func, args, kwargs, outputs: List[Tuple[int, int]], random: bool = False) -> None:
+    def __init__(self, func, args, kwargs, outputs: List[Tuple[int, int]], random: bool = False,
+                 writes: frozenset = frozenset()) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.outputs = outputs
         self.random = random
+        self.writes = writes
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -247,6 +250,42 @@ def _replayed(func, args, kwargs):
     if offset is None:
         return func
     return FromStorageStart(func, int(args[0].storage_offset()))
+
+
+# Ops that update arguments their schema does not declare written: batch
+# norm in training updates the running statistics it is given (PyTorch's
+# `_native_batch_norm_legit` declares it; these older ops, which eager
+# calls, do not).
+UNDECLARED_WRITES = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
+
+
+def _undeclared_writes(func, args, kwargs) -> set:
+    """The positions and names of the arguments `func` updates though its
+    schema does not say so (the running statistics of a batch norm in
+    training: without them, the update is not ordered, the arena's first
+    run applies it twice, and `fit` may recompute it)."""
+    if func._schema.name not in UNDECLARED_WRITES:
+        return set()
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if not bound.get("training"):
+        return set()
+    return {x for pos, name in ((3, "running_mean"), (4, "running_var")) if bound.get(name) is not None
+            for x in (pos, name)}
+
+
+def _masked_off(func, args, kwargs, out):
+    """`out` with the results its `output_mask` argument switches off as
+    None, as the real kernel leaves them undefined: the fake kernel of
+    `native_batch_norm_backward` makes them anyway (a batch norm over the
+    batch itself, whose input needs no gradient), and a recorded tensor
+    the real op never makes would be planned and placed."""
+    for pos, a in enumerate(func._schema.arguments):
+        if a.name == "output_mask":
+            mask = args[pos] if pos < len(args) else kwargs.get("output_mask")
+            if isinstance(out, tuple) and mask is not None and len(mask) == len(out):
+                return tuple(o if on else None for on, o in zip(mask, out))
+            break
+    return out
 
 
 def _aliased_argument(func, pos: int, args, kwargs) -> Optional[torch.Tensor]:
@@ -543,7 +582,7 @@ class Recorder(TorchDispatchMode):
             args, kwargs = tree_map(lambda x: self._from_outside(x, func), (args, kwargs))
         random = torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs)
         schema = func._schema
-        written = set()
+        written = _undeclared_writes(func, args, kwargs)
         for pos, a in enumerate(schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 written.update((a.name, pos))
@@ -577,6 +616,7 @@ class Recorder(TorchDispatchMode):
                 f"{func}: the shape of its output depends on tensor values (boolean-mask indexing, "
                 "nonzero); memplan replays a graph of static shapes"
             ) from None
+        out = _masked_off(func, args, kwargs, out)
 
         self._refuse_grown_storages(func, arg_objs, writes)
         if any(self.root(i) in self._outside_roots for i in writes):
@@ -640,7 +680,8 @@ class Recorder(TorchDispatchMode):
         if hint is not None:
             op["reuse"] = [{"output": self.tensors[hint[0]]["id"], "input": self.tensors[hint[1]]["id"]}]
         self.ops.append(op)
-        self.calls.append(Call(_replayed(func, args, kwargs), call_args, call_kwargs, call_outputs, random))
+        self.calls.append(Call(_replayed(func, args, kwargs), call_args, call_kwargs, call_outputs, random,
+                               frozenset(written)))
         for i in inputs + updates + outputs:
             self._used_in.setdefault(self.root(i), set()).add(self.phase)
         return out

@@ -277,6 +277,10 @@ class _Seen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _copy(x):
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+
+
 def _writes_only_its_outputs(overload, args, kwargs, outs: Dict[str, torch.Tensor]) -> bool:
     """Whether the out= `overload` writes its results straight into the
     tensors `outs` it is given and does nothing else: called once on fresh
@@ -513,8 +517,11 @@ class Arena:
             fn = getattr(overload, "_op", overload)
             outs = {n: placed[i] for n, (_, i) in zip(names, targets)}
             into = [(i, placed[i]) for _, i in targets]
-            if not _writes_only_its_outputs(overload, args,
-                                            {n: v for n, v in kwargs.items() if n not in dropped}, outs):
+            # The probe updates copies of what the call updates in place
+            # (batch norm's running statistics), not the step's tensors.
+            probe_args = [_copy(a) if i in c.writes else a for i, a in enumerate(args)]
+            probe_kwargs = {n: _copy(v) if n in c.writes else v for n, v in kwargs.items() if n not in dropped}
+            if not _writes_only_its_outputs(overload, probe_args, probe_kwargs, outs):
                 variant = None
         if variant is not None:
 
