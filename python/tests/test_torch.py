@@ -224,7 +224,21 @@ class Harness:
             torch.testing.assert_close(p.detach(), q.detach(), **self.tol, msg=lambda m: f"{n}: {m}")
         for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
             torch.testing.assert_close(b, r, **self.tol, msg=lambda m: f"{n} (arena): {m}")
+        self.same_optimizer_state()
         return planned
+
+    def same_optimizer_state(self):
+        """Every parameter's optimizer state (moments, buffers, step
+        counts) equals eager's."""
+        opts = self.opt if isinstance(self.opt, list) else [self.opt]
+        refs = self.ref_opt if isinstance(self.ref_opt, list) else [self.ref_opt]
+        for o, r in zip(opts, refs):
+            for p, q in zip((p for g in o.param_groups for p in g["params"]),
+                            (q for g in r.param_groups for q in g["params"])):
+                mine, eager = o.state.get(p, {}), r.state.get(q, {})
+                self.test.assertEqual(set(mine), set(eager))
+                for k, v in eager.items():
+                    torch.testing.assert_close(mine[k], v, **self.tol, msg=lambda m: f"state {k}: {m}")
 
 
 class CapturedStepsMatchEager(unittest.TestCase):
@@ -945,6 +959,26 @@ class OtherOptimizers(unittest.TestCase):
                     self.assertEqual(float(opt.state[p]["step"]), 7.0)
                     for k, v in ref_opt.state[q].items():
                         torch.testing.assert_close(opt.state[p][k], v, **EXACT)
+
+    def test_a_parameter_without_a_gradient_keeps_no_state(self):
+        # Eager makes a parameter's state on its first update; one the loss
+        # never reaches (an unused head) has none, so the step plans none.
+        class Unused(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.used, self.unused = nn.Linear(6, 3), nn.Linear(1000, 1000)
+
+            def forward(self, x):
+                return self.used(x)
+
+        for kind in ("adamw", "rmsprop-centered-momentum"):
+            with self.subTest(kind):
+                torch.manual_seed(0)
+                h = Harness(self, Unused(), (torch.randn(5, 6), torch.randint(0, 3, (5,))), classify, opt=kind)
+                self.assertFalse([t["id"] for t in h.step.graph["tensors"] if t["id"].startswith("state:unused")])
+                self.assertLess(h.step.plan["arena_bytes"], 5 * 1000 * 1000 * 4)  # the weight, no moments
+                h.run()
+                self.assertEqual(h.opt.state_dict()["state"].keys(), h.ref_opt.state_dict()["state"].keys())
 
     def test_a_setting_that_changes_the_operations_is_refused_after_capture(self):
         model = nn.Linear(4, 2)

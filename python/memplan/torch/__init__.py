@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import memplan
@@ -409,7 +410,6 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
     t0 = time.perf_counter()
     optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
-    _optim.ensure_state(optimizer)
     hyper = _optim.Hyper(optimizer)
     params = dict(model.named_parameters())
     device, traced = _step_device(model, optimizer, params, meta_device)
@@ -477,10 +477,8 @@ class _Inputs:
         self.bound: Dict[int, torch.Tensor] = {}
         self.fp = {n: self.reg(p, f"param:{n}", "parameter") for n, p in params.items()}
         self.fb = {n: self.reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
+        self.optimizer = optimizer
         self.fstate: Dict[int, Dict[str, torch.Tensor]] = {}
-        for n, p in params.items():
-            self.fstate[id(p)] = {k: self.reg(v, f"state:{n}.{k}", "optimizer_state")
-                                  for k, v in _optim.state_tensors(optimizer, p).items()}
         leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
         self.batch_layouts = []
         self.fbatches = []  # one fake batch per micro-batch
@@ -500,6 +498,18 @@ class _Inputs:
             self.fbatches.append(tree_unflatten(fleaves, self.spec))
         for f, p in zip(self.fp.values(), params.values()):
             f.requires_grad_(p.requires_grad)
+
+    def state(self, p: torch.Tensor, n: str) -> Dict[str, torch.Tensor]:
+        """Parameter `p`'s optimizer state as fake tensors, made as PyTorch
+        makes it on the first step (:meth:`_optim.Kind.init_state`) and
+        registered when its update is recorded: a parameter that gets no
+        gradient keeps none, as in eager. Called while recording, so with
+        the recorder and fake mode set aside."""
+        with _disable_current_modes():
+            _optim.ensure_state(self.optimizer, p)
+            self.fstate[id(p)] = {k: self.reg(v, f"state:{n}.{k}", "optimizer_state")
+                                  for k, v in _optim.state_tensors(self.optimizer, p).items()}
+        return self.fstate[id(p)]
 
     def reg(self, x: torch.Tensor, id: str, role: str) -> torch.Tensor:
         """`x` as a fake tensor the recorder knows as `id`."""
@@ -541,7 +551,7 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                     n = name_of[id(p)]
                     if n in grad_of:
                         _optim.update(hyper.kinds[gi], group, hyper.markers[gi], fp[n], grad_of[n],
-                                      inputs.fstate[id(p)])
+                                      inputs.state(p, n))
                         updated.append(p)
     return loss_index, updated, norm_index
 

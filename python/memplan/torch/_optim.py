@@ -596,13 +596,12 @@ def _kind(opt: torch.optim.Optimizer) -> str:
     return kind
 
 
-def ensure_state(opt: Optimizers) -> None:
-    """Makes the optimizer state PyTorch makes on the first step, so the
-    captured step reads it as a step input."""
-    for group, kind in zip(opt.param_groups, opt.kinds):
-        for p in group["params"]:
-            if p.requires_grad:
-                KINDS[kind].init_state(group, p, opt.state[p])
+def ensure_state(opt: Optimizers, p: torch.Tensor) -> None:
+    """Makes `p`'s optimizer state as PyTorch makes it on the first step
+    (zeros...), so the captured step reads it as a step input."""
+    g = opt.group_of(p)
+    if g >= 0 and p.requires_grad:
+        KINDS[opt.kinds[g]].init_state(opt.param_groups[g], p, opt.state[p])
 
 
 def state_tensors(opt: Optimizers, p: torch.Tensor) -> Dict[str, torch.Tensor]:
