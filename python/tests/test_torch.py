@@ -120,9 +120,13 @@ class Harness:
     """A model captured by memplan next to its eager twin."""
 
     def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None, max_added=None, clip=None,
-                 accumulate=1, tol=TOL):
+                 accumulate=1, tol=TOL, scaler=None):
         torch.manual_seed(0)
         self.test = test
+        # With `scaler` (GradScaler's keyword arguments), both sides scale
+        # the loss as eager float16 training does.
+        self.scaler = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
+        self.ref_scaler = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
         self.tol = tol
         self.model = model.train()
         self.ref = copy.deepcopy(model)
@@ -136,7 +140,7 @@ class Harness:
         # With accumulation `batch` is the list of micro-batches.
         example = batch[0] if accumulate > 1 else batch
         self.step = mt.capture(self.model, self.opt, example, loss_fn, time_limit=5, clip_grad_norm=clip,
-                               accumulate=accumulate)
+                               accumulate=accumulate, scaler=self.scaler)
         if budget_share is not None:
             # Fitted by recomputation: from here on the step runs the
             # recomputed ops, and run() checks it like any plan.
@@ -155,19 +159,27 @@ class Harness:
             test.assertEqual(self.step.plan["arena_bytes"], fitted["arena_bytes"])
 
     def eager_step(self):
+        scaled = self.ref_scaler.scale if self.ref_scaler is not None else (lambda x: x)
         if self.accumulate > 1:
             loss = None
             for mb in self.batch:
                 part = self.loss_fn(self.ref, mb) / self.accumulate
-                part.backward()
+                scaled(part).backward()
                 loss = part.detach() if loss is None else loss + part.detach()
         else:
             loss = self.loss_fn(self.ref, self.batch)
-            loss.backward()
+            scaled(loss).backward()
+        opts = self.ref_opt if isinstance(self.ref_opt, list) else [self.ref_opt]
+        if self.ref_scaler is not None:
+            self.ref_scaler.unscale_(opts[0])
         if self.clip is not None:
             self.eager_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.clip)
-        for o in self.ref_opt if isinstance(self.ref_opt, list) else [self.ref_opt]:
-            o.step()
+        for o in opts:
+            if self.ref_scaler is not None:
+                self.ref_scaler.step(o)
+                self.ref_scaler.update()
+            else:
+                o.step()
             o.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -192,6 +204,8 @@ class Harness:
             torch.testing.assert_close(loss, want, **self.tol)
             if self.clip is not None:
                 torch.testing.assert_close(self.step.grad_norm, self.eager_norm, **self.tol)
+            if self.scaler is not None:
+                t.assertEqual(self.scaler.get_scale(), self.ref_scaler.get_scale())
         for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), **self.tol, msg=lambda m: f"{n}: {m}")
         for (n, b), r in zip(self.model.named_buffers(), self.ref.buffers()):
@@ -1246,6 +1260,129 @@ class GradientAccumulation(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "accumulate"):
             mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 6),
                        lambda m, b: m(b).sum(), accumulate=0)
+
+
+def fp16_classify(m, b):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return F.cross_entropy(m(b[0]), b[1])
+
+
+class MixedTypeNormalisations(unittest.TestCase):
+    """Under CPU autocast a normalisation gets a low-precision input and
+    float32 weights: PyTorch then keeps its statistics in float32 (and
+    group norm's backward returns the input's dtype), where its fake
+    kernels say otherwise. The capture records the real dtypes, so the
+    plan counts the bytes the step holds and the arena's places fit."""
+
+    def test_layer_group_and_batch_norm_under_autocast(self):
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                def loss_fn(m, b):
+                    with torch.autocast("cpu", dtype=dtype):
+                        return F.cross_entropy(m(b[0]), b[1])
+
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Unflatten(1, (8, 8)),
+                                      nn.GroupNorm(2, 8), nn.BatchNorm1d(8), nn.Flatten(), nn.Linear(64, 4))
+                h = Harness(self, model, (torch.randn(16, 16), torch.randint(0, 4, (16,))), loss_fn)
+                stats = {op["type"]: [h.step.graph["tensors"][i]["dtype"] for i in map(
+                    {t["id"]: k for k, t in enumerate(h.step.graph["tensors"])}.get, op["outputs"][1:3])]
+                    for op in h.step.graph["ops"] if op["type"].split(".")[1] in (
+                        "native_layer_norm", "native_group_norm", "native_batch_norm")}
+                self.assertEqual(set(map(tuple, stats.values())), {("f32", "f32")}, stats)
+                h.run()
+
+
+class GradientScaling(unittest.TestCase):
+    """`capture(..., scaler=torch.amp.GradScaler(...))`: float16 autocast
+    with loss scaling, as eager's ``scaler.scale(loss).backward();
+    scaler.unscale_(opt); clip; scaler.step(opt); scaler.update()``.
+    Steps whose gradients overflow skip the update (parameters, state and
+    step counts stay) and halve the scale; clean ones grow it."""
+
+    def model(self):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+
+    def test_skipped_and_taken_updates_equal_eager(self):
+        # A scale of 2**24 overflows float16 until it has halved seven
+        # times; from then on it doubles every second step and overflows
+        # again now and then: skips and updates in every mode.
+        x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+        model = self.model()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+        scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2) for _ in range(2))
+        step = mt.capture(model, opt, (x, y), fp16_classify, time_limit=5, scaler=scaler)
+        self.assertIs(step.scaler, scaler)
+        skipped = []
+        for i in range(16):
+            mode = dict(arena=True) if i >= 10 else dict(order="eager") if i % 3 == 2 else {}
+            loss = step((x, y), track=True, **mode)
+            if not mode:
+                self.assertEqual(step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"])
+            want = fp16_classify(ref, (x, y))
+            ref_scaler.scale(want).backward()
+            count = lambda: float(ref_opt.state[ref[0].weight].get("step", 0))  # noqa: E731
+            before = count()
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
+            ref_opt.zero_grad(set_to_none=True)
+            eager_skipped = count() == before
+            self.assertEqual(step.skipped_update, bool(eager_skipped), f"step {i}")
+            skipped.append(step.skipped_update)
+            torch.testing.assert_close(loss, want, **EXACT)
+            self.assertEqual(scaler.get_scale(), ref_scaler.get_scale())
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+        self.assertEqual(skipped[:8], [True] * 7 + [False])
+        self.assertIn(True, skipped[10:])  # a skip in the arena, after it settled
+        self.assertIn(False, skipped[10:])
+        for p, q in zip(model.parameters(), ref.parameters()):
+            for k, v in ref_opt.state[q].items():
+                torch.testing.assert_close(opt.state[p][k], v, **EXACT)
+        torch.testing.assert_close(scaler._growth_tracker, ref_scaler._growth_tracker, **EXACT)
+        # The updates wait for the last gradient's check: every update op
+        # reads the flag.
+        flag = step.graph["tensors"][step._scaling[2]]["id"]
+        updates = [op for op in step.graph["ops"] if op["id"] in step._scaling[3]]
+        self.assertTrue(updates)
+        self.assertTrue(all(flag in op["inputs"] for op in updates))
+
+    def test_with_accumulation_clipping_and_recomputation(self):
+        model = nn.Sequential(nn.Linear(6, 32), Residual(32, 64, True), nn.Linear(32, 3))
+        batches = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+        h = Harness(self, model, batches, fp16_classify, accumulate=3, clip=1.0,
+                    scaler=dict(init_scale=2.0**20, growth_interval=1))
+        h.run()
+
+    def test_fitted_step_with_a_scaler(self):
+        h = Harness(self, self.model(), (torch.randn(64, 16), torch.randint(0, 4, (64,))), fp16_classify,
+                    budget_share=0.9, scaler=dict(init_scale=2.0**16))
+        h.run()
+
+    def test_what_it_refuses(self):
+        model = self.model()
+        batch = (torch.randn(4, 16), torch.randint(0, 4, (4,)))
+        opts = [torch.optim.SGD(list(model.parameters())[:2], lr=0.1),
+                torch.optim.AdamW(list(model.parameters())[2:])]
+        with self.assertRaisesRegex(mt.UnsupportedStep, "several optimizers"):
+            mt.capture(model, opts, batch, fp16_classify, scaler=torch.amp.GradScaler("cpu"))
+        half = self.model().half()
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"gradient of 0.weight is float16.*autocast"):
+            mt.capture(half, torch.optim.SGD(half.parameters(), lr=0.1), (batch[0].half(), batch[1]),
+                       lambda m, b: F.cross_entropy(m(b[0]), b[1]), scaler=torch.amp.GradScaler("cpu"))
+        scaler = torch.amp.GradScaler("cpu")
+        step = mt.capture(model, torch.optim.AdamW(model.parameters()), batch, fp16_classify, scaler=scaler)
+        scaler.set_growth_factor(4.0)
+        with self.assertRaisesRegex(mt.UnsupportedStep, "growth factor.*changed after capture"):
+            step(batch)
+        with self.assertRaisesRegex(mt.UnsupportedStep, "expected a torch.amp.GradScaler"):
+            mt.capture(model, torch.optim.AdamW(model.parameters()), batch, fp16_classify, scaler=object())
+        # A disabled scaler is no scaler.
+        off = mt.capture(model, torch.optim.AdamW(model.parameters()), batch, fp16_classify,
+                         scaler=torch.amp.GradScaler("cpu", enabled=False))
+        self.assertIsNone(off.scaler)
 
 
 class FittedStepsRecompute(unittest.TestCase):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -46,9 +46,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import memplan
 
-from . import _optim
+from . import _optim, _scaler
 from ._record import Call, GeneratorStates, Recorder, Ref, UnsupportedStep
-from ._run import Arena, Program, StorageTracker
+from ._run import Arena, Gate, Program, StorageTracker
 
 __all__ = ["capture", "compile", "max_batch", "Step", "UnsupportedStep"]
 
@@ -65,8 +65,13 @@ class Step:
     def __init__(self, model, optimizer, rec: Recorder, graph: Dict[str, Any], bound: Dict[str, int],
                  batch_spec, batch_layouts, loss_index: int, updated: List[torch.Tensor],
                  hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
-                 norm_index: Optional[int] = None, accumulate: int = 1) -> None:
+                 norm_index: Optional[int] = None, accumulate: int = 1, scaling=None) -> None:
         self.model = model
+        # With a gradient scaler: (scaler, its settings at capture, the
+        # overflow flag's graph tensor, the ids of the ops it gates).
+        self._scaling = scaling
+        self.scaler = scaling[0] if scaling is not None else None
+        self.skipped_update = False  # whether the last run skipped the update (an overflow)
         self._optimizers = optimizer  # _optim.Optimizers over what the caller gave
         self.optimizer = optimizer.members[0] if len(optimizer.members) == 1 else list(optimizer.members)
         self.graph = graph
@@ -152,8 +157,15 @@ class Step:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
             keep = list(self._bound) + [self._loss] + ([self._norm] if self._norm is not None else [])
             takes = self._taken_reuses() if order == "planned" else None
-            self._programs[order] = Program(self._calls, seq, keep, takes)
+            self._programs[order] = Program(self._calls, seq, keep, takes, self._gate())
         return self._programs[order]
+
+    def _gate(self) -> Optional[Gate]:
+        """The gradient scaler's gate over this graph's update calls."""
+        if self._scaling is None:
+            return None
+        _, _, flag, ids = self._scaling
+        return Gate(flag, frozenset(k for k, op in enumerate(self.graph["ops"]) if op["id"] in ids))
 
     def _taken_reuses(self) -> Dict[int, tuple]:
         """The plan's taken reuses as call index -> (output, input) tensor
@@ -284,6 +296,11 @@ class Step:
             for i, slot in self._batch_slots.items():
                 slot.copy_(env[i])
                 env[i] = slot
+        snapshot = None
+        if self._scaling is not None:
+            _scaler.check_unchanged(self._scaling[0], self._scaling[1])
+            prog.gate.reset()
+            snapshot = _scaler.Snapshot(self._optimizers, self._updated)
         numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
         def go():
@@ -304,10 +321,14 @@ class Step:
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
             go()
-        # The step took optimizer.step()'s place: learning-rate schedulers
-        # check this flag to tell a late scheduler.step() call.
-        for o in self._optimizers.members:
-            o._opt_called = True
+        self.skipped_update = bool(snapshot is not None and prog.gate.skipped)
+        if self.skipped_update:
+            snapshot.restore()  # eager's scaler.step() did not call optimizer.step()
+        else:
+            # The step took optimizer.step()'s place: learning-rate schedulers
+            # check this flag to tell a late scheduler.step() call.
+            for o in self._optimizers.members:
+                o._opt_called = True
         if self._norm is not None:
             self.grad_norm = env[self._norm]
         return env[self._loss]
@@ -363,16 +384,16 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
             meta_device: str = "cpu", budget: Optional[int] = None,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
-            norm_type: float = 2.0, accumulate: int = 1) -> Step:
+            norm_type: float = 2.0, accumulate: int = 1, scaler=None) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
     tensor or a tuple, list or dict of tensors (the shapes every later batch
-    must have). `optimizer` is a ``torch.optim.AdamW``, ``Adam``, ``SGD``
-    or ``Muon`` over the model's parameters, or a list of them over
-    disjoint parameters (Muon for the matrices, AdamW for the rest); its
-    state is made (zeros) if no step ran yet, as its first ``step()``
-    would. With ``plan=False`` the step is not
+    must have). `optimizer` is one of ``torch.optim``'s ``AdamW``, ``Adam``,
+    ``SGD``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Adadelta``, ``NAdam``,
+    ``RAdam`` and ``Muon`` over the model's parameters, or a list of them
+    over disjoint parameters (Muon for the matrices, AdamW for the rest);
+    a parameter's state is made as its first ``step()`` would make it. With ``plan=False`` the step is not
     planned until :meth:`Step.make_plan` or the first planned run. With
     `budget` (bytes), the step is fitted into it by recomputation instead
     (:meth:`Step.fit`, within `time_limit` seconds); with `max_added` (a
@@ -398,6 +419,15 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     pass), and each micro-batch is an input the caller holds for the whole
     step.
 
+    With `scaler` (a ``torch.amp.GradScaler``: float16 autocast in
+    `loss_fn`), the step scales the loss, unscales and checks the
+    gradients (before clipping), skips the update when one overflowed and
+    updates the scale, as ``scaler.scale(loss).backward();
+    scaler.unscale_(optimizer); clip...; scaler.step(optimizer);
+    scaler.update()`` does; :attr:`Step.skipped_update` says whether the
+    last run skipped it. The scaler's tensors are the step's, updated in
+    place (``scaler.get_scale()`` reads them).
+
     The graph's metadata records the batch size (``"batch"``: the leading
     dimension every batch tensor shares), which :func:`max_batch` uses.
 
@@ -418,8 +448,10 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         raise ValueError(f"accumulate must be a positive number of micro-batches, not {accumulate!r}")
     inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch, accumulate)
     rec.fake_mode = inputs.fake
-    loss_index, updated, norm_index = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
-                                             clip_grad_norm, norm_type)
+    if _scaler.active(scaler):
+        inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device, optimizer))
+    loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
+                                                   clip_grad_norm, norm_type)
     for i, value in rec.constants.items():
         inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
     label = name or f"{type(model).__name__}-step"
@@ -432,8 +464,9 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         meta["accumulate"] = accumulate
     graph = rec.finish(label, meta)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
+    scaling = (scaler, _scaler.settings(scaler)) + gate if gate is not None else None
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
-                updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate)
+                updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate, scaling)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -479,6 +512,7 @@ class _Inputs:
         self.fb = {n: self.reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
         self.optimizer = optimizer
         self.fstate: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.fscaler: Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[float, float, int]]] = None
         leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
         self.batch_layouts = []
         self.fbatches = []  # one fake batch per micro-batch
@@ -498,6 +532,13 @@ class _Inputs:
             self.fbatches.append(tree_unflatten(fleaves, self.spec))
         for f, p in zip(self.fp.values(), params.values()):
             f.requires_grad_(p.requires_grad)
+
+    def scaler(self, scaler, tensors: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The gradient scaler's scale and growth tracker as step inputs
+        (`fscaler`, with the settings its update reads)."""
+        scale, growth = tensors
+        self.fscaler = (self.reg(scale, "scaler:scale", "optimizer_state"),
+                        self.reg(growth, "scaler:growth_tracker", "optimizer_state"), _scaler.settings(scaler))
 
     def state(self, p: torch.Tensor, n: str) -> Dict[str, torch.Tensor]:
         """Parameter `p`'s optimizer state as fake tensors, made as PyTorch
@@ -526,24 +567,34 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     """Records forward and backward (of every micro-batch, gradients
     accumulated), gradient clipping (with `clip_grad_norm`) and each
     parameter's update on the fake inputs; returns the loss's graph tensor,
-    the parameters updated and the total norm's graph tensor (or None)."""
+    the parameters updated, the total norm's graph tensor (or None) and,
+    with a gradient scaler, the overflow flag's graph tensor and the ids of
+    the update ops it gates (or None)."""
     params = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     fp = inputs.fp
     trainable = [n for n, p in params.items() if p.requires_grad]
+    scale = inputs.fscaler[0] if inputs.fscaler is not None else None
     with inputs.fake, rec, GeneratorStates(rec), \
             _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
         if len(inputs.fbatches) == 1:
-            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatches[0], fp, trainable, 1)
+            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatches[0], fp, trainable, 1, scale)
         else:
-            loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, fp, trainable)
+            loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, fp, trainable, scale)
         loss_index = rec.mark(loss, "output", persistent=True)
         for g in grad_of.values():
             r = rec.root(rec.index_of(g))
             if rec.tensors[r]["role"] != "parameter":
                 rec.tensors[r]["role"] = "gradient"
         rec.phase = "optimizer"
+        in_order = [(name_of[id(p)], p) for group in optimizer.param_groups for p in group["params"]
+                    if name_of[id(p)] in grad_of]
+        found_inf = None
+        if scale is not None:
+            with torch.no_grad():
+                found_inf = _scaler.unscale([(n, grad_of[n]) for n, _ in in_order], scale)
         norm_index = _clip(rec, fp, grad_of, clip_grad_norm, norm_type) if clip_grad_norm is not None else None
+        first = len(rec.ops)
         updated = []
         with torch.no_grad():
             for gi, group in enumerate(optimizer.param_groups):
@@ -553,23 +604,29 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                         _optim.update(hyper.kinds[gi], group, hyper.markers[gi], fp[n], grad_of[n],
                                       inputs.state(p, n))
                         updated.append(p)
-    return loss_index, updated, norm_index
+            gate = None
+            if found_inf is not None:
+                gate = _scaler.gate(rec, first, found_inf)
+                _scaler.update_scale(scale, inputs.fscaler[1], found_inf, inputs.fscaler[2])
+    return loss_index, updated, norm_index, gate
 
 
 def _forward_backward(rec: Recorder, model, loss_fn, fbatch, fp: Dict[str, torch.Tensor], trainable: List[str],
-                      micro: int):
+                      micro: int, scale: Optional[torch.Tensor] = None):
     """Records ``loss_fn(model, fbatch)`` (divided by `micro`, the number
-    of micro-batches, when there are several) and its gradients; returns
-    the loss and the gradient of each trainable parameter that has one."""
+    of micro-batches, when there are several) and its gradients (of the
+    loss times the gradient scaler's `scale`, if any); returns the loss
+    and the gradient of each trainable parameter that has one."""
     rec.phase = "forward"
     loss = loss_fn(model, fbatch)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise UnsupportedStep("loss_fn must return a scalar tensor")
     if micro != 1:
         loss = loss / micro
+    scaled = loss * scale if scale is not None else loss  # scaler.scale(loss)
     rec.phase = "backward"
     try:
-        grads = torch.autograd.grad(loss, [fp[n] for n in trainable], allow_unused=True)
+        grads = torch.autograd.grad(scaled, [fp[n] for n in trainable], allow_unused=True)
     except RuntimeError as e:
         if "use_reentrant=True" not in str(e):
             raise
@@ -583,7 +640,7 @@ def _forward_backward(rec: Recorder, model, loss_fn, fbatch, fp: Dict[str, torch
 
 
 def _accumulate(rec: Recorder, model, loss_fn, fbatches: List[Any], fp: Dict[str, torch.Tensor],
-                trainable: List[str]):
+                trainable: List[str], scale: Optional[torch.Tensor] = None):
     """Records gradient accumulation over `fbatches` as eager PyTorch runs
     ``(loss_fn(model, mb) / N).backward()`` for each micro-batch: the first
     micro-batch's gradients become the accumulators (copied, as autograd's
@@ -594,7 +651,7 @@ def _accumulate(rec: Recorder, model, loss_fn, fbatches: List[Any], fp: Dict[str
     total = None
     acc: Dict[str, torch.Tensor] = {}
     for fbatch in fbatches:
-        loss, grads = _forward_backward(rec, model, loss_fn, fbatch, fp, trainable, len(fbatches))
+        loss, grads = _forward_backward(rec, model, loss_fn, fbatch, fp, trainable, len(fbatches), scale)
         roots = collections.Counter(rec.root(rec.index_of(g)) for g in grads.values())
         with torch.no_grad():
             total = loss if total is None else total + loss

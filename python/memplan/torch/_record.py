@@ -273,6 +273,51 @@ def _undeclared_writes(func, args, kwargs) -> set:
             for x in (pos, name)}
 
 
+# Normalisations whose saved statistics (results 1 and 2) PyTorch keeps in
+# float32 when a low-precision input meets float32 weights ("mixed type",
+# as under CPU autocast), where the fake kernels give the input's dtype:
+# op -> (argument positions of weight and bias, only on the CPU).
+MIXED_TYPE_STATISTICS = {
+    "aten::native_layer_norm": ((2, 3), True),
+    "aten::native_batch_norm": ((1, 2), True),
+    "aten::native_group_norm": ((1, 2), False),
+}
+
+
+def _real_dtypes(func, args, out):
+    """`out` with the dtypes the real kernel gives where PyTorch's fake
+    kernel says otherwise; a recorded tensor of the wrong dtype would be
+    planned at the wrong size, and in the arena the real kernel refuses
+    its place. Seen with mixed types (low-precision input, float32
+    weights): the statistics of the normalisations in
+    MIXED_TYPE_STATISTICS, which really are float32, and the input
+    gradient of `native_group_norm_backward`, which really has the
+    input's dtype."""
+    name = func._schema.name
+    if not isinstance(out, tuple) or not isinstance(args[0], torch.Tensor):
+        return out
+    if name == "aten::native_group_norm_backward" and isinstance(out[0], torch.Tensor):
+        return (_as_dtype(out[0], args[1].dtype),) + out[1:]
+    rule = MIXED_TYPE_STATISTICS.get(name)
+    if rule is None or len(out) < 3:
+        return out
+    (w, b), cpu_only = rule
+    x = args[0]
+    params = [args[k] for k in (w, b) if k < len(args) and isinstance(args[k], torch.Tensor)]
+    if (x.dtype not in (torch.float16, torch.bfloat16) or not any(p.dtype == torch.float32 for p in params)
+            or (cpu_only and x.device.type != "cpu")):
+        return out
+    return (out[0], _as_dtype(out[1], torch.float32), _as_dtype(out[2], torch.float32)) + out[3:]
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t`, or a fake tensor of its layout in `dtype` (made below the
+    recorder: not an op of the step)."""
+    if t.dtype == dtype:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+
+
 def _masked_off(func, args, kwargs, out):
     """`out` with the results its `output_mask` argument switches off as
     None, as the real kernel leaves them undefined: the fake kernel of
@@ -617,6 +662,7 @@ class Recorder(TorchDispatchMode):
                 "nonzero); memplan replays a graph of static shapes"
             ) from None
         out = _masked_off(func, args, kwargs, out)
+        out = _real_dtypes(func, args, out)
 
         self._refuse_grown_storages(func, arg_objs, writes)
         if any(self.root(i) in self._outside_roots for i in writes):

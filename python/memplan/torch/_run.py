@@ -173,6 +173,27 @@ def _binder(args, kwargs, subst: bool) -> Callable:
     return made
 
 
+class Gate:
+    """The updates of a step with a gradient scaler, which run only when no
+    gradient overflowed: `calls` (call indices) are skipped when the flag
+    tensor `found_inf` (graph index) is set. It is read once per step, at
+    the first of them (every plan orders them after the flag's last
+    writer); :attr:`skipped` then says what happened."""
+
+    def __init__(self, found_inf: int, calls: frozenset) -> None:
+        self.found_inf = found_inf
+        self.calls = calls
+        self.skipped: Optional[bool] = None
+
+    def reset(self) -> None:
+        self.skipped = None
+
+    def closed(self, env: Dict[int, torch.Tensor]) -> bool:
+        if self.skipped is None:
+            self.skipped = bool(env[self.found_inf].item() != 0)
+        return self.skipped
+
+
 class Program:
     """The calls of a step in one order, with the tensors that die after
     each position.
@@ -184,12 +205,15 @@ class Program:
     refuses runs as recorded instead and is noted in :attr:`unreused`."""
 
     def __init__(self, calls: Sequence[Call], order: Sequence[int], keep: Sequence[int],
-                 takes: Optional[Dict[int, Tuple[int, int]]] = None) -> None:
+                 takes: Optional[Dict[int, Tuple[int, int]]] = None, gate: Optional[Gate] = None) -> None:
         self.calls = calls
         self.order = list(order)
         self.takes = dict(takes or {})
         self.unreused: set = set()
         self._held_plan: Optional[tuple] = None
+        # Positions of the gated calls (see Gate), and the gate.
+        self.gate = gate
+        self.gated = {pos for pos, k in enumerate(self.order) if k in gate.calls} if gate is not None else set()
         last: Dict[int, int] = {}
         for pos, k in enumerate(self.order):
             c = calls[k]
@@ -198,6 +222,8 @@ class Program:
                     last[x.index] = pos
             for _, i in c.outputs:
                 last[i] = pos
+            if pos in self.gated:
+                last[gate.found_inf] = max(last.get(gate.found_inf, pos), pos)  # read there
         kept = set(keep)
         self.dies: List[List[int]] = [[] for _ in self.order]
         for i, pos in last.items():
@@ -208,8 +234,13 @@ class Program:
             optimizer_calls: Sequence[bool]) -> None:
         """Runs every call in order on the values in `env`, substituting the
         optimizer's markers in the calls flagged in `optimizer_calls`."""
+        gated, gate = self.gated, self.gate
         with torch.no_grad():
-            for bind, k, func, outputs, only, dies in self.plan(optimizer_calls):
+            for pos, (bind, k, func, outputs, only, dies) in enumerate(self.plan(optimizer_calls)):
+                if pos in gated and gate.closed(env):
+                    for i in dies:
+                        env.pop(i, None)
+                    continue
                 args, kwargs = bind(env, numbers)
                 out = self._call_over(k, args, kwargs, env) if k in self.takes else None
                 if out is None:
@@ -417,6 +448,10 @@ class Arena:
                 self._run_fast(prog, plan, placed, env, numbers)
                 return
             for pos, (bind, k, _, _, _, dies) in enumerate(plan):
+                if pos in prog.gated and prog.gate.closed(env):
+                    for i in dies:
+                        env.pop(i, None)
+                    continue
                 args, kwargs = bind(env, numbers)
                 way = ways[pos]
                 if way is None or not way(args, kwargs, env):
@@ -424,8 +459,11 @@ class Arena:
                 args = kwargs = None
                 for i in dies:
                     env.pop(i, None)
-        # Settled: from the next run on, one generated function per call.
-        self._fast = [self._generate(pos, step) for pos, step in enumerate(plan)]
+        # Settled (every call, skipped updates included, ran once): from the
+        # next run on, one generated function per call.
+        if all(way is not None for way in ways):
+            self._fast = [self._generate(pos, step, prog.gate if pos in prog.gated else None)
+                          for pos, step in enumerate(plan)]
 
     def _run_fast(self, prog: "Program", plan: List[tuple], placed: Dict[int, torch.Tensor],
                   env: Dict[int, torch.Tensor], numbers: Dict[float, float]) -> None:
@@ -444,15 +482,16 @@ class Arena:
                 self._ways[pos] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
                 for i in dies:
                     env.pop(i, None)
-                fast[pos] = self._generate(pos, plan[pos])
+                fast[pos] = self._generate(pos, plan[pos], prog.gate if pos in prog.gated else None)
 
-    def _generate(self, pos: int, step: tuple) -> Callable:
+    def _generate(self, pos: int, step: tuple, gate: Optional[Gate] = None) -> Callable:
         """Position `pos`'s settled way as one generated function
         ``(env, nums) -> None``: the out= call written out with its
         arguments' expressions (the binder's) and its places as constants,
         or the way itself called on the bound arguments; then the values
-        dying there dropped. Only indices and constant slots are spliced
-        into the source."""
+        dying there dropped. A gated call (`gate`) first asks the gate and
+        only drops them when it is closed. Only indices and constant slots
+        are spliced into the source."""
         bind, _, _, _, _, dies = step
         way = self._ways[pos]
         spec = getattr(way, "spec", ("recorded",))
@@ -463,12 +502,16 @@ class Arena:
             consts.append(x)
             return f"c[{len(consts) - 1}]"
 
+        lines = []
+        if gate is not None:
+            lines.append(f"if {const(gate)}.closed(env):")
+            lines += [f"    env.pop({int(i)}, None)" for i in dies]
+            lines.append("    return")
         if source is None:  # a binder walking the arguments (one is a named tuple)
-            lines = [f"a, kw = {const(bind)}(env, nums)"]
+            lines.append(f"a, kw = {const(bind)}(env, nums)")
             args_src, kwargs_src = "a", "kw"
         else:
             args_src, kwargs_src = source[0], source[1]
-            lines = []
         if spec[0] == "as_is":
             lines += [f"env[{int(i)}] = {const(t)}" for i, t in spec[1]]
         elif spec[0] == "into":

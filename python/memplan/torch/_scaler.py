@@ -1,0 +1,127 @@
+"""Loss scaling for float16 training (``torch.amp.GradScaler``), recorded.
+
+Eager PyTorch's float16 recipe multiplies the loss by a scale before the
+backward pass, so small gradients do not underflow, then divides every
+gradient by it (``scaler.unscale_``), checking for infinities and NaNs. If
+any gradient overflowed, ``scaler.step(optimizer)`` skips the update, and
+``scaler.update()`` halves the scale; after enough clean steps it doubles.
+
+The captured step records the same ops on the scaler's own tensors (its
+scale and growth tracker are step inputs, updated in place): the scaled
+loss, one ``_amp_foreach_non_finite_check_and_unscale_`` per gradient (the
+same kernel eager calls on lists of gradients, so the same bits), and
+``_amp_update_scale_``. The skip is the one data-dependent branch of such a
+step. Every update op takes the overflow flag as an input in the graph, so
+memplan orders all of them after the last gradient's check (a gradient
+cannot die before every other one is known finite: eager's memory, here
+too); the runner reads the flag once, at the first update, and when it is
+set it skips the update ops and leaves the step counters as they were, as
+eager does.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from ._record import Recorder, UnsupportedStep
+
+
+def active(scaler) -> bool:
+    """Whether `scaler` scales at all (``GradScaler(enabled=False)`` is the
+    identity, and so is no scaler)."""
+    if scaler is None:
+        return False
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise UnsupportedStep(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+    return scaler.is_enabled()
+
+
+def prepare(scaler, device: torch.device, optimizers) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scaler's scale and growth tracker, made as its first
+    ``scale()`` makes them if no step ran yet."""
+    if len(optimizers.members) != 1:
+        raise UnsupportedStep(
+            "a gradient scaler with several optimizers: eager skips each optimizer's update on its own "
+            "gradients' overflow, the captured step one flag for all; capture with one optimizer"
+        )
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(device)
+    return scaler._scale, scaler._growth_tracker
+
+
+def settings(scaler) -> Tuple[float, float, int]:
+    """What ``scaler.update()`` reads besides its tensors: fixed at capture."""
+    return (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+
+
+def unscale(grads: List[Tuple[str, torch.Tensor]], scale: torch.Tensor) -> torch.Tensor:
+    """Records ``scaler.unscale_``: the inverse scale (in float64, as eager
+    takes it), a zero overflow flag, and each gradient divided in place and
+    checked. Returns the flag."""
+    inv_scale = scale.double().reciprocal().float()
+    found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+    for name, g in grads:
+        if g.dtype == torch.float16:
+            raise UnsupportedStep(
+                f"the gradient of {name} is float16: GradScaler refuses to unscale float16 gradients "
+                "(\"Attempting to unscale FP16 gradients\"); keep the parameters in float32 and run the "
+                "forward under torch.autocast"
+            )
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
+    return found_inf
+
+
+def gate(rec: Recorder, first: int, found_inf: torch.Tensor) -> Tuple[int, frozenset]:
+    """Makes the ops recorded from `first` on (the updates) read the
+    overflow flag in the graph, so every plan runs them after the last
+    gradient's check; returns the flag's graph tensor and their op ids."""
+    i = rec.index_of(found_inf)
+    flag = rec.tensors[i]["id"]
+    ids = []
+    for op in rec.ops[first:]:
+        inputs = op.setdefault("inputs", [])
+        if flag not in inputs and flag not in op.get("updates", []):
+            inputs.append(flag)
+        ids.append(op["id"])
+    return i, frozenset(ids)
+
+
+def update_scale(scale: torch.Tensor, growth: torch.Tensor, found_inf: torch.Tensor,
+                 fixed: Tuple[float, float, int]) -> None:
+    """Records ``scaler.update()`` for one optimizer's flag."""
+    torch._amp_update_scale_(scale, growth, found_inf, *fixed)
+
+
+class Snapshot:
+    """The step counters (and NAdam's momentum products) of the updated
+    parameters before a step advances them, to put back when the step
+    skips its updates."""
+
+    KEYS = ("step", "mu_product")
+
+    def __init__(self, opt, updated) -> None:
+        self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for p in updated:
+            st = opt.state.get(p) or {}
+            for k in self.KEYS:
+                t = st.get(k)
+                if isinstance(t, torch.Tensor):
+                    self.saved.append((t, t.clone()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, was in self.saved:
+                t.copy_(was)
+
+
+def check_unchanged(scaler, fixed: Tuple[float, float, int]) -> None:
+    if settings(scaler) != fixed:
+        raise UnsupportedStep(
+            f"the gradient scaler's growth factor, backoff factor or growth interval changed after capture "
+            f"(captured {fixed}, now {settings(scaler)}); capture the step again"
+        )
+
+
+__all__ = ["active", "prepare", "settings", "unscale", "gate", "update_scale", "Snapshot", "check_unchanged"]
