@@ -210,6 +210,11 @@ torch_step_loops() {
   echo "== python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5 \
     --json "$OUT/torch_step_fused.json" 2>&1 | tee "$OUT/torch_step_fused.out"
+  # Float16 training with a GradScaler on both sides (cudnn batch norm,
+  # the unscale kernels, updates skipped on overflow).
+  echo "== python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5 \
+    --json "$OUT/torch_step_fp16.json" 2>&1 | tee "$OUT/torch_step_fp16.out"
   # The same with cheap recomputation: at most 0.01% more FLOPs.
   echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \

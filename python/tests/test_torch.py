@@ -1593,6 +1593,10 @@ class OnDevice(unittest.TestCase):
         # `--dropout 0.1 --clip-grad-norm 1.0`: both sides draw the same
         # masks and clip alike.
         rows += on_device("cpu", 2, 5.0, {f"{n}-dropout": c for n, c in tiny_models(0.1).items()}, clip=1.0)
+        # `--fp16`: float16 autocast with a GradScaler on both sides.
+        rows += on_device("cpu", 2, 5.0, {f"{n}-fp16": (m, b, _autocast(f, "cpu", torch.float16))
+                                          for n, (m, b, f) in tiny_models().items()}, clip=1.0, scaled=True)
+        self.assertTrue(all("skipped_updates" in r for r in rows))
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)

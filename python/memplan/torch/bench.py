@@ -113,12 +113,12 @@ def models(dropout: float = 0.0):
     return cases
 
 
-def _autocast(loss_fn, device: str):
-    """`loss_fn` with its forward under bf16 autocast on `device`."""
+def _autocast(loss_fn, device: str, dtype: torch.dtype = torch.bfloat16):
+    """`loss_fn` with its forward under `dtype` autocast on `device`."""
     kind = torch.device(device).type
 
     def under_autocast(model, batch):
-        with torch.autocast(kind, dtype=torch.bfloat16):
+        with torch.autocast(kind, dtype=dtype):
             return loss_fn(model, batch)
     return under_autocast
 
@@ -354,7 +354,7 @@ def _rng_states(restore=None):
 
 
 def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None,
-              fused: bool = False):
+              fused: bool = False, scaled: bool = False):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -385,6 +385,12 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     With `fused` both sides use ``AdamW(fused=True)``: eager runs PyTorch's
     fused kernel, memplan its single-tensor arithmetic (equal to rounding).
 
+    With `scaled` both sides scale the loss with a ``torch.amp.GradScaler``
+    (float16 training: `cases` under float16 autocast), eager through
+    ``scaler.scale/unscale_/step/update``, memplan through ``capture(...,
+    scaler=)``; each row counts the updates memplan's step skipped
+    (``skipped_updates``).
+
     Each row also has the bytes ``torch.save`` writes for the memplan
     model's state dict after the run (``checkpoint_bytes``), beside the
     parameters' own bytes (``parameter_bytes``): the arena's tensors own
@@ -398,15 +404,24 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         mine = copy.deepcopy(model).to(dev)
         del model
         opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
+        eager_scaler = torch.amp.GradScaler(dev.type) if scaled else None
         eager_losses = []
         rng = _rng_states()
 
         def eager_step():
             loss = loss_fn(eager_model, batch)
-            loss.backward()
+            if eager_scaler is not None:
+                eager_scaler.scale(loss).backward()
+                eager_scaler.unscale_(opt)
+            else:
+                loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(eager_model.parameters(), clip)
-            opt.step()
+            if eager_scaler is not None:
+                eager_scaler.step(opt)
+                eager_scaler.update()
+            else:
+                opt.step()
             opt.zero_grad(set_to_none=True)
             eager_losses.append(loss.detach())
 
@@ -418,15 +433,20 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
 
         e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
         mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
-        step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit, clip_grad_norm=clip)
+        # The eager side's scale after its first step, which it took before
+        # the captured step starts.
+        scaler = torch.amp.GradScaler(dev.type, init_scale=eager_scaler.get_scale()) if scaled else None
+        step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit, clip_grad_norm=clip, scaler=scaler)
         added = 0.0
         if max_added is not None:
             f = step.fit(max_added=max_added, minimise="flops", time_limit=max(time_limit, 30.0))
             added = f["added_flops"] / f["step_flops"]
         my_losses = []
+        skipped = []
 
         def memplan_step():
             my_losses.append(step(batch, arena=True).detach().clone())
+            skipped.append(step.skipped_update)
 
         _rng_states(rng)  # the draws of eager's first step, then of its next...
         memplan_step()
@@ -453,7 +473,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
             "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
             "loss_rel_diff": loss_diff, "param_rel_diff": param_diff,
             "max_added_share": max_added, "added_flops_share": added,
-            "checkpoint_bytes": _saved_bytes(mine.state_dict()),
+            "checkpoint_bytes": _saved_bytes(mine.state_dict()), "skipped_updates": sum(skipped),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
         })
         del eager_model, mine, opt, mopt, step, arena
@@ -567,6 +587,9 @@ def main(argv=None):
     ap.add_argument("--json", metavar="FILE", help="with --device: also write the rows as JSON")
     ap.add_argument("--autocast", action="store_true",
                     help="with --device: each model's forward under bf16 autocast (f32 master weights)")
+    ap.add_argument("--fp16", action="store_true",
+                    help="with --device: each model's forward under float16 autocast, the loss scaled by a "
+                    "torch.amp.GradScaler on both sides (capture(..., scaler=) for memplan)")
     ap.add_argument("--tiny", action="store_true",
                     help="with --device: width-32 decoders instead, whose step time is per-op overhead")
     ap.add_argument("--dropout", metavar="P", type=float, default=0.0,
@@ -585,11 +608,13 @@ def main(argv=None):
         cases = tiny_models(args.dropout) if args.tiny else models(args.dropout)
         if args.with_gpt2_xl:
             cases.update(_gpt2_xl_case(args.device, args.dropout))
-        if args.autocast:
-            cases = {f"{name}-bf16": (model, batch, _autocast(loss_fn, args.device))
+        if args.autocast or args.fp16:
+            dtype = torch.float16 if args.fp16 else torch.bfloat16
+            suffix = "fp16" if args.fp16 else "bf16"
+            cases = {f"{name}-{suffix}": (model, batch, _autocast(loss_fn, args.device, dtype))
                      for name, (model, batch, loss_fn) in cases.items()}
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm,
-                         args.fused_optimizer)
+                         args.fused_optimizer, scaled=args.fp16)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
