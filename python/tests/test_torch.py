@@ -91,6 +91,9 @@ OTHER_OPTIMIZERS = {
     "radamw-maximize": (torch.optim.RAdam, dict(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.1,
                                                  decoupled_weight_decay=True, maximize=True)),
     "radam-decay": (torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.01)),
+    "adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
+    "adafactor-decay-maximize": (torch.optim.Adafactor, dict(lr=0.1, weight_decay=0.1, beta2_decay=-0.5, d=2.0,
+                                                             eps=(1e-20, 1e-2), maximize=True)),
 }
 
 
@@ -925,7 +928,8 @@ class SeveralOptimizers(unittest.TestCase):
 
 
 class OtherOptimizers(unittest.TestCase):
-    """torch.optim's RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, and Adam's
+    """torch.optim's RMSprop, Adagrad, Adamax, Adadelta, NAdam, RAdam and
+    Adafactor, and Adam's
     `amsgrad` and every optimizer's `maximize`: each update recorded from
     PyTorch's single-tensor arithmetic, op for op, equals eager's
     `step()` to the bit (parameters, optimizer state and step counts)
@@ -1004,11 +1008,11 @@ class OtherOptimizers(unittest.TestCase):
 
     def test_optimizers_it_does_not_capture_are_refused_by_name(self):
         model = nn.Linear(4, 2)
-        for opt in (torch.optim.Adafactor(model.parameters()), torch.optim.LBFGS(model.parameters()),
-                    torch.optim.ASGD(model.parameters())):
+        for opt in (torch.optim.LBFGS(model.parameters()), torch.optim.ASGD(model.parameters()),
+                    torch.optim.Rprop(model.parameters())):
             with self.subTest(type(opt).__name__):
                 with self.assertRaisesRegex(mt.UnsupportedStep, rf"optimizer {type(opt).__name__}: memplan.torch "
-                                            r"captures torch.optim's Adadelta, Adagrad, Adam, Adamax, AdamW"):
+                                            r"captures torch.optim's Adadelta, Adafactor, Adagrad, Adam, Adamax, AdamW"):
                     mt.capture(model, opt, torch.randn(3, 4), lambda m, b: m(b).sum())
 
 
@@ -1739,8 +1743,8 @@ class BadInputIsRefusedByName(unittest.TestCase):
 
     def test_unsupported_optimizer_and_loss(self):
         model = nn.Linear(6, 3)
-        with self.assertRaisesRegex(mt.UnsupportedStep, "Adafactor"):
-            self.capture(model, opt=torch.optim.Adafactor(model.parameters()))
+        with self.assertRaisesRegex(mt.UnsupportedStep, "Rprop"):
+            self.capture(model, opt=torch.optim.Rprop(model.parameters()))
         with self.assertRaisesRegex(mt.UnsupportedStep, "scalar"):
             self.capture(model, loss_fn=lambda m, b: m(b[0]))
         with self.assertRaisesRegex(mt.UnsupportedStep, "capturable=True is not supported"):

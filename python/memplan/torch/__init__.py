@@ -391,7 +391,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     tensor or a tuple, list or dict of tensors (the shapes every later batch
     must have). `optimizer` is one of ``torch.optim``'s ``AdamW``, ``Adam``,
     ``SGD``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Adadelta``, ``NAdam``,
-    ``RAdam`` and ``Muon`` over the model's parameters, or a list of them
+    ``RAdam``, ``Adafactor`` and ``Muon`` over the model's parameters, or a list of them
     over disjoint parameters (Muon for the matrices, AdamW for the rest);
     a parameter's state is made as its first ``step()`` would make it. With ``plan=False`` the step is not
     planned until :meth:`Step.make_plan` or the first planned run. With

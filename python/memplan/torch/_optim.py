@@ -421,6 +421,66 @@ class RAdam(Kind):
         p.add_(x * adaptive.pow(m["rectified"]) * m["rect"], alpha=-1.0)
 
 
+class Adafactor(Kind):
+    """Adafactor: second moments factored into a row and a column vector
+    per matrix. PyTorch's update reads two norms into Python every step
+    (the parameter's, for the step size, and the update's, to cap it);
+    the captured step keeps them on the device as 0-d float64 tensors
+    with eager's double-precision arithmetic, so it makes no host read,
+    and applies the step with ``addcmul_`` by that tensor (rounded to the
+    parameter's dtype, as eager's ``add_(update, alpha=s)`` rounds `s`).
+    On the CPU this equals eager's single-tensor update to the bit in
+    every test (`OtherOptimizers`, a Hugging Face Llama); a kernel that
+    fuses eager's multiply-add could differ from it by rounding."""
+
+    numbers = ("decay", "one_minus_beta2_t", "rho_t", "eps2")
+
+    def structure(self, group):
+        return super().structure(group) + (group["eps"][0], group["d"])
+
+    def values(self, group, counts):
+        step = counts.get("step", 1.0)
+        lr = float(group["lr"])
+        return {"decay": 1 - lr * group["weight_decay"], "one_minus_beta2_t": step ** group["beta2_decay"],
+                "rho_t": min(lr, 1 / (step**0.5)), "eps2": group["eps"][1]}
+
+    def state_keys(self, group):
+        return ("row_var", "col_var", "variance")
+
+    def init_state(self, group, p, st):
+        if st:
+            return
+        st["step"] = _host_step()
+        if p.dim() > 1:
+            st["row_var"] = p.new_zeros(p.shape[:-1] + (1,))
+            st["col_var"] = p.new_zeros(p.shape[:-2] + (1,) + p.shape[-1:])
+        else:
+            st["variance"] = _zeros(p)
+
+    def update(self, group, m, p, g, st):
+        g = self.grad(group, m, p, g, coupled=False)
+        eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(p.dtype).eps
+        # max(eps2, |p| / sqrt(n)) * rho_t, in double as eager's Python.
+        alpha = (p.norm(2).double() / p.numel() ** 0.5).clamp_(min=m["eps2"]).mul_(m["rho_t"])
+        if group["weight_decay"] != 0:
+            p.mul_(m["decay"])
+        if g.dim() > 1:
+            row_var, col_var = st["row_var"], st["col_var"]
+            row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+            row_var.lerp_(row_mean, m["one_minus_beta2_t"])
+            col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+            col_var.lerp_(col_mean, m["one_minus_beta2_t"])
+            var_estimate = row_var @ col_var
+            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        else:
+            st["variance"].lerp_(g * g, m["one_minus_beta2_t"])
+            var_estimate = st["variance"].clone()
+        update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(g)
+        denom = (update.norm(2).double() / (update.numel() ** 0.5 * group["d"])).clamp_(min=1.0)
+        p.addcmul_(update, alpha.neg_().div_(denom).to(p.dtype))
+
+
 class Muon(Kind):
     """torch.optim.Muon: momentum (Nesterov's by default), the
     Newton-Schulz orthogonalisation (PyTorch's own function, recorded op
@@ -470,11 +530,11 @@ class Muon(Kind):
 KINDS: Dict[str, Kind] = {
     "adam": Adam(decoupled=False), "adamw": Adam(decoupled=True), "sgd": SGD(), "rmsprop": RMSprop(),
     "adagrad": Adagrad(), "adamax": Adamax(), "adadelta": Adadelta(), "nadam": NAdam(), "radam": RAdam(),
-    "muon": Muon(),
+    "adafactor": Adafactor(), "muon": Muon(),
 }
 _CLASSES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad",
             "Adamax": "adamax", "Adadelta": "adadelta", "NAdam": "nadam", "RAdam": "radam",
-            "Muon": "muon"}
+            "Adafactor": "adafactor", "Muon": "muon"}
 
 
 class Optimizers:
