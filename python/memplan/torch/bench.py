@@ -516,7 +516,16 @@ def _gpt2_xl_case(device: str, dropout: float = 0.0):
     return {"hf-gpt2-xl-b1": (model, torch.randint(0, 50257, (1, 1024)), _causal_lm)}
 
 
-def gpt2_xl(out_dir: str, time_limit: float):
+# `--optimizer` for `--gpt2-xl`: how the step's optimizer is made.
+XL_OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-4),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+def gpt2_xl(out_dir: str, time_limit: float, optimizer: str = "adamw"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
@@ -525,17 +534,18 @@ def gpt2_xl(out_dir: str, time_limit: float):
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)
         batch = torch.randint(0, 50257, (1, 1024))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = XL_OPTIMIZERS[optimizer](model.parameters())
     built = time.perf_counter() - t0
     step = capture(model, opt, batch, _causal_lm, time_limit=time_limit)
     s = step.stats
     gib = 1 << 30
-    print(f"GPT-2 XL b1 s1024 (Hugging Face, traced as CPU): {s['ops']} ops; model {built:.1f} s, "
+    print(f"GPT-2 XL b1 s1024 (Hugging Face, traced as CPU, {type(opt).__name__}): {s['ops']} ops; "
+          f"model {built:.1f} s, "
           f"capture {s['capture_seconds']:.1f} s, plan {s['plan_seconds']:.1f} s; "
           f"planned {s['arena_bytes'] / gib:.2f} GiB, max live {s['max_live_bytes'] / gib:.2f} GiB, "
           f"bound {s['lower_bound_bytes'] / gib:.2f} GiB")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "gpt2-xl-b1.json.gz")
+    path = os.path.join(out_dir, "gpt2-xl-b1.json.gz" if optimizer == "adamw" else f"gpt2-xl-b1-{optimizer}.json.gz")
     with gzip.open(path, "wt") as f:
         json.dump(step.graph, f)
     print(f"graph written to {path}; `memplan compare {path}` sets it against PyTorch's allocator")
@@ -573,6 +583,8 @@ def largest(gib: float, probe_time: float, xl: bool):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpt2-xl", metavar="DIR", help="capture and plan GPT-2 XL b1, write its graph here")
+    ap.add_argument("--optimizer", choices=sorted(XL_OPTIMIZERS), default="adamw",
+                    help="with --gpt2-xl: the step's optimizer")
     ap.add_argument("--max-batch", metavar="GIB", type=float,
                     help="the largest batch within GIB GiB, eager vs memplan vs memplan + recomputation")
     ap.add_argument("--gpt2-xl-batch", action="store_true", help="with --max-batch: GPT-2 XL")
@@ -624,7 +636,7 @@ def main(argv=None):
     elif args.max_batch:
         largest(args.max_batch, args.time_limit, args.gpt2_xl_batch)
     elif args.gpt2_xl:
-        gpt2_xl(args.gpt2_xl, args.time_limit)
+        gpt2_xl(args.gpt2_xl, args.time_limit, args.optimizer)
     else:
         small(args.time_limit)
 
