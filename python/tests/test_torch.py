@@ -109,6 +109,8 @@ def make_optimizer(kind, params):
         params = list(params)
         return [torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02, weight_decay=0.1),
                 torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-2, weight_decay=0.1)]
+    if isinstance(kind, tuple):  # (class, keyword arguments)
+        return kind[0](params, **kind[1])
     if kind in OTHER_OPTIMIZERS:
         cls, kwargs = OTHER_OPTIMIZERS[kind]
         return cls(params, **kwargs)
@@ -951,6 +953,18 @@ class OtherOptimizers(unittest.TestCase):
                     self.assertEqual(set(mine), set(eager))
                     for k, v in eager.items():
                         torch.testing.assert_close(mine[k], v, **EXACT, msg=lambda m: f"{kind} {k}: {m}")
+
+    def test_t5_with_adafactor(self):
+        # Adafactor's usual pairing: T5 fine-tuning (dropout 0.1 included).
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                    num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+        h = Harness(self, model, torch.randint(1, 256, (2, 16)), causal_lm,
+                    opt=(torch.optim.Adafactor, dict(lr=1e-3, weight_decay=0.01)), tol=EXACT)
+        h.run()
+        self.assertTrue(any("row_var" in st for st in h.opt.state.values()))
 
     def test_a_learning_rate_decay_follows_the_step_count(self):
         # Adagrad's lr_decay, Adamax's bias correction, NAdam's momentum
