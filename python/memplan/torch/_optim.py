@@ -76,8 +76,13 @@ class Kind:
 
     def init_state(self, group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any]) -> None:
         """Makes the state PyTorch makes on the first step, so the captured
-        step reads it as a step input."""
-        raise NotImplementedError
+        step reads it as a step input: by default a step counter on the
+        host and zeros for each of :meth:`state_keys`."""
+        if st:
+            return
+        st["step"] = _host_step()
+        for k in self.state_keys(group):
+            st[k] = _zeros(p)
 
     def update(self, group: Dict[str, Any], m: Dict[str, float], p, g, st) -> None:
         """One parameter's update with the group's numbers as markers `m`
@@ -93,6 +98,19 @@ class Kind:
         if coupled and group.get("weight_decay", 0) != 0:
             g = g.add(p, alpha=m["wd"])
         return g
+
+
+def _moments(group: Dict[str, Any], m: Dict[str, float], p, g, st, decoupled: bool):
+    """What the Adam family's updates begin with, in PyTorch's order: the
+    gradient as read (negated, L2 decay where `decoupled` is off), the
+    parameter's decoupled decay, both moments updated. Returns the
+    gradient."""
+    g = Kind.grad(group, m, p, g, coupled=not decoupled)
+    if decoupled and group["weight_decay"] != 0:
+        p.mul_(m["decay"])
+    st["exp_avg"].lerp_(g, m["one_minus_beta1"])
+    st["exp_avg_sq"].mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
+    return g
 
 
 class Adam(Kind):
@@ -133,12 +151,8 @@ class Adam(Kind):
             st["max_exp_avg_sq"] = _zeros(p)
 
     def update(self, group, m, p, g, st):
-        g = self.grad(group, m, p, g, coupled=not self.decoupled)
-        if self.decoupled and group["weight_decay"] != 0:
-            p.mul_(m["decay"])
+        _moments(group, m, p, g, st, self.decoupled)
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
-        exp_avg.lerp_(g, m["one_minus_beta1"])
-        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
         if group.get("amsgrad"):
             torch.maximum(st["max_exp_avg_sq"], exp_avg_sq, out=st["max_exp_avg_sq"])
             exp_avg_sq = st["max_exp_avg_sq"]
@@ -198,13 +212,6 @@ class RMSprop(Kind):
     def state_keys(self, group):
         return (("square_avg",) + (("momentum_buffer",) if group["momentum"] > 0 else ())
                 + (("grad_avg",) if group["centered"] else ()))
-
-    def init_state(self, group, p, st):
-        if st:
-            return
-        st["step"] = _host_step()
-        for k in self.state_keys(group):
-            st[k] = _zeros(p)
 
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
@@ -267,12 +274,6 @@ class Adamax(Kind):
     def state_keys(self, group):
         return ("exp_avg", "exp_inf")
 
-    def init_state(self, group, p, st):
-        if st:
-            return
-        st["step"] = _host_step()
-        st["exp_avg"], st["exp_inf"] = _zeros(p), _zeros(p)
-
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
         exp_avg, exp_inf = st["exp_avg"], st["exp_inf"]
@@ -292,12 +293,6 @@ class Adadelta(Kind):
 
     def state_keys(self, group):
         return ("square_avg", "acc_delta")
-
-    def init_state(self, group, p, st):
-        if st:
-            return
-        st["step"] = _host_step()
-        st["square_avg"], st["acc_delta"] = _zeros(p), _zeros(p)
 
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
@@ -352,19 +347,13 @@ class NAdam(Kind):
         return ("exp_avg", "exp_avg_sq")
 
     def init_state(self, group, p, st):
-        if st:
-            return
-        st["step"], st["mu_product"] = _host_step(), _host_step().add_(1.0)
-        st["exp_avg"], st["exp_avg_sq"] = _zeros(p), _zeros(p)
+        if not st:
+            super().init_state(group, p, st)
+            st["mu_product"] = _host_step().add_(1.0)
 
     def update(self, group, m, p, g, st):
-        decoupled = bool(group["decoupled_weight_decay"])
-        g = self.grad(group, m, p, g, coupled=not decoupled)
-        if decoupled and group["weight_decay"] != 0:
-            p.mul_(m["decay"])
+        g = _moments(group, m, p, g, st, bool(group["decoupled_weight_decay"]))
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
-        exp_avg.lerp_(g, m["one_minus_beta1"])
-        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
         denom = exp_avg_sq.div(m["bc2"]).sqrt()
         denom.add_(m["eps"])
         p.addcdiv_(g, denom, value=m["neg_grad_step"])
@@ -401,20 +390,9 @@ class RAdam(Kind):
     def state_keys(self, group):
         return ("exp_avg", "exp_avg_sq")
 
-    def init_state(self, group, p, st):
-        if st:
-            return
-        st["step"] = _host_step()
-        st["exp_avg"], st["exp_avg_sq"] = _zeros(p), _zeros(p)
-
     def update(self, group, m, p, g, st):
-        decoupled = bool(group["decoupled_weight_decay"])
-        g = self.grad(group, m, p, g, coupled=not decoupled)
-        if decoupled and group["weight_decay"] != 0:
-            p.mul_(m["decay"])
+        _moments(group, m, p, g, st, bool(group["decoupled_weight_decay"]))
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
-        exp_avg.lerp_(g, m["one_minus_beta1"])
-        exp_avg_sq.mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
         x = exp_avg / m["bc1"] * m["lr"]
         # PyTorch's `bias_correction2**0.5 / sqrt_` is `sqrt_.reciprocal() * ...`.
         adaptive = exp_avg_sq.sqrt().add_(m["eps"]).reciprocal() * m["bc2_sqrt"]
