@@ -67,11 +67,14 @@ class Step:
                  hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
                  norm_index: Optional[int] = None, accumulate: int = 1, scaling=None) -> None:
         self.model = model
-        # With a gradient scaler: (scaler, its settings at capture, the
-        # overflow flag's graph tensor, the ids of the ops it gates).
+        # With a gradient scaler: (scaler, its settings at capture, each
+        # optimizer's overflow flag's graph tensor, the ids of the ops it
+        # gates).
         self._scaling = scaling
         self.scaler = scaling[0] if scaling is not None else None
-        self.skipped_update = False  # whether the last run skipped the update (an overflow)
+        # Whether the last run skipped the update (a gradient overflowed): a
+        # bool, or one per optimizer when there are several.
+        self.skipped_update: Any = False
         self._optimizers = optimizer  # _optim.Optimizers over what the caller gave
         self.optimizer = optimizer.members[0] if len(optimizer.members) == 1 else list(optimizer.members)
         self.graph = graph
@@ -164,8 +167,9 @@ class Step:
         """The gradient scaler's gate over this graph's update calls."""
         if self._scaling is None:
             return None
-        _, _, flag, ids = self._scaling
-        return Gate(flag, frozenset(k for k, op in enumerate(self.graph["ops"]) if op["id"] in ids))
+        _, _, flags, ids = self._scaling
+        return Gate(flags, [frozenset(k for k, op in enumerate(self.graph["ops"]) if op["id"] in gated)
+                            for gated in ids])
 
     def _taken_reuses(self) -> Dict[int, tuple]:
         """The plan's taken reuses as call index -> (output, input) tensor
@@ -296,11 +300,12 @@ class Step:
             for i, slot in self._batch_slots.items():
                 slot.copy_(env[i])
                 env[i] = slot
-        snapshot = None
+        snapshots = None
         if self._scaling is not None:
             _scaler.check_unchanged(self._scaling[0], self._scaling[1])
             prog.gate.reset()
-            snapshot = _scaler.Snapshot(self._optimizers, self._updated)
+            snapshots = [_scaler.Snapshot(self._optimizers, [p for p in self._updated if self._optimizers.owner(p) is o])
+                         for o in self._optimizers.members]
         numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
         def go():
@@ -321,14 +326,16 @@ class Step:
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
             go()
-        self.skipped_update = bool(snapshot is not None and prog.gate.skipped)
-        if self.skipped_update:
-            snapshot.restore()  # eager's scaler.step() did not call optimizer.step()
-        else:
-            # The step took optimizer.step()'s place: learning-rate schedulers
-            # check this flag to tell a late scheduler.step() call.
-            for o in self._optimizers.members:
+        skipped = [bool(s) for s in prog.gate.skipped] if snapshots is not None else [False] * len(
+            self._optimizers.members)
+        for o, skip, snapshot in zip(self._optimizers.members, skipped, snapshots or [None] * len(skipped)):
+            if skip:
+                snapshot.restore()  # eager's scaler.step(o) did not call o.step()
+            else:
+                # The step took o.step()'s place: learning-rate schedulers
+                # check this flag to tell a late scheduler.step() call.
                 o._opt_called = True
+        self.skipped_update = skipped[0] if len(skipped) == 1 else skipped
         if self._norm is not None:
             self.grad_norm = env[self._norm]
         return env[self._loss]
@@ -424,8 +431,9 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     gradients (before clipping), skips the update when one overflowed and
     updates the scale, as ``scaler.scale(loss).backward();
     scaler.unscale_(optimizer); clip...; scaler.step(optimizer);
-    scaler.update()`` does; :attr:`Step.skipped_update` says whether the
-    last run skipped it. The scaler's tensors are the step's, updated in
+    scaler.update()`` does (each optimizer of a list skips on its own
+    gradients' overflow, as ``scaler.step(o)`` for each); :attr:`Step.skipped_update`
+    says whether the last run skipped it (one per optimizer for a list). The scaler's tensors are the step's, updated in
     place (``scaler.get_scale()`` reads them).
 
     The graph's metadata records the batch size (``"batch"``: the leading
@@ -449,7 +457,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch, accumulate)
     rec.fake_mode = inputs.fake
     if _scaler.active(scaler):
-        inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device, optimizer))
+        inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))
     loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
                                                    clip_grad_norm, norm_type)
     for i, value in rec.constants.items():
@@ -587,28 +595,41 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             if rec.tensors[r]["role"] != "parameter":
                 rec.tensors[r]["role"] = "gradient"
         rec.phase = "optimizer"
-        in_order = [(name_of[id(p)], p) for group in optimizer.param_groups for p in group["params"]
-                    if name_of[id(p)] in grad_of]
-        found_inf = None
+        flags = []
         if scale is not None:
-            with torch.no_grad():
-                found_inf = _scaler.unscale([(n, grad_of[n]) for n, _ in in_order], scale)
+            with torch.no_grad():  # scaler.unscale_(o) for each optimizer
+                flags = [_scaler.unscale([(name_of[id(p)], grad_of[name_of[id(p)]]) for group in o.param_groups
+                                          for p in group["params"] if name_of[id(p)] in grad_of], scale)
+                         for o in optimizer.members]
         norm_index = _clip(rec, fp, grad_of, clip_grad_norm, norm_type) if clip_grad_norm is not None else None
-        first = len(rec.ops)
-        updated = []
-        with torch.no_grad():
-            for gi, group in enumerate(optimizer.param_groups):
+        updated, spans = _updates(rec, optimizer, hyper, name_of, fp, grad_of, inputs)
+        gate = None
+        if flags:
+            with torch.no_grad():
+                gate = _scaler.gate(rec, spans, flags)
+                _scaler.update_scale(scale, inputs.fscaler[1], flags, inputs.fscaler[2])
+    return loss_index, updated, norm_index, gate
+
+
+def _updates(rec: Recorder, optimizer, hyper, name_of: Dict[int, str], fp: Dict[str, torch.Tensor],
+             grad_of: Dict[str, torch.Tensor], inputs: "_Inputs"):
+    """Records each parameter's update, optimizer by optimizer; returns the
+    parameters updated and each optimizer's span of ops."""
+    updated, spans = [], []
+    gi = 0
+    with torch.no_grad():
+        for o in optimizer.members:
+            first = len(rec.ops)
+            for group in o.param_groups:
                 for p in group["params"]:
                     n = name_of[id(p)]
                     if n in grad_of:
                         _optim.update(hyper.kinds[gi], group, hyper.markers[gi], fp[n], grad_of[n],
                                       inputs.state(p, n))
                         updated.append(p)
-            gate = None
-            if found_inf is not None:
-                gate = _scaler.gate(rec, first, found_inf)
-                _scaler.update_scale(scale, inputs.fscaler[1], found_inf, inputs.fscaler[2])
-    return loss_index, updated, norm_index, gate
+                gi += 1
+            spans.append((first, len(rec.ops)))
+    return updated, spans
 
 
 def _forward_backward(rec: Recorder, model, loss_fn, fbatch, fp: Dict[str, torch.Tensor], trainable: List[str],

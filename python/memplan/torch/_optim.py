@@ -544,6 +544,10 @@ class Optimizers:
     def name(self) -> str:
         return "+".join(type(o).__name__ for o in self.members)
 
+    def owner(self, p: torch.Tensor):
+        """The optimizer that updates `p` (None if none does)."""
+        return self._owner.get(id(p))
+
     def group_of(self, p: torch.Tensor) -> int:
         """The index of `p`'s param group (-1 for a parameter none of them
         owns)."""

@@ -175,23 +175,29 @@ def _binder(args, kwargs, subst: bool) -> Callable:
 
 class Gate:
     """The updates of a step with a gradient scaler, which run only when no
-    gradient overflowed: `calls` (call indices) are skipped when the flag
-    tensor `found_inf` (graph index) is set. It is read once per step, at
-    the first of them (every plan orders them after the flag's last
-    writer); :attr:`skipped` then says what happened."""
+    gradient of their optimizer overflowed: optimizer `j`'s update calls
+    (`calls[j]`, call indices) are skipped when its flag tensor
+    (`flags[j]`, a graph index) is set. Each flag is read once per step,
+    at the first of its calls (every plan orders them after the flag's
+    last check); :attr:`skipped` then says, per optimizer, what
+    happened."""
 
-    def __init__(self, found_inf: int, calls: frozenset) -> None:
-        self.found_inf = found_inf
-        self.calls = calls
-        self.skipped: Optional[bool] = None
+    def __init__(self, flags: Sequence[int], calls: Sequence[frozenset]) -> None:
+        self.flags = list(flags)
+        self.calls = list(calls)
+        self.skipped: List[Optional[bool]] = [None] * len(self.flags)
+
+    def of_call(self) -> Dict[int, int]:
+        """Call index -> the optimizer whose flag gates it."""
+        return {k: j for j, ks in enumerate(self.calls) for k in ks}
 
     def reset(self) -> None:
-        self.skipped = None
+        self.skipped = [None] * len(self.flags)
 
-    def closed(self, env: Dict[int, torch.Tensor]) -> bool:
-        if self.skipped is None:
-            self.skipped = bool(env[self.found_inf].item() != 0)
-        return self.skipped
+    def closed(self, env: Dict[int, torch.Tensor], j: int) -> bool:
+        if self.skipped[j] is None:
+            self.skipped[j] = bool(env[self.flags[j]].item() != 0)
+        return self.skipped[j]
 
 
 class Program:
@@ -211,9 +217,10 @@ class Program:
         self.takes = dict(takes or {})
         self.unreused: set = set()
         self._held_plan: Optional[tuple] = None
-        # Positions of the gated calls (see Gate), and the gate.
+        # Position of each gated call -> its optimizer (see Gate), and the gate.
         self.gate = gate
-        self.gated = {pos for pos, k in enumerate(self.order) if k in gate.calls} if gate is not None else set()
+        of_call = gate.of_call() if gate is not None else {}
+        self.gated = {pos: of_call[k] for pos, k in enumerate(self.order) if k in of_call}
         last: Dict[int, int] = {}
         for pos, k in enumerate(self.order):
             c = calls[k]
@@ -223,7 +230,8 @@ class Program:
             for _, i in c.outputs:
                 last[i] = pos
             if pos in self.gated:
-                last[gate.found_inf] = max(last.get(gate.found_inf, pos), pos)  # read there
+                flag = gate.flags[self.gated[pos]]
+                last[flag] = max(last.get(flag, pos), pos)  # read there
         kept = set(keep)
         self.dies: List[List[int]] = [[] for _ in self.order]
         for i, pos in last.items():
@@ -237,7 +245,7 @@ class Program:
         gated, gate = self.gated, self.gate
         with torch.no_grad():
             for pos, (bind, k, func, outputs, only, dies) in enumerate(self.plan(optimizer_calls)):
-                if pos in gated and gate.closed(env):
+                if pos in gated and gate.closed(env, gated[pos]):
                     for i in dies:
                         env.pop(i, None)
                     continue
@@ -448,7 +456,7 @@ class Arena:
                 self._run_fast(prog, plan, placed, env, numbers)
                 return
             for pos, (bind, k, _, _, _, dies) in enumerate(plan):
-                if pos in prog.gated and prog.gate.closed(env):
+                if pos in prog.gated and prog.gate.closed(env, prog.gated[pos]):
                     for i in dies:
                         env.pop(i, None)
                     continue
@@ -462,8 +470,7 @@ class Arena:
         # Settled (every call, skipped updates included, ran once): from the
         # next run on, one generated function per call.
         if all(way is not None for way in ways):
-            self._fast = [self._generate(pos, step, prog.gate if pos in prog.gated else None)
-                          for pos, step in enumerate(plan)]
+            self._fast = [self._generate(pos, step, prog.gate, prog.gated.get(pos)) for pos, step in enumerate(plan)]
 
     def _run_fast(self, prog: "Program", plan: List[tuple], placed: Dict[int, torch.Tensor],
                   env: Dict[int, torch.Tensor], numbers: Dict[float, float]) -> None:
@@ -482,15 +489,15 @@ class Arena:
                 self._ways[pos] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
                 for i in dies:
                     env.pop(i, None)
-                fast[pos] = self._generate(pos, plan[pos], prog.gate if pos in prog.gated else None)
+                fast[pos] = self._generate(pos, plan[pos], prog.gate, prog.gated.get(pos))
 
-    def _generate(self, pos: int, step: tuple, gate: Optional[Gate] = None) -> Callable:
+    def _generate(self, pos: int, step: tuple, gate: Optional[Gate] = None, j: Optional[int] = None) -> Callable:
         """Position `pos`'s settled way as one generated function
         ``(env, nums) -> None``: the out= call written out with its
         arguments' expressions (the binder's) and its places as constants,
         or the way itself called on the bound arguments; then the values
-        dying there dropped. A gated call (`gate`) first asks the gate and
-        only drops them when it is closed. Only indices and constant slots
+        dying there dropped. A gated call (optimizer `j` of `gate`) first
+        asks the gate and only drops them when it is closed. Only indices and constant slots
         are spliced into the source."""
         bind, _, _, _, _, dies = step
         way = self._ways[pos]
@@ -503,8 +510,8 @@ class Arena:
             return f"c[{len(consts) - 1}]"
 
         lines = []
-        if gate is not None:
-            lines.append(f"if {const(gate)}.closed(env):")
+        if j is not None:
+            lines.append(f"if {const(gate)}.closed(env, {int(j)}):")
             lines += [f"    env.pop({int(i)}, None)" for i in dies]
             lines.append("    return")
         if source is None:  # a binder walking the arguments (one is a named tuple)

@@ -11,12 +11,14 @@ scale and growth tracker are step inputs, updated in place): the scaled
 loss, one ``_amp_foreach_non_finite_check_and_unscale_`` per gradient (the
 same kernel eager calls on lists of gradients, so the same bits), and
 ``_amp_update_scale_``. The skip is the one data-dependent branch of such a
-step. Every update op takes the overflow flag as an input in the graph, so
-memplan orders all of them after the last gradient's check (a gradient
-cannot die before every other one is known finite: eager's memory, here
-too); the runner reads the flag once, at the first update, and when it is
-set it skips the update ops and leaves the step counters as they were, as
-eager does.
+step, taken per optimizer (each has its own flag, over its own
+gradients). Every update op takes its optimizer's flag as an input in the
+graph, so memplan orders all of them after the last check of that
+optimizer's gradients (a gradient cannot die before every other one is
+known finite: eager's memory, here too); the runner reads each flag once,
+at its optimizer's first update, and when it is set it skips that
+optimizer's update ops and leaves its step counters as they were, as eager
+does.
 """
 
 from __future__ import annotations
@@ -38,14 +40,9 @@ def active(scaler) -> bool:
     return scaler.is_enabled()
 
 
-def prepare(scaler, device: torch.device, optimizers) -> Tuple[torch.Tensor, torch.Tensor]:
+def prepare(scaler, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """The scaler's scale and growth tracker, made as its first
     ``scale()`` makes them if no step ran yet."""
-    if len(optimizers.members) != 1:
-        raise UnsupportedStep(
-            "a gradient scaler with several optimizers: eager skips each optimizer's update on its own "
-            "gradients' overflow, the captured step one flag for all; capture with one optimizer"
-        )
     if scaler._scale is None:
         scaler._lazy_init_scale_growth_tracker(device)
     return scaler._scale, scaler._growth_tracker
@@ -73,25 +70,33 @@ def unscale(grads: List[Tuple[str, torch.Tensor]], scale: torch.Tensor) -> torch
     return found_inf
 
 
-def gate(rec: Recorder, first: int, found_inf: torch.Tensor) -> Tuple[int, frozenset]:
-    """Makes the ops recorded from `first` on (the updates) read the
-    overflow flag in the graph, so every plan runs them after the last
-    gradient's check; returns the flag's graph tensor and their op ids."""
-    i = rec.index_of(found_inf)
-    flag = rec.tensors[i]["id"]
-    ids = []
-    for op in rec.ops[first:]:
-        inputs = op.setdefault("inputs", [])
-        if flag not in inputs and flag not in op.get("updates", []):
-            inputs.append(flag)
-        ids.append(op["id"])
-    return i, frozenset(ids)
+def gate(rec: Recorder, spans: List[Tuple[int, int]], flags: List[torch.Tensor]) -> Tuple[List[int], List[frozenset]]:
+    """Makes the ops of each optimizer's updates (``rec.ops[a:b]`` for its
+    span) read that optimizer's overflow flag in the graph, so every plan
+    runs them after the flag's last check; returns the flags' graph
+    tensors and, per optimizer, the ids of the ops its flag gates."""
+    indices, gated = [], []
+    for (a, b), found_inf in zip(spans, flags):
+        i = rec.index_of(found_inf)
+        flag = rec.tensors[i]["id"]
+        for op in rec.ops[a:b]:
+            inputs = op.setdefault("inputs", [])
+            if flag not in inputs and flag not in op.get("updates", []):
+                inputs.append(flag)
+        indices.append(i)
+        gated.append(frozenset(op["id"] for op in rec.ops[a:b]))
+    return indices, gated
 
 
-def update_scale(scale: torch.Tensor, growth: torch.Tensor, found_inf: torch.Tensor,
+def update_scale(scale: torch.Tensor, growth: torch.Tensor, flags: List[torch.Tensor],
                  fixed: Tuple[float, float, int]) -> None:
-    """Records ``scaler.update()`` for one optimizer's flag."""
-    torch._amp_update_scale_(scale, growth, found_inf, *fixed)
+    """Records ``scaler.update()``: the optimizers' flags summed into the
+    first (in place, as eager does, after its updates read it), then the
+    scale and growth tracker updated."""
+    combined = flags[0]
+    for f in flags[1:]:
+        combined += f
+    torch._amp_update_scale_(scale, growth, combined, *fixed)
 
 
 class Snapshot:
