@@ -300,12 +300,7 @@ class Step:
             for i, slot in self._batch_slots.items():
                 slot.copy_(env[i])
                 env[i] = slot
-        snapshots = None
-        if self._scaling is not None:
-            _scaler.check_unchanged(self._scaling[0], self._scaling[1])
-            prog.gate.reset()
-            snapshots = [_scaler.Snapshot(self._optimizers, [p for p in self._updated if self._optimizers.owner(p) is o])
-                         for o in self._optimizers.members]
+        snapshots = self._scaler_ready(prog)
         numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
         def go():
@@ -326,21 +321,38 @@ class Step:
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
             go()
-        skipped = [bool(s) for s in prog.gate.skipped] if snapshots is not None else [False] * len(
-            self._optimizers.members)
-        for o, skip, snapshot in zip(self._optimizers.members, skipped, snapshots or [None] * len(skipped)):
-            if skip:
-                snapshot.restore()  # eager's scaler.step(o) did not call o.step()
-            else:
-                # The step took o.step()'s place: learning-rate schedulers
-                # check this flag to tell a late scheduler.step() call.
-                o._opt_called = True
-        self.skipped_update = skipped[0] if len(skipped) == 1 else skipped
+        self._updates_done(prog, snapshots)
         if self._norm is not None:
             self.grad_norm = env[self._norm]
         return env[self._loss]
 
     __call__ = run
+
+    def _scaler_ready(self, prog: Program):
+        """With a gradient scaler: checks its settings, resets the gate and
+        returns each optimizer's step counters as they are before the step
+        advances them (None without a scaler)."""
+        if self._scaling is None:
+            return None
+        _scaler.check_unchanged(self._scaling[0], self._scaling[1])
+        prog.gate.reset()
+        return [_scaler.Snapshot(self._optimizers, [p for p in self._updated if self._optimizers.owner(p) is o])
+                for o in self._optimizers.members]
+
+    def _updates_done(self, prog: Program, snapshots) -> None:
+        """After a run: an optimizer whose update the scaler skipped gets
+        its step counters back, as eager's ``scaler.step(o)`` never called
+        ``o.step()``; the others count as stepped for learning-rate
+        schedulers, which check ``_opt_called`` to tell a late
+        ``scheduler.step()``."""
+        members = self._optimizers.members
+        skipped = [bool(s) for s in prog.gate.skipped] if snapshots is not None else [False] * len(members)
+        for j, (o, skip) in enumerate(zip(members, skipped)):
+            if skip:
+                snapshots[j].restore()
+            else:
+                o._opt_called = True
+        self.skipped_update = skipped[0] if len(skipped) == 1 else skipped
 
 
 _RECOMPUTE = "recompute."
