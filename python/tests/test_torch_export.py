@@ -78,6 +78,25 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(copy["updates"], ["in0"])
         self.assertEqual(root(copy["inputs"][0]), ops[-3]["outputs"][0])
 
+    def test_batch_norm_updates_its_statistics_and_makes_no_masked_gradient(self):
+        # native_batch_norm does not declare that it writes its running
+        # statistics, and the fake kernel of its backward makes the input
+        # gradient its output_mask switches off; the graph has neither
+        # mistake.
+        x, w, b = (torch.empty(*s, device="meta") for s in ((4, 3, 5), (3,), (3,)))
+        rm, rv, dy = torch.empty(3, device="meta"), torch.empty(3, device="meta"), torch.empty(4, 3, 5, device="meta")
+
+        def f(x, w, b, rm, rv, dy):
+            _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
+            torch.ops.aten.native_batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True, 1e-5,
+                                                      [False, True, True])
+
+        d = self.record(f, x, w, b, rm, rv, dy)
+        graph.check(d)
+        forward, backward = d["ops"]
+        self.assertEqual(forward["updates"], ["in3", "in4"])
+        self.assertEqual(len(backward["outputs"]), 2)
+
     def test_fake_tensors_keep_storage_identity(self):
         # The GPU path traces FakeTensors; their storages must behave as
         # meta storages do (CPU fake tensors stand in for CUDA ones here).

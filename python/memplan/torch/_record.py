@@ -259,7 +259,7 @@ def _replayed(func, args, kwargs):
 UNDECLARED_WRITES = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
 
 
-def _undeclared_writes(func, args, kwargs) -> set:
+def undeclared_writes(func, args, kwargs) -> set:
     """The positions and names of the arguments `func` updates though its
     schema does not say so (the running statistics of a batch norm in
     training: without them, the update is not ordered, the arena's first
@@ -284,7 +284,7 @@ MIXED_TYPE_STATISTICS = {
 }
 
 
-def _real_dtypes(func, args, out):
+def real_dtypes(func, args, out):
     """`out` with the dtypes the real kernel gives where PyTorch's fake
     kernel says otherwise; a recorded tensor of the wrong dtype would be
     planned at the wrong size, and in the arena the real kernel refuses
@@ -318,7 +318,7 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
 
 
-def _masked_off(func, args, kwargs, out):
+def masked_off(func, args, kwargs, out):
     """`out` with the results its `output_mask` argument switches off as
     None, as the real kernel leaves them undefined: the fake kernel of
     `native_batch_norm_backward` makes them anyway (a batch norm over the
@@ -627,7 +627,7 @@ class Recorder(TorchDispatchMode):
             args, kwargs = tree_map(lambda x: self._from_outside(x, func), (args, kwargs))
         random = torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs)
         schema = func._schema
-        written = _undeclared_writes(func, args, kwargs)
+        written = undeclared_writes(func, args, kwargs)
         for pos, a in enumerate(schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 written.update((a.name, pos))
@@ -661,8 +661,8 @@ class Recorder(TorchDispatchMode):
                 f"{func}: the shape of its output depends on tensor values (boolean-mask indexing, "
                 "nonzero); memplan replays a graph of static shapes"
             ) from None
-        out = _masked_off(func, args, kwargs, out)
-        out = _real_dtypes(func, args, out)
+        out = masked_off(func, args, kwargs, out)
+        out = real_dtypes(func, args, out)
 
         self._refuse_grown_storages(func, arg_objs, writes)
         if any(self.root(i) in self._outside_roots for i in writes):
