@@ -125,7 +125,7 @@ class Harness:
     """A model captured by memplan next to its eager twin."""
 
     def __init__(self, test, model, batch, loss_fn, opt="adamw", budget_share=None, max_added=None, clip=None,
-                 accumulate=1, tol=TOL, scaler=None):
+                 accumulate=1, tol=TOL, scaler=None, clip_value=None):
         torch.manual_seed(0)
         self.test = test
         # With `scaler` (GradScaler's keyword arguments), both sides scale
@@ -140,12 +140,13 @@ class Harness:
         self.batch = batch
         self.loss_fn = loss_fn
         self.clip = clip
+        self.clip_value = clip_value
         self.eager_norm = None
         self.accumulate = accumulate
         # With accumulation `batch` is the list of micro-batches.
         example = batch[0] if accumulate > 1 else batch
         self.step = mt.capture(self.model, self.opt, example, loss_fn, time_limit=5, clip_grad_norm=clip,
-                               accumulate=accumulate, scaler=self.scaler)
+                               accumulate=accumulate, scaler=self.scaler, clip_grad_value=clip_value)
         if budget_share is not None:
             # Fitted by recomputation: from here on the step runs the
             # recomputed ops, and run() checks it like any plan.
@@ -179,6 +180,8 @@ class Harness:
             self.ref_scaler.unscale_(opts[0])
         if self.clip is not None:
             self.eager_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), self.clip)
+        if self.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(self.ref.parameters(), self.clip_value)
         for o in opts:
             if self.ref_scaler is not None:
                 self.ref_scaler.step(o)
@@ -1208,6 +1211,31 @@ class GradientClipping(unittest.TestCase):
     def test_clipping_with_recomputation(self):
         h = Harness(self, gpt2(), torch.randint(0, 256, (8, 64)), causal_lm, max_added=0.001, clip=1.0)
         h.run()
+
+    def test_clip_by_value_keeps_updates_in_the_backward_pass(self):
+        # clip_grad_value_ clamps each gradient on its own, so each update
+        # still waits for its own gradient only: the plan is the unclipped
+        # step's, where clipping the norm makes every update wait for
+        # every gradient.
+        h = Harness(self, gpt2(dropout=0.1), torch.randint(0, 256, (4, 32)), causal_lm, clip_value=1e-3)
+        clamps = [op for op in h.step.graph["ops"] if "clamp" in op["type"]]
+        self.assertEqual(len(clamps), 2 * len(list(h.model.parameters())))
+        h.run()
+        # A stack of wide layers on a small batch: its peak is the
+        # gradients the updates have not consumed yet.
+        batch = (torch.randn(2, 256), torch.randint(0, 4, (2,)))
+        peaks = {}
+        for kind in ("none", "norm", "value"):
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)], nn.Linear(256, 4))
+            clip = dict(norm=dict(clip_grad_norm=1.0), value=dict(clip_grad_value=1e-3)).get(kind, {})
+            step = mt.capture(model, torch.optim.AdamW(model.parameters()), batch, classify, time_limit=5, **clip)
+            peaks[kind] = step.plan["stats"]["max_live_bytes"]
+        self.assertEqual(peaks["value"], peaks["none"])
+        self.assertLess(peaks["none"], peaks["norm"])
+        with self.assertRaisesRegex(TypeError, "either clip_grad_norm or clip_grad_value"):
+            mt.capture(model, torch.optim.AdamW(model.parameters()), batch, classify, clip_grad_norm=1.0,
+                       clip_grad_value=1.0)
 
 
 class GradientAccumulation(unittest.TestCase):

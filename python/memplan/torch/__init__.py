@@ -403,7 +403,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             time_limit: float = 10.0, align: int = 256, name: Optional[str] = None,
             meta_device: str = "cpu", budget: Optional[int] = None,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
-            norm_type: float = 2.0, accumulate: int = 1, scaler=None) -> Step:
+            norm_type: float = 2.0, accumulate: int = 1, scaler=None,
+            clip_grad_value: Optional[float] = None) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -427,6 +428,13 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     after each run :attr:`Step.grad_norm` holds the total norm before
     clipping, what ``clip_grad_norm_`` returns. Every update then waits for
     every gradient, as in eager PyTorch.
+
+    With `clip_grad_value` (``clip_value``), each gradient is clamped to
+    ``[-clip_value, clip_value]`` as ``torch.nn.utils.clip_grad_value_``
+    does (its kernels, ``_foreach_clamp_min_``/``_foreach_clamp_max_``,
+    one gradient at a time): a gradient's update then waits for that
+    gradient only, so the updates still run inside the backward pass.
+    Give at most one of `clip_grad_norm` and `clip_grad_value`.
 
     With `accumulate` = N > 1 the step accumulates gradients over N
     micro-batches of `example_batch`'s shapes before clipping and updating,
@@ -458,6 +466,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     """
     if budget is not None and max_added is not None:
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
+    if clip_grad_norm is not None and clip_grad_value is not None:
+        raise TypeError("give either clip_grad_norm or clip_grad_value")
     t0 = time.perf_counter()
     optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
     hyper = _optim.Hyper(optimizer)
@@ -470,8 +480,9 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     rec.fake_mode = inputs.fake
     if _scaler.active(scaler):
         inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))
-    loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs,
-                                                   clip_grad_norm, norm_type)
+    clip = ("norm", clip_grad_norm, norm_type) if clip_grad_norm is not None else (
+        ("value", clip_grad_value) if clip_grad_value is not None else None)
+    loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip)
     for i, value in rec.constants.items():
         inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
     label = name or f"{type(model).__name__}-step"
@@ -583,9 +594,10 @@ class _Inputs:
 
 
 def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper, loss_fn,
-           inputs: _Inputs, clip_grad_norm: Optional[float] = None, norm_type: float = 2.0):
+           inputs: _Inputs, clip: Optional[tuple] = None):
     """Records forward and backward (of every micro-batch, gradients
-    accumulated), gradient clipping (with `clip_grad_norm`) and each
+    accumulated), gradient clipping (`clip`: ("norm", max_norm, norm_type)
+    or ("value", clip_value)) and each
     parameter's update on the fake inputs; returns the loss's graph tensor,
     the parameters updated, the total norm's graph tensor (or None) and,
     with a gradient scaler, the overflow flag's graph tensor and the ids of
@@ -613,7 +625,11 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 flags = [_scaler.unscale([(name_of[id(p)], grad_of[name_of[id(p)]]) for group in o.param_groups
                                           for p in group["params"] if name_of[id(p)] in grad_of], scale)
                          for o in optimizer.members]
-        norm_index = _clip(rec, fp, grad_of, clip_grad_norm, norm_type) if clip_grad_norm is not None else None
+        norm_index = None
+        if clip is not None and clip[0] == "norm":
+            norm_index = _clip(rec, fp, grad_of, clip[1], clip[2])
+        elif clip is not None:
+            _clip_values(grad_of, clip[1])
         updated, spans = _updates(rec, optimizer, hyper, name_of, fp, grad_of, inputs)
         gate = None
         if flags:
@@ -717,6 +733,18 @@ def _clip(rec: Recorder, fp: Dict[str, torch.Tensor], grad_of: Dict[str, torch.T
         for n in names:
             fp[n].grad = None
     return rec.mark(total, "output", persistent=True)
+
+
+def _clip_values(grad_of: Dict[str, torch.Tensor], clip_value: float) -> None:
+    """Records ``torch.nn.utils.clip_grad_value_``: the kernels it calls on
+    lists of gradients (``_foreach_clamp_min_``, ``_foreach_clamp_max_``),
+    called on one gradient at a time (elementwise: the same bits), so no
+    gradient waits for another."""
+    c = float(clip_value)
+    with torch.no_grad():
+        for g in grad_of.values():
+            torch._foreach_clamp_min_([g], -c)
+            torch._foreach_clamp_max_([g], c)
 
 
 def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
