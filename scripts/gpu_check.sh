@@ -215,6 +215,11 @@ torch_step_loops() {
   echo "== python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5 \
     --json "$OUT/torch_step_fp16.json" 2>&1 | tee "$OUT/torch_step_fp16.out"
+  # Adafactor (its norms as float64 tensors on the GPU; eager runs its
+  # foreach kernels there, so the two agree to rounding).
+  echo "== python3 -m memplan.torch.bench --device cuda --optimizer adafactor --steps 3"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --optimizer adafactor --steps 3 \
+    --json "$OUT/torch_step_adafactor.json" 2>&1 | tee "$OUT/torch_step_adafactor.out"
   # The same with cheap recomputation: at most 0.01% more FLOPs.
   echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \

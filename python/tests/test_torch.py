@@ -1687,6 +1687,8 @@ class OnDevice(unittest.TestCase):
         rows += on_device("cpu", 2, 5.0, {f"{n}-fp16": (m, b, _autocast(f, "cpu", torch.float16))
                                           for n, (m, b, f) in tiny_models().items()}, clip=1.0, scaled=True)
         self.assertTrue(all("skipped_updates" in r for r in rows))
+        # `--optimizer adafactor`.
+        rows += on_device("cpu", 2, 5.0, tiny_models(), optimizer="adafactor")
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)

@@ -354,7 +354,7 @@ def _rng_states(restore=None):
 
 
 def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None,
-              fused: bool = False, scaled: bool = False):
+              fused: bool = False, scaled: bool = False, optimizer: str = "adamw"):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -385,6 +385,10 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     With `fused` both sides use ``AdamW(fused=True)``: eager runs PyTorch's
     fused kernel, memplan its single-tensor arithmetic (equal to rounding).
 
+    `optimizer` names how both sides' optimizer is made (``XL_OPTIMIZERS``;
+    AdamW by default). Eager takes PyTorch's default implementation on the
+    device (foreach kernels on CUDA), memplan its single-tensor arithmetic.
+
     With `scaled` both sides scale the loss with a ``torch.amp.GradScaler``
     (float16 training: `cases` under float16 autocast), eager through
     ``scaler.scale/unscale_/step/update``, memplan through ``capture(...,
@@ -403,7 +407,9 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         eager_model = copy.deepcopy(model).to(dev)
         mine = copy.deepcopy(model).to(dev)
         del model
-        opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
+        make = XL_OPTIMIZERS[optimizer] if not fused else (
+            lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True))
+        opt = make(eager_model.parameters())
         eager_scaler = torch.amp.GradScaler(dev.type) if scaled else None
         eager_losses = []
         rng = _rng_states()
@@ -432,7 +438,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
                     + [v for st in opt.state.values() for v in st.values()])
 
         e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
-        mopt = torch.optim.AdamW(mine.parameters(), lr=1e-4, weight_decay=0.01, fused=fused or None)
+        mopt = make(mine.parameters())
         # The eager side's scale after its first step, which it took before
         # the captured step starts.
         scaler = torch.amp.GradScaler(dev.type, init_scale=eager_scaler.get_scale()) if scaled else None
@@ -584,7 +590,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpt2-xl", metavar="DIR", help="capture and plan GPT-2 XL b1, write its graph here")
     ap.add_argument("--optimizer", choices=sorted(XL_OPTIMIZERS), default="adamw",
-                    help="with --gpt2-xl: the step's optimizer")
+                    help="with --gpt2-xl or --device: the step's optimizer")
     ap.add_argument("--max-batch", metavar="GIB", type=float,
                     help="the largest batch within GIB GiB, eager vs memplan vs memplan + recomputation")
     ap.add_argument("--gpt2-xl-batch", action="store_true", help="with --max-batch: GPT-2 XL")
@@ -626,7 +632,7 @@ def main(argv=None):
             cases = {f"{name}-{suffix}": (model, batch, _autocast(loss_fn, args.device, dtype))
                      for name, (model, batch, loss_fn) in cases.items()}
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm,
-                         args.fused_optimizer, scaled=args.fp16)
+                         args.fused_optimizer, scaled=args.fp16, optimizer=args.optimizer)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
