@@ -210,6 +210,15 @@ torch_step_loops() {
   echo "== python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5 \
     --json "$OUT/torch_step_fused.json" 2>&1 | tee "$OUT/torch_step_fused.out"
+  # The same with cheap recomputation: at most 0.01% more FLOPs.
+  echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
+    --json "$OUT/torch_step_fit.json" 2>&1 | tee "$OUT/torch_step_fit.out"
+}
+
+torch_step_precision() {
+  # Float16 training and another optimizer (a third call).
+  torch_ready || return
   # Float16 training with a GradScaler on both sides (cudnn batch norm,
   # the unscale kernels, updates skipped on overflow).
   echo "== python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5"
@@ -220,13 +229,9 @@ torch_step_loops() {
   echo "== python3 -m memplan.torch.bench --device cuda --optimizer adafactor --steps 3"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --optimizer adafactor --steps 3 \
     --json "$OUT/torch_step_adafactor.json" 2>&1 | tee "$OUT/torch_step_adafactor.out"
-  # The same with cheap recomputation: at most 0.01% more FLOPs.
-  echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
-    --json "$OUT/torch_step_fit.json" 2>&1 | tee "$OUT/torch_step_fit.out"
 }
 
 # SECTIONS picks what runs (default: all).
-for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops}; do
+for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops torch_step_precision}; do
   "$section"
 done
