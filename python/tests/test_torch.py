@@ -233,9 +233,17 @@ class Harness:
         # live in one buffer of the planned size; the only other tensor
         # bytes are the results of ops without an out= variant, copied into
         # place and freed at once.
-        for _ in range(2):
+        # The first arena run settles how each call runs (trying each out=
+        # overload once); with a scaler, an update it skipped settles in
+        # the next run that takes the update. The run after that is exact.
+        settled = False
+        for _ in range(8):
             loss, want = self.paired(lambda: self.step(self.batch, arena=True, track=True))
-            torch.testing.assert_close(loss, want, **self.tol)
+            torch.testing.assert_close(loss, want, **self.tol, equal_nan=self.scaler is not None)
+            if settled:
+                break
+            settled = not any(self.step.skipped_update if isinstance(self.step.skipped_update, list)
+                              else [self.step.skipped_update])
         arena = self.step.place()
         t.assertEqual(arena.buffer.numel(), self.step.plan["arena_bytes"])
         t.assertEqual(self.step.tracked_peak_bytes, arena.buffer.numel() + arena.outside_peak_bytes)
@@ -260,6 +268,11 @@ class Harness:
             for p, q in zip((p for g in o.param_groups for p in g["params"]),
                             (q for g in r.param_groups for q in g["params"])):
                 mine, eager = o.state.get(p, {}), r.state.get(q, {})
+                if not eager and self.scaler is not None:
+                    # Every eager update so far was skipped, so eager made no
+                    # state yet; the step's is still as made at capture.
+                    self.test.assertTrue(all(not v.any() for v in mine.values()), mine)
+                    continue
                 self.test.assertEqual(set(mine), set(eager))
                 for k, v in eager.items():
                     torch.testing.assert_close(mine[k], v, **self.tol, msg=lambda m: f"state {k}: {m}")

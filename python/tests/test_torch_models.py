@@ -209,6 +209,20 @@ class ModelZoo(unittest.TestCase):
         self.check(hf_vision(), (torch.randn(2, 3, 32, 32), torch.tensor([1, 2])), bf16(image_classifier))
         self.check(vision(), (torch.randn(2, 3, 64, 64), torch.tensor([1, 2])), bf16(classify))
 
+    def test_torchvision_in_float16_with_a_gradient_scaler(self):
+        # Batch norms under float16 autocast, the loss scaled: updates
+        # skipped on overflow and taken, against eager's scaler.
+        def fp16(m, b):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return classify(m, b)
+
+        torch.manual_seed(0)
+        for name, model in vision().items():
+            with self.subTest(model=name):
+                torch.manual_seed(0)
+                Harness(self, model, (torch.randn(2, 3, 64, 64), torch.tensor([1, 2])), fp16,
+                        scaler=dict(init_scale=2.0**16, growth_interval=1)).run(steps=1)
+
 
 def llama():
     import transformers as T
