@@ -1396,6 +1396,7 @@ class GradientScaling(unittest.TestCase):
             self.assertEqual(scaler.get_scale(), ref_scaler.get_scale())
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+        memplan.check(step.graph, step.plan)
         self.assertEqual(skipped[:8], [True] * 7 + [False])
         self.assertIn(True, skipped[10:])  # a skip in the arena, after it settled
         self.assertIn(False, skipped[10:])
@@ -1409,6 +1410,29 @@ class GradientScaling(unittest.TestCase):
         updates = [op for op in step.graph["ops"] if op["id"] in step._scaling[3][0]]
         self.assertTrue(updates)
         self.assertTrue(all(flag in op["inputs"] for op in updates))
+
+    def test_a_skipped_nadam_update_keeps_its_momentum_product(self):
+        # NAdam's host-side product of momentum coefficients advances with
+        # each update taken, and not with one the scaler skips.
+        x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+        model = self.model()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.NAdam(m.parameters(), lr=1e-2) for m in (model, ref))
+        scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=1) for _ in range(2))
+        step = mt.capture(model, opt, (x, y), fp16_classify, time_limit=5, scaler=scaler)
+        skipped = []
+        for i in range(10):
+            step((x, y), arena=i >= 5)
+            ref_scaler.scale(fp16_classify(ref, (x, y))).backward()
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
+            ref_opt.zero_grad(set_to_none=True)
+            skipped.append(step.skipped_update)
+        self.assertIn(True, skipped[skipped.index(False):])  # a skip after an update was taken
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+            for k, v in ref_opt.state[q].items():
+                torch.testing.assert_close(opt.state[p][k], v, **EXACT)
 
     def test_several_optimizers_skip_each_on_its_own_flag(self):
         # Muon for the matrices, AdamW for the rest, as eager's
@@ -1448,6 +1472,7 @@ class GradientScaling(unittest.TestCase):
             self.assertEqual(scaler.get_scale(), ref_scaler.get_scale())
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+        memplan.check(step.graph, step.plan)
         self.assertIn((True, False), seen)  # Muon skipped, AdamW updated
         self.assertIn((False, False), seen)
         for o, r in zip(opts, ref_opts):

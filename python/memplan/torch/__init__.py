@@ -88,6 +88,7 @@ class Step:
         self.accumulate = accumulate  # micro-batches per step
         self.grad_norm: Optional[torch.Tensor] = None
         self._updated = updated
+        self._updated_by_member: Optional[List[List[torch.Tensor]]] = None  # made on the first scaled run
         self._hyper = hyper
         self._optimizer_calls = optimizer_calls
         self.capture_seconds = capture_seconds
@@ -336,8 +337,10 @@ class Step:
             return None
         _scaler.check_unchanged(self._scaling[0], self._scaling[1])
         prog.gate.reset()
-        return [_scaler.Snapshot(self._optimizers, [p for p in self._updated if self._optimizers.owner(p) is o])
-                for o in self._optimizers.members]
+        if self._updated_by_member is None:
+            self._updated_by_member = [[p for p in self._updated if self._optimizers.owner(p) is o]
+                                       for o in self._optimizers.members]
+        return [_scaler.Snapshot(self._optimizers, ps) for ps in self._updated_by_member]
 
     def _updates_done(self, prog: Program, snapshots) -> None:
         """After a run: an optimizer whose update the scaler skipped gets
@@ -411,10 +414,10 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     tensor or a tuple, list or dict of tensors (the shapes every later batch
     must have). `optimizer` is one of ``torch.optim``'s ``AdamW``, ``Adam``,
     ``SGD``, ``RMSprop``, ``Adagrad``, ``Adamax``, ``Adadelta``, ``NAdam``,
-    ``RAdam``, ``Adafactor`` and ``Muon`` over the model's parameters, or a list of them
-    over disjoint parameters (Muon for the matrices, AdamW for the rest);
-    a parameter's state is made as its first ``step()`` would make it. With ``plan=False`` the step is not
-    planned until :meth:`Step.make_plan` or the first planned run. With
+    ``RAdam``, ``Adafactor`` and ``Muon`` over the model's parameters, or a
+    list of them over disjoint parameters (Muon for the matrices, AdamW for
+    the rest); a parameter's state is made as its first ``step()`` would
+    make it. With ``plan=False`` the step is not planned until :meth:`Step.make_plan` or the first planned run. With
     `budget` (bytes), the step is fitted into it by recomputation instead
     (:meth:`Step.fit`, within `time_limit` seconds); with `max_added` (a
     share of the step's FLOPs, e.g. 0.001), it becomes the smallest step
@@ -452,9 +455,10 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     updates the scale, as ``scaler.scale(loss).backward();
     scaler.unscale_(optimizer); clip...; scaler.step(optimizer);
     scaler.update()`` does (each optimizer of a list skips on its own
-    gradients' overflow, as ``scaler.step(o)`` for each); :attr:`Step.skipped_update`
-    says whether the last run skipped it (one per optimizer for a list). The scaler's tensors are the step's, updated in
-    place (``scaler.get_scale()`` reads them).
+    gradients' overflow, as ``scaler.step(o)`` for each);
+    :attr:`Step.skipped_update` says whether the last run skipped it (one
+    per optimizer for a list). The scaler's tensors are the step's,
+    updated in place (``scaler.get_scale()`` reads them).
 
     The graph's metadata records the batch size (``"batch"``: the leading
     dimension every batch tensor shares), which :func:`max_batch` uses.
@@ -597,11 +601,11 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
            inputs: _Inputs, clip: Optional[tuple] = None):
     """Records forward and backward (of every micro-batch, gradients
     accumulated), gradient clipping (`clip`: ("norm", max_norm, norm_type)
-    or ("value", clip_value)) and each
-    parameter's update on the fake inputs; returns the loss's graph tensor,
-    the parameters updated, the total norm's graph tensor (or None) and,
-    with a gradient scaler, the overflow flag's graph tensor and the ids of
-    the update ops it gates (or None)."""
+    or ("value", clip_value)) and each parameter's update on the fake
+    inputs; returns the loss's graph tensor, the parameters updated, the
+    total norm's graph tensor (or None) and, with a gradient scaler, each
+    optimizer's overflow flag's graph tensor and the ids of the update ops
+    it gates (or None)."""
     params = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     fp = inputs.fp

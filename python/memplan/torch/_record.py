@@ -318,6 +318,23 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
 
 
+def written_arguments(func, args, kwargs) -> set:
+    """The positions and names of the arguments `func` writes: those its
+    schema marks written (``add_``, ``copy_``, ``out=``...) and those it
+    writes without saying so (:func:`undeclared_writes`)."""
+    written = undeclared_writes(func, args, kwargs)
+    for pos, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            written.update((a.name, pos))
+    return written
+
+
+def real_results(func, args, kwargs, out):
+    """`out` as the real kernel makes it where PyTorch's fake kernel says
+    otherwise (:func:`masked_off`, :func:`real_dtypes`)."""
+    return real_dtypes(func, args, masked_off(func, args, kwargs, out))
+
+
 def masked_off(func, args, kwargs, out):
     """`out` with the results its `output_mask` argument switches off as
     None, as the real kernel leaves them undefined: the fake kernel of
@@ -627,10 +644,7 @@ class Recorder(TorchDispatchMode):
             args, kwargs = tree_map(lambda x: self._from_outside(x, func), (args, kwargs))
         random = torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs)
         schema = func._schema
-        written = undeclared_writes(func, args, kwargs)
-        for pos, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                written.update((a.name, pos))
+        written = written_arguments(func, args, kwargs)
         reads: List[int] = []
         writes: List[int] = []
         arg_objs: List[torch.Tensor] = []
@@ -661,8 +675,7 @@ class Recorder(TorchDispatchMode):
                 f"{func}: the shape of its output depends on tensor values (boolean-mask indexing, "
                 "nonzero); memplan replays a graph of static shapes"
             ) from None
-        out = masked_off(func, args, kwargs, out)
-        out = real_dtypes(func, args, out)
+        out = real_results(func, args, kwargs, out)
 
         self._refuse_grown_storages(func, arg_objs, writes)
         if any(self.root(i) in self._outside_roots for i in writes):

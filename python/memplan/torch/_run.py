@@ -497,8 +497,8 @@ class Arena:
         arguments' expressions (the binder's) and its places as constants,
         or the way itself called on the bound arguments; then the values
         dying there dropped. A gated call (optimizer `j` of `gate`) first
-        asks the gate and only drops them when it is closed. Only indices and constant slots
-        are spliced into the source."""
+        asks the gate and only drops them when it is closed. Only indices
+        and constant slots are spliced into the source."""
         bind, _, _, _, _, dies = step
         way = self._ways[pos]
         spec = getattr(way, "spec", ("recorded",))

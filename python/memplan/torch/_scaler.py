@@ -100,24 +100,28 @@ def update_scale(scale: torch.Tensor, growth: torch.Tensor, flags: List[torch.Te
 
 
 class Snapshot:
-    """The step counters (and NAdam's momentum products) of the updated
-    parameters before a step advances them, to put back when the step
-    skips its updates."""
-
-    KEYS = ("step", "mu_product")
+    """What a skipped update puts back: the step counters of its
+    optimizer's updated parameters go back by one (exact: they hold whole
+    numbers), and NAdam's momentum products, which no division undoes to
+    the bit, are copied before the step (only when a NAdam is there, so
+    the usual step copies nothing)."""
 
     def __init__(self, opt, updated) -> None:
-        self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for p in updated:
-            st = opt.state.get(p) or {}
-            for k in self.KEYS:
-                t = st.get(k)
+        self.opt, self.updated = opt, updated
+        self.products: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        if "nadam" in opt.kinds:
+            for p in updated:
+                t = (opt.state.get(p) or {}).get("mu_product")
                 if isinstance(t, torch.Tensor):
-                    self.saved.append((t, t.clone()))
+                    self.products.append((t, t.clone()))
 
     def restore(self) -> None:
+        counters = [st["step"] for st in ((self.opt.state.get(p) or {}) for p in self.updated)
+                    if isinstance(st.get("step"), torch.Tensor)]
         with torch.no_grad():
-            for t, was in self.saved:
+            if counters:
+                torch._foreach_sub_(counters, 1.0)
+            for t, was in self.products:
                 t.copy_(was)
 
 

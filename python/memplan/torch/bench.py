@@ -385,7 +385,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     With `fused` both sides use ``AdamW(fused=True)``: eager runs PyTorch's
     fused kernel, memplan its single-tensor arithmetic (equal to rounding).
 
-    `optimizer` names how both sides' optimizer is made (``XL_OPTIMIZERS``;
+    `optimizer` names how both sides' optimizer is made (``OPTIMIZERS``;
     AdamW by default). Eager takes PyTorch's default implementation on the
     device (foreach kernels on CUDA), memplan its single-tensor arithmetic.
 
@@ -407,7 +407,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         eager_model = copy.deepcopy(model).to(dev)
         mine = copy.deepcopy(model).to(dev)
         del model
-        make = XL_OPTIMIZERS[optimizer] if not fused else (
+        make = OPTIMIZERS[optimizer] if not fused else (
             lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True))
         opt = make(eager_model.parameters())
         eager_scaler = torch.amp.GradScaler(dev.type) if scaled else None
@@ -522,8 +522,8 @@ def _gpt2_xl_case(device: str, dropout: float = 0.0):
     return {"hf-gpt2-xl-b1": (model, torch.randint(0, 50257, (1, 1024)), _causal_lm)}
 
 
-# `--optimizer` for `--gpt2-xl`: how the step's optimizer is made.
-XL_OPTIMIZERS = {
+# `--optimizer` (with `--gpt2-xl` or `--device`): how the step's optimizer is made.
+OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
     "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-4),
@@ -540,7 +540,7 @@ def gpt2_xl(out_dir: str, time_limit: float, optimizer: str = "adamw"):
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)
         batch = torch.randint(0, 50257, (1, 1024))
-    opt = XL_OPTIMIZERS[optimizer](model.parameters())
+    opt = OPTIMIZERS[optimizer](model.parameters())
     built = time.perf_counter() - t0
     step = capture(model, opt, batch, _causal_lm, time_limit=time_limit)
     s = step.stats
@@ -551,7 +551,8 @@ def gpt2_xl(out_dir: str, time_limit: float, optimizer: str = "adamw"):
           f"planned {s['arena_bytes'] / gib:.2f} GiB, max live {s['max_live_bytes'] / gib:.2f} GiB, "
           f"bound {s['lower_bound_bytes'] / gib:.2f} GiB")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "gpt2-xl-b1.json.gz" if optimizer == "adamw" else f"gpt2-xl-b1-{optimizer}.json.gz")
+    suffix = "" if optimizer == "adamw" else f"-{optimizer}"
+    path = os.path.join(out_dir, f"gpt2-xl-b1{suffix}.json.gz")
     with gzip.open(path, "wt") as f:
         json.dump(step.graph, f)
     print(f"graph written to {path}; `memplan compare {path}` sets it against PyTorch's allocator")
@@ -589,7 +590,7 @@ def largest(gib: float, probe_time: float, xl: bool):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpt2-xl", metavar="DIR", help="capture and plan GPT-2 XL b1, write its graph here")
-    ap.add_argument("--optimizer", choices=sorted(XL_OPTIMIZERS), default="adamw",
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                     help="with --gpt2-xl or --device: the step's optimizer")
     ap.add_argument("--max-batch", metavar="GIB", type=float,
                     help="the largest batch within GIB GiB, eager vs memplan vs memplan + recomputation")

@@ -47,8 +47,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # Shared with memplan.torch's recorder: which namespaces are bookkeeping,
 # element type names, storage identity, and PyTorch's FLOP formulas.
-from memplan.torch._record import (DTYPE_NAMES, SKIPPED_NAMESPACES, masked_off, real_dtypes, undeclared_writes,
-                                   may_write_over, op_flops, storage_key, writes_like_pointwise)
+from memplan.torch._record import (DTYPE_NAMES, SKIPPED_NAMESPACES, may_write_over, op_flops, real_results,
+                                   storage_key, writes_like_pointwise, written_arguments)
 
 from .graph import GraphBuilder
 
@@ -168,11 +168,7 @@ class Recorder(TorchDispatchMode):
         schema = func._schema
         # Which arguments the op writes, by position and by name (batch
         # norm's running statistics too, which its schema does not say).
-        written = undeclared_writes(func, args, kwargs)
-        for pos, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                written.add(a.name)
-                written.add(pos)
+        written = written_arguments(func, args, kwargs)
         reads: List[int] = []
         writes: List[int] = []
         arg_objs: List[torch.Tensor] = []
@@ -192,7 +188,7 @@ class Recorder(TorchDispatchMode):
             visit(v, k in written)
 
         # The results the real kernels make where fake kernels say otherwise.
-        out = real_dtypes(func, args, masked_off(func, args, kwargs, func(*args, **kwargs)))
+        out = real_results(func, args, kwargs, func(*args, **kwargs))
 
         flat_out, _ = tree_flatten(out)
         arg_ids = {id(x) for x in arg_objs}
