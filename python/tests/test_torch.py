@@ -1365,16 +1365,33 @@ class GradientScaling(unittest.TestCase):
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
 
+    def twins(self, optimizer, **scaler):
+        """A batch, the model and its eager copy, an `optimizer(params)`
+        and a GradScaler(**scaler) for each, and the captured step."""
+        batch = (torch.randn(16, 16), torch.randint(0, 4, (16,)))
+        model = self.model()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = optimizer(model.parameters()), optimizer(ref.parameters())
+        sc, ref_sc = torch.amp.GradScaler("cpu", **scaler), torch.amp.GradScaler("cpu", **scaler)
+        step = mt.capture(model, opt, batch, fp16_classify, time_limit=5, scaler=sc)
+        return batch, model, ref, opt, ref_opt, sc, ref_sc, step
+
+    @staticmethod
+    def eager_step(ref, ref_opt, ref_scaler, batch):
+        """Eager's scaled step; returns its loss."""
+        want = fp16_classify(ref, batch)
+        ref_scaler.scale(want).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+        return want
+
     def test_skipped_and_taken_updates_equal_eager(self):
         # A scale of 2**24 overflows float16 until it has halved seven
         # times; from then on it doubles every second step and overflows
         # again now and then: skips and updates in every mode.
-        x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
-        model = self.model()
-        ref = copy.deepcopy(model)
-        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-        scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2) for _ in range(2))
-        step = mt.capture(model, opt, (x, y), fp16_classify, time_limit=5, scaler=scaler)
+        (x, y), model, ref, opt, ref_opt, scaler, ref_scaler, step = self.twins(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2), init_scale=2.0**24, growth_interval=2)
         self.assertIs(step.scaler, scaler)
         skipped = []
         for i in range(16):
@@ -1382,13 +1399,9 @@ class GradientScaling(unittest.TestCase):
             loss = step((x, y), track=True, **mode)
             if not mode:
                 self.assertEqual(step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"])
-            want = fp16_classify(ref, (x, y))
-            ref_scaler.scale(want).backward()
             count = lambda: float(ref_opt.state[ref[0].weight].get("step", 0))  # noqa: E731
             before = count()
-            ref_scaler.step(ref_opt)
-            ref_scaler.update()
-            ref_opt.zero_grad(set_to_none=True)
+            want = self.eager_step(ref, ref_opt, ref_scaler, (x, y))
             eager_skipped = count() == before
             self.assertEqual(step.skipped_update, bool(eager_skipped), f"step {i}")
             skipped.append(step.skipped_update)
@@ -1414,19 +1427,12 @@ class GradientScaling(unittest.TestCase):
     def test_a_skipped_nadam_update_keeps_its_momentum_product(self):
         # NAdam's host-side product of momentum coefficients advances with
         # each update taken, and not with one the scaler skips.
-        x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
-        model = self.model()
-        ref = copy.deepcopy(model)
-        opt, ref_opt = (torch.optim.NAdam(m.parameters(), lr=1e-2) for m in (model, ref))
-        scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=1) for _ in range(2))
-        step = mt.capture(model, opt, (x, y), fp16_classify, time_limit=5, scaler=scaler)
+        batch, model, ref, opt, ref_opt, _, ref_scaler, step = self.twins(
+            lambda ps: torch.optim.NAdam(ps, lr=1e-2), init_scale=2.0**22, growth_interval=1)
         skipped = []
         for i in range(10):
-            step((x, y), arena=i >= 5)
-            ref_scaler.scale(fp16_classify(ref, (x, y))).backward()
-            ref_scaler.step(ref_opt)
-            ref_scaler.update()
-            ref_opt.zero_grad(set_to_none=True)
+            step(batch, arena=i >= 5)
+            self.eager_step(ref, ref_opt, ref_scaler, batch)
             skipped.append(step.skipped_update)
         self.assertIn(True, skipped[skipped.index(False):])  # a skip after an update was taken
         for p, q in zip(model.parameters(), ref.parameters()):
