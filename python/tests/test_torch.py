@@ -972,6 +972,32 @@ class OtherOptimizers(unittest.TestCase):
                     for k, v in eager.items():
                         torch.testing.assert_close(mine[k], v, **EXACT, msg=lambda m: f"{kind} {k}: {m}")
 
+    def test_complex_parameters_are_updated_as_real_pairs(self):
+        # PyTorch's single-tensor updates view a complex parameter, its
+        # gradient and state as real pairs (view_as_real), each optimizer
+        # from its own point (after weight decay, or from the start for
+        # NAdam and RAdam); SGD keeps complex arithmetic. Before, the
+        # capture updated complex tensors as they were: Adam's second moment
+        # was |g|^2-like complex products, 0.04 away after four steps.
+        class Spectral(nn.Module):  # a Fourier layer's complex weights
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(6, 4, dtype=torch.cfloat) * 0.1)
+                self.head = nn.Linear(6, 3)
+
+            def forward(self, x):
+                return self.head(torch.fft.irfft(torch.fft.rfft(x, dim=-1) * self.w[0], n=6, dim=-1))
+
+        batch = (torch.randn(5, 6), torch.randint(0, 3, (5,)))
+        for kind in ["adamw", "sgd", *[k for k in OTHER_OPTIMIZERS if not k.startswith("adafactor")]]:
+            with self.subTest(kind):
+                torch.manual_seed(0)
+                Harness(self, Spectral(), batch, classify, opt=kind, tol=EXACT).run(steps=2)
+        for cls in [torch.optim.Adafactor, torch.optim.Muon]:
+            model = Spectral()
+            with self.assertRaisesRegex(mt.UnsupportedStep, f"{cls.__name__} does not take complex parameters"):
+                mt.capture(model, cls([model.w]), batch, classify, plan=False)
+
     def test_t5_with_adafactor(self):
         # Adafactor's usual pairing: T5 fine-tuning (dropout 0.1 included).
         from transformers import T5Config, T5ForConditionalGeneration

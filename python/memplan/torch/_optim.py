@@ -100,17 +100,36 @@ class Kind:
         return g
 
 
+def _as_real(p, g, st):
+    """A complex parameter, its gradient and its state as PyTorch's
+    single-tensor updates take them from some point on: as real pairs
+    (``torch.view_as_real``, views over the same bytes). Each kind calls
+    this where PyTorch does, since weight decay before it is complex
+    arithmetic."""
+    if not p.is_complex():
+        return p, g, st
+    return torch.view_as_real(p), torch.view_as_real(g), {
+        k: torch.view_as_real(v) if isinstance(v, torch.Tensor) and v.is_complex() else v for k, v in st.items()}
+
+
+def _refuse_complex(name: str, p) -> None:
+    if p.is_complex():
+        raise UnsupportedStep(f"{name} does not take complex parameters (PyTorch's {name} refuses them too)")
+
+
 def _moments(group: Dict[str, Any], m: Dict[str, float], p, g, st, decoupled: bool):
     """What the Adam family's updates begin with, in PyTorch's order: the
     gradient as read (negated, L2 decay where `decoupled` is off), the
-    parameter's decoupled decay, both moments updated. Returns the
-    gradient."""
+    parameter's decoupled decay, a complex parameter seen as real pairs
+    from here on, both moments updated. Returns parameter, gradient and
+    state as the rest of the update reads them."""
     g = Kind.grad(group, m, p, g, coupled=not decoupled)
     if decoupled and group["weight_decay"] != 0:
         p.mul_(m["decay"])
+    p, g, st = _as_real(p, g, st)
     st["exp_avg"].lerp_(g, m["one_minus_beta1"])
     st["exp_avg_sq"].mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
-    return g
+    return p, g, st
 
 
 class Adam(Kind):
@@ -151,7 +170,7 @@ class Adam(Kind):
             st["max_exp_avg_sq"] = _zeros(p)
 
     def update(self, group, m, p, g, st):
-        _moments(group, m, p, g, st, self.decoupled)
+        p, g, st = _moments(group, m, p, g, st, self.decoupled)
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
         if group.get("amsgrad"):
             torch.maximum(st["max_exp_avg_sq"], exp_avg_sq, out=st["max_exp_avg_sq"])
@@ -215,6 +234,7 @@ class RMSprop(Kind):
 
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
+        p, g, st = _as_real(p, g, st)
         square_avg = st["square_avg"]
         square_avg.mul_(m["alpha"]).addcmul_(g, g, value=m["one_minus_alpha"])
         if group["centered"]:
@@ -255,6 +275,7 @@ class Adagrad(Kind):
 
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
+        p, g, st = _as_real(p, g, st)
         st["sum"].addcmul_(g, g, value=1)
         std = st["sum"].sqrt().add_(m["eps"])
         p.addcdiv_(g, std, value=m["neg_clr"])
@@ -276,6 +297,7 @@ class Adamax(Kind):
 
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
+        p, g, st = _as_real(p, g, st)
         exp_avg, exp_inf = st["exp_avg"], st["exp_inf"]
         exp_avg.lerp_(g, m["one_minus_beta1"])
         torch.maximum(exp_inf.mul_(m["beta2"]), g.abs().add_(m["eps"]), out=exp_inf)
@@ -296,12 +318,15 @@ class Adadelta(Kind):
 
     def update(self, group, m, p, g, st):
         g = self.grad(group, m, p, g)
+        _, g, st = _as_real(p, g, st)  # the parameter itself stays complex
         square_avg, acc_delta = st["square_avg"], st["acc_delta"]
         square_avg.mul_(m["rho"]).addcmul_(g, g, value=m["one_minus_rho"])
         std = square_avg.add(m["eps"]).sqrt_()
         delta = acc_delta.add(m["eps"]).sqrt_()
         delta.div_(std).mul_(g)
         acc_delta.mul_(m["rho"]).addcmul_(delta, delta, value=m["one_minus_rho"])
+        if p.is_complex():
+            delta = torch.view_as_complex(delta)
         p.add_(delta, alpha=m["neg_lr"])
 
 
@@ -352,7 +377,8 @@ class NAdam(Kind):
             st["mu_product"] = _host_step().add_(1.0)
 
     def update(self, group, m, p, g, st):
-        g = _moments(group, m, p, g, st, bool(group["decoupled_weight_decay"]))
+        # NAdam and RAdam see a complex parameter as real pairs from the start.
+        p, g, st = _moments(group, m, *_as_real(p, g, st), bool(group["decoupled_weight_decay"]))
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
         denom = exp_avg_sq.div(m["bc2"]).sqrt()
         denom.add_(m["eps"])
@@ -391,7 +417,7 @@ class RAdam(Kind):
         return ("exp_avg", "exp_avg_sq")
 
     def update(self, group, m, p, g, st):
-        _moments(group, m, p, g, st, bool(group["decoupled_weight_decay"]))
+        p, g, st = _moments(group, m, *_as_real(p, g, st), bool(group["decoupled_weight_decay"]))
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
         x = exp_avg / m["bc1"] * m["lr"]
         # PyTorch's `bias_correction2**0.5 / sqrt_` is `sqrt_.reciprocal() * ...`.
@@ -436,6 +462,7 @@ class Adafactor(Kind):
             st["variance"] = _zeros(p)
 
     def update(self, group, m, p, g, st):
+        _refuse_complex("Adafactor", p)
         g = self.grad(group, m, p, g, coupled=False)
         eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(p.dtype).eps
         # max(eps2, |p| / sqrt(n)) * rho_t, in double as eager's Python.
@@ -496,6 +523,7 @@ class Muon(Kind):
     def update(self, group, m, p, g, st):
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+        _refuse_complex("Muon", p)
         buf = st["momentum_buffer"]
         buf.lerp_(g, m["one_minus_momentum"])
         u = g.lerp(buf, m["momentum"]) if group["nesterov"] else buf
