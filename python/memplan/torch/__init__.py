@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 import memplan
 
 from . import _optim, _scaler
+from ._captured import AsCaptured
 from ._record import Call, GeneratorStates, Recorder, Ref, UnsupportedStep
 from ._run import Arena, Gate, Program, StorageTracker
 
@@ -65,8 +66,10 @@ class Step:
     def __init__(self, model, optimizer, rec: Recorder, graph: Dict[str, Any], bound: Dict[str, int],
                  batch_spec, batch_layouts, loss_index: int, updated: List[torch.Tensor],
                  hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
-                 norm_index: Optional[int] = None, accumulate: int = 1, scaling=None) -> None:
+                 norm_index: Optional[int] = None, accumulate: int = 1, scaling=None,
+                 state_slots: Sequence[Tuple[int, torch.Tensor, str]] = ()) -> None:
         self.model = model
+        self._as_captured = AsCaptured(model)
         # With a gradient scaler: (scaler, its settings at capture, each
         # optimizer's overflow flag's graph tensor, the ids of the ops it
         # gates).
@@ -103,6 +106,13 @@ class Step:
         self._arena: Optional[Arena] = None
         self._placed: Dict[int, torch.Tensor] = {}
         self._batch_slots: Dict[int, torch.Tensor] = {}
+        # Tensors read from outside the step: [graph tensor, the caller's
+        # tensor, its version when last copied].
+        self._outside = [[i, x, x._version] for i, x in rec.sources.items()]
+        # The optimizer state the graph reads (graph tensor, parameter,
+        # key), and the state dicts it was found in.
+        self._state_slots = list(state_slots)
+        self._state_dicts = [o.state for o in optimizer.members]
 
     # ---- planning -------------------------------------------------------
 
@@ -251,6 +261,14 @@ class Step:
             # The step's own tensors (parameters, state) own their bytes.
             own = t["size"] if i in self._bound else None
             placed[i] = arena.view(offsets[t["id"]], self._layouts[i], own_storage=own)
+        for i, x in self._bound.items():
+            if i in placed and (x.shape, x.dtype) != (placed[i].shape, placed[i].dtype):
+                raise UnsupportedStep(
+                    f"{self.graph['tensors'][i]['id']} is {x.dtype} {list(x.shape)} now and was "
+                    f"{placed[i].dtype} {list(placed[i].shape)} at capture: something changed it since (an op "
+                    "resized it in place: quantization-aware training's observers do on their first call). "
+                    "Run one eager forward pass (under torch.no_grad()) before capture, or capture again"
+                )
         with torch.no_grad():
             for i, x in list(self._bound.items()):
                 if i in placed:
@@ -291,6 +309,9 @@ class Step:
         the arena counts as one storage). With `arena`, every tensor the
         plan places is made at its offset in one buffer (see
         :meth:`place`); the batch is copied into its place."""
+        self._as_captured.check()
+        self._refresh_outside()
+        self._rebind_state()
         prog = self.program(order)
         env: Dict[int, torch.Tensor] = dict(self._bound)
         self._bind_batch(batch, env)
@@ -305,10 +326,11 @@ class Step:
         numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
         def go():
-            if arena:
-                self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
-            else:
-                prog.run(env, numbers, self._optimizer_calls)
+            with AsCaptured.without_autocast():  # the recorded ops carry their casts
+                if arena:
+                    self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
+                else:
+                    prog.run(env, numbers, self._optimizer_calls)
 
         if track:
             tracker = StorageTracker(self.device)
@@ -328,6 +350,42 @@ class Step:
         return env[self._loss]
 
     __call__ = run
+
+    def _rebind_state(self) -> None:
+        """After ``optimizer.load_state_dict`` (which gives the optimizer
+        new state tensors, a checkpoint's): their values are copied into the
+        tensors the step updates (in the arena, their places), and the
+        optimizer is given those back, so it and the step hold one state."""
+        members = self._optimizers.members
+        if all(o.state is d for o, d in zip(members, self._state_dicts)):
+            return
+        with torch.no_grad():
+            for i, p, k in self._state_slots:
+                st, mine = self._optimizers.state[p], self._bound[i]
+                new = st.get(k)
+                if new is mine:
+                    continue
+                if not isinstance(new, torch.Tensor) or new.shape != mine.shape:
+                    raise UnsupportedStep(
+                        f"{self.graph['tensors'][i]['id']}: the optimizer's state holds "
+                        f"{'a tensor of shape ' + str(list(new.shape)) if isinstance(new, torch.Tensor) else new!r} "
+                        f"where the step was captured with {list(mine.shape)} (a checkpoint of another "
+                        "optimizer or model?); capture the step again"
+                    )
+                mine.copy_(new)
+                st[k] = mine
+        self._state_dicts = [o.state for o in members]
+
+    def _refresh_outside(self) -> None:
+        """A tensor the step reads from outside it (class weights in a
+        loss), updated in place by the caller since it was last copied: the
+        step's copy takes its new value, as eager would read it."""
+        for entry in self._outside:
+            i, x, seen = entry
+            if x._version != seen:
+                with torch.no_grad():
+                    self._bound[i].copy_(x)
+                entry[2] = x._version
 
     def _scaler_ready(self, prog: Program):
         """With a gradient scaler: checks its settings, resets the gate and
@@ -486,7 +544,13 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))
     clip = ("norm", clip_grad_norm, norm_type) if clip_grad_norm is not None else (
         ("value", clip_grad_value) if clip_grad_value is not None else None)
-    loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip)
+    try:
+        loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip)
+    except UnsupportedStep as e:
+        where = _callers_line(e.__traceback__)
+        if where is None:
+            raise
+        raise UnsupportedStep(f"{e} [at {where}]").with_traceback(e.__traceback__) from None
     for i, value in rec.constants.items():
         inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
     label = name or f"{type(model).__name__}-step"
@@ -501,7 +565,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     scaling = (scaler, _scaler.settings(scaler)) + gate if gate is not None else None
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
-                updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate, scaling)
+                updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate, scaling,
+                inputs.state_slots)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -547,6 +612,7 @@ class _Inputs:
         self.fb = {n: self.reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
         self.optimizer = optimizer
         self.fstate: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.state_slots: List[Tuple[int, torch.Tensor, str]] = []  # (graph tensor, parameter, state key)
         self.fscaler: Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[float, float, int]]] = None
         leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
         self.batch_layouts = []
@@ -565,8 +631,10 @@ class _Inputs:
                 del self.bound[i]  # each call binds its own batch
                 self.batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
             self.fbatches.append(tree_unflatten(fleaves, self.spec))
-        for f, p in zip(self.fp.values(), params.values()):
+        for (n, p), f in zip(params.items(), self.fp.values()):
             f.requires_grad_(p.requires_grad)
+            for hook in AsCaptured.hooks_of(n, p):
+                f.register_hook(hook)  # autograd.grad runs them on the gradient, as .backward() does
 
     def scaler(self, scaler, tensors: Tuple[torch.Tensor, torch.Tensor]) -> None:
         """The gradient scaler's scale and growth tracker as step inputs
@@ -585,6 +653,7 @@ class _Inputs:
             _optim.ensure_state(self.optimizer, p)
             self.fstate[id(p)] = {k: self.reg(v, f"state:{n}.{k}", "optimizer_state")
                                   for k, v in _optim.state_tensors(self.optimizer, p).items()}
+        self.state_slots += [(self.rec.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
         return self.fstate[id(p)]
 
     def reg(self, x: torch.Tensor, id: str, role: str) -> torch.Tensor:
@@ -594,6 +663,8 @@ class _Inputs:
         else:
             f = self.fake.from_tensor(x)
         self.bound[self.rec.register(f, id, role)] = x
+        if role == "parameter":  # parameters and buffers, also when read from outside the model
+            self.rec.stands_for(x, f, id)
         return f
 
 
@@ -640,7 +711,47 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             with torch.no_grad():
                 gate = _scaler.gate(rec, spans, flags)
                 _scaler.update_scale(scale, inputs.fscaler[1], flags, inputs.fscaler[2])
+        _keep_reassigned_buffers(model, inputs.fb)
     return loss_index, updated, norm_index, gate
+
+
+def _callers_line(tb) -> Optional[str]:
+    """The innermost line of a traceback in neither torch nor memplan: the
+    caller's model or loss code that made the step refuse."""
+    import os
+    import traceback
+
+    ours = [os.path.dirname(torch.__file__), os.path.dirname(memplan.__file__)]
+    frames = [f for f in traceback.extract_tb(tb) if not any(f.filename.startswith(d) for d in ours)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}, in {f.name}: {f.line}"
+
+
+def _keep_reassigned_buffers(model: torch.nn.Module, fb: Dict[str, torch.Tensor]) -> None:
+    """A buffer the forward pass reassigns (``self.n = self.n + 1``) rather
+    than updates in place leaves eager's module holding the new tensor;
+    the capture's module is given back its own buffers, so the step copies
+    each such buffer's last value into it, as the step's last use of the
+    buffer (every op that read the old value runs before: the graph
+    keeps an update after the reads listed before it)."""
+    with torch.no_grad():
+        for name, f in fb.items():
+            try:
+                now = model.get_buffer(name)
+            except AttributeError:  # set to None
+                now = None
+            if now is f:
+                continue
+            if not isinstance(now, torch.Tensor) or (now.shape, now.dtype) != (f.shape, f.dtype):
+                got = f"{now.dtype} {list(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__
+                raise UnsupportedStep(
+                    f"buffer {name}: the forward pass replaces it with a {got}, not a {f.dtype} {list(f.shape)} "
+                    "tensor; memplan keeps each buffer at its shape and dtype (update it in place, or keep the "
+                    "new shape from the start)"
+                )
+            f.copy_(now)
 
 
 def _updates(rec: Recorder, optimizer, hyper, name_of: Dict[int, str], fp: Dict[str, torch.Tensor],

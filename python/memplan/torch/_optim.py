@@ -552,7 +552,6 @@ class Optimizers:
 
     def __init__(self, optimizer) -> None:
         self.members = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        self.param_groups: List[Dict[str, Any]] = []
         self.kinds: List[str] = []
         self._owner: Dict[int, torch.optim.Optimizer] = {}
         self._group_of: Dict[int, int] = {}
@@ -563,10 +562,15 @@ class Optimizers:
                     if id(p) in self._owner:
                         raise UnsupportedStep(f"a parameter of shape {tuple(p.shape)} is in two param groups")
                     self._owner[id(p)] = o
-                    self._group_of[id(p)] = len(self.param_groups)
-                self.param_groups.append(group)
+                    self._group_of[id(p)] = len(self.kinds)
                 self.kinds.append(kind)
         self.state = _State(self._owner)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The members' param groups as they are now (``load_state_dict``
+        gives an optimizer new group dicts, holding the same parameters)."""
+        return [g for o in self.members for g in o.param_groups]
 
     @property
     def name(self) -> str:
@@ -621,11 +625,21 @@ class Hyper:
             self.markers.append({n: _marker(g, k) for k, n in enumerate(names)})
         # What the recorded structure assumed (weight decay on or off...).
         self.shape = [KINDS[k].structure(g) for g, k in zip(optimizer.param_groups, self.kinds)]
+        self.groups = self._groups()
+
+    def _groups(self) -> List[List[tuple]]:
+        """Each optimizer's param groups, as the parameters in them."""
+        return [[tuple(map(id, g["params"])) for g in o.param_groups] for o in self.optimizer.members]
 
     def values(self, counts: Dict[int, Dict[str, float]]) -> Dict[float, float]:
         """marker -> value for this step; `counts[g]` is what
         :func:`advance_steps` returned for group g (its step count after
         the increment...)."""
+        if self._groups() != self.groups:
+            raise UnsupportedStep(
+                "the optimizer's param groups changed after capture (add_param_group, parameters added or "
+                "removed): the captured step updates the parameters they held then; capture the step again"
+            )
         out: Dict[float, float] = {}
         for g, group in enumerate(self.optimizer.param_groups):
             kind = KINDS[self.kinds[g]]

@@ -212,6 +212,9 @@ def storage_key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
+# Ops whose result autograd never links to their argument.
+_DETACHING = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
 # Ops whose `storage_offset` counts from the start of `self`'s storage.
 STORAGE_OFFSET_OPS = {"aten::as_strided", "aten::as_strided_", "aten::as_strided_copy"}
 
@@ -476,11 +479,14 @@ class Recorder(TorchDispatchMode):
         self.ops: List[Dict[str, Any]] = []
         self.calls: List[Call] = []
         self.constants: Dict[int, torch.Tensor] = {}  # graph tensor -> its value
+        self.sources: Dict[int, torch.Tensor] = {}  # a constant -> the caller's tensor it was copied from
         # The capture's FakeTensorMode (set by the driver), and the fake
         # stand-in of each real tensor the step reads from outside.
         self.fake_mode = None
         self._outside: Dict[int, torch.Tensor] = {}
         self._outside_roots: set = set()
+        # Real storage of each parameter and buffer -> its fake and graph id.
+        self._inputs_by_storage: Dict[int, Tuple[torch.Tensor, str]] = {}
         self.parent: List[Optional[int]] = []  # per tensor: what it is a view of
         # Per graph tensor: shape, stride, storage offset, dtype, device.
         self.layouts: List[Tuple[tuple, tuple, int, torch.dtype, torch.device]] = []
@@ -558,13 +564,25 @@ class Recorder(TorchDispatchMode):
         self._fixed_role[i] = role
         return i
 
+    def stands_for(self, real: torch.Tensor, fake: torch.Tensor, id: str) -> None:
+        """Makes `fake`, registered as `id`, what the step reads wherever it
+        reads the real parameter or buffer `real` (or a tensor over its
+        bytes, ``p.data``, ``p.detach()``) from outside the model it was
+        given: a list made before capture, a gradient hook's closure."""
+        self._inputs_by_storage.setdefault(storage_key(real), (fake, id))
+
     def _from_outside(self, x, func):
         """A real tensor the step reads from outside it (class weights in a
         loss, a mask made before the step) becomes a constant input: its
         value, copied at capture, is bound at every run, and a fake
-        stand-in takes its place while recording."""
+        stand-in takes its place while recording. A tensor over a
+        parameter's or buffer's bytes is read as that step input instead
+        (:meth:`_as_step_input`)."""
         if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
             return x
+        known = self._inputs_by_storage.get(storage_key(x))
+        if known is not None:
+            return self._as_step_input(x, func, *known)
         fake = self._outside.get(id(x))
         if fake is None:
             if x.requires_grad:
@@ -579,10 +597,30 @@ class Recorder(TorchDispatchMode):
             self._fixed_role[i] = "input"
             self._phase_of[i] = "before"
             self.constants[i] = value
+            self.sources[i] = x
             self._outside[id(x)] = fake
             self._outside_roots.add(i)
             self._kept.append(x)  # its id stays its own while recording
         return fake
+
+    def _as_step_input(self, x: torch.Tensor, func, fake: torch.Tensor, id: str) -> torch.Tensor:
+        """The fake step input `fake` (or the view of it that `x` is) for
+        a real tensor `x` over the bytes of the parameter or buffer `id`:
+        its value is the step's at every run, as eager reads it. Refused
+        where autograd would record the read: the gradient would go to the
+        real tensor, not to the step's parameter."""
+        if x.requires_grad and torch.is_grad_enabled() and func not in _DETACHING:
+            raise UnsupportedStep(
+                f"{func}: reads {id} through a reference held from outside the model given to loss_fn "
+                "(a list of parameters made before capture, a closure), so its gradient would be lost; "
+                "reach it through the model loss_fn is given (model.parameters(), model.<name>), or detach it"
+            )
+        if x.dtype != fake.dtype:
+            raise UnsupportedStep(f"{func}: reads {id}'s bytes as {x.dtype}, not as its {fake.dtype}")
+        if (x.shape, x.stride(), x.storage_offset()) == (fake.shape, fake.stride(), fake.storage_offset()):
+            return fake
+        view = torch.ops.aten.as_strided.default
+        return self.__torch_dispatch__(view, (), (fake, tuple(x.shape), tuple(x.stride()), x.storage_offset()), {})
 
     def _refuse_grown_storages(self, func, arg_objs: List[torch.Tensor], writes: List[int]) -> None:
         """An op that writes a tensor must leave its storage the size it

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from ._record import Call, Ref, out_variant
+from ._record import Call, Ref, UnsupportedStep, out_variant
 
 
 class StorageTracker(TorchDispatchMode):
@@ -353,6 +353,27 @@ def _writes_only_its_outputs(overload, args, kwargs, outs: Dict[str, torch.Tenso
         for n, t in fresh.items())
 
 
+def _updates_as_recorded(func, args, kwargs, writes, probed_args, probed_kwargs) -> bool:
+    """Whether an out= overload's probe (`probed_args`, `probed_kwargs`:
+    copies of what the call updates, after the probe) updated the
+    arguments as the recorded op `func` updates them, run here on copies
+    too. The out= overloads PyTorch generates for ops that update
+    arguments in place update copies of them instead (seen:
+    ``_fused_moving_avg_obs_fq_helper.out``, quantization-aware
+    training's observers, whose statistics then never moved in the
+    arena); batch norm's own out= kernel updates its running statistics."""
+    ref_args = [_copy(a) if i in writes else a for i, a in enumerate(args)]
+    ref_kwargs = {n: _copy(v) if n in writes else v for n, v in kwargs.items()}
+    func(*ref_args, **ref_kwargs)
+    # `writes` names each written argument by position and by name.
+    ref = [ref_args[i] for i in writes if isinstance(i, int) and i < len(args)]
+    ref += [ref_kwargs[n] for n in writes if isinstance(n, str) and n in kwargs]
+    probed = [probed_args[i] for i in writes if isinstance(i, int) and i < len(args)]
+    probed += [probed_kwargs.get(n) for n in writes if isinstance(n, str) and n in kwargs]
+    return all(isinstance(b, torch.Tensor) and torch.equal(a, b)
+               for a, b in zip(tree_flatten(ref)[0], tree_flatten(probed)[0]) if isinstance(a, torch.Tensor))
+
+
 # A factory's tensor options: its out= overload takes them from `out`.
 TENSOR_OPTIONS = ("dtype", "layout", "device", "pin_memory")
 
@@ -463,7 +484,7 @@ class Arena:
                 args, kwargs = bind(env, numbers)
                 way = ways[pos]
                 if way is None or not way(args, kwargs, env):
-                    ways[pos] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
+                    ways[pos] = self._settle_or_explain(prog.calls[k], k, args, kwargs, placed, env)
                 args = kwargs = None
                 for i in dies:
                     env.pop(i, None)
@@ -535,6 +556,21 @@ class Arena:
         exec(src, scope)
         return scope["f"]
 
+    def _settle_or_explain(self, c: Call, k: int, args, kwargs, placed: Dict[int, torch.Tensor],
+                           env: Dict[int, torch.Tensor]) -> Callable:
+        """:meth:`_settle`, with PyTorch's error on a tensor of the arena
+        that a call tried to grow explained."""
+        try:
+            return self._settle(c, k, args, kwargs, placed, env)
+        except RuntimeError as e:
+            if "resize" not in str(e):
+                raise
+            raise UnsupportedStep(
+                f"{c.func}: grows a tensor in place, where the arena holds it at the size it had at capture "
+                f"(PyTorch: {e}). Quantization-aware training's observers grow their statistics on their "
+                "first call: run one eager forward pass (under torch.no_grad()) before capture"
+            ) from e
+
     def _settle(self, c: Call, k: int, args, kwargs, placed: Dict[int, torch.Tensor],
                 env: Dict[int, torch.Tensor]) -> Callable:
         """Runs call `k` (number `c`) the first time and returns how it runs
@@ -572,6 +608,8 @@ class Arena:
             probe_args = [_copy(a) if i in c.writes else a for i, a in enumerate(args)]
             probe_kwargs = {n: _copy(v) if n in c.writes else v for n, v in kwargs.items() if n not in dropped}
             if not _writes_only_its_outputs(overload, probe_args, probe_kwargs, outs):
+                variant = None
+            elif c.writes and not _updates_as_recorded(c.func, args, kwargs, c.writes, probe_args, probe_kwargs):
                 variant = None
         if variant is not None:
 
