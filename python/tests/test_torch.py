@@ -2035,6 +2035,11 @@ class OnDevice(unittest.TestCase):
         self.assertLessEqual(row["loss_rel_diff"], 1e-6)
         self.assertLessEqual(row["param_rel_diff"], 1e-6)
         self.assertGreater(row["arena_bytes"], 0)
+        # Batch norm's running statistics are compared too (buffer_rel_diff).
+        cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                            nn.Linear(8, 3))
+        (bn,) = on_device("cpu", 2, 5.0, {"bn": (cnn, (torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))), classify)})
+        self.assertLessEqual(bn["buffer_rel_diff"], 1e-6)
         # The run holds the arena and the caller's batch, and beside them
         # only what kernels allocate for themselves (LayerNorm's CPU
         # kernels, forward and backward, each make a 32 KiB temporary
@@ -2229,6 +2234,30 @@ class BadInputIsRefusedByName(unittest.TestCase):
         with self.assertRaisesRegex(mt.UnsupportedStep, r"\[at \S*test_torch\.py:\d+, in forward: "
                                     r"return y \* 2 if y\.sum\(\)\.item\(\) > 0 else y\]"):
             self.capture(Branchy())
+
+    def test_batches_pytree_does_not_open(self):
+        import collections
+        import dataclasses
+
+        class Encoding(collections.UserDict):  # as a tokenizer's BatchEncoding
+            pass
+
+        model = nn.Linear(6, 3)
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"got Encoding \(a mapping .*pass dict\(batch\)\)"):
+            self.capture(model, Encoding(x=torch.randn(4, 6), y=torch.tensor([0, 1, 2, 0])),
+                         lambda m, b: classify(m, (b["x"], b["y"])))
+
+        @dataclasses.dataclass
+        class Pair:
+            x: torch.Tensor
+            y: torch.Tensor
+
+        pair = Pair(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"got Pair \(a dataclass .*register_dataclass\)"):
+            self.capture(model, pair, lambda m, b: classify(m, (b.x, b.y)))
+        torch.utils._pytree.register_dataclass(Pair)  # as the message says
+        step = self.capture(model, pair, lambda m, b: classify(m, (b.x, b.y)))
+        step(pair)
 
     def test_data_dependent_shapes(self):
         class Masked(nn.Module):

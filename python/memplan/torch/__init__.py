@@ -233,7 +233,7 @@ class Step:
             leaves += flat
         for x, (i, shape, dtype, device, name) in zip(leaves, self._batch_layouts):
             if not isinstance(x, torch.Tensor):
-                raise UnsupportedStep(f"batch element {name}: expected a tensor, got {type(x).__name__}")
+                raise UnsupportedStep(_not_a_tensor(name, x))
             if tuple(x.shape) != shape or x.dtype != dtype or x.device != device:
                 raise UnsupportedStep(
                     f"batch element {name}: shape {tuple(x.shape)} {x.dtype} on {x.device}, but the step "
@@ -622,7 +622,7 @@ class _Inputs:
             for path, x in leaves:
                 nm = _path_name(path) if micro == 1 else f"[{k}]{_path_name(path)}"
                 if not isinstance(x, torch.Tensor):
-                    raise UnsupportedStep(f"batch element {nm}: expected a tensor, got {type(x).__name__}")
+                    raise UnsupportedStep(_not_a_tensor(nm, x))
                 # Each micro-batch is an input of its own (the example's copy
                 # stands for the later ones' values while recording).
                 f = self.reg(x if k == 0 else x.clone(), f"input:{nm}", "input")
@@ -713,6 +713,20 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 _scaler.update_scale(scale, inputs.fscaler[1], flags, inputs.fscaler[2])
         _keep_reassigned_buffers(model, inputs.fb)
     return loss_index, updated, norm_index, gate
+
+
+def _not_a_tensor(name: str, x: Any) -> str:
+    """Why batch element `name` is refused, with what to pass instead."""
+    import collections.abc
+    import dataclasses
+
+    why = f"batch element {name}: expected a tensor, got {type(x).__name__}"
+    if isinstance(x, collections.abc.Mapping):  # a tokenizer's BatchEncoding
+        return why + " (a mapping torch's pytree does not open: pass dict(batch))"
+    if dataclasses.is_dataclass(x):
+        return why + (" (a dataclass torch's pytree does not open: pass dataclasses.asdict(batch), or register "
+                      "the class with torch.utils._pytree.register_dataclass)")
+    return why + " (a batch is a tensor, or tuples, lists and dicts of tensors)"
 
 
 def _callers_line(tb) -> Optional[str]:

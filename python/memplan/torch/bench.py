@@ -470,6 +470,10 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         with torch.no_grad():
             param_diff = max(float((p - q).norm() / max(float(p.norm()), 1e-12))
                              for p, q in zip(eager_model.parameters(), mine.parameters()))
+            # Batch norm's running statistics: updated in the arena too.
+            buffer_diff = max([float((b - c).norm() / max(float(b.norm()), 1e-12))
+                               for b, c in zip(eager_model.buffers(), mine.buffers()) if b.is_floating_point()]
+                              or [0.0])
         rows.append({
             "model": name, "device": str(dev), "steps": steps,
             "eager_allocated_bytes": e_alloc, "eager_reserved_bytes": e_res, "eager_step_seconds": e_time,
@@ -477,7 +481,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
             "arena_bytes": step.plan["arena_bytes"], "outside_arena_bytes": m_alloc - step.plan["arena_bytes"],
             "outside_peak_bytes": arena.outside_peak_bytes,
             "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
-            "loss_rel_diff": loss_diff, "param_rel_diff": param_diff,
+            "loss_rel_diff": loss_diff, "param_rel_diff": param_diff, "buffer_rel_diff": buffer_diff,
             "max_added_share": max_added, "added_flops_share": added,
             "checkpoint_bytes": _saved_bytes(mine.state_dict()), "skipped_updates": sum(skipped),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
@@ -498,7 +502,8 @@ def _saved_bytes(obj) -> int:
 def _print_device_rows(rows):
     mib = 1 << 20
     print(f"{'model':18} {'eager alloc':>11} {'eager res':>10} {'memplan':>10} {'mp res':>10} {'arena':>10} "
-          f"{'outside':>9} {'res vs eager':>12} {'time ratio':>10} {'loss diff':>9} {'param diff':>10}")
+          f"{'outside':>9} {'res vs eager':>12} {'time ratio':>10} {'loss diff':>9} {'param diff':>10} "
+          f"{'buf diff':>9}")
     for r in rows:
         res = (f"{r['memplan_reserved_bytes'] / r['eager_reserved_bytes'] - 1:+11.1%}"
                if r["eager_reserved_bytes"] else f"{'-':>11}")
@@ -508,7 +513,7 @@ def _print_device_rows(rows):
               f"{r['memplan_allocated_bytes'] / mib:9.1f}M {m_res} {r['arena_bytes'] / mib:9.1f}M "
               f"{r['outside_arena_bytes'] / mib:8.1f}M {res} "
               f"{r['memplan_step_seconds'] / r['eager_step_seconds']:10.2f} {r['loss_rel_diff']:9.1e} "
-              f"{r['param_rel_diff']:10.1e}", flush=True)
+              f"{r['param_rel_diff']:10.1e} {r['buffer_rel_diff']:9.1e}", flush=True)
 
 
 def _gpt2_xl_case(device: str, dropout: float = 0.0):
