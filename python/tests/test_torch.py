@@ -32,6 +32,16 @@ def classify(m, b):
     return F.cross_entropy(m(b[0]), b[1])
 
 
+def eager_update(model, opt, loss_fn, batch):
+    """One eager step: ``loss.backward(); opt.step(); opt.zero_grad()``;
+    returns the loss."""
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def causal_lm(m, b):
     return m(input_ids=b, labels=b).loss
 
@@ -400,11 +410,7 @@ class CapturedStepsMatchEager(unittest.TestCase):
         batch = (torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0]))
         for _ in range(3):
             loss = train_step(batch)
-            ref_loss = classify(ref, batch)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+            torch.testing.assert_close(loss, eager_update(ref, ref_opt, classify, batch), **TOL)
         self.assertIsNotNone(train_step.step.plan)
 
 
@@ -623,11 +629,7 @@ class TensorsFromOutsideTheStep(unittest.TestCase):
         for i in range(4):
             weights[i % 3] *= 2.0
             loss = step(batch, arena=i >= 2)
-            want = weighted(ref, batch)
-            want.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            self.assertTrue(torch.equal(loss, want.detach()), i)
+            self.assertTrue(torch.equal(loss, eager_update(ref, ref_opt, weighted, batch)), i)
         for p, q in zip(m.parameters(), ref.parameters()):
             self.assertTrue(torch.equal(p, q))
 
@@ -776,11 +778,7 @@ class StateOutsideTheTensors(unittest.TestCase):
         step = mt.capture(m, opt, batch, classify, time_limit=1)
         for i in range(3):
             loss = step(batch, arena=i > 0)
-            want = classify(ref, batch)
-            want.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            self.assertTrue(torch.equal(loss, want.detach()))
+            self.assertTrue(torch.equal(loss, eager_update(ref, ref_opt, classify, batch)))
 
     def test_parameters_replaced_after_capture_are_refused(self):
         m = self.model()
@@ -1500,11 +1498,7 @@ class Checkpoints(unittest.TestCase):
                 def both(n):
                     for _ in range(n):
                         loss = step(batch, arena=arena)
-                        want = classify(ref, batch)
-                        want.backward()
-                        ref_opt.step()
-                        ref_opt.zero_grad()
-                        self.assertTrue(torch.equal(loss, want.detach()))
+                        self.assertTrue(torch.equal(loss, eager_update(ref, ref_opt, classify, batch)))
 
                 both(2)
                 saved = [copy.deepcopy(x.state_dict()) for x in (m, opt, ref, ref_opt)]
