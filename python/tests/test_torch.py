@@ -788,6 +788,19 @@ class StateOutsideTheTensors(unittest.TestCase):
         with self.assertRaisesRegex(mt.UnsupportedStep, r"0\.weight is another tensor than the one captured"):
             step(self.batch())
 
+    def test_a_model_converted_after_capture_is_refused_by_name(self):
+        # model.to(dtype) keeps the Parameter objects and changes their data:
+        # PyTorch's own error came from the first op that saw it.
+        for arena in [False, True]:
+            m = self.model()
+            step = mt.capture(m, torch.optim.SGD(m.parameters(), lr=0.1), self.batch(),
+                              lambda mm, b: classify(mm, (b[0].to(mm[0].weight.dtype), b[1])), time_limit=1)
+            step(self.batch())
+            m.to(torch.bfloat16)
+            with self.assertRaisesRegex(mt.UnsupportedStep, r"param:0\.weight is torch\.bfloat16 \[16, 6\] now and "
+                                        r"was torch\.float32 \[16, 6\] at capture: converted since"):
+                step(self.batch(), arena=arena)
+
     class Reassigning(nn.Module):
         """Buffers the forward replaces instead of updating in place."""
 

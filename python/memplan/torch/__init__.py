@@ -261,14 +261,7 @@ class Step:
             # The step's own tensors (parameters, state) own their bytes.
             own = t["size"] if i in self._bound else None
             placed[i] = arena.view(offsets[t["id"]], self._layouts[i], own_storage=own)
-        for i, x in self._bound.items():
-            if i in placed and (x.shape, x.dtype) != (placed[i].shape, placed[i].dtype):
-                raise UnsupportedStep(
-                    f"{self.graph['tensors'][i]['id']} is {x.dtype} {list(x.shape)} now and was "
-                    f"{placed[i].dtype} {list(placed[i].shape)} at capture: something changed it since (an op "
-                    "resized it in place: quantization-aware training's observers do on their first call). "
-                    "Run one eager forward pass (under torch.no_grad()) before capture, or capture again"
-                )
+        self._same_layouts()
         with torch.no_grad():
             for i, x in list(self._bound.items()):
                 if i in placed:
@@ -326,11 +319,15 @@ class Step:
         numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
         def go():
-            with AsCaptured.without_autocast():  # the recorded ops carry their casts
-                if arena:
-                    self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
-                else:
-                    prog.run(env, numbers, self._optimizer_calls)
+            try:
+                with AsCaptured.without_autocast():  # the recorded ops carry their casts
+                    if arena:
+                        self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
+                    else:
+                        prog.run(env, numbers, self._optimizer_calls)
+            except RuntimeError:
+                self._same_layouts()  # a tensor converted since capture: say which
+                raise
 
         if track:
             tracker = StorageTracker(self.device)
@@ -350,6 +347,22 @@ class Step:
         return env[self._loss]
 
     __call__ = run
+
+    def _same_layouts(self) -> None:
+        """Refuses, by name, a parameter, buffer or state tensor whose dtype
+        or shape changed since capture (``model.to(torch.bfloat16)``, an op
+        that resized it in place)."""
+        for i, x in self._bound.items():
+            shape, _, _, dtype, _ = self._layouts[i]
+            if (tuple(x.shape), x.dtype) == (shape, dtype):
+                continue
+            why = ("converted since (model.to(dtype), .half()...)" if x.dtype != dtype else
+                   "resized in place since (quantization-aware training's observers grow on their first call: "
+                   "run one eager forward pass under torch.no_grad() before capture)")
+            raise UnsupportedStep(
+                f"{self.graph['tensors'][i]['id']} is {x.dtype} {list(x.shape)} now and was {dtype} {list(shape)} "
+                f"at capture: {why}; the recorded ops are for the captured layouts, capture the step again"
+            )
 
     def _rebind_state(self) -> None:
         """After ``optimizer.load_state_dict`` (which gives the optimizer
