@@ -788,6 +788,18 @@ class StateOutsideTheTensors(unittest.TestCase):
         with self.assertRaisesRegex(mt.UnsupportedStep, r"0\.weight is another tensor than the one captured"):
             step(self.batch())
 
+    def test_a_dropout_probability_changed_after_capture_is_refused(self):
+        # A dropout schedule: the recorded op holds p = 0.1 as a constant.
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), nn.Linear(16, 3))
+        step = mt.capture(m, torch.optim.SGD(m.parameters(), lr=0.1), self.batch(), classify, time_limit=1)
+        step(self.batch())
+        m[1].p = 0.2
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"1\.p is 0\.2 and was 0\.1 when the step was captured"):
+            step(self.batch())
+        m[1].p = 0.1
+        step(self.batch())
+
     def test_a_model_converted_after_capture_is_refused_by_name(self):
         # model.to(dtype) keeps the Parameter objects and changes their data:
         # PyTorch's own error came from the first op that saw it.

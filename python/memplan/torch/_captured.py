@@ -12,13 +12,18 @@ import torch
 from ._record import UnsupportedStep
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+# Module attributes the graph may have taken as constants: dropout's `p`,
+# a norm's `eps`, a block's drop-path rate, a checkpointing switch.
+_PLAIN = (bool, int, float, str)
+_MISSING = object()
 
 
 class AsCaptured:
     """What the recorded graph took from the model's Python state rather
     than from its tensors, checked before each run: which tensors the
     model's parameters and buffers are, every module's train/eval mode
-    (dropout, batch norm's statistics), its hooks (and the global module
+    (dropout, batch norm's statistics) and plain attributes (numbers,
+    strings and switches: dropout's `p`), its hooks (and the global module
     hooks), which parameters require grad, every parameter's gradient
     hooks, and the autocast around the call (``torch.autocast`` around the
     capture records its casts as ops; the step must then be called under
@@ -56,6 +61,12 @@ class AsCaptured:
         # there, the tensor, its full name.
         self._slots = [(d, n, t, f"{name}.{n}" if name else n) for name, m in self._modules
                        for d in (m._parameters, m._buffers) for n, t in d.items() if t is not None]
+        # Each module's plain attributes (its train/eval mode has a check
+        # of its own): (module name, its __dict__, the names).
+        self._attr_names = [(name, m.__dict__, [k for k, v in m.__dict__.items()
+                                                if type(v) in _PLAIN and k != "training"])
+                            for name, m in self._modules]
+        self._attrs = self._plain_attributes()
 
     @staticmethod
     def hooks_of(name: str, p: torch.Tensor) -> List[Callable]:
@@ -92,12 +103,17 @@ class AsCaptured:
                 stack.enter_context(torch.autocast(d, enabled=False))
         return stack
 
+    def _plain_attributes(self) -> list:
+        return [d.get(k, _MISSING) for _, d, ks in self._attr_names for k in ks]
+
     def check(self) -> None:
         """Raises :class:`UnsupportedStep` naming what changed since capture."""
         self._same_tensors()
         self._same_autocast()
         if [m.training for _, m in self._modules] != self._modes:
             self._mode_changed()
+        if self._plain_attributes() != self._attrs:
+            self._attribute_changed()
         if [p.requires_grad for _, p in self._params] != self._trainable:
             self._trainable_changed()
         self._same_hooks()
@@ -124,6 +140,20 @@ class AsCaptured:
             "capture records autocast's casts as ops. Call it as it was captured (or put the autocast "
             "inside loss_fn, where the capture records it)"
         )
+
+    def _attribute_changed(self) -> None:
+        now = iter(self._plain_attributes())
+        was = iter(self._attrs)
+        for name, d, ks in self._attr_names:
+            for k in ks:
+                a, b = next(was), next(now)
+                if a is not b and a != b:
+                    shown = "deleted" if b is _MISSING else repr(b)
+                    raise UnsupportedStep(
+                        f"{name + '.' if name else ''}{k} is {shown} and was {a!r} when the step was captured: the "
+                        "recorded graph took it as a constant (a dropout probability, a drop-path rate...); "
+                        "capture the step again after such a change"
+                    )
 
     def _trainable_changed(self) -> None:
         n, p = next((n, p) for (n, p), was in zip(self._params, self._trainable) if p.requires_grad != was)
