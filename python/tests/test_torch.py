@@ -800,6 +800,21 @@ class StateOutsideTheTensors(unittest.TestCase):
         m[1].p = 0.1
         step(self.batch())
 
+    def test_modules_added_or_replaced_after_capture_are_refused(self):
+        # The recorded graph has the modules of capture; before, a layer
+        # added or swapped since was silently not run.
+        for change, message in [(lambda m: m.append(nn.Identity()), r"the model has other parameters, buffers or "
+                                 r"submodules"),
+                                (lambda m: m.__setitem__(1, nn.GELU()), r"module 1 is another module than the one "
+                                 r"captured"),
+                                (lambda m: m[0].register_buffer("extra", torch.zeros(1)), r"module 0 has other")]:
+            m = self.model()
+            step = mt.capture(m, torch.optim.SGD(m.parameters(), lr=0.1), self.batch(), classify, time_limit=1)
+            step(self.batch())
+            change(m)
+            with self.assertRaisesRegex(mt.UnsupportedStep, message):
+                step(self.batch())
+
     def test_a_model_converted_after_capture_is_refused_by_name(self):
         # model.to(dtype) keeps the Parameter objects and changes their data:
         # PyTorch's own error came from the first op that saw it.

@@ -61,6 +61,13 @@ class AsCaptured:
         # there, the tensor, its full name.
         self._slots = [(d, n, t, f"{name}.{n}" if name else n) for name, m in self._modules
                        for d in (m._parameters, m._buffers) for n, t in d.items() if t is not None]
+        # Each module's submodules, and how many parameters, buffers and
+        # submodules each module has (one added since is not in the graph).
+        self._children = [(m._modules, n, c, f"{name}.{n}" if name else n) for name, m in self._modules
+                          for n, c in m._modules.items() if c is not None]
+        self._dict_names = [name for name, m in self._modules for _ in range(3)]
+        self._dicts = [d for _, m in self._modules for d in (m._parameters, m._buffers, m._modules)]
+        self._sizes = list(map(len, self._dicts))
         # Each module's plain attributes (its train/eval mode has a check
         # of its own): (module name, its __dict__, the names).
         self._attr_names = [(name, m.__dict__, [k for k, v in m.__dict__.items()
@@ -126,6 +133,19 @@ class AsCaptured:
                     "load_state_dict(..., assign=True)); the step updates the tensors it was captured with. "
                     "Capture the step again (with an optimizer over the new parameters)"
                 )
+        for d, n, c, name in self._children:
+            if n not in d or d[n] is not c:
+                raise UnsupportedStep(
+                    f"module {name} is another module than the one captured (replaced or removed since); "
+                    "the step runs the modules it was captured with. Capture the step again"
+                )
+        if list(map(len, self._dicts)) != self._sizes:
+            name = next(n for n, d, k in zip(self._dict_names, self._dicts, self._sizes) if len(d) != k)
+            raise UnsupportedStep(
+                f"{'module ' + name if name else 'the model'} has other parameters, buffers or submodules than "
+                "when the step was captured (one added or removed since is not in the recorded graph); "
+                "capture the step again"
+            )
 
     def _same_autocast(self) -> None:
         autocast = self._autocast_around()
