@@ -8,6 +8,7 @@ import contextlib
 from typing import Callable, List, Tuple
 
 import torch
+import torch.nn.modules.module as _module
 
 from ._record import UnsupportedStep
 
@@ -20,8 +21,8 @@ _MISSING = object()
 
 class AsCaptured:
     """What the recorded graph took from the model's Python state rather
-    than from its tensors, checked before each run: which tensors the
-    model's parameters and buffers are, every module's train/eval mode
+    than from its tensors, checked before each run: which tensors and
+    submodules the model's modules hold, every module's train/eval mode
     (dropout, batch norm's statistics) and plain attributes (numbers,
     strings and switches: dropout's `p`), its hooks (and the global module
     hooks), which parameters require grad, every parameter's gradient
@@ -48,25 +49,19 @@ class AsCaptured:
         self._modes = [m.training for _, m in self._modules]
         self._hooks = self._gradient_hooks()
         # The dicts PyTorch keeps module hooks in: (module name, kind, dict).
-        import torch.nn.modules.module as mm
-
-        self._hook_dicts = [("", kind, getattr(mm, "_global" + kind)) for kind in self._MODULE_HOOKS
-                            if hasattr(mm, "_global" + kind)]
+        self._hook_dicts = [("", kind, getattr(_module, "_global" + kind)) for kind in self._MODULE_HOOKS
+                            if hasattr(_module, "_global" + kind)]
         self._hook_dicts += [(name, kind, m.__dict__[kind]) for name, m in self._modules
                              for kind in self._MODULE_HOOKS if kind in m.__dict__]
         self._module_hooks = self._hooks_on_modules()
         self._autocast = self._autocast_around()
         self._trainable = [p.requires_grad for _, p in self._params]
-        # Where each parameter and buffer sits: its module's dict, its name
-        # there, the tensor, its full name.
-        self._slots = [(d, n, t, f"{name}.{n}" if name else n) for name, m in self._modules
-                       for d in (m._parameters, m._buffers) for n, t in d.items() if t is not None]
-        # Each module's submodules, and how many parameters, buffers and
-        # submodules each module has (one added since is not in the graph).
-        self._children = [(m._modules, n, c, f"{name}.{n}" if name else n) for name, m in self._modules
-                          for n, c in m._modules.items() if c is not None]
-        self._dict_names = [name for name, m in self._modules for _ in range(3)]
+        # Where each parameter, buffer and submodule sits: its module's
+        # dict, its name there, the object, its full name; and how many
+        # each module has (one added since is not in the graph).
         self._dicts = [d for _, m in self._modules for d in (m._parameters, m._buffers, m._modules)]
+        self._held = [(d, n, x, f"{self._modules[i // 3][0]}.{n}".lstrip("."))
+                      for i, d in enumerate(self._dicts) for n, x in d.items() if x is not None]
         self._sizes = list(map(len, self._dicts))
         # Each module's plain attributes (its train/eval mode has a check
         # of its own): (module name, its __dict__, the names).
@@ -126,21 +121,22 @@ class AsCaptured:
         self._same_hooks()
 
     def _same_tensors(self) -> None:
-        for d, n, t, name in self._slots:
-            if n not in d or d[n] is not t:  # (a scripted module's dicts have no .get)
-                raise UnsupportedStep(
-                    f"{name} is another tensor than the one captured (assigned since: a replaced module, "
-                    "load_state_dict(..., assign=True)); the step updates the tensors it was captured with. "
-                    "Capture the step again (with an optimizer over the new parameters)"
-                )
-        for d, n, c, name in self._children:
-            if n not in d or d[n] is not c:
+        for d, n, x, name in self._held:
+            if n in d and d[n] is x:  # (a scripted module's dicts have no .get)
+                continue
+            if isinstance(x, torch.nn.Module):
                 raise UnsupportedStep(
                     f"module {name} is another module than the one captured (replaced or removed since); "
                     "the step runs the modules it was captured with. Capture the step again"
                 )
+            raise UnsupportedStep(
+                f"{name} is another tensor than the one captured (assigned since: a replaced module, "
+                "load_state_dict(..., assign=True)); the step updates the tensors it was captured with. "
+                "Capture the step again (with an optimizer over the new parameters)"
+            )
         if list(map(len, self._dicts)) != self._sizes:
-            name = next(n for n, d, k in zip(self._dict_names, self._dicts, self._sizes) if len(d) != k)
+            i = next(i for i, (d, k) in enumerate(zip(self._dicts, self._sizes)) if len(d) != k)
+            name = self._modules[i // 3][0]
             raise UnsupportedStep(
                 f"{'module ' + name if name else 'the model'} has other parameters, buffers or submodules than "
                 "when the step was captured (one added or removed since is not in the recorded graph); "

@@ -507,7 +507,7 @@ class Arena:
                 bind, k, _, _, _, dies = plan[pos]
                 self.fallbacks.add(k)
                 args, kwargs = bind(env, numbers)
-                self._ways[pos] = self._settle(prog.calls[k], k, args, kwargs, placed, env)
+                self._ways[pos] = self._settle_or_explain(prog.calls[k], k, args, kwargs, placed, env)
                 for i in dies:
                     env.pop(i, None)
                 fast[pos] = self._generate(pos, plan[pos], prog.gate, prog.gated.get(pos))
