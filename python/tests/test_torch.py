@@ -590,6 +590,66 @@ class SettledArenaReplay(unittest.TestCase):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL)
 
 
+# An op whose fake kernel puts a result on the input's device while the
+# real one makes it elsewhere, as CUDA's fused attention keeps its dropout
+# seed and offset on the host (its backward reads them as host memory); on
+# a CPU-only machine, "elsewhere" is the meta device.
+@torch.library.custom_op("memplan_test::seeded", mutates_args=())
+def _seeded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, torch.empty((), dtype=torch.long, device="meta")
+
+
+@_seeded.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty((), dtype=torch.long, device=x.device)
+
+
+class ResultsOnAnotherDevice(unittest.TestCase):
+    def test_a_result_made_elsewhere_than_recorded_stays_where_it_was_made(self):
+        """The arena copies a fallback op's results into their places; a
+        result the real op made on another device than the fake one said
+        stays as made. Copied into its place, CUDA's attention seed became
+        a device scalar that its backward read as host memory (a crash);
+        here the copy out of a meta tensor fails."""
+        model = nn.Linear(8, 8)
+
+        def loss_fn(m, b):
+            y, _ = torch.ops.memplan_test.seeded(b)
+            return (m(b) * y).sum()
+
+        h = Harness(self, model, torch.randn(4, 8), loss_fn)
+        for _ in range(3):
+            loss, want = h.paired(lambda: h.step(h.batch, arena=True))
+            torch.testing.assert_close(loss, want, **TOL)
+        for p, q in zip(model.parameters(), h.ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL)
+
+
+class EmbeddingGradientsInTheirPlace(unittest.TestCase):
+    def test_the_gradient_is_summed_in_the_arena_as_eager_sums_it(self):
+        """aten's generated ``embedding_dense_backward.out`` computes the
+        whole gradient elsewhere and copies it (a vocabulary-sized
+        allocation outside the arena: 306.7 MiB on GPT-2 XL); the arena
+        sums the rows into the gradient's place instead, in eager's order
+        on the CPU, the padding row left zero."""
+        from memplan.torch._run import allocator_peak
+
+        torch.manual_seed(0)
+        vocab, width = 3000, 64
+        model = nn.Sequential(nn.Embedding(vocab, width, padding_idx=0), nn.Linear(width, 4))
+        batch = torch.randint(0, 50, (8, 40))  # repeated tokens, and padding (0)
+        batch[:, -3:] = 0
+        h = Harness(self, model, batch, lambda m, b: m(b).square().mean())
+        for _ in range(3):
+            loss, want = h.paired(lambda: h.step(h.batch, arena=True))
+            self.assertEqual(float(loss), float(want))
+        for p, q in zip(model.parameters(), h.ref.parameters()):
+            self.assertTrue(torch.equal(p.detach(), q.detach()))
+        arena = h.step.place()
+        extra = allocator_peak(lambda: h.step(h.batch, arena=True), [arena.buffer, batch]) - arena.buffer.nbytes
+        self.assertLess(extra, vocab * width * 4 // 2, extra)
+
+
 class TensorsFromOutsideTheStep(unittest.TestCase):
     """A loss or a model may read tensors made before the step that are
     neither parameters nor buffers (class weights, a fixed mask): they are
@@ -2140,6 +2200,19 @@ class OnDevice(unittest.TestCase):
         rows += on_device("cpu", 2, 5.0, {f"{n}-fp16": (m, b, _autocast(f, "cpu", torch.float16))
                                           for n, (m, b, f) in tiny_models().items()}, clip=1.0, scaled=True)
         self.assertTrue(all("skipped_updates" in r for r in rows))
+        # Gradients that overflow float16 at the scaler's first scale
+        # (1.5 × 65536) but not at the next: both sides start from the
+        # same scale and skip the same first update (memplan's first run
+        # once took eager's scale after its first step, skipped nothing
+        # and ran one update ahead).
+        torch.manual_seed(0)
+        linear = nn.Linear(8, 8, bias=False)
+        (row,) = on_device("cpu", 3, 5.0, {"overflowing": (
+            linear, torch.ones(4, 8), _autocast(lambda m, b: m(b).sum() * 0.375, "cpu", torch.float16))},
+            scaled=True)
+        self.assertEqual(row["eager_skipped_updates"], 1, row)
+        self.assertEqual(row["skipped_updates"], 1, row)
+        rows.append(row)
         # `--optimizer adafactor`.
         rows += on_device("cpu", 2, 5.0, tiny_models(), optimizer="adafactor")
         for r in rows:

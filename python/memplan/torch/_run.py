@@ -378,14 +378,50 @@ def _updates_as_recorded(func, args, kwargs, writes, probed_args, probed_kwargs)
 TENSOR_OPTIONS = ("dtype", "layout", "device", "pin_memory")
 
 
+def _embedding_dense_backward_into(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, *, out):
+    """``embedding_dense_backward`` written into `out` itself: the rows
+    of `grad_output` summed into `out`'s rows by index, the padding row
+    left zero. aten's ``out=`` overload of it is generated: it computes
+    the whole gradient in a tensor of its own and copies it, a
+    vocabulary-sized allocation outside the arena (306.7 MiB on GPT-2 XL).
+
+    On the CPU ``index_add_`` adds the rows in eager's order (bit for
+    bit); on CUDA ``index_put_`` with accumulation sorts the indices and
+    adds each row's contributions in a fixed order (deterministic, where
+    ``index_add_`` would use atomics), which rounds differently from
+    eager's segmented sums."""
+    if scale_grad_by_freq:  # counts per index first: eager's op, as recorded
+        return torch.ops.aten.embedding_dense_backward.out(
+            grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, out=out)
+    rows = grad_output.reshape(-1, out.shape[-1])
+    out.zero_()
+    if out.device.type == "cpu":
+        out.index_add_(0, indices.reshape(-1), rows)
+    else:
+        out.index_put_((indices.reshape(-1),), rows, accumulate=True)
+    if padding_idx >= 0:
+        out[padding_idx].zero_()  # eager skips the padding positions' rows
+    return out
+
+
+# Ops whose generated out= overload computes the result elsewhere and
+# copies it: op -> a function that writes into `out` itself, with the
+# op's arguments (trusted: not probed by `_writes_only_its_outputs`).
+IN_PLACE_FORMS = {"aten::embedding_dense_backward": _embedding_dense_backward_into}
+
+
 @functools.lru_cache(maxsize=None)
 def placed_variant(func):
     """How `func` writes into a given tensor: ``(overload, out names,
-    dropped)``, or None. :func:`out_variant`'s overload, else, for a
-    factory (``ones``, ``arange``, ``scalar_tensor``, ``_to_copy``...), the
-    ``out=`` overload taking the same arguments but the tensor options
-    `dropped`, which the caller leaves out: the place already has the
-    recorded dtype, layout and device."""
+    dropped)``, or None. Its :data:`IN_PLACE_FORMS` function, else
+    :func:`out_variant`'s overload, else, for a factory (``ones``,
+    ``arange``, ``scalar_tensor``, ``_to_copy``...), the ``out=`` overload
+    taking the same arguments but the tensor options `dropped`, which the
+    caller leaves out: the place already has the recorded dtype, layout
+    and device."""
+    form = IN_PLACE_FORMS.get(getattr(getattr(func, "_schema", None), "name", None))
+    if form is not None and func._schema.overload_name == "":
+        return form, ("out",), ()
     found = out_variant(func)
     if found is not None:
         return found[0], found[1], ()
@@ -400,6 +436,20 @@ def placed_variant(func):
 # output is their planned place, with no call.
 UNINITIALISED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                  "aten::new_empty_strided"}
+
+
+def _keep_where_made(copied: List[tuple], kept: List[tuple], flat: Sequence[Any]) -> None:
+    """Moves from `copied` to `kept` the results the real op made on
+    another device than their place: a fake kernel may put a result on the
+    step's device where the real one keeps it on the host (the dropout
+    seed and offset of CUDA's fused attention, which its backward reads
+    as host memory). Such a result stays where the op made it."""
+    for entry in list(copied):
+        p, i, t = entry
+        x = flat[p]
+        if isinstance(x, torch.Tensor) and x.device != t.device:
+            copied.remove(entry)
+            kept.append((p, i))
 
 
 class Arena:
@@ -607,7 +657,9 @@ class Arena:
             # (batch norm's running statistics), not the step's tensors.
             probe_args = [_copy(a) if i in c.writes else a for i, a in enumerate(args)]
             probe_kwargs = {n: _copy(v) if n in c.writes else v for n, v in kwargs.items() if n not in dropped}
-            if not _writes_only_its_outputs(overload, probe_args, probe_kwargs, outs):
+            if overload in IN_PLACE_FORMS.values():
+                pass  # writes into its place by construction
+            elif not _writes_only_its_outputs(overload, probe_args, probe_kwargs, outs):
                 variant = None
             elif c.writes and not _updates_as_recorded(c.func, args, kwargs, c.writes, probe_args, probe_kwargs):
                 variant = None
@@ -639,6 +691,7 @@ class Arena:
         # The overload's C++ callable itself: one Python frame less per op.
         func = getattr(c.func, "_op", c.func)
         only = kept[0][1] if len(c.outputs) == 1 and kept and kept[0][0] == 0 else None
+        settled: List[bool] = []
 
         def as_recorded(args, kwargs, env) -> bool:
             out = func(*args, **kwargs)
@@ -646,6 +699,9 @@ class Arena:
                 env[only] = out  # one new tensor or view the plan does not place
                 return True
             flat = tree_flatten(out)[0] if c.outputs else []
+            if not settled:
+                _keep_where_made(copied, kept, flat)
+                settled.append(True)
             if copied:
                 # New bytes only: a result may alias an argument (`lift_fresh`
                 # returns its input, which may live in the arena).

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import gzip
 import io
 import json
@@ -51,10 +52,12 @@ import logging
 import os
 import re
 import time
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
 
@@ -341,6 +344,47 @@ def _timed(fn, device: torch.device, steps: int, resident):
     return allocator_peak(fn, resident(), device.type), None, median
 
 
+class _AllocatedByOp(TorchDispatchMode):
+    """Per op: the bytes the caching allocator held at the op's peak
+    beyond what it held before the op (the op's results and whatever its
+    kernels allocated for themselves)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.most: Dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = func(*args, **(kwargs or {}))
+        grew = torch.cuda.max_memory_allocated(self.device) - before
+        name = str(func)
+        self.most[name] = max(self.most.get(name, 0), grew)
+        return out
+
+
+def _outside_by_op(step_fn, device: torch.device, top: int = 3) -> List[List[Any]]:
+    """The `top` ops that allocated the most during one call of `step_fn`
+    (an arena step, whose planned tensors allocate nothing), as [op,
+    bytes]."""
+    torch.cuda.synchronize(device)
+    with _AllocatedByOp(device) as seen:
+        step_fn()
+    torch.cuda.synchronize(device)
+    return [[n, b] for n, b in sorted(seen.most.items(), key=lambda kv: -kv[1])[:top] if b > 0]
+
+
+def _held_bytes(device: torch.device) -> Optional[int]:
+    """Bytes of tensors alive on `device` between steps (CUDA; None
+    elsewhere): for eager its parameters, optimizer state and batch, for
+    memplan the arena and the batch."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def _rng_states(restore=None):
     """The CPU's and every CUDA device's generator states; with `restore`,
     sets them to those instead."""
@@ -354,7 +398,7 @@ def _rng_states(restore=None):
 
 
 def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None,
-              fused: bool = False, scaled: bool = False, optimizer: str = "adamw"):
+              fused: bool = False, scaled: bool = False, optimizer: str = "adamw", exact: bool = False):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -389,11 +433,24 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     AdamW by default). Eager takes PyTorch's default implementation on the
     device (foreach kernels on CUDA), memplan its single-tensor arithmetic.
 
+    With `exact` eager runs the optimizer's single-tensor arithmetic
+    (``foreach=False``, the arithmetic memplan records) and both sides
+    take cuDNN's deterministic algorithms, so the two should agree to the
+    bit: what remains is memplan's doing. Without it, eager's foreach
+    kernels round differently, and cuDNN's batch-norm and convolution
+    backward may differ from run to run (ResNet's rows).
+
+    On CUDA each row lists the ops that allocated the most outside the
+    arena during one more memplan step (``outside_ops``, op and bytes):
+    what kernels allocate for themselves (cuBLAS workspaces, an ``out=``
+    overload that computes its result elsewhere and copies it).
+
     With `scaled` both sides scale the loss with a ``torch.amp.GradScaler``
     (float16 training: `cases` under float16 autocast), eager through
     ``scaler.scale/unscale_/step/update``, memplan through ``capture(...,
-    scaler=)``; each row counts the updates memplan's step skipped
-    (``skipped_updates``).
+    scaler=)``, both from the same initial scale; each row counts the
+    updates memplan's step skipped (``skipped_updates``) and eager's
+    (``eager_skipped_updates``).
 
     Each row also has the bytes ``torch.save`` writes for the memplan
     model's state dict after the run (``checkpoint_bytes``), beside the
@@ -401,17 +458,34 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     their bytes, so the two differ by pickle's framing only."""
     dev = torch.device(device)
     rows = []
-    for name, (model, batch, loss_fn) in (cases or models()).items():
+    cases = dict(cases or models())
+    while cases:
+        # Each side is measured with only its own tensors on the device:
+        # the cases wait on the CPU, the memplan twin is moved there once
+        # eager's peak is read, and eager's back to the CPU before memplan
+        # runs (on CUDA, max_memory_* count every tensor on the device).
+        name = next(iter(cases))
+        model, batch, loss_fn = cases.pop(name)
+        _release(dev)  # the last case's tensors (cycles in what capture made)
         model.train()
         batch = _to(batch, dev)
         eager_model = copy.deepcopy(model).to(dev)
-        mine = copy.deepcopy(model).to(dev)
+        mine = copy.deepcopy(model)
         del model
         make = OPTIMIZERS[optimizer] if not fused else (
             lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True))
         opt = make(eager_model.parameters())
+        if exact:
+            for group in opt.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = False
         eager_scaler = torch.amp.GradScaler(dev.type) if scaled else None
+        # The scale eager's first step uses, which the captured step's
+        # first run mirrors.
+        first_scale = eager_scaler.get_scale() if scaled else None
         eager_losses = []
+        eager_updates = []  # one entry per optimizer.step() the scaler let through
+        opt.register_step_post_hook(lambda *_: eager_updates.append(True))
         rng = _rng_states()
 
         def eager_step():
@@ -438,10 +512,13 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
                     + [v for st in opt.state.values() for v in st.values()])
 
         e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
+        e_held = _held_bytes(dev)
+        eager_skipped = len(eager_losses) - len(eager_updates)
+        del opt, eager_resident  # eager's state is no longer needed; its parameters are compared
+        eager_model.to("cpu")
+        mine.to(dev)
         mopt = make(mine.parameters())
-        # The eager side's scale after its first step, which it took before
-        # the captured step starts.
-        scaler = torch.amp.GradScaler(dev.type, init_scale=eager_scaler.get_scale()) if scaled else None
+        scaler = torch.amp.GradScaler(dev.type, init_scale=first_scale) if scaled else None
         step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit, clip_grad_norm=clip, scaler=scaler)
         added = 0.0
         if max_added is not None:
@@ -462,34 +539,47 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
             return [arena.buffer] + tree_flatten(batch)[0]
 
         m_alloc, m_res, m_time = _timed(memplan_step, dev, steps, memplan_resident)
+        m_held = _held_bytes(dev)
         n = min(len(eager_losses), len(my_losses))
         loss_diff = max(abs(float(a) - float(b)) / max(abs(float(a)), 1e-12)
                         for a, b in zip(eager_losses[:n], my_losses[:n]))
         # Parameters after the same number of updates on both sides (the
         # CPU peak measure ran one more step on each).
         with torch.no_grad():
-            param_diff = max(float((p - q).norm() / max(float(p.norm()), 1e-12))
+            param_diff = max(float((p - q.cpu()).norm() / max(float(p.norm()), 1e-12))
                              for p, q in zip(eager_model.parameters(), mine.parameters()))
             # Batch norm's running statistics: updated in the arena too.
-            buffer_diff = max([float((b - c).norm() / max(float(b.norm()), 1e-12))
+            buffer_diff = max([float((b - c.cpu()).norm() / max(float(b.norm()), 1e-12))
                                for b, c in zip(eager_model.buffers(), mine.buffers()) if b.is_floating_point()]
                               or [0.0])
+        # After the comparisons: one more memplan step, op by op.
+        outside_ops = _outside_by_op(memplan_step, dev) if dev.type == "cuda" else []
         rows.append({
             "model": name, "device": str(dev), "steps": steps,
             "eager_allocated_bytes": e_alloc, "eager_reserved_bytes": e_res, "eager_step_seconds": e_time,
+            "eager_held_bytes": e_held, "memplan_held_bytes": m_held,
             "memplan_allocated_bytes": m_alloc, "memplan_reserved_bytes": m_res, "memplan_step_seconds": m_time,
             "arena_bytes": step.plan["arena_bytes"], "outside_arena_bytes": m_alloc - step.plan["arena_bytes"],
-            "outside_peak_bytes": arena.outside_peak_bytes,
+            "outside_peak_bytes": arena.outside_peak_bytes, "outside_ops": outside_ops,
             "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
             "loss_rel_diff": loss_diff, "param_rel_diff": param_diff, "buffer_rel_diff": buffer_diff,
             "max_added_share": max_added, "added_flops_share": added,
             "checkpoint_bytes": _saved_bytes(mine.state_dict()), "skipped_updates": sum(skipped),
+            "eager_skipped_updates": eager_skipped,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
         })
-        del eager_model, mine, opt, mopt, step, arena
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        del eager_model, mine, mopt, step, arena
     return rows
+
+
+def _release(device: torch.device) -> None:
+    """Frees what is no longer referenced, cycles too, and on CUDA gives
+    the cached blocks back, so one case's tensors do not count in the
+    next one's peaks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _saved_bytes(obj) -> int:
@@ -514,6 +604,10 @@ def _print_device_rows(rows):
               f"{r['outside_arena_bytes'] / mib:8.1f}M {res} "
               f"{r['memplan_step_seconds'] / r['eager_step_seconds']:10.2f} {r['loss_rel_diff']:9.1e} "
               f"{r['param_rel_diff']:10.1e} {r['buffer_rel_diff']:9.1e}", flush=True)
+    for r in rows:
+        if r.get("outside_ops"):
+            most = ", ".join(f"{op} {b / mib:.1f}M" for op, b in r["outside_ops"])
+            print(f"{r['model']}: allocated outside the arena, most by op: {most}")
 
 
 def _gpt2_xl_case(device: str, dropout: float = 0.0):
@@ -523,7 +617,10 @@ def _gpt2_xl_case(device: str, dropout: float = 0.0):
                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT2LMHeadModel(cfg)
+        model = GPT2LMHeadModel(cfg)  # initialised where it is fast
+    model.to("cpu")  # and kept off the device until measured (on_device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return {"hf-gpt2-xl-b1": (model, torch.randint(0, 50257, (1, 1024)), _causal_lm)}
 
 
@@ -623,6 +720,9 @@ def main(argv=None):
                     help="with --device: clip the gradients' norm to MAX before each update, on both sides")
     ap.add_argument("--fused-optimizer", action="store_true",
                     help="with --device: AdamW(fused=True) on both sides (eager runs PyTorch's fused kernel)")
+    ap.add_argument("--exact", action="store_true",
+                    help="with --device: eager's optimizer in single-tensor arithmetic (foreach=False) and "
+                    "cuDNN's deterministic algorithms on both sides, so the two should agree to the bit")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
                     help="with --device: first make each step the smallest memplan finds for at most "
                     "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
@@ -637,8 +737,11 @@ def main(argv=None):
             suffix = "fp16" if args.fp16 else "bf16"
             cases = {f"{name}-{suffix}": (model, batch, _autocast(loss_fn, args.device, dtype))
                      for name, (model, batch, loss_fn) in cases.items()}
+        if args.exact:
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm,
-                         args.fused_optimizer, scaled=args.fp16, optimizer=args.optimizer)
+                         args.fused_optimizer, scaled=args.fp16, optimizer=args.optimizer, exact=args.exact)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
