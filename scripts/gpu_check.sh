@@ -100,7 +100,10 @@ llama() {
     --output-graph "$OUT/llama_tiny_fit.json" 2>&1 | tee "$OUT/llama_tiny_fit.txt"
   run llama_tiny_fit_cmp run "$OUT/llama_tiny_fit.json" --device cuda --steps 3 --compare-cpu
   run llama_1b_cuda run --example llama3-1b --seq 1024 --device cuda --steps 5 --json
+  # Mixed precision with the default attention (auto: the tensor-core
+  # flash kernels on compute capability 8.0 or later).
   run llama_1b_bf16_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json
+  run llama_1b_bf16_flash_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention flash
   # Where the time goes, by kernel (two timing events per instruction).
   run llama_1b_bf16_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile
   run llama_1b_profile run --example llama3-1b --seq 1024 --device cuda --steps 3 --profile
@@ -119,7 +122,6 @@ llama() {
   # Llama 2 7B, one step (the second step's loss is near 0 on the fixed
   # batch, too small to compare).
   run llama2_7b_l1_bf16_tc_cmp run --example llama2-7b --layers 1 --seq 256 --mixed-precision --device cuda --steps 1 --compare-cpu --attention tensor-cores
-  run llama_1b_bf16_tc_cuda run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 5 --json --attention tensor-cores
   run llama_1b_bf16_tc_profile run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --profile --attention tensor-cores
 }
 
@@ -142,9 +144,9 @@ torch_side() {
     fi
     if [ -s "$OUT/llama_1b_bf16_cuda.out" ]; then
       # One eager run against each lowering of memplan's fused attention
-      # that ran (flash, gemm, tensor-cores).
+      # that ran (auto, flash, gemm).
       local runs=()
-      for f in llama_1b_bf16_cuda llama_1b_bf16_gemm_cuda llama_1b_bf16_tc_cuda; do
+      for f in llama_1b_bf16_cuda llama_1b_bf16_flash_cuda llama_1b_bf16_gemm_cuda; do
         [ -s "$OUT/$f.out" ] && runs+=(--memplan "$OUT/$f.out")
       done
       echo "== PyTorch eager, llama3-1b seq 1024, bf16 autocast over f32 parameters"
@@ -182,6 +184,11 @@ torch_step() {
   echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
   PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
     --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
+  # The same models with eager in single-tensor arithmetic and cuDNN
+  # deterministic on both sides: any difference left is memplan's.
+  echo "== python3 -m memplan.torch.bench --device cuda --exact --steps 3"
+  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --exact --steps 3 \
+    --json "$OUT/torch_step_exact.json" 2>&1 | tee "$OUT/torch_step_exact.out"
   # Width-32 decoders: the replay's per-op overhead against eager's
   # launches.
   echo "== python3 -m memplan.torch.bench --device cuda --tiny --steps 50"

@@ -228,6 +228,17 @@ fn run_options_are_checked_and_cuda_failures_are_errors() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
+    // `auto` (the default) is for any device: on the CPU it changes nothing.
+    let o = memplan(&[
+        "run",
+        "--example",
+        "llama-tiny",
+        "--attention",
+        "auto",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let o = memplan(&["run", "--example", "llama-tiny", "--attention", "tiles"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = memplan(&[

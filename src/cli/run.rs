@@ -71,15 +71,16 @@ pub struct RunArgs {
     /// workspace) or `tensor-cores` (flash kernels with bf16 tensor-core
     /// products, for bf16 attention with a head dimension that is a
     /// multiple of 16 up to 128, on compute capability 8.0 or later;
-    /// `flash` elsewhere);
-    /// docs/runtime.md.
-    #[arg(long, value_enum, default_value = "flash")]
+    /// `flash` elsewhere) or `auto` (the default: `tensor-cores` on
+    /// compute capability 8.0 or later, `flash` before); docs/runtime.md.
+    #[arg(long, value_enum, default_value = "auto")]
     pub attention: AttentionArg,
 }
 
 /// `--attention`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AttentionArg {
+    Auto,
     Flash,
     Gemm,
     TensorCores,
@@ -92,7 +93,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.compare_cpu && a.device == Device::Cpu {
         bail!("--compare-cpu compares a CUDA run with the CPU executor: add --device cuda");
     }
-    if a.attention != AttentionArg::Flash && a.device == Device::Cpu {
+    if !matches!(a.attention, AttentionArg::Auto | AttentionArg::Flash) && a.device == Device::Cpu {
         bail!("--attention chooses how the CUDA executor runs fused attention: add --device cuda");
     }
     let g = load(a.graph.as_deref(), &a.source)?;
@@ -109,6 +110,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         keep_state: a.compare_cpu,
         profile: a.profile,
         attention: match a.attention {
+            AttentionArg::Auto => AttentionLowering::Auto,
             AttentionArg::Flash => AttentionLowering::Flash,
             AttentionArg::Gemm => AttentionLowering::GEMM,
             AttentionArg::TensorCores => AttentionLowering::TensorCores,
@@ -209,6 +211,7 @@ fn print(
             "layout_source": s.layout_source,
             "median_step_seconds": med,
             "attention": match a.attention {
+                AttentionArg::Auto => "auto",
                 AttentionArg::Flash => "flash",
                 AttentionArg::Gemm => "gemm",
                 AttentionArg::TensorCores => "tensor-cores",

@@ -268,12 +268,16 @@ impl CudaExecutor {
     ) -> Result<CudaExecutor> {
         program.validate()?;
         check_libraries(false)?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| driver(&format!("creating a context on device {ordinal}"), e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("cuDeviceGetAttribute(compute capability)", e))?;
+        let attention = attention.resolved(major);
         let bindings = Bindings::new(&program)?;
         let layout = DeviceLayout::with_attention(&program, &bindings, attention);
         let ops = lower_all(&program, &bindings, &layout)?;
         let schedule = Schedule::new(&program, &bindings);
-        let ctx = CudaContext::new(ordinal)
-            .map_err(|e| driver(&format!("creating a context on device {ordinal}"), e))?;
         let streams = (0..program.num_streams())
             .map(|_| ctx.new_stream().map_err(|e| driver("cuStreamCreate", e)))
             .collect::<Result<Vec<_>>>()?;
@@ -285,9 +289,6 @@ impl CudaExecutor {
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| driver("cuDeviceGetAttribute(compute capability)", e))?;
         if attention == AttentionLowering::TensorCores && major < 8 {
             return Err(RuntimeError::Unavailable(
                 "CUDA",

@@ -97,11 +97,27 @@ pub enum AttentionLowering {
     /// 16 up to [`MMA_MAX_HEAD_DIM`], a GPU of compute capability 8.0 or
     /// later — and the flash kernels elsewhere. No scratch.
     TensorCores,
+    /// The fastest that applies: [`AttentionLowering::TensorCores`] on a GPU
+    /// of compute capability 8.0 or later (bf16 attention there runs on
+    /// the tensor cores, f32 attention on the flash kernels), the flash
+    /// kernels on older GPUs. The CUDA executor resolves it
+    /// ([`AttentionLowering::resolved`]) before lowering.
+    Auto,
 }
 
 impl AttentionLowering {
     /// Products over blocks sized to the scratch's default budget.
     pub const GEMM: AttentionLowering = AttentionLowering::Gemm { rows: 0 };
+
+    /// The lowering [`AttentionLowering::Auto`] stands for on a GPU of
+    /// compute capability `major`.x; any other lowering as it is.
+    pub fn resolved(self, major: i32) -> AttentionLowering {
+        match self {
+            AttentionLowering::Auto if major >= 8 => AttentionLowering::TensorCores,
+            AttentionLowering::Auto => AttentionLowering::Flash,
+            other => other,
+        }
+    }
 }
 
 impl DeviceLayout {
@@ -114,6 +130,8 @@ impl DeviceLayout {
     /// The layout for `p` bound by `b`, fused attention lowered as
     /// `attention` says.
     pub fn with_attention(p: &Program, b: &Bindings, attention: AttentionLowering) -> DeviceLayout {
+        // Unresolved (no GPU to ask, as in the emulator): the tensor cores.
+        let attention = attention.resolved(8);
         let up = |x: u64| x.div_ceil(REGION_ALIGN) * REGION_ALIGN;
         let staging = up(p.arena_bytes);
         let scratch = up(staging + b.workspace_bytes);
@@ -727,6 +745,17 @@ pub(crate) const MMA_ROWS: u64 = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_attention_is_the_tensor_cores_from_ampere_on() {
+        use AttentionLowering::*;
+        assert_eq!(Auto.resolved(9), TensorCores);
+        assert_eq!(Auto.resolved(8), TensorCores);
+        assert_eq!(Auto.resolved(7), Flash);
+        assert_eq!(Flash.resolved(9), Flash);
+        assert_eq!(TensorCores.resolved(7), TensorCores); // refused later, by name
+        assert_eq!(AttentionLowering::GEMM.resolved(9), AttentionLowering::GEMM);
+    }
 
     #[test]
     fn every_kernel_is_defined_in_the_cuda_source() {
