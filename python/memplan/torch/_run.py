@@ -390,7 +390,9 @@ def _embedding_dense_backward_into(grad_output, indices, num_weights, padding_id
     adds each row's contributions in a fixed order (deterministic, where
     ``index_add_`` would use atomics), which rounds differently from
     eager's segmented sums."""
-    if scale_grad_by_freq:  # counts per index first: eager's op, as recorded
+    if scale_grad_by_freq or out.dtype not in (torch.float32, torch.float64):
+        # Counts per index first, or sums of low-precision rows, which
+        # eager's kernels add in float32 and round once: eager's op.
         return torch.ops.aten.embedding_dense_backward.out(
             grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, out=out)
     rows = grad_output.reshape(-1, out.shape[-1])
