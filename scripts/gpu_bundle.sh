@@ -10,11 +10,13 @@
 #       tar czf $OUT/gc.tgz -C /tmp gc")
 #
 # SECTIONS=... before `bash` picks gpu_check.sh's sections (each call is at
-# most 10 minutes, and a machine idle for 30 s is given back, so a section
-# and the torch_side run that reads its outputs go in one call):
-# "llama torch_side" (issue 15's Llama targets), then "torch_step",
-# "torch_step_loops" and "torch_step_precision" (issue 12's, one call
-# each), then "explicit fused torch_side" (GPT-2, measured on an H100 on 2026-11-23: docs/runtime.md). cudarc loads CUDA at run time; with no nvcc here its
+# most 10 minutes, a machine idle for 30 s is given back, and a session
+# has 15 minutes of device time, starts included, so put what belongs
+# together in one call): "torch_step torch_step_loops" (issue 12's arena
+# step: about 3 + 2 minutes on an H200), then "torch_step_precision", then
+# "llama torch_side" and "explicit fused torch_side" (issue 15's, measured
+# on an H200 on 2026-11-25 and an H100 on 2026-11-23: docs/runtime.md).
+# cudarc loads CUDA at run time; with no nvcc here its
 # bindings are those of CUDA_VERSION below (13.0 by default: the lent
 # machines' driver 580 and their nvidia-*-cu13 wheels), and libraries are
 # found by their major version (libcublas.so.13, libnvrtc.so.13).
