@@ -2215,6 +2215,10 @@ class OnDevice(unittest.TestCase):
         rows.append(row)
         # `--optimizer adafactor`.
         rows += on_device("cpu", 2, 5.0, tiny_models(), optimizer="adafactor")
+        # `--exact`: cuDNN deterministic for the comparison only.
+        flags = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+        rows += on_device("cpu", 2, 5.0, {"exact": tiny_models()["tiny-llama-4l-32"]}, exact=True)
+        self.assertEqual((torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark), flags)
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)

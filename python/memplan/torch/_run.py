@@ -421,7 +421,7 @@ def placed_variant(func):
     taking the same arguments but the tensor options `dropped`, which the
     caller leaves out: the place already has the recorded dtype, layout
     and device."""
-    form = IN_PLACE_FORMS.get(getattr(getattr(func, "_schema", None), "name", None))
+    form = IN_PLACE_FORMS.get(func._schema.name)
     if form is not None and func._schema.overload_name == "":
         return form, ("out",), ()
     found = out_variant(func)

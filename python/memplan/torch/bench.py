@@ -456,6 +456,18 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     model's state dict after the run (``checkpoint_bytes``), beside the
     parameters' own bytes (``parameter_bytes``): the arena's tensors own
     their bytes, so the two differ by pickle's framing only."""
+    args = (device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact)
+    if not exact:
+        return _on_device(*args)
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        return _on_device(*args)
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact):
     dev = torch.device(device)
     rows = []
     cases = dict(cases or models())
@@ -737,9 +749,6 @@ def main(argv=None):
             suffix = "fp16" if args.fp16 else "bf16"
             cases = {f"{name}-{suffix}": (model, batch, _autocast(loss_fn, args.device, dtype))
                      for name, (model, batch, loss_fn) in cases.items()}
-        if args.exact:
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm,
                          args.fused_optimizer, scaled=args.fp16, optimizer=args.optimizer, exact=args.exact)
         _print_device_rows(rows)
