@@ -1320,6 +1320,205 @@ class LearningRateSchedules(unittest.TestCase):
             torch.testing.assert_close(p.detach(), q.detach(), **TOL)
 
 
+class _CapturableOnTheHost:
+    """PyTorch's capturable Adam runs only on accelerators; its arithmetic
+    is the same on the host, so the tests let it run there."""
+
+    def __enter__(self):
+        import torch.optim.adam as adam
+        self._saved = adam._get_capturable_supported_devices
+        adam._get_capturable_supported_devices = lambda supports_xla=True: ["cpu", "cuda"]
+
+    def __exit__(self, *exc):
+        import torch.optim.adam as adam
+        adam._get_capturable_supported_devices = self._saved
+
+
+class HostGraph:
+    """A CUDA graph's semantics on the host, for :class:`_graph.Graphed`:
+    recording logs every aten call (with the very tensors it took and
+    made), and each launch calls them again with those arguments, writing
+    each new result over the tensor recorded for it. So, as in a CUDA
+    graph, Python numbers keep their recorded values and tensors are read
+    and written at their addresses. A CUDA graph's recording runs no
+    kernel; here the calls run, so the arena and the generator are put
+    back as they were before it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def replay(self):
+        with torch.no_grad():
+            for func, args, kwargs, outs in self.calls:
+                made = torch.utils._pytree.tree_flatten(func(*args, **kwargs))[0]
+                for new, old in zip(made, outs):
+                    if isinstance(new, torch.Tensor) and new.data_ptr() != old.data_ptr():
+                        old.copy_(new)
+
+
+class _Logged(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.graph.calls.append((func, args, kwargs, torch.utils._pytree.tree_flatten(out)[0]))
+        return out
+
+
+class _HostRecording:
+    def __init__(self, step, graph):
+        self.step, self.graph = step, graph
+
+    def __enter__(self):
+        self.arena = self.step.place().buffer.clone()
+        self.rng = torch.get_rng_state()
+        self.mode = _Logged(self.graph)
+        self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.step.place().buffer.copy_(self.arena)
+        torch.set_rng_state(self.rng)
+
+
+def on_host_graphs(step):
+    """`step` runs ``graph=True`` with :class:`HostGraph` for CUDA graphs
+    (the refusals that depend on the step's device are not checked)."""
+    from memplan.torch import _graph
+
+    step._graphed = _graph.Graphed(make_graph=HostGraph, recording=lambda g: _HostRecording(step, g))
+    return step
+
+
+class host_graphs:
+    """Within it, every step's first ``graph=True`` run takes
+    :func:`on_host_graphs` (for steps made inside ``memplan.torch.compile``)."""
+
+    def __enter__(self):
+        self.ready = mt.Step._graph_ready
+
+        def ready(step, order, track, env):
+            if step._graphed is None:
+                on_host_graphs(step)
+            self.ready(step, order, track, env)
+
+        mt.Step._graph_ready = ready
+
+    def __exit__(self, *exc):
+        mt.Step._graph_ready = self.ready
+
+
+class CudaGraphSteps(unittest.TestCase):
+    """``step(batch, graph=True)``: the arena step recorded once and
+    launched as a graph. On the host, :class:`HostGraph` keeps a graph's
+    semantics (numbers as recorded, tensors at their addresses), so these
+    tests check that everything that changes between steps reaches the
+    step through tensors: the batch, capturable Adam's step counters; and
+    that a learning rate changed by a schedule records the graph again.
+    scripts/gpu_check.sh runs the real graphs (`bench --cuda-graph`)."""
+
+    def test_capturable_adamw_is_eagers_single_tensor_arithmetic(self):
+        for opt in ((torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, capturable=True, foreach=False)),
+                    (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01, amsgrad=True, capturable=True,
+                                            foreach=False))):
+            with self.subTest(opt[0].__name__), _CapturableOnTheHost():
+                torch.manual_seed(0)
+                h = Harness(self, gpt2(layers=1, width=32), torch.randint(0, 256, (2, 16)), causal_lm,
+                            opt=opt, tol=EXACT)
+                h.run(steps=3)  # state included: step counters on the parameters' device, as eager's
+
+    def test_graphed_steps_equal_eager_and_a_schedule_records_again(self):
+        torch.manual_seed(0)
+        model = gpt2(layers=1, width=32)
+        ref = copy.deepcopy(model)
+        make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1,  # noqa: E731
+                                          capturable=True, foreach=False)
+        with _CapturableOnTheHost():
+            opt, ref_opt = make(model), make(ref)
+            halve = lambda s: 0.5 ** (s // 3)  # noqa: E731
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, halve)
+            ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, halve)
+            batches = [torch.randint(0, 256, (2, 16)) for _ in range(5)]
+            train = mt.compile(model, opt, causal_lm, graph=True, time_limit=5)
+            with warnings.catch_warnings(), host_graphs():
+                warnings.simplefilter("ignore", UserWarning)  # scheduler.step() before optimizer.step()
+                for k, b in enumerate(batches + batches[:3]):
+                    if k == 5:
+                        # Another program (the same plan made anew): the
+                        # graph of the old one is dropped, the new one
+                        # settles, then is recorded.
+                        train.step._programs.pop("planned")
+                    loss = train(b).clone()
+                    sched.step()
+                    want = eager_update(ref, ref_opt, causal_lm, b)
+                    ref_sched.step()
+                    torch.testing.assert_close(loss, want, **EXACT)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+        # The first run settles the arena; the second records, the third
+        # launches; the learning rate halves before the fourth: recorded
+        # again, then launched on the fifth. The new program settles on the
+        # sixth and is recorded on the seventh, launched on the eighth.
+        stats = train.step.stats
+        self.assertEqual((stats["graph_recordings"], stats["graph_launches"], stats["graph_refused"]), (3, 6, None))
+
+    def test_what_a_graph_cannot_run_is_refused_with_the_reason(self):
+        from memplan.torch import _graph
+
+        model = nn.Linear(6, 3)
+        batch = (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+        step = mt.capture(model, torch.optim.AdamW(model.parameters()), batch, classify, time_limit=5)
+        with self.assertRaisesRegex(mt.UnsupportedStep, "CUDA graph, and this step runs on cpu"):
+            step(batch, graph=True)
+        cuda = torch.device("cuda")
+        dependent = mt._optim.step_dependent(step._optimizers)
+        self.assertEqual(dependent, ["param group 0 (adamw)"])
+        cases = {
+            "create the optimizer with capturable=True": (False, False, "planned", dependent, []),
+            "gradient scaler": (True, False, "planned", [], []),
+            "track=True": (False, True, "planned", [], []),
+            "planned order": (False, False, "eager", [], []),
+            "param:w: read by the step from host memory": (False, False, "planned", [], ["param:w"]),
+        }
+        for why, args in cases.items():
+            with self.assertRaisesRegex(mt.UnsupportedStep, re.escape(why)):
+                _graph.refuse_unless_graphable(cuda, *args)
+        self.assertIsNone(_graph.refusal(cuda, False, False, "planned", [], []))
+        # Numbers that do not change with the step count pass: SGD's, and
+        # capturable Adam's.
+        for opt in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                    torch.optim.AdamW(model.parameters(), capturable=True)):
+            self.assertEqual(mt._optim.step_dependent(mt._optim.Optimizers(opt)), [])
+
+    def test_a_step_that_cannot_be_recorded_runs_without_a_graph(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        ref = copy.deepcopy(model)
+        batch = (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        step = on_host_graphs(mt.capture(model, opt, batch, classify, time_limit=5))
+
+        class Refusing:
+            def __enter__(self):
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+            def __exit__(self, *exc):
+                pass
+
+        step._graphed._recording = lambda g: Refusing()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                torch.testing.assert_close(step(batch, graph=True), eager_update(ref, ref_opt, classify, batch),
+                                           **EXACT)
+        self.assertEqual(sum("could not be recorded as a CUDA graph" in str(w.message) for w in seen), 1)
+        self.assertIn("stream is capturing", step.stats["graph_refused"])
+        self.assertEqual(step.stats["graph_launches"], 0)
+
+
 class SeveralOptimizers(unittest.TestCase):
     """`capture(model, [opt_a, opt_b], ...)`: optimizers over disjoint
     parameters, each update recorded from its own kind. Muon (PyTorch's
@@ -2395,7 +2594,7 @@ class BadInputIsRefusedByName(unittest.TestCase):
         with self.assertRaisesRegex(mt.UnsupportedStep, "scalar"):
             self.capture(model, loss_fn=lambda m, b: m(b[0]))
         with self.assertRaisesRegex(mt.UnsupportedStep, "capturable=True is not supported"):
-            self.capture(model, opt=torch.optim.AdamW(model.parameters(), capturable=True))
+            self.capture(model, opt=torch.optim.RMSprop(model.parameters(), capturable=True))
         with self.assertRaisesRegex(mt.UnsupportedStep, "amsgrad=True is not supported"):
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             opt.param_groups[0]["amsgrad"] = True  # a flag SGD has no use for

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import memplan
 
-from . import _optim, _scaler
+from . import _graph, _optim, _scaler
 from ._captured import AsCaptured
 from ._record import Call, GeneratorStates, Recorder, Ref, UnsupportedStep
 from ._run import Arena, Gate, Program, StorageTracker
@@ -104,6 +104,7 @@ class Step:
         self._captured = (graph, rec.calls, rec.layouts)
         self.fitted: Optional[Dict[str, Any]] = None
         self._arena: Optional[Arena] = None
+        self._graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
         self._placed: Dict[int, torch.Tensor] = {}
         self._batch_slots: Dict[int, torch.Tensor] = {}
         # Tensors read from outside the step: [graph tensor, the caller's
@@ -212,6 +213,9 @@ class Step:
             )
         if self.tracked_peak_bytes is not None:
             s["tracked_peak_bytes"] = self.tracked_peak_bytes
+        if self._graphed is not None:
+            g = self._graphed
+            s.update(graph_recordings=g.recordings, graph_launches=g.launches, graph_refused=g.refused)
         return s
 
     # ---- running --------------------------------------------------------
@@ -294,20 +298,28 @@ class Step:
             moved.copy_(x)
             x.data = moved
 
-    def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False) -> torch.Tensor:
+    def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False,
+            graph: bool = False) -> torch.Tensor:
         """One training step on `batch`; `order` is ``"planned"`` or
         ``"eager"`` (the recorded order, for comparison). With `track`, a
         :class:`StorageTracker` measures the live tensor bytes on the step's
         device and :attr:`tracked_peak_bytes` holds its peak (with `arena`,
         the arena counts as one storage). With `arena`, every tensor the
         plan places is made at its offset in one buffer (see
-        :meth:`place`); the batch is copied into its place."""
+        :meth:`place`); the batch is copied into its place. With `graph`
+        (CUDA; implies `arena`), the arena step is recorded once as a CUDA
+        graph and launched as one (see :mod:`memplan.torch._graph`; the
+        first run settles the arena without a graph); the loss returned is
+        then overwritten by the next step."""
         self._as_captured.check()
         self._refresh_outside()
         self._rebind_state()
         prog = self.program(order)
         env: Dict[int, torch.Tensor] = dict(self._bound)
         self._bind_batch(batch, env)
+        if graph:
+            self._graph_ready(order, track, env)
+            arena = True
         if arena:
             if order != "planned":
                 raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
@@ -321,10 +333,14 @@ class Step:
         def go():
             try:
                 with AsCaptured.without_autocast():  # the recorded ops carry their casts
+                    if graph:
+                        return self._graphed.run(self._arena, prog, self._placed, env, numbers,
+                                                 self._optimizer_calls)
                     if arena:
                         self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
                     else:
                         prog.run(env, numbers, self._optimizer_calls)
+                    return env
             except RuntimeError:
                 self._same_layouts()  # a tensor converted since capture: say which
                 raise
@@ -337,16 +353,30 @@ class Step:
                 tracker.track(x)
             tracker.measure()
             with tracker:
-                go()
+                env = go()
             self.tracked_peak_bytes = tracker.peak_bytes
         else:
-            go()
+            env = go()
         self._updates_done(prog, snapshots)
         if self._norm is not None:
             self.grad_norm = env[self._norm]
         return env[self._loss]
 
     __call__ = run
+
+    def _graph_ready(self, order: str, track: bool, env: Dict[int, torch.Tensor]) -> None:
+        """Refuses, saying why, a step a CUDA graph cannot run (see
+        :func:`_graph.refusal`; what the step itself decides is checked
+        once, the call's arguments every call); makes the step's
+        :class:`_graph.Graphed`."""
+        if self._graphed is not None:
+            _graph.refuse_unless_graphable(None, False, track, order, [], [])
+            return
+        device = self._layouts[self._loss][4]
+        host = [self.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
+        _graph.refuse_unless_graphable(device, self._scaling is not None, track, order,
+                                       _optim.step_dependent(self._optimizers), host)
+        self._graphed = _graph.Graphed()
 
     def _same_layouts(self) -> None:
         """Refuses, by name, a parameter, buffer or state tensor whose dtype
@@ -914,18 +944,21 @@ def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], **options) -> Callable[[Any], torch.Tensor]:
+            loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, arena: bool = False,
+            graph: bool = False, **options) -> Callable[[Any], torch.Tensor]:
     """A training-step function that captures and plans on its first batch
     (options as for :func:`capture`; with ``accumulate=N`` each call takes
     a list of N micro-batches) and runs the planned step on every batch;
-    ``fn.step`` is the :class:`Step` once captured."""
+    ``fn.step`` is the :class:`Step` once captured. `arena` and `graph`
+    are :meth:`Step.run`'s: every tensor at its planned offset, and the
+    step launched as one CUDA graph."""
 
     def train_step(batch):
         if train_step.step is None:
             # With accumulation the batch is the list of micro-batches.
             example = batch[0] if options.get("accumulate", 1) > 1 else batch
             train_step.step = capture(model, optimizer, example, loss_fn, **options)
-        return train_step.step(batch)
+        return train_step.step(batch, arena=arena, graph=graph)
 
     train_step.step = None
     return train_step

@@ -135,17 +135,23 @@ def _moments(group: Dict[str, Any], m: Dict[str, float], p, g, st, decoupled: bo
 class Adam(Kind):
     """Adam and AdamW (`decoupled` weight decay), `amsgrad` included."""
 
-    numbers = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps", "neg_step_size")
-    flags = ("maximize", "amsgrad")
+    numbers = ("decay", "wd", "one_minus_beta1", "beta2", "one_minus_beta2", "bc2_sqrt", "eps", "neg_step_size",
+               "lr", "beta1")
+    flags = ("maximize", "amsgrad", "capturable")
 
     def __init__(self, decoupled: bool) -> None:
         self.decoupled = decoupled
 
     def values(self, group, counts):
-        step = counts.get("step", 1.0)
+        # With `capturable` the update computes the bias corrections from
+        # its step counter on the device (see update), so no number it
+        # reads changes from step to step.
+        step = 1.0 if group.get("capturable") else counts.get("step", 1.0)
         lr = float(group["lr"])
         beta1, beta2 = (float(b) for b in group["betas"])
         return {
+            "lr": lr,
+            "beta1": beta1,
             "decay": 1 - lr * group["weight_decay"],
             "wd": group["weight_decay"],
             "one_minus_beta1": 1 - beta1,
@@ -157,26 +163,50 @@ class Adam(Kind):
         }
 
     def state_keys(self, group):
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        return (("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+                + (("step",) if group.get("capturable") else ()))
 
     def init_state(self, group, p, st):
         if st:
             return
-        # Where PyTorch keeps it: with the parameter for the fused kernels,
-        # on the host otherwise.
-        st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if group.get("fused") else "cpu")
+        # Where PyTorch keeps it: with the parameter for the fused and the
+        # capturable kernels, on the host otherwise.
+        on_device = group.get("fused") or group.get("capturable")
+        st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else "cpu")
         st["exp_avg"], st["exp_avg_sq"] = _zeros(p), _zeros(p)
         if group.get("amsgrad"):
             st["max_exp_avg_sq"] = _zeros(p)
 
     def update(self, group, m, p, g, st):
         p, g, st = _moments(group, m, p, g, st, self.decoupled)
+        if group.get("capturable"):
+            self.capturable_tail(group, m, p, st)
+            return
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
         if group.get("amsgrad"):
             torch.maximum(st["max_exp_avg_sq"], exp_avg_sq, out=st["max_exp_avg_sq"])
             exp_avg_sq = st["max_exp_avg_sq"]
         denom = (exp_avg_sq.sqrt() / m["bc2_sqrt"]).add_(m["eps"])
         p.addcdiv_(exp_avg, denom, value=m["neg_step_size"])
+
+    @staticmethod
+    def capturable_tail(group, m, p, st):
+        """The step with ``capturable=True``, as PyTorch's single-tensor
+        Adam writes it: the bias corrections are computed on the device
+        from the parameter's step counter (a state tensor the step reads),
+        so the update's numbers are the same every step and a CUDA graph
+        of the step stays valid (``step(batch, graph=True)``)."""
+        step = st["step"]
+        bias_correction1 = 1 - m["beta1"] ** step
+        bias_correction2 = 1 - m["beta2"] ** step
+        step_size_neg = (m["lr"] / bias_correction1).neg()
+        bias_correction2_sqrt = bias_correction2.sqrt()
+        exp_avg_sq = st["exp_avg_sq"]
+        if group.get("amsgrad"):
+            st["max_exp_avg_sq"].copy_(torch.maximum(st["max_exp_avg_sq"], exp_avg_sq))
+            exp_avg_sq = st["max_exp_avg_sq"]
+        denom = (exp_avg_sq.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(m["eps"] / step_size_neg)
+        p.addcdiv_(st["exp_avg"], denom)
 
 
 class SGD(Kind):
@@ -657,6 +687,23 @@ class Hyper:
         return out
 
 
+def step_dependent(opt: "Optimizers") -> List[str]:
+    """The param groups (as "group g (Kind)") whose update reads numbers
+    that change with the step count (Adam's bias corrections unless
+    ``capturable=True``, Adafactor's decay...): a CUDA graph of the step
+    would keep one step's values."""
+    out = []
+    for g, group in enumerate(opt.param_groups):
+        kind = KINDS[opt.kinds[g]]
+        try:
+            changes = kind.values(group, {"step": 1.0}) != kind.values(group, {"step": 2.0})
+        except KeyError:  # reads host state kept with the count (NAdam's product of momenta)
+            changes = True
+        if changes:
+            out.append(f"param group {g} ({opt.kinds[g]})")
+    return out
+
+
 def _kind(opt: torch.optim.Optimizer) -> str:
     name = type(opt).__name__
     if name not in _CLASSES or type(opt) is not getattr(torch.optim, name, None):
@@ -719,6 +766,8 @@ def advance_steps(opt: Optimizers, updated) -> Dict[int, Dict[str, float]]:
         if not counters:
             continue
         torch._foreach_add_(counters, 1.0)  # one launch, not one per parameter, for fused optimizers
+        if group.get("capturable"):
+            continue  # each update reads its own counter on the device: nothing to read here
         try:
             step = _one_value(counters, "different numbers of steps")
             counts[gi] = {"step": step, **KINDS[opt.kinds[gi]].advance(group, states, step)}

@@ -508,6 +508,13 @@ class Arena:
     def _intact(self, t: torch.Tensor) -> bool:
         return (tuple(t.shape), tuple(t.stride()), t.data_ptr()) == self._expect.get(id(t))
 
+    def settled_for(self, prog: "Program", placed: Dict[int, torch.Tensor], optimizer_calls: Sequence[bool]) -> bool:
+        """Whether every call of `prog` (with these places) has settled how
+        it runs, so the next run calls only the generated functions."""
+        ran = self._ran_with
+        return (self._fast is not None and ran is not None and ran[0] is prog and ran[1] is placed
+                and ran[2] is optimizer_calls)
+
     def run(self, prog: "Program", placed: Dict[int, torch.Tensor], env: Dict[int, torch.Tensor],
             numbers: Dict[float, float], optimizer_calls: Sequence[bool]) -> None:
         """Runs `prog` with every new tensor in `placed` made in place.
