@@ -13,7 +13,8 @@
 # most 10 minutes, a machine idle for 30 s is given back, and a session
 # has 15 minutes of device time, starts included, so put what belongs
 # together in one call): "torch_step torch_step_loops" (issue 12's arena
-# step: about 3 + 2 minutes on an H200), then "torch_step_precision", then
+# step: about 3 + 2 minutes on an H200), then "torch_step_precision
+# torch_step_graph" (float16, Adafactor, the step as one CUDA graph), then
 # "llama torch_side" and "explicit fused torch_side" (issue 15's, measured
 # on an H200 on 2026-11-25 and an H100 on 2026-11-23: docs/runtime.md).
 # cudarc loads CUDA at run time; with no nvcc here its

@@ -238,7 +238,34 @@ torch_step_precision() {
     --json "$OUT/torch_step_adafactor.json" 2>&1 | tee "$OUT/torch_step_adafactor.out"
 }
 
+torch_step_graph() {
+  # The arena step launched as one CUDA graph (step(batch, graph=True);
+  # both sides' AdamW capturable=True): the small models, bit for bit
+  # with --exact, the tiny decoders, dropout with clipping, bf16 autocast,
+  # then GPT-2 XL (about 3 minutes on an H200).
+  torch_ready || return
+  local xl=
+  python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
+  local i=0 name
+  for args in "--steps 5" "--exact --steps 3" "--tiny --steps 20" "--dropout 0.1 --clip-grad-norm 1.0 --steps 5" \
+      "--autocast --steps 5"; do
+    i=$((i + 1)) name=torch_graph_$i
+    echo "== python3 -m memplan.torch.bench --device cuda --cuda-graph $args"
+    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --cuda-graph $args \
+      --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.out"
+  done
+  if [ -n "$xl" ]; then
+    echo "== GPT-2 XL b1 as one CUDA graph"
+    PYTHONPATH=python python3 -c "
+import json
+from memplan.torch import bench
+rows = bench.on_device('cuda', 5, 10.0, bench._gpt2_xl_case('cuda'), graph=True)
+bench._print_device_rows(rows)
+json.dump(rows, open('$OUT/torch_graph_xl.json', 'w'), indent=1)" 2>&1 | tee "$OUT/torch_graph_xl.out"
+  fi
+}
+
 # SECTIONS picks what runs (default: all).
-for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops torch_step_precision}; do
+for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops torch_step_precision torch_step_graph}; do
   "$section"
 done

@@ -398,7 +398,8 @@ def _rng_states(restore=None):
 
 
 def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=None, clip=None,
-              fused: bool = False, scaled: bool = False, optimizer: str = "adamw", exact: bool = False):
+              fused: bool = False, scaled: bool = False, optimizer: str = "adamw", exact: bool = False,
+              graph: bool = False):
     """Each model's training step in eager PyTorch and as memplan's planned
     step in its arena (``step(batch, arena=True)``), on `device`, from the
     same weights and batch: peak allocated and reserved bytes (CUDA), the
@@ -452,11 +453,17 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     updates memplan's step skipped (``skipped_updates``) and eager's
     (``eager_skipped_updates``).
 
+    With `graph` memplan's step runs as one CUDA graph (``step(batch,
+    graph=True)``), and both sides' Adam or AdamW is made with
+    ``capturable=True`` (eager then runs PyTorch's capturable kernels:
+    foreach, or single-tensor with `exact`); rows record the graph's
+    ``graph_recordings``, ``graph_launches`` and ``graph_refused``.
+
     Each row also has the bytes ``torch.save`` writes for the memplan
     model's state dict after the run (``checkpoint_bytes``), beside the
     parameters' own bytes (``parameter_bytes``): the arena's tensors own
     their bytes, so the two differ by pickle's framing only."""
-    args = (device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact)
+    args = (device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact, graph)
     if not exact:
         return _on_device(*args)
     saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
@@ -467,7 +474,7 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
 
 
-def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact):
+def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact, graph):
     dev = torch.device(device)
     rows = []
     cases = dict(cases or models())
@@ -486,6 +493,8 @@ def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled,
         del model
         make = OPTIMIZERS[optimizer] if not fused else (
             lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True))
+        if graph:
+            make = _capturable(make)
         opt = make(eager_model.parameters())
         if exact:
             for group in opt.param_groups:
@@ -540,7 +549,7 @@ def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled,
         skipped = []
 
         def memplan_step():
-            my_losses.append(step(batch, arena=True).detach().clone())
+            my_losses.append(step(batch, arena=True, graph=graph).detach().clone())
             skipped.append(step.skipped_update)
 
         _rng_states(rng)  # the draws of eager's first step, then of its next...
@@ -565,7 +574,8 @@ def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled,
                                for b, c in zip(eager_model.buffers(), mine.buffers()) if b.is_floating_point()]
                               or [0.0])
         # After the comparisons: one more memplan step, op by op.
-        outside_ops = _outside_by_op(memplan_step, dev) if dev.type == "cuda" else []
+        # (A CUDA graph launches no op one by one: nothing to see.)
+        outside_ops = _outside_by_op(memplan_step, dev) if dev.type == "cuda" and not graph else []
         rows.append({
             "model": name, "device": str(dev), "steps": steps,
             "eager_allocated_bytes": e_alloc, "eager_reserved_bytes": e_res, "eager_step_seconds": e_time,
@@ -579,9 +589,24 @@ def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled,
             "checkpoint_bytes": _saved_bytes(mine.state_dict()), "skipped_updates": sum(skipped),
             "eager_skipped_updates": eager_skipped,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
+            **{k: v for k, v in step.stats.items() if k.startswith("graph_")},
         })
         del eager_model, mine, mopt, step, arena
     return rows
+
+
+def _capturable(make):
+    """`make` with Adam's bias corrections on the device
+    (``capturable=True``), what a CUDA graph of the step needs; other
+    optimizers as they are."""
+
+    def made(ps):
+        opt = make(ps)
+        if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in opt.param_groups:
+                group["capturable"] = True
+        return opt
+    return made
 
 
 def _release(device: torch.device) -> None:
@@ -620,6 +645,11 @@ def _print_device_rows(rows):
         if r.get("outside_ops"):
             most = ", ".join(f"{op} {b / mib:.1f}M" for op, b in r["outside_ops"])
             print(f"{r['model']}: allocated outside the arena, most by op: {most}")
+        if "graph_launches" in r:
+            how = f"refused ({r['graph_refused']})" if r["graph_refused"] else "recorded"
+            print(f"{r['model']}: CUDA graph {how}: {r['graph_recordings']} recordings, "
+                  f"{r['graph_launches']} launches; eager {r['eager_step_seconds'] * 1e3:.2f} ms, "
+                  f"memplan {r['memplan_step_seconds'] * 1e3:.2f} ms per step")
 
 
 def _gpt2_xl_case(device: str, dropout: float = 0.0):
@@ -735,10 +765,15 @@ def main(argv=None):
     ap.add_argument("--exact", action="store_true",
                     help="with --device: eager's optimizer in single-tensor arithmetic (foreach=False) and "
                     "cuDNN's deterministic algorithms on both sides, so the two should agree to the bit")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="with --device cuda: memplan's step as one CUDA graph (step(batch, graph=True)); "
+                    "both sides' AdamW with capturable=True")
     ap.add_argument("--max-added", metavar="SHARE", type=float,
                     help="with --device: first make each step the smallest memplan finds for at most "
                     "SHARE more FLOPs (0.001 is 0.1%%), by recomputation")
     args = ap.parse_args(argv)
+    if args.cuda_graph and (args.device or "").split(":")[0] != "cuda":
+        ap.error("--cuda-graph records CUDA graphs: it needs --device cuda")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.device:
         cases = tiny_models(args.dropout) if args.tiny else models(args.dropout)
@@ -750,7 +785,8 @@ def main(argv=None):
             cases = {f"{name}-{suffix}": (model, batch, _autocast(loss_fn, args.device, dtype))
                      for name, (model, batch, loss_fn) in cases.items()}
         rows = on_device(args.device, args.steps, args.time_limit, cases, args.max_added, args.clip_grad_norm,
-                         args.fused_optimizer, scaled=args.fp16, optimizer=args.optimizer, exact=args.exact)
+                         args.fused_optimizer, scaled=args.fp16, optimizer=args.optimizer, exact=args.exact,
+                         graph=args.cuda_graph)
         _print_device_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
