@@ -8,7 +8,9 @@ kernels on the same values, so on CPU they are in practice equal to the bit.
 """
 
 import collections
+import contextlib
 import copy
+import io
 import json
 import random
 import re
@@ -2421,6 +2423,25 @@ class OnDevice(unittest.TestCase):
         for r in rows:
             self.assertLessEqual(r["loss_rel_diff"], 1e-6, r)
             self.assertLessEqual(r["param_rel_diff"], 1e-6, r)
+
+    def test_cuda_graphs_through_the_bench(self):
+        """`--cuda-graph` on the host stand-in (:class:`HostGraph`): both
+        sides capturable AdamW, bit for bit with `exact`, and the rows say
+        how often the step was recorded and launched. The command line
+        refuses it without CUDA."""
+        from memplan.torch.bench import main, on_device, tiny_models
+
+        with _CapturableOnTheHost(), host_graphs():
+            rows = on_device("cpu", 3, 5.0, tiny_models(), exact=True, graph=True)
+        for r in rows:
+            self.assertEqual((r["loss_rel_diff"], r["param_rel_diff"]), (0.0, 0.0), r)
+            # One untimed run settles the arena; the first timed one
+            # records, and every later run launches: the three timed ones
+            # and, on the CPU, the one that measures the peak.
+            self.assertEqual((r["graph_recordings"], r["graph_launches"], r["graph_refused"]), (1, 4, None))
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+            main(["--device", "cpu", "--cuda-graph"])
+        self.assertIn("--cuda-graph records CUDA graphs: it needs --device cuda", err.getvalue())
 
 
 class AgainstTorchCompile(unittest.TestCase):

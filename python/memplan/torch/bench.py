@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import gzip
 import io
@@ -463,21 +464,41 @@ def on_device(device: str, steps: int, time_limit: float, cases=None, max_added=
     model's state dict after the run (``checkpoint_bytes``), beside the
     parameters' own bytes (``parameter_bytes``): the arena's tensors own
     their bytes, so the two differ by pickle's framing only."""
-    args = (device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact, graph)
+    run = _Run(torch.device(device), steps, time_limit, max_added, clip, fused, scaled, optimizer, exact, graph)
+    cases = dict(cases or models())
     if not exact:
-        return _on_device(*args)
+        return _on_device(run, cases)
     saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
-        return _on_device(*args)
+        return _on_device(run, cases)
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
 
 
-def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled, optimizer, exact, graph):
-    dev = torch.device(device)
+@dataclasses.dataclass
+class _Run:
+    """:func:`on_device`'s settings."""
+
+    dev: torch.device
+    steps: int
+    time_limit: float
+    max_added: Optional[float]
+    clip: Optional[float]
+    fused: bool
+    scaled: bool
+    optimizer: str
+    exact: bool
+    graph: bool
+
+    def make_optimizer(self, params):
+        make = OPTIMIZERS[self.optimizer] if not self.fused else (
+            lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True))
+        return (_capturable(make) if self.graph else make)(params)
+
+
+def _on_device(run: _Run, cases) -> List[Dict[str, Any]]:
     rows = []
-    cases = dict(cases or models())
     while cases:
         # Each side is measured with only its own tensors on the device:
         # the cases wait on the CPU, the memplan twin is moved there once
@@ -485,114 +506,121 @@ def _on_device(device, steps, time_limit, cases, max_added, clip, fused, scaled,
         # runs (on CUDA, max_memory_* count every tensor on the device).
         name = next(iter(cases))
         model, batch, loss_fn = cases.pop(name)
-        _release(dev)  # the last case's tensors (cycles in what capture made)
+        _release(run.dev)  # the last case's tensors (cycles in what capture made)
         model.train()
-        batch = _to(batch, dev)
-        eager_model = copy.deepcopy(model).to(dev)
+        batch = _to(batch, run.dev)
+        eager_model = copy.deepcopy(model).to(run.dev)
         mine = copy.deepcopy(model)
         del model
-        make = OPTIMIZERS[optimizer] if not fused else (
-            lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True))
-        if graph:
-            make = _capturable(make)
-        opt = make(eager_model.parameters())
-        if exact:
-            for group in opt.param_groups:
-                if "foreach" in group:
-                    group["foreach"] = False
-        eager_scaler = torch.amp.GradScaler(dev.type) if scaled else None
-        # The scale eager's first step uses, which the captured step's
-        # first run mirrors.
-        first_scale = eager_scaler.get_scale() if scaled else None
-        eager_losses = []
-        eager_updates = []  # one entry per optimizer.step() the scaler let through
-        opt.register_step_post_hook(lambda *_: eager_updates.append(True))
-        rng = _rng_states()
-
-        def eager_step():
-            loss = loss_fn(eager_model, batch)
-            if eager_scaler is not None:
-                eager_scaler.scale(loss).backward()
-                eager_scaler.unscale_(opt)
-            else:
-                loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(eager_model.parameters(), clip)
-            if eager_scaler is not None:
-                eager_scaler.step(opt)
-                eager_scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            eager_losses.append(loss.detach())
-
-        eager_step()  # the optimizer state exists from here on, as in the captured step
-
-        def eager_resident():
-            return (list(eager_model.parameters()) + list(eager_model.buffers()) + tree_flatten(batch)[0]
-                    + [v for st in opt.state.values() for v in st.values()])
-
-        e_alloc, e_res, e_time = _timed(eager_step, dev, steps, eager_resident)
-        e_held = _held_bytes(dev)
-        eager_skipped = len(eager_losses) - len(eager_updates)
-        del opt, eager_resident  # eager's state is no longer needed; its parameters are compared
+        eager = _eager_side(run, eager_model, batch, loss_fn)
         eager_model.to("cpu")
-        mine.to(dev)
-        mopt = make(mine.parameters())
-        scaler = torch.amp.GradScaler(dev.type, init_scale=first_scale) if scaled else None
-        step = capture(mine, mopt, batch, loss_fn, time_limit=time_limit, clip_grad_norm=clip, scaler=scaler)
-        added = 0.0
-        if max_added is not None:
-            f = step.fit(max_added=max_added, minimise="flops", time_limit=max(time_limit, 30.0))
-            added = f["added_flops"] / f["step_flops"]
-        my_losses = []
-        skipped = []
-
-        def memplan_step():
-            my_losses.append(step(batch, arena=True, graph=graph).detach().clone())
-            skipped.append(step.skipped_update)
-
-        _rng_states(rng)  # the draws of eager's first step, then of its next...
-        memplan_step()
-        arena = step.place()
-
-        def memplan_resident():
-            return [arena.buffer] + tree_flatten(batch)[0]
-
-        m_alloc, m_res, m_time = _timed(memplan_step, dev, steps, memplan_resident)
-        m_held = _held_bytes(dev)
-        n = min(len(eager_losses), len(my_losses))
-        loss_diff = max(abs(float(a) - float(b)) / max(abs(float(a)), 1e-12)
-                        for a, b in zip(eager_losses[:n], my_losses[:n]))
-        # Parameters after the same number of updates on both sides (the
-        # CPU peak measure ran one more step on each).
-        with torch.no_grad():
-            param_diff = max(float((p - q.cpu()).norm() / max(float(p.norm()), 1e-12))
-                             for p, q in zip(eager_model.parameters(), mine.parameters()))
-            # Batch norm's running statistics: updated in the arena too.
-            buffer_diff = max([float((b - c.cpu()).norm() / max(float(b.norm()), 1e-12))
-                               for b, c in zip(eager_model.buffers(), mine.buffers()) if b.is_floating_point()]
-                              or [0.0])
-        # After the comparisons: one more memplan step, op by op.
-        # (A CUDA graph launches no op one by one: nothing to see.)
-        outside_ops = _outside_by_op(memplan_step, dev) if dev.type == "cuda" and not graph else []
-        rows.append({
-            "model": name, "device": str(dev), "steps": steps,
-            "eager_allocated_bytes": e_alloc, "eager_reserved_bytes": e_res, "eager_step_seconds": e_time,
-            "eager_held_bytes": e_held, "memplan_held_bytes": m_held,
-            "memplan_allocated_bytes": m_alloc, "memplan_reserved_bytes": m_res, "memplan_step_seconds": m_time,
-            "arena_bytes": step.plan["arena_bytes"], "outside_arena_bytes": m_alloc - step.plan["arena_bytes"],
-            "outside_peak_bytes": arena.outside_peak_bytes, "outside_ops": outside_ops,
-            "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
-            "loss_rel_diff": loss_diff, "param_rel_diff": param_diff, "buffer_rel_diff": buffer_diff,
-            "max_added_share": max_added, "added_flops_share": added,
-            "checkpoint_bytes": _saved_bytes(mine.state_dict()), "skipped_updates": sum(skipped),
-            "eager_skipped_updates": eager_skipped,
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
-            **{k: v for k, v in step.stats.items() if k.startswith("graph_")},
-        })
-        del eager_model, mine, mopt, step, arena
+        mine.to(run.dev)
+        ours, memplan_step = _memplan_side(run, mine, batch, loss_fn, eager.pop("first_scale"), eager.pop("rng"))
+        diffs = _differences(eager.pop("losses"), ours.pop("losses"), eager_model, mine)
+        # After the comparisons: one more memplan step, op by op (a CUDA
+        # graph launches no op one by one: nothing to see).
+        outside = _outside_by_op(memplan_step, run.dev) if run.dev.type == "cuda" and not run.graph else []
+        rows.append({"model": name, "device": str(run.dev), "steps": run.steps, **diffs, **eager, **ours,
+                     "outside_ops": outside})
+        del eager_model, mine, memplan_step
     return rows
+
+
+def _eager_side(run: _Run, eager_model, batch, loss_fn) -> Dict[str, Any]:
+    """Eager's steps (one untimed, then the timed ones): its row fields,
+    with its `losses`, the scale of its first step (`first_scale`) and the
+    generator states it started from (`rng`), which memplan's side starts
+    from too."""
+    opt = run.make_optimizer(eager_model.parameters())
+    if run.exact:
+        for group in opt.param_groups:
+            if "foreach" in group:
+                group["foreach"] = False
+    scaler = torch.amp.GradScaler(run.dev.type) if run.scaled else None
+    first_scale = scaler.get_scale() if scaler is not None else None
+    losses = []
+    updates = []  # one entry per optimizer.step() the scaler let through
+    opt.register_step_post_hook(lambda *_: updates.append(True))
+    rng = _rng_states()
+
+    def eager_step():
+        loss = loss_fn(eager_model, batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if run.clip is not None:
+            torch.nn.utils.clip_grad_norm_(eager_model.parameters(), run.clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    eager_step()  # the optimizer state exists from here on, as in the captured step
+
+    def resident():
+        return (list(eager_model.parameters()) + list(eager_model.buffers()) + tree_flatten(batch)[0]
+                + [v for st in opt.state.values() for v in st.values()])
+
+    alloc, res, seconds = _timed(eager_step, run.dev, run.steps, resident)
+    return {"eager_allocated_bytes": alloc, "eager_reserved_bytes": res, "eager_step_seconds": seconds,
+            "eager_held_bytes": _held_bytes(run.dev), "eager_skipped_updates": len(losses) - len(updates),
+            "losses": losses, "first_scale": first_scale, "rng": rng}
+
+
+def _memplan_side(run: _Run, mine, batch, loss_fn, first_scale, rng):
+    """memplan's captured step in its arena (one untimed run, then the
+    timed ones, from eager's generator states): its row fields, with its
+    `losses`, and the step as a function of nothing."""
+    opt = run.make_optimizer(mine.parameters())
+    scaler = torch.amp.GradScaler(run.dev.type, init_scale=first_scale) if run.scaled else None
+    step = capture(mine, opt, batch, loss_fn, time_limit=run.time_limit, clip_grad_norm=run.clip, scaler=scaler)
+    added = 0.0
+    if run.max_added is not None:
+        f = step.fit(max_added=run.max_added, minimise="flops", time_limit=max(run.time_limit, 30.0))
+        added = f["added_flops"] / f["step_flops"]
+    losses = []
+    skipped = []
+
+    def memplan_step():
+        losses.append(step(batch, arena=True, graph=run.graph).detach().clone())
+        skipped.append(step.skipped_update)
+
+    _rng_states(rng)  # the draws of eager's first step, then of its next...
+    memplan_step()
+    arena = step.place()
+    alloc, res, seconds = _timed(memplan_step, run.dev, run.steps, lambda: [arena.buffer] + tree_flatten(batch)[0])
+    return {
+        "memplan_allocated_bytes": alloc, "memplan_reserved_bytes": res, "memplan_step_seconds": seconds,
+        "memplan_held_bytes": _held_bytes(run.dev), "arena_bytes": step.plan["arena_bytes"],
+        "outside_arena_bytes": alloc - step.plan["arena_bytes"], "outside_peak_bytes": arena.outside_peak_bytes,
+        "lower_bound_bytes": step.plan["stats"]["lower_bound_bytes"],
+        "max_added_share": run.max_added, "added_flops_share": added,
+        "checkpoint_bytes": _saved_bytes(mine.state_dict()), "skipped_updates": sum(skipped),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in mine.parameters()),
+        **{k: v for k, v in step.stats.items() if k.startswith("graph_")},
+        "losses": losses,
+    }, memplan_step
+
+
+def _differences(eager_losses, my_losses, eager_model, mine) -> Dict[str, float]:
+    """How far the two sides' losses, parameters and floating-point
+    buffers (batch norm's running statistics) are apart, relative to
+    eager's, after the same number of steps."""
+    n = min(len(eager_losses), len(my_losses))
+    loss_diff = max(abs(float(a) - float(b)) / max(abs(float(a)), 1e-12)
+                    for a, b in zip(eager_losses[:n], my_losses[:n]))
+    with torch.no_grad():
+        param_diff = max(float((p - q.cpu()).norm() / max(float(p.norm()), 1e-12))
+                         for p, q in zip(eager_model.parameters(), mine.parameters()))
+        buffer_diff = max([float((b - c.cpu()).norm() / max(float(b.norm()), 1e-12))
+                           for b, c in zip(eager_model.buffers(), mine.buffers()) if b.is_floating_point()]
+                          or [0.0])
+    return {"loss_rel_diff": loss_diff, "param_rel_diff": param_diff, "buffer_rel_diff": buffer_diff}
 
 
 def _capturable(make):
