@@ -19,6 +19,11 @@ parameters, buffers and optimizer state, updating them in place as
 ``optimizer.step()`` would, and drops every value after its last use, so
 the live bytes of the run are the plan's.
 
+``step(batch, arena=True)`` makes every planned tensor at its offset in
+one buffer of the planned size (:class:`~memplan.torch._run.Arena`), and
+``step(batch, graph=True)`` records that arena step once as a CUDA graph
+and launches it as one (:mod:`memplan.torch._graph`).
+
 What is outside the plan: memory that kernels allocate for themselves
 (library workspaces) and the caller's tensors (parameters, buffers,
 optimizer state and the batch, which the plan counts as live for the whole
@@ -28,7 +33,7 @@ Random ops (dropout) are kept in eager's sequence by every plan and never
 recomputed, so a step draws what eager draws from the same generator
 state. What cannot be captured raises :class:`UnsupportedStep` naming the
 op: reading values into Python (``.item()``, data-dependent shapes),
-optimizers other than AdamW/Adam/SGD/Muon. A batch of
+optimizers other than those :mod:`memplan.torch._optim` writes. A batch of
 another shape than the captured one is refused at run time (capture again).
 """
 
