@@ -1467,6 +1467,52 @@ class CudaGraphSteps(unittest.TestCase):
         stats = train.step.stats
         self.assertEqual((stats["graph_recordings"], stats["graph_launches"], stats["graph_refused"]), (3, 6, None))
 
+    def test_a_tensor_learning_rate_follows_a_schedule_without_recording_again(self):
+        """A per-step schedule (warm-up, then decay) changes the learning
+        rate every step: as a tensor (PyTorch's way for capturable Adam)
+        the scheduler fills it in place and the update reads it on the
+        device, so the graph is recorded once. A checkpoint loaded after
+        capture brings its own tensor, whose value the step takes."""
+        torch.manual_seed(0)
+        model = gpt2(layers=1, width=32)
+        ref = copy.deepcopy(model)
+
+        def make(m):
+            return torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, capturable=True,
+                                     foreach=False)
+
+        shape = lambda s: min(1.0, (s + 1) / 3) * 0.8 ** s  # noqa: E731
+        batches = [torch.randint(0, 256, (2, 16)) for _ in range(6)]
+        with _CapturableOnTheHost(), host_graphs(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # scheduler.step() before optimizer.step()
+            opt, ref_opt = make(model), make(ref)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
+            ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, shape)
+            train = mt.compile(model, opt, causal_lm, graph=True, time_limit=5)
+            for k, b in enumerate(batches):
+                if k == 4:
+                    # Resuming: a state dict whose learning rate is another tensor.
+                    for o in (opt, ref_opt):
+                        sd = o.state_dict()
+                        sd["param_groups"][0]["lr"] = torch.tensor(3e-3)
+                        o.load_state_dict(sd)
+                    self.assertIsNot(opt.param_groups[0]["lr"], train.step._bound[train.step._group_slots[0][0]])
+                loss = train(b).clone()
+                sched.step()
+                want = eager_update(ref, ref_opt, causal_lm, b)
+                ref_sched.step()
+                torch.testing.assert_close(loss, want, **EXACT)
+        self.assertEqual(float(opt.param_groups[0]["lr"]), float(ref_opt.param_groups[0]["lr"]))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+        stats = train.step.stats
+        self.assertEqual((stats["graph_recordings"], stats["graph_launches"]), (1, 5))
+        # The learning rate is a step input in the arena, which the
+        # optimizer's group holds.
+        lr = opt.param_groups[0]["lr"]
+        base = train.step.place().buffer.data_ptr()
+        self.assertTrue(base <= lr.data_ptr() < base + train.step.plan["arena_bytes"])
+
     def test_what_a_graph_cannot_run_is_refused_with_the_reason(self):
         from memplan.torch import _graph
 
@@ -2620,6 +2666,9 @@ class BadInputIsRefusedByName(unittest.TestCase):
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             opt.param_groups[0]["amsgrad"] = True  # a flag SGD has no use for
             self.capture(model, opt=opt)
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"a tensor lr is not supported \(a tensor lr is taken by "
+                                    r"Adam and AdamW with capturable=True\)"):
+            self.capture(model, opt=torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), foreach=False))
         with self.assertRaisesRegex(mt.UnsupportedStep, "a tensor betas is not supported"):
             self.capture(model, opt=torch.optim.Adam(model.parameters(), betas=(torch.tensor(0.9), torch.tensor(0.999))))
 

@@ -72,7 +72,8 @@ class Step:
                  batch_spec, batch_layouts, loss_index: int, updated: List[torch.Tensor],
                  hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
                  norm_index: Optional[int] = None, accumulate: int = 1, scaling=None,
-                 state_slots: Sequence[Tuple[int, torch.Tensor, str]] = ()) -> None:
+                 state_slots: Sequence[Tuple[int, torch.Tensor, str]] = (),
+                 group_slots: Sequence[Tuple[int, int, str]] = ()) -> None:
         self.model = model
         self._as_captured = AsCaptured(model)
         # With a gradient scaler: (scaler, its settings at capture, each
@@ -118,6 +119,9 @@ class Step:
         # The optimizer state the graph reads (graph tensor, parameter,
         # key), and the state dicts it was found in.
         self._state_slots = list(state_slots)
+        # The param groups' tensors the graph reads (graph tensor, group
+        # index, key): a capturable Adam's tensor learning rate.
+        self._group_slots = list(group_slots)
         self._state_dicts = [o.state for o in optimizer.members]
 
     # ---- planning -------------------------------------------------------
@@ -403,7 +407,10 @@ class Step:
         """After ``optimizer.load_state_dict`` (which gives the optimizer
         new state tensors, a checkpoint's): their values are copied into the
         tensors the step updates (in the arena, their places), and the
-        optimizer is given those back, so it and the step hold one state."""
+        optimizer is given those back, so it and the step hold one state.
+        The same for the param groups' tensors the step reads (a tensor
+        learning rate)."""
+        self._rebind_groups()
         members = self._optimizers.members
         if all(o.state is d for o, d in zip(members, self._state_dicts)):
             return
@@ -423,6 +430,20 @@ class Step:
                 mine.copy_(new)
                 st[k] = mine
         self._state_dicts = [o.state for o in members]
+
+    def _rebind_groups(self) -> None:
+        groups = self._optimizers.param_groups
+        with torch.no_grad():
+            for i, gi, k in self._group_slots:
+                new, mine = groups[gi].get(k), self._bound[i]
+                if new is mine:
+                    continue
+                if not isinstance(new, torch.Tensor) or new.shape != mine.shape:
+                    raise UnsupportedStep(
+                        f"param group {gi}: its {k} is {new!r} where the step was captured with a tensor of "
+                        f"shape {list(mine.shape)}; capture the step again")
+                mine.copy_(new)
+                groups[gi][k] = mine
 
     def _refresh_outside(self) -> None:
         """A tensor the step reads from outside it (class weights in a
@@ -614,7 +635,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     scaling = (scaler, _scaler.settings(scaler)) + gate if gate is not None else None
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
                 updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate, scaling,
-                inputs.state_slots)
+                inputs.state_slots, inputs.group_slots)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -661,6 +682,8 @@ class _Inputs:
         self.optimizer = optimizer
         self.fstate: Dict[int, Dict[str, torch.Tensor]] = {}
         self.state_slots: List[Tuple[int, torch.Tensor, str]] = []  # (graph tensor, parameter, state key)
+        self.fgroup: Dict[int, torch.Tensor] = {}  # group index -> its tensor learning rate, fake
+        self.group_slots: List[Tuple[int, int, str]] = []  # (graph tensor, group index, key)
         self.fscaler: Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[float, float, int]]] = None
         leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
         self.batch_layouts = []
@@ -703,6 +726,19 @@ class _Inputs:
                                   for k, v in _optim.state_tensors(self.optimizer, p).items()}
         self.state_slots += [(self.rec.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
         return self.fstate[id(p)]
+
+    def numbers(self, gi: int, group: Dict[str, Any], markers: Dict[str, float]) -> Dict[str, Any]:
+        """Group `gi`'s numbers as its update reads them: the markers, and a
+        tensor learning rate (capturable Adam) as the step input it is,
+        registered on its first use. Called while recording."""
+        lr = group.get("lr")
+        if not isinstance(lr, torch.Tensor):
+            return markers
+        if gi not in self.fgroup:
+            with _disable_current_modes():
+                self.fgroup[gi] = self.reg(lr, f"optimizer:group{gi}.lr", "optimizer_state")
+            self.group_slots.append((self.rec.index_of(self.fgroup[gi]), gi, "lr"))
+        return {**markers, "lr": self.fgroup[gi]}
 
     def reg(self, x: torch.Tensor, id: str, role: str) -> torch.Tensor:
         """`x` as a fake tensor the recorder knows as `id`."""
@@ -829,8 +865,8 @@ def _updates(rec: Recorder, optimizer, hyper, name_of: Dict[int, str], fp: Dict[
                 for p in group["params"]:
                     n = name_of[id(p)]
                     if n in grad_of:
-                        _optim.update(hyper.kinds[gi], group, hyper.markers[gi], fp[n], grad_of[n],
-                                      inputs.state(p, n))
+                        _optim.update(hyper.kinds[gi], group, inputs.numbers(gi, group, hyper.markers[gi]),
+                                      fp[n], grad_of[n], inputs.state(p, n))
                         updated.append(p)
                 gi += 1
             spans.append((first, len(rec.ops)))

@@ -55,7 +55,8 @@ class Kind:
     def structure(self, group: Dict[str, Any]) -> Tuple:
         """The settings that choose which ops the update runs: a change
         after capture needs a new capture."""
-        return tuple(bool(group.get(f)) for f in self.flags) + (group.get("weight_decay", 0) != 0,)
+        return (tuple(bool(group.get(f)) for f in self.flags) + (group.get("weight_decay", 0) != 0,)
+                + (isinstance(group.get("lr"), torch.Tensor),))
 
     def values(self, group: Dict[str, Any], counts: Dict[str, float]) -> Dict[str, float]:
         """The numbers' values for a step; `counts["step"]` is the group's
@@ -125,7 +126,10 @@ def _moments(group: Dict[str, Any], m: Dict[str, float], p, g, st, decoupled: bo
     state as the rest of the update reads them."""
     g = Kind.grad(group, m, p, g, coupled=not decoupled)
     if decoupled and group["weight_decay"] != 0:
-        p.mul_(m["decay"])
+        # A tensor learning rate (capturable Adam) is a step input: the
+        # factor is computed from it on the device, as PyTorch does.
+        lr = m.get("lr")
+        p.mul_(1 - lr * m["wd"] if isinstance(lr, torch.Tensor) else m["decay"])
     p, g, st = _as_real(p, g, st)
     st["exp_avg"].lerp_(g, m["one_minus_beta1"])
     st["exp_avg_sq"].mul_(m["beta2"]).addcmul_(g, g, value=m["one_minus_beta2"])
@@ -147,7 +151,9 @@ class Adam(Kind):
         # its step counter on the device (see update), so no number it
         # reads changes from step to step.
         step = 1.0 if group.get("capturable") else counts.get("step", 1.0)
-        lr = float(group["lr"])
+        # A tensor learning rate is read by the update on the device, never
+        # here (no host read per step); its markers' values go unused.
+        lr = 1.0 if isinstance(group["lr"], torch.Tensor) else float(group["lr"])
         beta1, beta2 = (float(b) for b in group["betas"])
         return {
             "lr": lr,
@@ -722,9 +728,22 @@ def _kind(opt: torch.optim.Optimizer) -> str:
             if group.get(flag) and flag not in KINDS[kind].flags:
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: {flag}=True is not supported")
         for k, v in group.items():
-            if k != "params" and any(isinstance(x, torch.Tensor) for x in (v if isinstance(v, tuple) else (v,))):
-                raise UnsupportedStep(f"optimizer {name}, param group {g}: a tensor {k} is not supported")
+            if k in ("params", "initial_lr") or (k == "lr" and _device_lr(kind, group)):
+                continue  # a scheduler's starting point, which no update reads
+            if any(isinstance(x, torch.Tensor) for x in (v if isinstance(v, tuple) else (v,))):
+                hint = " (a tensor lr is taken by Adam and AdamW with capturable=True)" if k == "lr" else ""
+                raise UnsupportedStep(f"optimizer {name}, param group {g}: a tensor {k} is not supported{hint}")
     return kind
+
+
+def _device_lr(kind: str, group: Dict[str, Any]) -> bool:
+    """Whether the group's learning rate is a 0-d tensor that the
+    update reads as a step input: Adam's and AdamW's with
+    ``capturable=True``, as PyTorch's capturable update reads it, so a
+    schedule changes it in place and a CUDA graph of the step stays valid."""
+    lr = group.get("lr")
+    return (kind in ("adam", "adamw") and bool(group.get("capturable")) and isinstance(lr, torch.Tensor)
+            and lr.dim() == 0 and lr.is_floating_point())
 
 
 def ensure_state(opt: Optimizers, p: torch.Tensor) -> None:
