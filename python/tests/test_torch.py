@@ -1388,7 +1388,9 @@ class _HostRecording:
 
 def on_host_graphs(step):
     """`step` runs ``graph=True`` with :class:`HostGraph` for CUDA graphs
-    (the refusals that depend on the step's device are not checked)."""
+    (the step's own refusals, of its device, scaler and optimizer, are then
+    not checked: :meth:`Step._graph_checks` makes them before a step has
+    its graph)."""
     from memplan.torch import _graph
 
     step._graphed = _graph.Graphed(make_graph=HostGraph, recording=lambda g: _HostRecording(step, g))
@@ -1400,17 +1402,17 @@ class host_graphs:
     :func:`on_host_graphs` (for steps made inside ``memplan.torch.compile``)."""
 
     def __enter__(self):
-        self.ready = mt.Step._graph_ready
+        self.checks = mt.Step._graph_checks
 
-        def ready(step, order, track, env):
+        def checks(step, order, track):
             if step._graphed is None:
                 on_host_graphs(step)
-            self.ready(step, order, track, env)
+            self.checks(step, order, track)
 
-        mt.Step._graph_ready = ready
+        mt.Step._graph_checks = checks
 
     def __exit__(self, *exc):
-        mt.Step._graph_ready = self.ready
+        mt.Step._graph_checks = self.checks
 
 
 class CudaGraphSteps(unittest.TestCase):
@@ -1521,6 +1523,7 @@ class CudaGraphSteps(unittest.TestCase):
         step = mt.capture(model, torch.optim.AdamW(model.parameters()), batch, classify, time_limit=5)
         with self.assertRaisesRegex(mt.UnsupportedStep, "CUDA graph, and this step runs on cpu"):
             step(batch, graph=True)
+        self.assertIsNone(step._arena)  # refused before anything moved into an arena
         cuda = torch.device("cuda")
         dependent = mt._optim.step_dependent(step._optimizers)
         self.assertEqual(dependent, ["param group 0 (adamw)"])

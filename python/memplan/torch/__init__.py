@@ -327,7 +327,7 @@ class Step:
         env: Dict[int, torch.Tensor] = dict(self._bound)
         self._bind_batch(batch, env)
         if graph:
-            self._graph_ready(order, track, env)
+            self._graph_checks(order, track)
             arena = True
         if arena:
             if order != "planned":
@@ -336,6 +336,8 @@ class Step:
             for i, slot in self._batch_slots.items():
                 slot.copy_(env[i])
                 env[i] = slot
+        if graph:
+            self._graph_ready(env)  # the step's, once its tensors are in their places
         snapshots = self._scaler_ready(prog)
         numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
 
@@ -373,18 +375,24 @@ class Step:
 
     __call__ = run
 
-    def _graph_ready(self, order: str, track: bool, env: Dict[int, torch.Tensor]) -> None:
-        """Refuses, saying why, a step a CUDA graph cannot run (see
-        :func:`_graph.refusal`; what the step itself decides is checked
-        once, the call's arguments every call); makes the step's
-        :class:`_graph.Graphed`."""
+    def _graph_checks(self, order: str, track: bool) -> None:
+        """Refuses, saying why, a call a CUDA graph cannot run (see
+        :func:`_graph.refusal`): the call's arguments every time, the
+        step's device, scaler and optimizer until it has a graph."""
+        first = self._graphed is None
+        _graph.refuse_unless_graphable(self._layouts[self._loss][4] if first else None,
+                                       first and self._scaling is not None, track, order,
+                                       _optim.step_dependent(self._optimizers) if first else [], [])
+
+    def _graph_ready(self, env: Dict[int, torch.Tensor]) -> None:
+        """Refuses a step that reads host tensors, checked with its tensors
+        in their places (the arena moves a host tensor learning rate to the
+        device); makes the step's :class:`_graph.Graphed`."""
         if self._graphed is not None:
-            _graph.refuse_unless_graphable(None, False, track, order, [], [])
             return
         device = self._layouts[self._loss][4]
         host = [self.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
-        _graph.refuse_unless_graphable(device, self._scaling is not None, track, order,
-                                       _optim.step_dependent(self._optimizers), host)
+        _graph.refuse_unless_graphable(None, False, False, "planned", [], host)
         self._graphed = _graph.Graphed()
 
     def _same_layouts(self) -> None:
