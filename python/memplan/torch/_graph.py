@@ -12,8 +12,10 @@ its slots before each launch, outside the graph.
 A graph keeps every argument it was recorded with. Tensors are read at
 their addresses, so their values may change between steps; Python numbers
 are baked in. The update's numbers (the optimizer markers' values) are
-therefore part of the graph's key, and a change (a learning-rate schedule
-stepped) records the graph again. An update whose numbers change every
+therefore part of the graph's key, and a change (a schedule stepping a
+float learning rate) records the graph again; a 0-d tensor learning rate
+(capturable Adam's) is a step input read on the device, which a schedule
+fills in place without a new recording. An update whose numbers change every
 step (Adam's bias corrections, unless ``capturable=True`` computes them on
 the device from the step counters) would be recorded every step and is
 refused up front, as are a gradient scaler (its overflow flags are read on
