@@ -1528,16 +1528,16 @@ class CudaGraphSteps(unittest.TestCase):
         dependent = mt._optim.step_dependent(step._optimizers)
         self.assertEqual(dependent, ["param group 0 (adamw)"])
         cases = {
-            "create the optimizer with capturable=True": (False, False, "planned", dependent, []),
-            "gradient scaler": (True, False, "planned", [], []),
-            "track=True": (False, True, "planned", [], []),
-            "planned order": (False, False, "eager", [], []),
-            "param:w: read by the step from host memory": (False, False, "planned", [], ["param:w"]),
+            "create the optimizer with capturable=True": dict(dependent=dependent),
+            "gradient scaler": dict(scaled=True),
+            "track=True": dict(track=True),
+            "planned order": dict(order="eager"),
+            "param:w: read by the step from host memory": dict(host_inputs=["param:w"]),
         }
-        for why, args in cases.items():
+        for why, what in cases.items():
             with self.assertRaisesRegex(mt.UnsupportedStep, re.escape(why)):
-                _graph.refuse_unless_graphable(cuda, *args)
-        self.assertIsNone(_graph.refusal(cuda, False, False, "planned", [], []))
+                _graph.refuse_unless_graphable(device=cuda, **what)
+        self.assertIsNone(_graph.refusal(device=cuda))
         # Numbers that do not change with the step count pass: SGD's, and
         # capturable Adam's.
         for opt in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

@@ -379,10 +379,12 @@ class Step:
         """Refuses, saying why, a call a CUDA graph cannot run (see
         :func:`_graph.refusal`): the call's arguments every time, the
         step's device, scaler and optimizer until it has a graph."""
-        first = self._graphed is None
-        _graph.refuse_unless_graphable(self._layouts[self._loss][4] if first else None,
-                                       first and self._scaling is not None, track, order,
-                                       _optim.step_dependent(self._optimizers) if first else [], [])
+        if self._graphed is not None:
+            _graph.refuse_unless_graphable(track=track, order=order)
+            return
+        _graph.refuse_unless_graphable(device=self._layouts[self._loss][4], scaled=self._scaling is not None,
+                                       track=track, order=order,
+                                       dependent=_optim.step_dependent(self._optimizers))
 
     def _graph_ready(self, env: Dict[int, torch.Tensor]) -> None:
         """Refuses a step that reads host tensors, checked with its tensors
@@ -392,7 +394,7 @@ class Step:
             return
         device = self._layouts[self._loss][4]
         host = [self.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
-        _graph.refuse_unless_graphable(None, False, False, "planned", [], host)
+        _graph.refuse_unless_graphable(host_inputs=host)
         self._graphed = _graph.Graphed()
 
     def _same_layouts(self) -> None:

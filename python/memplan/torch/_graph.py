@@ -34,7 +34,7 @@ the graph's private pool, which the graph keeps reserved, so
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -104,9 +104,10 @@ class Graphed:
         return True
 
 
-def refusal(device: torch.device, scaled: bool, track: bool, order: str, dependent, host_inputs) -> Optional[str]:
-    """Why a step cannot run as a CUDA graph, or None (`device` None: not
-    checked again)."""
+def refusal(*, device: Optional[torch.device] = None, scaled: bool = False, track: bool = False,
+            order: str = "planned", dependent: Sequence[str] = (), host_inputs: Sequence[str] = ()) -> Optional[str]:
+    """Why a step cannot run as a CUDA graph, or None; what is left out is
+    not checked (`device` None: checked before)."""
     if device is not None and device.type != "cuda":
         return f"graph=True records the step as a CUDA graph, and this step runs on {device}"
     if order != "planned":
@@ -126,7 +127,8 @@ def refusal(device: torch.device, scaled: bool, track: bool, order: str, depende
     return None
 
 
-def refuse_unless_graphable(*args) -> None:
-    why = refusal(*args)
+def refuse_unless_graphable(**what) -> None:
+    """Raises :class:`UnsupportedStep` with :func:`refusal`'s reason."""
+    why = refusal(**what)
     if why is not None:
         raise UnsupportedStep(why)

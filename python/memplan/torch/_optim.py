@@ -729,7 +729,7 @@ def _kind(opt: torch.optim.Optimizer) -> str:
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: {flag}=True is not supported")
         for k, v in group.items():
             if k in ("params", "initial_lr") or (k == "lr" and _device_lr(kind, group)):
-                continue  # a scheduler's starting point, which no update reads
+                continue  # `initial_lr`: a scheduler's starting point, which no update reads
             if any(isinstance(x, torch.Tensor) for x in (v if isinstance(v, tuple) else (v,))):
                 hint = " (a tensor lr is taken by Adam and AdamW with capturable=True)" if k == "lr" else ""
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: a tensor {k} is not supported{hint}")
