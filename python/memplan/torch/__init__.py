@@ -40,6 +40,7 @@ another shape than the captured one is refused at run time (capture again).
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,12 +52,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import memplan
 
-from . import _graph, _optim, _scaler
+from . import _distributed, _graph, _optim, _scaler
 from ._captured import AsCaptured
+from ._distributed import CollectiveTimeout, RankFailure
 from ._record import Call, GeneratorStates, Recorder, Ref, UnsupportedStep
 from ._run import Arena, Gate, Program, StorageTracker
 
-__all__ = ["capture", "compile", "max_batch", "Step", "UnsupportedStep"]
+__all__ = ["capture", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
 
 
 def _path_name(path) -> str:
@@ -73,8 +75,12 @@ class Step:
                  hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
                  norm_index: Optional[int] = None, accumulate: int = 1, scaling=None,
                  state_slots: Sequence[Tuple[int, torch.Tensor, str]] = (),
-                 group_slots: Sequence[Tuple[int, int, str]] = ()) -> None:
+                 group_slots: Sequence[Tuple[int, int, str]] = (),
+                 dist: Optional[_distributed.DataParallel] = None) -> None:
         self.model = model
+        # Data parallel (DDP): plans and fits are made on the group's first
+        # rank and sent to the others, so every rank runs one order.
+        self._dist = dist
         self._as_captured = AsCaptured(model)
         # With a gradient scaler: (scaler, its settings at capture, each
         # optimizer's overflow flag's graph tensor, the ids of the ops it
@@ -129,7 +135,8 @@ class Step:
     def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
         """Plans the graph with memplan (checked by its independent checker)."""
         t0 = time.perf_counter()
-        self.plan = memplan.plan(self.graph, time_limit=time_limit)
+        make = lambda: memplan.plan(self.graph, time_limit=time_limit)  # noqa: E731
+        self.plan = make() if self._dist is None else self._dist.from_first_rank(make, "planning the step")
         self.plan_seconds = time.perf_counter() - t0
         self._programs.pop("planned", None)
         return self.plan
@@ -156,8 +163,9 @@ class Step:
             raise ValueError("the step already runs in its arena; fit before the first arena run")
         base = self._captured
         t0 = time.perf_counter()
-        fitted = memplan.fit(base[0], budget, time_limit=time_limit, minimise=minimise,
-                             max_added=max_added)
+        make = lambda: memplan.fit(base[0], budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
+                                   max_added=max_added)
+        fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
         self.plan_seconds = time.perf_counter() - t0
         self.graph = fitted.pop("graph")
         self.plan = fitted.pop("plan")
@@ -544,7 +552,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             meta_device: str = "cpu", budget: Optional[int] = None,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
             norm_type: float = 2.0, accumulate: int = 1, scaler=None,
-            clip_grad_value: Optional[float] = None) -> Step:
+            clip_grad_value: Optional[float] = None, collective_timeout: float = 300.0) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -560,6 +568,17 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     share of the step's FLOPs, e.g. 0.001), it becomes the smallest step
     memplan finds for at most that many more FLOPs
     (``Step.fit(max_added=..., minimise="flops")``).
+
+    A model wrapped with ``DistributedDataParallel`` is captured, in each
+    process of its group, as the step that rank runs: its forward and
+    backward pass, DDP's reduction of each gradient (times ``1/W``, then an
+    all-reduce) and broadcast of the buffers as collective ops the planner
+    orders, and the update (:mod:`memplan.torch._distributed`). Every rank
+    must call capture (and later the step) with batches of the same shapes;
+    the ranks' graphs are compared and the plan is made on the group's
+    first rank. A collective that fails raises :class:`RankFailure`, one
+    that does not complete within `collective_timeout` seconds (gloo)
+    :class:`CollectiveTimeout`.
 
     With `clip_grad_norm` (``max_norm``), the gradients are clipped between
     the backward pass and the update as ``loss.backward();
@@ -610,6 +629,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     if clip_grad_norm is not None and clip_grad_value is not None:
         raise TypeError("give either clip_grad_norm or clip_grad_value")
     t0 = time.perf_counter()
+    dist = _distributed.DataParallel.of(model, collective_timeout)
     optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
     hyper = _optim.Hyper(optimizer)
     params = dict(model.named_parameters())
@@ -624,7 +644,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     clip = ("norm", clip_grad_norm, norm_type) if clip_grad_norm is not None else (
         ("value", clip_grad_value) if clip_grad_value is not None else None)
     try:
-        loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip)
+        loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip, dist)
     except UnsupportedStep as e:
         where = _callers_line(e.__traceback__)
         if where is None:
@@ -640,12 +660,16 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         meta["batch"] = leading.pop()
     if accumulate > 1:
         meta["accumulate"] = accumulate
+    if dist is not None:
+        meta["world_size"] = dist.world
     graph = rec.finish(label, meta)
+    if dist is not None:
+        dist.agree(graph)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     scaling = (scaler, _scaler.settings(scaler)) + gate if gate is not None else None
     step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
                 updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate, scaling,
-                inputs.state_slots, inputs.group_slots)
+                inputs.state_slots, inputs.group_slots, dist)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
@@ -763,7 +787,8 @@ class _Inputs:
 
 
 def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper, loss_fn,
-           inputs: _Inputs, clip: Optional[tuple] = None):
+           inputs: _Inputs, clip: Optional[tuple] = None,
+           dist: Optional[_distributed.DataParallel] = None):
     """Records forward and backward (of every micro-batch, gradients
     accumulated), gradient clipping (`clip`: ("norm", max_norm, norm_type)
     or ("value", clip_value)) and each parameter's update on the fake
@@ -777,11 +802,14 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     trainable = [n for n, p in params.items() if p.requires_grad]
     scale = inputs.fscaler[0] if inputs.fscaler is not None else None
     with inputs.fake, rec, GeneratorStates(rec), \
-            _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True):
+            _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True), \
+            (dist.forwarding(rec) if dist is not None else contextlib.nullcontext()):
         if len(inputs.fbatches) == 1:
             loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatches[0], fp, trainable, 1, scale)
         else:
             loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, fp, trainable, scale)
+        if dist is not None:
+            dist.reduce_gradients(rec, grad_of)
         loss_index = rec.mark(loss, "output", persistent=True)
         for g in grad_of.values():
             r = rec.root(rec.index_of(g))

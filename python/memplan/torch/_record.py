@@ -58,6 +58,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memplan import MemplanError
+
 # Namespaces whose ops are bookkeeping, not computation on tensors.
 SKIPPED_NAMESPACES = ("prim", "profiler")
 
@@ -171,9 +173,10 @@ GRAD_MODE_DEPENDENT = {
 }
 
 
-class UnsupportedStep(ValueError):
+class UnsupportedStep(MemplanError):
     """A step memplan cannot run in another order; the message names the
-    op and says why."""
+    op and says why. A :class:`memplan.MemplanError` (a ``ValueError``),
+    as every refusal of the package is."""
 
 
 class Ref:
@@ -855,6 +858,20 @@ class Recorder(TorchDispatchMode):
             op[field] = [self.tensors[t]["id"] for t in ts]
         self.ops.append(op)
         self.calls.append(call)
+
+    def collective(self, what: str, call: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """Records a collective that updates `tensors` in place (a gradient's
+        all-reduce): an op of kind ``collective``, type ``memplan.<what>``,
+        and a :class:`Call` of `call` (a Python callable doing the
+        collective on the real tensors at replay). Nothing runs while
+        recording: the tensors are fake, and their values do not matter."""
+        ids = [self._arg(t, f"memplan.{what}") for t in tensors]
+        op: Dict[str, Any] = {"id": f"o{len(self.ops)}", "kind": "collective", "type": f"memplan.{what}",
+                              "updates": [self.tensors[i]["id"] for i in ids]}
+        self.ops.append(op)
+        self.calls.append(Call(call, tuple(Ref(i) for i in ids), {}, [], writes=frozenset(range(len(ids)))))
+        for i in ids:
+            self._used_in.setdefault(self.root(i), set()).add(self.phase)
 
     def _reuse_hint(self, func, writes, outputs, new_roots, args, inputs) -> Optional[Tuple[int, int]]:
         """A reuse hint (output, input) for a pointwise or :data:`ROW_WISE`

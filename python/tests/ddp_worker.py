@@ -1,0 +1,237 @@
+"""One rank of a multi-process test of memplan.torch on DistributedDataParallel
+(spawned by test_torch_distributed.py, one process per rank, gloo on CPU).
+
+    python ddp_worker.py CASE RANK WORLD PORT OUT
+
+writes its findings as JSON to OUT (one file per rank). Cases:
+
+- ``match [MODELS [DTYPE]]``: models (random MLPs, BatchNorm CNN, Hugging Face GPT-2, Llama,
+  Qwen2, a torchvision ResNet) trained for 3 steps by memplan's captured DDP
+  step and by eager DDP (same initial weights on every rank, each rank its
+  own batch): losses, parameters, buffers and optimizer state must agree, the
+  tracked live bytes must equal the plan's max live, and the arena step too.
+- ``mismatch``: rank 1 captures another batch shape; every rank must refuse
+  the capture, naming the ranks.
+- ``dies``: rank 1 exits after capture; rank 0's step must fail naming the
+  collective, within the timeout.
+- ``stalls``: rank 1 sleeps after capture; rank 0's step must time out.
+- ``refusals``: wrappers memplan.torch does not capture are refused by name.
+"""
+
+import copy
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memplan
+import memplan.torch as mt
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def classify(m, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def lm(m, b):
+    return m(input_ids=b, labels=b).loss
+
+
+def models(rank):
+    """(name, model, batch maker, loss_fn): the same weights on every rank."""
+    import transformers as T
+    import torchvision
+
+    from test_torch import random_model
+
+    tokens = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    out = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        out.append((f"random-mlp-{seed}", random_model(random.Random(seed)),
+                    lambda g: (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)), classify))
+    torch.manual_seed(0)
+    # No bias before the batch norm (which cancels it): its gradient would be
+    # rounding noise, which Adam's normalised step amplifies to the learning
+    # rate whenever two sums round differently (W > 2).
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 5))
+    out.append(("batchnorm-cnn", cnn, lambda g: (torch.randn(4, 3, 8, 8, generator=g),
+                                                 torch.randint(0, 5, (4,), generator=g)), classify))
+    torch.manual_seed(0)
+    out.append(("hf-gpt2", T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                                          n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                          attn_pdrop=0.0)),
+                lambda g: torch.randint(0, 256, (2, 16), generator=g), lm))
+    torch.manual_seed(0)
+    out.append(("hf-llama", T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2)),
+                lambda g: torch.randint(0, 256, (2, 16), generator=g), lm))
+    torch.manual_seed(0)
+    out.append(("hf-qwen2", T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2)),
+                lambda g: torch.randint(0, 256, (2, 16), generator=g), lm))
+    torch.manual_seed(0)
+    out.append(("torchvision-resnet18", torchvision.models.resnet18(num_classes=10),
+                lambda g: (torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)),
+                classify))
+    return out
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def biggest_difference(a, b):
+    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+
+
+def match(rank, world, only=None, dtype=torch.float32):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    found = {}
+    for name, model, make, loss_fn in models(rank):
+        if only is not None and name not in only:
+            continue
+        model.train().to(dtype)
+        ref = DDP(copy.deepcopy(model))
+        mine = DDP(model)
+        ref_opt, opt = adamw(ref.parameters()), adamw(mine.parameters())
+        g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+        batches = [torch.utils._pytree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, make(g))
+                   for _ in range(5)]
+        step = mt.capture(mine, opt, batches[0], loss_fn, time_limit=2)
+        graph = step.graph
+        grads = sum(1 for t in graph["tensors"] if t["role"] == "gradient" and "view_of" not in t)
+        reduces = sum(1 for op in graph["ops"] if op["type"] == "memplan.all_reduce")
+        broadcasts = sum(1 for op in graph["ops"] if op["type"] == "memplan.broadcast")
+        worst = 0.0
+        tracked = []
+        for k, batch in enumerate(batches):
+            arena = k >= 3  # three steps outside the arena, then two in it
+            loss = step(batch, track=True, arena=arena)
+            outside = step.place().outside_peak_bytes if arena else 0
+            tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"],
+                            step.plan["arena_bytes"] + outside, arena))
+            want = loss_fn(ref, batch)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            worst = max(worst, biggest_difference(loss, want))
+            torch.testing.assert_close(loss.detach(), want.detach(), **TOL, msg=lambda m: f"{name} loss {k}: {m}")
+        for (n, p), q in zip(mine.named_parameters(), ref.parameters()):
+            worst = max(worst, biggest_difference(p, q))
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{name} {n}: {m}")
+        for (n, b), r in zip(mine.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, r, **TOL, msg=lambda m: f"{name} buffer {n}: {m}")
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            for key, v in ref_opt.state[q].items():
+                torch.testing.assert_close(opt.state[p][key], v, **TOL, msg=lambda m: f"{name} state {key}: {m}")
+        report = memplan.check(graph, step.plan)
+        # The replicas stay equal on every rank: gather rank 0's parameters.
+        flat = torch.cat([p.detach().reshape(-1) for p in mine.parameters()])
+        first = flat.clone()
+        dist.broadcast(first, src=0)
+        found[name] = dict(
+            tracked=tracked, checked_max_live=report["max_live_bytes"], gradients=grads, all_reduces=reduces,
+            broadcasts=broadcasts, buffers=len(list(model.buffers())), worst=worst,
+            replicas_equal=bool(torch.equal(first, flat)), ops=len(graph["ops"]),
+            world_size=graph["metadata"].get("world_size"),
+        )
+    return found
+
+
+def mismatch(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    rows = 8 if rank == 0 else 4
+    batch = (torch.randn(rows, 6), torch.randint(0, 3, (rows,)))
+    try:
+        mt.capture(ddp, adamw(ddp.parameters()), batch, classify, time_limit=1, collective_timeout=30)
+    except mt.UnsupportedStep as e:
+        return {"refused": str(e), "is_memplan_error": isinstance(e, memplan.MemplanError)}
+    return {"refused": None}
+
+
+def fault(rank, world, how):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    step = mt.capture(ddp, adamw(ddp.parameters()), batch, classify, time_limit=1, collective_timeout=5)
+    step(batch)  # one step together
+    dist.barrier()
+    if rank == 1:
+        if how == "dies":
+            os._exit(3)
+        time.sleep(30)  # stalls: alive but not stepping (the test stops it)
+        return {}
+    t0 = time.monotonic()
+    try:
+        step(batch)
+    except mt.RankFailure as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def refusals(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    for what, m in (("fsdp2", model), ("data-parallel", nn.DataParallel(nn.Linear(6, 3)))):
+        try:
+            mt.capture(m, adamw(m.parameters()), batch, classify, plan=False)
+            out[what] = None
+        except mt.UnsupportedStep as e:
+            out[what] = str(e)
+    return out
+
+
+def main():
+    case, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    import datetime
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        if case == "match":
+            only = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
+            dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
+            result = match(rank, world, only, dtype)
+        elif case == "mismatch":
+            result = mismatch(rank, world)
+        elif case in ("dies", "stalls"):
+            result = fault(rank, world, case)
+        elif case == "refusals":
+            result = refusals(rank, world)
+        else:
+            raise SystemExit(f"unknown case {case}")
+        ok = True
+    except BaseException:  # reported to the test, which names the rank
+        result, ok = {"traceback": traceback.format_exc()}, False
+    with open(out, "w") as f:
+        json.dump({"ok": ok, "rank": rank, "result": result}, f)
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)  # no teardown of a group whose peer may be gone
+
+
+if __name__ == "__main__":
+    main()

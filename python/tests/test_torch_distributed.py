@@ -1,0 +1,148 @@
+"""memplan.torch on DistributedDataParallel, with real ranks: each test spawns
+its own processes (one per rank, gloo on the CPU, a free port), waits for them
+with a timeout and kills them past it, so a hung collective fails the test
+instead of hanging CI. The ranks' work is in ddp_worker.py.
+
+Tolerance: losses, parameters, buffers and optimizer state within
+``rtol=1e-5, atol=1e-6`` of eager DDP's. The replay runs eager's kernels on
+the same values; the gradients are reduced one tensor at a time instead of
+one bucket at a time, so over more than two ranks gloo may sum them in
+another order (see test_four_ranks_in_float64).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(case, world, timeout, *extra):
+    """Runs `case` of ddp_worker.py on `world` ranks; returns each rank's
+    report (None for a rank that wrote none) and the seconds it took. Every
+    rank is killed once `timeout` seconds have passed."""
+    port = str(free_port())
+    with tempfile.TemporaryDirectory() as d:
+        outs = [os.path.join(d, f"rank{r}.json") for r in range(world)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "ddp_worker.py"), case, str(r), str(world),
+                                   port, outs[r], *extra], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for r in range(world)]
+        t0 = time.monotonic()
+        logs = []
+        for p in procs:
+            left = max(1.0, timeout - (time.monotonic() - t0))
+            try:
+                logs.append(p.communicate(timeout=left)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                logs.append(p.communicate()[0])
+        seconds = time.monotonic() - t0
+        reports = []
+        for r, path in enumerate(outs):
+            if os.path.exists(path):
+                with open(path) as f:
+                    reports.append(json.load(f))
+            else:
+                reports.append(None)
+        return reports, seconds, logs
+
+
+class DataParallelStepsMatchEagerDDP(unittest.TestCase):
+    def check(self, world, timeout, only=None, dtype="float32"):
+        reports, seconds, logs = launch("match", world, timeout, ",".join(only or []), dtype)
+        for r, rep in enumerate(reports):
+            self.assertIsNotNone(rep, f"rank {r} wrote no report within {timeout} s:\n{logs[r][-3000:]}")
+            self.assertTrue(rep["ok"], f"rank {r}:\n{rep['result'].get('traceback')}")
+        for name, got in reports[0]["result"].items():
+            with self.subTest(model=name):
+                self.assertEqual(got["world_size"], world)
+                # One all-reduce per gradient, one broadcast per buffer.
+                self.assertEqual(got["all_reduces"], got["gradients"])
+                self.assertEqual(got["broadcasts"], got["buffers"])
+                # Outside the arena, the live bytes are the plan's max live;
+                # in it, the arena plus what ops without an out= overload
+                # make before their results are copied in (the first arena
+                # run also settles how each call runs: that one is not
+                # compared).
+                for k, (tracked, max_live, arena_bytes, in_arena) in enumerate(got["tracked"]):
+                    if not in_arena:
+                        self.assertEqual(tracked, max_live, f"step {k}")
+                    elif got["tracked"][k - 1][3]:
+                        self.assertEqual(tracked, arena_bytes, f"step {k}")
+                self.assertEqual(got["checked_max_live"], got["tracked"][0][1])
+            for r in range(world):
+                self.assertTrue(reports[r]["result"][name]["replicas_equal"], f"{name}: rank {r}'s replica")
+        return reports[0]["result"]
+
+    def test_two_ranks_on_transformers_torchvision_and_random_models(self):
+        found = self.check(2, 600)
+        self.assertEqual(set(found), {"random-mlp-0", "random-mlp-1", "random-mlp-2", "batchnorm-cnn", "hf-gpt2",
+                                      "hf-llama", "hf-qwen2", "torchvision-resnet18"})
+
+    def test_four_ranks_in_float64(self):
+        # Over four ranks gloo sums a tensor's elements in an order that
+        # depends on where they sit in the buffer reduced: DDP's bucket here,
+        # the tensor itself in memplan's step. In float32 a gradient that is
+        # rounding noise (GPT-2's key biases: zero in exact arithmetic) then
+        # differs, and Adam's normalised step turns that into a difference
+        # of up to the learning rate; in float64 the noise stays far below
+        # Adam's eps, so the comparison is tight.
+        self.check(4, 400, only=["random-mlp-1", "batchnorm-cnn", "hf-gpt2", "hf-llama"], dtype="float64")
+
+
+class RanksThatDisagreeOrFail(unittest.TestCase):
+    def test_a_rank_capturing_another_step_is_refused_on_every_rank(self):
+        reports, _, logs = launch("mismatch", 2, 180)
+        for r, rep in enumerate(reports):
+            self.assertIsNotNone(rep, logs[r][-3000:])
+            self.assertTrue(rep["ok"], rep["result"].get("traceback"))
+            msg = rep["result"]["refused"]
+            self.assertIsNotNone(msg, f"rank {r} captured a step unlike rank 0's")
+            self.assertIn("the ranks captured different steps", msg)
+            self.assertIn("rank 1", msg)
+            self.assertIn("input:[0]", msg)  # the batch element whose shape differs
+            self.assertTrue(rep["result"]["is_memplan_error"])
+
+    def test_a_rank_that_dies_fails_its_peers_collectives_by_name(self):
+        reports, seconds, logs = launch("dies", 2, 180)
+        rep = reports[0]
+        self.assertIsNotNone(rep, logs[0][-3000:])
+        self.assertTrue(rep["ok"], rep["result"].get("traceback"))
+        self.assertIn(rep["result"]["error"], ("RankFailure", "CollectiveTimeout"))
+        self.assertRegex(rep["result"]["message"], r"^rank 0: (all_reduce|broadcast) of ")
+        self.assertLess(rep["result"]["seconds"], 30)
+
+    def test_a_rank_that_stops_times_its_peers_out(self):
+        reports, seconds, logs = launch("stalls", 2, 25)
+        rep = reports[0]
+        self.assertIsNotNone(rep, logs[0][-3000:])
+        self.assertTrue(rep["ok"], rep["result"].get("traceback"))
+        self.assertEqual(rep["result"]["error"], "CollectiveTimeout")
+        self.assertIn("did not complete within 5 s", rep["result"]["message"])
+        self.assertLess(rep["result"]["seconds"], 15)
+
+    def test_wrappers_it_cannot_capture_are_refused_by_name(self):
+        reports, _, logs = launch("refusals", 2, 180)
+        for r, rep in enumerate(reports):
+            self.assertIsNotNone(rep, logs[r][-3000:])
+            self.assertTrue(rep["ok"], rep["result"].get("traceback"))
+            self.assertRegex(rep["result"]["fsdp2"], r"sharded with FSDP")
+            self.assertRegex(rep["result"]["data-parallel"], r"torch.nn.DataParallel")
+
+
+if __name__ == "__main__":
+    unittest.main()
