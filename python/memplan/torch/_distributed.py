@@ -41,7 +41,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
