@@ -146,3 +146,24 @@ class RanksThatDisagreeOrFail(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class DataParallelBench(unittest.TestCase):
+    def test_per_rank_peaks_of_eager_ddp_and_memplan(self):
+        # The bench's own processes, on a tiny Llama: every side measured,
+        # memplan's step at its plan's max live plus DDP's buckets (which
+        # the wrapper holds), and never above eager DDP's.
+        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--world", "2", "--layers",
+                              "1", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit", "2", "--json",
+                              "--timeout", "240"], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        rows = json.loads(out.stdout[out.stdout.index("{"):])
+        self.assertEqual(set(rows), {"eager-ddp", "eager-ddp-bucket-view", "memplan", "memplan-fit-0.1%"})
+        for side in ("memplan", "memplan-fit-0.1%"):
+            r = rows[side]
+            self.assertGreater(r["bucket_bytes"], 0)
+            # The allocator also sees the few bytes of buffers that are not
+            # tensors (gloo's, the kernels' own), which no plan holds.
+            self.assertAlmostEqual(r["peak_bytes"], r["max_live_bytes"] + r["bucket_bytes"], delta=1024, msg=side)
+            self.assertLessEqual(r["peak_bytes"], rows["eager-ddp"]["peak_bytes"], side)
+        self.assertLessEqual(rows["memplan-fit-0.1%"]["added_flops_share"], 0.001)

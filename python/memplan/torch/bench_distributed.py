@@ -1,0 +1,190 @@
+"""Per-rank memory of a data-parallel (DDP) training step on the CPU: eager
+DDP against memplan's captured step, measured with real ranks (gloo).
+
+    python -m memplan.torch.bench_distributed --world 2 --layers 4 --hidden 512 --seq 512
+
+starts `--world` processes on this machine (one rank each, a free port) and
+prints, from rank 0, each side's per-rank peak for one Hugging Face Llama
+step (random weights, AdamW, each rank its own batch):
+
+- ``eager-ddp``: ``loss.backward(); optimizer.step(); zero_grad()`` on
+  ``DistributedDataParallel(model)``;
+- ``eager-ddp-bucket-view``: the same with ``gradient_as_bucket_view=True``
+  (the gradients are views of DDP's buckets: no second copy);
+- ``memplan``: the captured step in memplan's order
+  (:mod:`memplan.torch._distributed`);
+- ``memplan-fit-0.1%``: the step fitted by recomputation to the smallest
+  memplan finds for at most 0.1% more FLOPs.
+
+Every figure is the allocator's: the bytes of the tensors held before and
+after the step (parameters, optimizer state, the batch) plus the highest
+running sum of the allocator's events during the step
+(:func:`memplan.torch._run.allocator_peak`), plus the bytes of DDP's
+buckets, which the wrapper allocates when it is made and holds for good
+(``_get_ddp_logging_data()["bucket_sizes"]``). memplan's step never uses
+those buckets, but a model wrapped with DDP keeps them, so they are counted
+on both sides. Each side is measured on its own second step (the first
+makes the optimizer state, and DDP rebuilds its buckets there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+SIDES = ("eager-ddp", "eager-ddp-bucket-view", "memplan", "memplan-fit-0.1%")
+
+
+def _model(args):
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq)
+    return T.LlamaForCausalLM(cfg).train()
+
+
+def _loss(m, b):
+    return m(input_ids=b, labels=b).loss
+
+
+def _bucket_bytes(ddp) -> int:
+    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(s) for s in str(sizes).split(",") if s.strip())
+
+
+def _state(opt) -> List[Any]:
+    return [v for s in opt.state.values() for v in s.values()]
+
+
+def _rank(args) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import memplan.torch as mt
+    from memplan.torch._run import allocator_peak
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1000 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2)]
+    out: Dict[str, Any] = {}
+    for side in SIDES:
+        model = _model(args)
+        ddp = DDP(model, gradient_as_bucket_view=(side == "eager-ddp-bucket-view"))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        if side.startswith("eager"):
+            def step(b):
+                _loss(ddp, b).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:
+            s = mt.capture(ddp, opt, batches[0], _loss, time_limit=args.time_limit)
+            row = {"max_live_bytes": s.plan["stats"]["max_live_bytes"],
+                   "lower_bound_bytes": s.plan["stats"]["lower_bound_bytes"]}
+            if side == "memplan-fit-0.1%":
+                f = s.fit(max_added=0.001, minimise="flops", time_limit=args.time_limit)
+                row.update(max_live_bytes=s.plan["stats"]["max_live_bytes"],
+                           added_flops_share=f["added_flops"] / f["step_flops"])
+            out[side] = row
+
+            def step(b, s=s):
+                s(b)
+        step(batches[0])
+        dist.barrier()
+        resident = list(ddp.parameters()) + _state(opt) + [batches[1]]
+        if not side.startswith("eager"):
+            resident += list(s._bound.values())  # the step's constants (held between steps) too
+        peak = allocator_peak(lambda: step(batches[1]), resident)
+        buckets = _bucket_bytes(ddp)
+        out.setdefault(side, {}).update(peak_bytes=peak + buckets, bucket_bytes=buckets,
+                                        resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
+        dist.barrier()
+        del ddp, opt, model, step
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_distributed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, help="ranks (processes), default 2")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--time-limit", type=float, default=10.0, help="seconds for the plan and the fit, each")
+    ap.add_argument("--json", action="store_true", help="print rank 0's figures as JSON")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is stopped")
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--port", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.world < 1:
+        ap.error("--world must be at least 1")
+    if args.rank is not None:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=args.port)
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        result = _rank(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        os._exit(0)
+    port = str(_free_port())
+    with tempfile.TemporaryDirectory() as d:
+        outs = [os.path.join(d, f"{r}.json") for r in range(args.world)]
+        cmd = [sys.executable, "-m", "memplan.torch.bench_distributed"] + (argv if argv is not None else sys.argv[1:])
+        procs = [subprocess.Popen(cmd + ["--rank", str(r), "--port", port, "--out", outs[r]],
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 for r in range(args.world)]
+        try:
+            codes = [p.wait(timeout=args.timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            print(f"stopped after {args.timeout:g} s", file=sys.stderr)
+            return 1
+        if any(codes) or not all(os.path.exists(o) for o in outs):
+            print(f"a rank failed (exit codes {codes})", file=sys.stderr)
+            return 1
+        with open(outs[0]) as f:
+            rows = json.load(f)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    mib = 2 ** 20
+    print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
+          f"{args.batch} per rank, f32, AdamW, W={args.world} (gloo, CPU); per-rank bytes of rank 0")
+    print(f"{'side':24} {'peak':>10} {'buckets':>9} {'plan max live':>14} {'vs eager-ddp':>13}")
+    base = rows["eager-ddp"]["peak_bytes"]
+    for side in SIDES:
+        r = rows[side]
+        live = f"{r['max_live_bytes'] / mib:11.1f}M" if "max_live_bytes" in r else ""
+        print(f"{side:24} {r['peak_bytes'] / mib:9.1f}M {r['bucket_bytes'] / mib:8.1f}M {live:>14} "
+              f"{100 * (r['peak_bytes'] / base - 1):+12.1f}%")
+    if "added_flops_share" in rows["memplan-fit-0.1%"]:
+        print(f"memplan-fit-0.1% adds {100 * rows['memplan-fit-0.1%']['added_flops_share']:.3f}% FLOPs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
