@@ -1,7 +1,8 @@
 //! What a user gets without memplan, measured on the same graph:
 //! - `pytorch-reserved`: program order through a simulation of PyTorch's
 //!   CUDA caching allocator ([`caching`]): the reserved memory a PyTorch eager
-//!   user sees (`max_memory_reserved`);
+//!   user sees (`max_memory_reserved`), with the scratch PyTorch's eager ops
+//!   allocate inside the graph's fused ones ([`eager_scratch_bytes`]);
 //! - `program-order`: the max live bytes of program order, no reuse
 //!   (PyTorch's `max_memory_allocated` without the 512-byte rounding);
 //! - `program-order+greedy`: program order laid out by greedy-by-size
@@ -80,9 +81,14 @@ pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
     }
     for (i, &op) in order.iter().enumerate() {
         // Blocks are cached per stream: an op's outputs come from its own.
-        let stream = g.op(crate::graph::OpId(op.0)).stream;
+        let o = g.op(crate::graph::OpId(op.0));
+        let stream = o.stream;
+        let scratch = eager_scratch_bytes(o).map(|n| a.malloc_on(n, stream));
         for b in p.outputs(op) {
             handle[b.index()] = Some(a.malloc_on(p.size(b), stream));
+        }
+        if let Some(h) = scratch {
+            a.free(h);
         }
         for &b in &dies_at[i] {
             if let Some(h) = handle[b.index()].take() {
@@ -91,6 +97,30 @@ pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
         }
     }
     a.stats
+}
+
+/// Bytes PyTorch eager allocates inside one of the built-in graphs' fused
+/// ops beyond the op's outputs, held while the op runs and freed after it.
+///
+/// `F.cross_entropy` is `log_softmax` then `nll_loss`, in float32 (also
+/// under autocast): the forward makes the `[rows, classes]` log-probabilities
+/// while the logits are still alive (they replace the logits as what the
+/// backward reads), and the backward makes `nll_loss_backward`'s
+/// `[rows, classes]` gradient, alive while `_log_softmax_backward_data`
+/// writes the logits' gradient. The graph's `cross_entropy` /
+/// `cross_entropy_backward` ops hold neither. Measured against the real
+/// step on the CPU (tools/torch_eager_llama.py --allocator-peak): at the
+/// loss backward, where llama-tiny's eager peak is, PyTorch holds three
+/// `[rows, classes]` float32 tensors and the graph two.
+pub fn eager_scratch_bytes(op: &crate::graph::Op) -> Option<u64> {
+    match op.op_type.as_str() {
+        "cross_entropy" | "cross_entropy_backward" => {
+            let rows = op.attrs.get("rows")?.as_u64()?;
+            let classes = op.attrs.get("classes")?.as_u64()?;
+            Some(rows * classes * 4)
+        }
+        _ => None,
+    }
 }
 
 /// Every baseline for `g`, with its figure.
