@@ -126,6 +126,14 @@ pub enum ProblemError {
     },
     #[error("buffer {id}: offset + size overflows u64")]
     Overflow { id: String },
+    #[error(
+        "buffers {a} and {b} are pinned at offsets where they share bytes while both are live: no layout can satisfy both pins (the input is infeasible)"
+    )]
+    OverlappingPins { a: String, b: String },
+    #[error(
+        "buffer {id}: with the buffers live beside it at step {time}, more than 2^64 - 1 bytes are live at once: no layout has offsets that large (the input is infeasible)"
+    )]
+    TooLarge { id: String, time: u64 },
 }
 
 /// A layout that breaks a rule; see [`validate`].
@@ -271,7 +279,26 @@ impl Problem {
             cur += d;
             best = best.max(cur);
         }
-        best as u64
+        best.min(u64::MAX as i128) as u64
+    }
+
+    /// The first time more than `u64::MAX` bytes are live at once, with a
+    /// buffer that starts then: such a problem has no layout.
+    fn live_beyond_u64(&self) -> Option<(usize, u64)> {
+        let mut events: Vec<(u64, i128, usize)> = Vec::with_capacity(self.buffers.len() * 2);
+        for p in pieces(self) {
+            events.push((p.lower, p.size as i128, p.buffer));
+            events.push((p.upper, -(p.size as i128), p.buffer));
+        }
+        events.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut cur = 0i128;
+        for (t, d, buffer) in events {
+            cur += d;
+            if cur > u64::MAX as i128 {
+                return Some((buffer, t));
+            }
+        }
+        None
     }
 
     /// Checks what can be checked without planning: reuse indices, pins that
@@ -328,6 +355,30 @@ impl Problem {
                 Some(_) => {}
                 None => pin_of[group[i]] = Some(i),
             }
+        }
+        if let Some((buffer, time)) = self.live_beyond_u64() {
+            return Err(ProblemError::TooLarge {
+                id: bufs[buffer].id.clone(),
+                time,
+            });
+        }
+        // Pinned groups never move: two that share bytes while live make
+        // every layout invalid, so say so here rather than after a search.
+        let mut pinned: Vec<Piece> = pieces(self)
+            .into_iter()
+            .filter(|p| pin_of[p.group].is_some())
+            .collect();
+        let at = |p: &Piece| {
+            bufs[pin_of[p.group].unwrap_or(p.buffer)]
+                .pinned
+                .unwrap_or(0)
+        };
+        if let Some((i, j)) = first_overlap(&mut pinned, at) {
+            let (a, b) = (i.min(j), i.max(j));
+            return Err(ProblemError::OverlappingPins {
+                a: bufs[a].id.clone(),
+                b: bufs[b].id.clone(),
+            });
         }
         Ok(())
     }
@@ -407,11 +458,19 @@ pub fn validate(
             });
         }
     }
-    // Sweep over time the groups' pieces (time-disjoint within a group, so
-    // any two live pieces belong to different groups); keep the live set
-    // ordered by offset and check each new piece against its neighbours in
-    // address order.
     let mut ps = pieces(problem);
+    match first_overlap(&mut ps, |p| solution.offsets[p.group]) {
+        Some((i, j)) => Err(overlap(bufs, i, j)),
+        None => Ok(()),
+    }
+}
+
+/// Two buffers whose pieces share bytes while live, each piece at
+/// `offset(piece)`. Sweeps time over
+/// the groups' pieces (time-disjoint within a group, so any two live pieces
+/// belong to different groups), keeps the live set ordered by offset and
+/// checks each new piece against its neighbours in address order.
+fn first_overlap(ps: &mut [Piece], offset: impl Fn(&Piece) -> u64) -> Option<(usize, usize)> {
     ps.sort_by_key(|p| (p.lower, p.group, p.upper));
     let mut live: std::collections::BTreeSet<(u64, usize)> = Default::default();
     let mut ends: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64, usize)>> =
@@ -425,22 +484,22 @@ pub fn validate(
                 break;
             }
         }
-        let off = solution.offsets[p.group];
-        let end = off + p.size;
+        let off = offset(p);
+        let end = off.saturating_add(p.size);
         if let Some(&(o, j)) = live.range(..=(off, usize::MAX)).next_back()
-            && o + ps[j].size > off
+            && o.saturating_add(ps[j].size) > off
         {
-            return Err(overlap(bufs, p.buffer, ps[j].buffer));
+            return Some((p.buffer, ps[j].buffer));
         }
         if let Some(&(o, j)) = live.range((off, 0)..).next()
             && o < end
         {
-            return Err(overlap(bufs, p.buffer, ps[j].buffer));
+            return Some((p.buffer, ps[j].buffer));
         }
         live.insert((off, k));
         ends.push(std::cmp::Reverse((p.upper, off, k)));
     }
-    Ok(())
+    None
 }
 
 fn overlap(bufs: &[Buffer], i: usize, j: usize) -> LayoutError {
@@ -596,5 +655,57 @@ mod tests {
         p.buffers[1].pinned = Some(4);
         p.reuses.clear();
         assert!(matches!(p.check(), Err(ProblemError::MisalignedPin { .. })));
+    }
+
+    /// Inputs no layout can satisfy are refused by name before any search
+    /// (they used to reach the checker as "the allocator produced an
+    /// invalid layout").
+    #[test]
+    fn check_refuses_overlapping_pins_and_more_than_u64_bytes_live() {
+        let p = Problem::new(vec![
+            Buffer::new("a", 0, 4, 8).pinned_at(0),
+            Buffer::new("b", 2, 6, 8).pinned_at(4),
+        ]);
+        assert_eq!(
+            p.check(),
+            Err(ProblemError::OverlappingPins {
+                a: "a".into(),
+                b: "b".into()
+            })
+        );
+        // Apart in time, or apart in bytes, they are fine; so is a reuse.
+        let apart = Problem::new(vec![
+            Buffer::new("a", 0, 2, 8).pinned_at(0),
+            Buffer::new("b", 2, 6, 8).pinned_at(4),
+            Buffer::new("c", 0, 6, 8).pinned_at(12),
+        ]);
+        assert_eq!(apart.check(), Ok(()));
+        let mut reuse = Problem::new(vec![
+            Buffer::new("x", 0, 3, 8).pinned_at(0),
+            Buffer::new("y", 2, 6, 8).pinned_at(0),
+        ]);
+        reuse.reuses.push(Reuse {
+            output: 1,
+            input: 0,
+        });
+        assert_eq!(reuse.check(), Ok(()));
+        let huge = Problem::new(vec![
+            Buffer::new("h0", 0, 2, u64::MAX),
+            Buffer::new("h1", 1, 3, u64::MAX),
+        ]);
+        assert_eq!(
+            huge.check(),
+            Err(ProblemError::TooLarge {
+                id: "h1".into(),
+                time: 1
+            })
+        );
+        assert_eq!(huge.max_live(), u64::MAX);
+        // One at a time fits at offset 0.
+        let one = Problem::new(vec![
+            Buffer::new("h0", 0, 2, u64::MAX),
+            Buffer::new("h1", 2, 3, u64::MAX),
+        ]);
+        assert_eq!(one.check(), Ok(()));
     }
 }

@@ -193,7 +193,8 @@ pub fn solve(
     params: &SolverParams,
 ) -> Result<Outcome, ProblemError> {
     let start = Instant::now();
-    let deadline = params.time_limit.map(|t| start + t);
+    // A limit too far ahead for the clock is no deadline.
+    let deadline = params.time_limit.and_then(|t| start.checked_add(t));
     problem.check()?;
     let u = Units::new(problem);
     let all = &u.units;
