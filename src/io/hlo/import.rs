@@ -262,6 +262,20 @@ struct Ctx<'m> {
 
 /// Imports the module's entry computation as a graph.
 pub fn import_module(m: &Module, opts: &ImportOptions) -> Result<Graph, Error> {
+    // Every computation, fused bodies and reducers included: an opcode
+    // memplan does not know is an error (docs/hlo.md), not a guess, since
+    // inside a fusion it decides which operands the output may reuse.
+    for c in &m.computations {
+        if let Some(ins) = c.instrs.iter().find(|i| !is_known_opcode(&i.opcode)) {
+            return Err(err_at(
+                ins,
+                format!(
+                    "%{}: unknown opcode '{}' in computation %{} (memplan knows XLA's HLO opcodes; see docs/hlo.md)",
+                    ins.name, ins.opcode, c.name
+                ),
+            ));
+        }
+    }
     let mut ctx = Ctx {
         m,
         opts,
