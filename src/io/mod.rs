@@ -15,8 +15,20 @@ use std::path::Path;
 use crate::error::{Error, GraphError};
 use crate::graph::Graph;
 
-/// Reads a file as text, gunzipping it when it starts with the gzip magic.
+/// The most bytes a gzip-compressed file may inflate to (1 GiB): far above
+/// any graph or plan memplan can plan (a 100,000-op graph is tens of MB),
+/// and a guard against a small file that inflates to gigabytes.
+pub const MAX_INFLATED_BYTES: u64 = 1 << 30;
+
+/// Reads a file as text, gunzipping it when it starts with the gzip magic
+/// (at most [`MAX_INFLATED_BYTES`] of it).
 pub fn read_text(path: &Path) -> Result<String, Error> {
+    read_text_limited(path, MAX_INFLATED_BYTES)
+}
+
+/// [`read_text`], a compressed file inflating to at most `max_inflated`
+/// bytes (an error naming the file and the limit beyond).
+pub fn read_text_limited(path: &Path, max_inflated: u64) -> Result<String, Error> {
     let bytes = std::fs::read(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -24,11 +36,18 @@ pub fn read_text(path: &Path) -> Result<String, Error> {
     let bytes = if bytes.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
         flate2::read::MultiGzDecoder::new(&bytes[..])
+            .take(max_inflated.saturating_add(1))
             .read_to_end(&mut out)
             .map_err(|source| Error::Io {
                 path: path.to_path_buf(),
                 source,
             })?;
+        if out.len() as u64 > max_inflated {
+            return Err(Error::Invalid(format!(
+                "{}: the compressed file inflates to more than {max_inflated} bytes, the most memplan reads from one",
+                path.display()
+            )));
+        }
         out
     } else {
         bytes
