@@ -23,7 +23,14 @@
 //! therefore gives the added FLOPs (an exact count when the graph carries
 //! them) next to the added estimated time.
 
+use crate::error::Error;
 use crate::graph::{Graph, OpId, Tensor};
+
+/// The most FLOPs, and estimated seconds, the ops of one step may add up
+/// to (1e300): far beyond any real step (all the world's computers do
+/// about 1e27 FLOPs a year), and far enough below f64's largest value
+/// that the sums recomputation adds stay finite.
+pub const MAX_STEP_COST: f64 = 1e300;
 
 /// A device's peak rates, for the roofline estimate.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -54,7 +61,7 @@ pub struct OpCost {
 impl std::ops::AddAssign for OpCost {
     fn add_assign(&mut self, o: OpCost) {
         self.flops += o.flops;
-        self.bytes += o.bytes;
+        self.bytes = self.bytes.saturating_add(o.bytes);
         self.seconds += o.seconds;
     }
 }
@@ -83,6 +90,32 @@ impl CostModel {
         }
         c
     }
+
+    /// [`CostModel::total`], or an error naming the op from which the
+    /// step's FLOPs or estimated seconds add up to more than
+    /// [`MAX_STEP_COST`] (an op's own figure or an estimate from huge
+    /// attributes): what recomputation saves or adds is then meaningless.
+    pub fn checked_total(&self, g: &Graph) -> Result<OpCost, Error> {
+        let mut c = OpCost::default();
+        for o in g.op_ids() {
+            let own = self.op(g, o);
+            c += own;
+            // Also false for NaN.
+            let within = |x: f64| x <= MAX_STEP_COST;
+            if !(within(c.flops) && within(c.seconds)) {
+                let what = if within(c.flops) {
+                    format!("estimated seconds ({:e} s itself)", own.seconds)
+                } else {
+                    format!("FLOPs ({:e} itself)", own.flops)
+                };
+                return Err(Error::Invalid(format!(
+                    "op {:?}: with it the step's {what} add up to more than 1e300, beyond any real step: check the graph's costs",
+                    g.op(o).name
+                )));
+            }
+        }
+        Ok(c)
+    }
 }
 
 /// Bytes of one element of `dtype` (4 when unknown).
@@ -105,10 +138,13 @@ fn elements(t: &Tensor) -> f64 {
 /// Bytes op `o` reads and writes (updates count twice).
 pub fn op_bytes(g: &Graph, o: OpId) -> u64 {
     let op = g.op(o);
+    // Saturating: a graph's sizes add up within u64, but an op may read
+    // one tensor several times, and updates count twice.
     let size = |t: &crate::TensorId| g.tensor(*t).size;
-    op.inputs.iter().map(size).sum::<u64>()
-        + op.outputs.iter().map(size).sum::<u64>()
-        + 2 * op.updates.iter().map(size).sum::<u64>()
+    let sum = |ts: &[crate::TensorId]| ts.iter().map(size).fold(0u64, u64::saturating_add);
+    sum(&op.inputs)
+        .saturating_add(sum(&op.outputs))
+        .saturating_add(sum(&op.updates).saturating_mul(2))
 }
 
 /// FLOPs per element written, for ops that are not matrix products.

@@ -761,6 +761,7 @@ impl Objective {
 /// Fits `g` into `opts.budget` bytes; see the module docs.
 pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     let start = Instant::now();
+    opts.cost_model.checked_total(g)?;
     let (floor, why) = fit_floor(g);
     if opts.budget < floor {
         return Err(Error::DoesNotFit(format!(
@@ -827,7 +828,7 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
     let mut planner = Planner::new(g, &cands, opts);
     let time = Budget::new(opts.time_limit);
     let seeds = segment_seeds(g, &cands);
-    let step = opts.objective.of(&opts.cost_model.total(g));
+    let step = opts.objective.of(&opts.cost_model.checked_total(g)?);
     let sel = remat::select_within(
         &search_candidates(&cands, opts.objective),
         max_added * step,
