@@ -110,8 +110,8 @@ impl Source {
                 "mixed" if value.is_none() => opts.mixed_precision = true,
                 "clip" => {
                     let v = value.unwrap_or_default();
-                    match v.parse::<f64>() {
-                        Ok(x) if x.is_finite() && x > 0.0 => opts.clip_grad_norm = Some(x),
+                    match v.parse::<f64>().ok().map(crate::models::clip_grad_norm) {
+                        Some(Ok(x)) => opts.clip_grad_norm = Some(x),
                         _ => return Err(bad(format!("clip must be a positive number, got {v:?}"))),
                     }
                 }

@@ -75,6 +75,72 @@ pub struct ExampleOptions {
     pub mixed_precision: bool,
 }
 
+/// The most ops a built-in example may have (about 25,000 GPT-2 layers):
+/// a request beyond it is refused with its estimated size before anything
+/// is built, where it would otherwise take gigabytes or abort.
+pub const MAX_EXAMPLE_OPS: u64 = 1_000_000;
+
+/// Refuses an example request whose layer count gives more than
+/// [`MAX_EXAMPLE_OPS`] ops. Ops and tensors grow linearly with the layers,
+/// so the same example at one and two layers gives the count exactly.
+fn check_size(name: &str, opts: &ExampleOptions) -> Result<(), Error> {
+    let Some(layers) = opts.layers.filter(|&l| l > 2) else {
+        return Ok(());
+    };
+    let counts = |l: u64| -> Result<(u64, u64), Error> {
+        let small = ExampleOptions {
+            layers: Some(l),
+            ..opts.clone()
+        };
+        let (g, _) = build_example(name, &small)?;
+        Ok((g.num_ops() as u64, g.num_tensors() as u64))
+    };
+    let (ops1, tensors1) = counts(1)?;
+    let (ops2, tensors2) = counts(2)?;
+    let at = |one: u64, two: u64| {
+        let per_layer = two.saturating_sub(one);
+        one.saturating_add(per_layer.saturating_mul(layers - 1))
+    };
+    let (ops, tensors) = (at(ops1, ops2), at(tensors1, tensors2));
+    if ops > MAX_EXAMPLE_OPS {
+        return Err(Error::Invalid(format!(
+            "{name} with {layers} layers would have {} ops and {} tensors, more than a built-in example may have ({} ops; at most {} layers here)",
+            grouped(ops),
+            grouped(tensors),
+            grouped(MAX_EXAMPLE_OPS),
+            1 + MAX_EXAMPLE_OPS.saturating_sub(ops1) / (ops2 - ops1).max(1)
+        )));
+    }
+    Ok(())
+}
+
+/// `n` with thousands separators.
+fn grouped(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A gradient-clipping threshold, checked: the largest global norm the
+/// gradients keep, so a finite number above 0 (`torch.nn.utils.
+/// clip_grad_norm_` with 0 zeroes every gradient, with a negative one
+/// flips them, and NaN or infinity make no sense).
+pub fn clip_grad_norm(max_norm: f64) -> Result<f64, Error> {
+    if max_norm.is_finite() && max_norm > 0.0 {
+        Ok(max_norm)
+    } else {
+        Err(Error::Invalid(format!(
+            "clip_grad_norm must be a positive finite number, got {max_norm}"
+        )))
+    }
+}
+
 /// Sets the options the decoder configurations (GPT-2, Llama) share.
 macro_rules! decoder_options {
     ($c:ident, $opts:ident) => {
@@ -102,6 +168,10 @@ macro_rules! decoder_options {
 /// Builds a built-in example by name, every op with its FLOPs
 /// ([`crate::cost`]); its metadata names the example and its batch size.
 pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
+    if let Some(x) = opts.clip_grad_norm {
+        clip_grad_norm(x)?;
+    }
+    check_size(name, opts)?;
     let (mut g, batch) = build_example(name, opts)?;
     crate::cost::fill_flops(&mut g);
     g.metadata.insert("example".into(), name.into());
