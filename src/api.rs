@@ -6,7 +6,6 @@
 //! wrong, never a panic).
 
 use std::path::Path;
-use std::time::Duration;
 
 use serde_json::json;
 
@@ -30,7 +29,7 @@ fn graph(text: &str) -> Result<Graph, Error> {
 /// in `stats` the lower bound and the gap to it). The plan has passed the
 /// independent checker.
 pub fn plan_json(graph_json: &str, time_limit_s: f64) -> Result<String, Error> {
-    let time_limit = seconds(time_limit_s, "time limit")?;
+    let time_limit = pipeline::time_limit(time_limit_s, "time limit")?;
     let g = graph(graph_json)?;
     let opts = pipeline::Options {
         time_limit,
@@ -55,17 +54,6 @@ pub fn check_json(graph_json: &str, plan_json: &str) -> Result<String, Error> {
         "tensors_placed": r.tensors_placed,
     })
     .to_string())
-}
-
-fn seconds(s: f64, what: &str) -> Result<Duration, Error> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            Error::Invalid(format!(
-                "{what} must be a positive number of seconds, got {s}"
-            ))
-        })
 }
 
 fn objective(name: &str) -> Result<Objective, Error> {
@@ -93,7 +81,7 @@ pub fn fit_json(
     let g = graph(graph_json)?;
     let opts = FitOptions {
         budget,
-        time_limit: seconds(time_limit_s, "time limit")?,
+        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
         objective: objective(minimise)?,
         ..FitOptions::default()
     };
@@ -112,7 +100,7 @@ pub fn fit_within_json(
 ) -> Result<String, Error> {
     let g = graph(graph_json)?;
     let opts = FitOptions {
-        time_limit: seconds(time_limit_s, "time limit")?,
+        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
         objective: objective(minimise)?,
         ..FitOptions::default()
     };
@@ -195,7 +183,7 @@ pub fn max_batch_json(
 ) -> Result<String, Error> {
     let line = line(graph1_json, b1, graph2_json, b2)?;
     let opts = FitOptions {
-        time_limit: seconds(probe_time_s, "probe time")?,
+        time_limit: pipeline::time_limit(probe_time_s, "probe time")?,
         ..FitOptions::default()
     };
     let r = max_batch(&mut |b| line.at(b), budget, &opts, 1 << 16)?;

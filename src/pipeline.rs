@@ -46,6 +46,41 @@ impl Default for Options {
     }
 }
 
+/// The longest time limit a front end accepts, in seconds (10^9 s, about
+/// 31.7 years): longer is a mistake, and far longer overflows a clock.
+pub const MAX_TIME_LIMIT_SECONDS: f64 = 1e9;
+
+/// A time limit given in seconds, checked by the one rule every front end
+/// uses (the CLI's `--time-limit`, the C ABI, the Python package): a
+/// finite number above 0 and at most [`MAX_TIME_LIMIT_SECONDS`]. `what`
+/// names the argument in the error, which prints the number compactly
+/// (`1e300`, not 301 digits).
+pub fn time_limit(seconds: f64, what: &str) -> Result<Duration, Error> {
+    if !(seconds.is_finite() && seconds > 0.0) {
+        return Err(Error::Invalid(format!(
+            "{what} must be a positive number of seconds, got {}",
+            compact_number(seconds)
+        )));
+    }
+    if seconds > MAX_TIME_LIMIT_SECONDS {
+        return Err(Error::Invalid(format!(
+            "{what} must be at most 1e9 seconds (about 31 years), got {}",
+            compact_number(seconds)
+        )));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// `x` as a short decimal: exponent notation beyond 10^15 and below 10^-6.
+pub fn compact_number(x: f64) -> String {
+    let a = x.abs();
+    if x.is_finite() && a != 0.0 && !(1e-6..1e15).contains(&a) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
 /// Share of the time limit the ordering solver may use; the min-cut floor
 /// gets [`BOUND_SHARE`]. Layouts are bounded by a work budget instead
 /// ([`layout_node_budget`]), so plans are deterministic.

@@ -18,8 +18,9 @@
 extern "C" {
 #endif
 
-/* Plans `graph_json` within `time_limit_seconds` (> 0). On success *out is
- * the plan document: "order", "tensors" (id, offset), "arena_bytes", and in
+/* Plans `graph_json` within `time_limit_seconds` (every time limit here:
+ * finite, above 0 and at most 1e9, as for the CLI's --time-limit; anything
+ * else is an error). On success *out is the plan document: "order", "tensors" (id, offset), "arena_bytes", and in
  * "stats" the lower bound and the gap to it. */
 int memplan_plan(const char *graph_json, double time_limit_seconds, char **out);
 

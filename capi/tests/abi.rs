@@ -153,6 +153,23 @@ fn bad_input_is_a_message_never_a_crash() {
     let rc = unsafe { memplan_plan(g.as_ptr(), -1.0, &mut out) };
     assert_eq!(rc, 1);
     assert!(take(out).contains("time limit"));
+    // Every time limit passes the one rule of memplan::pipeline::time_limit:
+    // zero, NaN, infinity and a huge finite number are refused by name, the
+    // number printed compactly (a huge one used to panic converting it).
+    for (bad, shown) in [
+        (0.0, "got 0"),
+        (f64::NAN, "got NaN"),
+        (f64::INFINITY, "got inf"),
+        (1e300, "at most 1e9 seconds (about 31 years), got 1e300"),
+    ] {
+        let rc = unsafe { memplan_plan(g.as_ptr(), bad, &mut out) };
+        assert_eq!(rc, 1, "{bad}");
+        let msg = take(out);
+        assert!(msg.contains("time limit") && msg.contains(shown), "{msg}");
+        let rc = unsafe { memplan_fit(g.as_ptr(), 1 << 20, bad, ptr::null(), &mut out) };
+        assert_eq!(rc, 1, "{bad}");
+        assert!(take(out).contains(shown));
+    }
     let wrong = CString::new(r#"{"format": "memplan-plan", "version": 1, "arena_bytes": 0, "order": ["g", "f"], "tensors": []}"#).unwrap();
     let rc = unsafe { memplan_check(g.as_ptr(), wrong.as_ptr(), &mut out) };
     assert_eq!(rc, 1);
