@@ -2,7 +2,7 @@
 //! CSV format), and the allocator's benchmark report.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
@@ -25,7 +25,8 @@ pub struct AllocArgs {
     /// instead of finding the smallest arena.
     #[arg(long, value_name = "N")]
     pub capacity: Option<u64>,
-    /// Write the layout here (the input's columns plus `offset`).
+    /// Write the layout here (the input's columns plus `offset`); `-`: to
+    /// standard output (the summary then goes to standard error).
     #[arg(short, long, value_name = "OUT")]
     pub output: Option<PathBuf>,
     /// Time budget per problem, in seconds.
@@ -67,14 +68,8 @@ pub struct AllocArgs {
 }
 
 fn params(a: &AllocArgs) -> Result<SolverParams> {
-    if !(a.time_limit.is_finite() && a.time_limit >= 0.0) {
-        bail!(
-            "--time-limit must be a non-negative number of seconds, got {}",
-            a.time_limit
-        );
-    }
     let mut p = SolverParams {
-        time_limit: Some(Duration::from_secs_f64(a.time_limit)),
+        time_limit: Some(super::commands::time_limit(a.time_limit)?),
         ilp_max_units: a.ilp,
         threads: a.threads,
         seed: a.seed,
@@ -114,6 +109,7 @@ pub fn run(a: AllocArgs) -> Result<()> {
     let [input] = a.inputs.as_slice() else {
         bail!("give one PROBLEM.csv (or use --report for several)");
     };
+    super::claim_stdout(&[("-o", a.output.as_deref())])?;
     let problem = minimalloc_csv::read(input)?;
     let mode = a.capacity.map_or(Mode::Minimize, Mode::Capacity);
     let out = alloc::solve(&problem, mode, &p).with_context(|| format!("{}", input.display()))?;
@@ -122,8 +118,7 @@ pub fn run(a: AllocArgs) -> Result<()> {
         .map_err(|e| anyhow!("internal error: the allocator produced an invalid layout: {e}"))?;
     let fits = !matches!(out.status, Status::Infeasible | Status::Unknown);
     if fits && let Some(path) = &a.output {
-        let text = minimalloc_csv::to_string(&problem, &out.solution);
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        super::write_output(path, &minimalloc_csv::to_string(&problem, &out.solution))?;
     }
     if a.json {
         let v = json!({
@@ -139,24 +134,36 @@ pub fn run(a: AllocArgs) -> Result<()> {
             "source": out.source,
             "seconds": out.stats.seconds,
             "search_nodes": out.stats.nodes,
-            "output": a.output.as_ref().filter(|_| fits).map(|p| p.display().to_string()),
+            "output": a.output.as_deref().filter(|_| fits).map(super::shown),
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        sayln!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        println!(
-            "{}: {} buffers, max live {}, arena {} ({}), lower bound {}, gap {:.2}%, {} in {:.3} s",
+        let h = grouped(out.solution.height);
+        // In capacity mode an answer other than a fit has no arena: say
+        // what is known instead (the smallest layout found is above it).
+        let arena = match (mode, out.status) {
+            (Mode::Capacity(c), Status::Infeasible) => format!(
+                "no arena of {} fits (proven; the smallest layout found takes {h})",
+                grouped(c)
+            ),
+            (Mode::Capacity(c), Status::Unknown) => format!(
+                "no arena of {} found in time, nor ruled out (the smallest layout found takes {h})",
+                grouped(c)
+            ),
+            (_, status) => format!("arena {h} ({})", status.as_str()),
+        };
+        sayln!(
+            "{}: {} buffers, max live {}, {arena}, lower bound {}, gap {:.2}%, {} in {:.3} s",
             input.display(),
             problem.buffers.len(),
             grouped(out.max_live),
-            grouped(out.solution.height),
-            out.status.as_str(),
             grouped(out.lower_bound),
             100.0 * out.gap(),
             out.source,
             out.stats.seconds
         );
         if fits && let Some(path) = &a.output {
-            println!("layout written to {}", path.display());
+            sayln!("layout written to {}", super::shown(path));
         }
     }
     match (mode, out.status) {

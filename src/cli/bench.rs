@@ -62,10 +62,7 @@ fn progress() -> bool {
 }
 
 fn budget(s: f64) -> Result<Duration> {
-    if !(s.is_finite() && s >= 0.0) {
-        bail!("--time-limit must be a non-negative number of seconds, got {s}");
-    }
-    Ok(Duration::from_secs_f64(s))
+    super::commands::time_limit(s)
 }
 
 /// One graph to benchmark: where it comes from, its time budget, and the

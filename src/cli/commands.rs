@@ -140,12 +140,15 @@ pub fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
     }
 }
 
-fn options(time_limit: f64) -> Result<Options> {
-    if !(time_limit.is_finite() && time_limit >= 0.0) {
-        bail!("--time-limit must be a non-negative number of seconds, got {time_limit}");
-    }
+/// `--time-limit`, checked by the rule every front end shares
+/// ([`memplan::pipeline::time_limit`]).
+pub fn time_limit(seconds: f64) -> Result<Duration> {
+    Ok(memplan::pipeline::time_limit(seconds, "--time-limit")?)
+}
+
+fn options(seconds: f64) -> Result<Options> {
     Ok(Options {
-        time_limit: Duration::from_secs_f64(time_limit),
+        time_limit: time_limit(seconds)?,
         ..Options::default()
     })
 }
@@ -178,6 +181,7 @@ fn plan(
     time_limit: f64,
     with_report: bool,
 ) -> Result<()> {
+    super::claim_stdout(&[("-o", output.as_deref())])?;
     let g = load(graph.as_deref(), src)?;
     let (mut plan, report) = solve_with_report(&g, time_limit)?;
     let mut xla = None;
@@ -187,8 +191,7 @@ fn plan(
         xla = e;
     }
     if let Some(out) = &output {
-        std::fs::write(out, plan.to_json(&g))
-            .with_context(|| format!("writing {}", out.display()))?;
+        super::write_output(out, &plan.to_json(&g))?;
     }
     let s = &plan.stats;
     if as_json {
@@ -206,7 +209,7 @@ fn plan(
             "solve_seconds": s.solve_seconds,
             "order_source": s.order_source,
             "layout_source": s.layout_source,
-            "plan_file": output.as_ref().map(|p| p.display().to_string()),
+            "plan_file": output.as_deref().map(super::shown),
         });
         let mut v = v;
         if with_report {
@@ -216,12 +219,12 @@ fn plan(
             v["xla_estimate_bytes"] = json!(e.total);
             v["xla_hosted_bytes"] = json!(e.hosted_bytes);
         }
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        sayln!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         if with_report {
-            print!("{}", super::report::text(&g, &plan, &report));
+            say!("{}", super::report::text(&g, &plan, &report));
         }
-        println!(
+        sayln!(
             "{}: arena {} ({} bytes), max live {}, lower bound {} ({}, {:.2} s; simple bound {}), gap {:.2}%, solved in {:.2} s",
             g.name,
             human_bytes(s.peak_bytes),
@@ -235,7 +238,7 @@ fn plan(
             s.solve_seconds
         );
         if let Some(e) = &xla {
-            println!(
+            sayln!(
                 "XLA's Total bytes for this order, estimated: {} ({} bytes; {} put into dead parameters' allocations; order from the {})",
                 human_bytes(e.total),
                 grouped(e.total),
@@ -244,7 +247,7 @@ fn plan(
             );
         }
         if let Some(out) = &output {
-            println!("plan written to {}", out.display());
+            sayln!("plan written to {}", super::shown(out));
         }
     }
     Ok(())
@@ -468,24 +471,73 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
         "{}",
         table(&["plan", "peak", "bytes", "vs bound", "solve time"], &rows)
     );
-    if let Some(pt) = base.iter().find(|b| b.name == "pytorch-reserved") {
-        println!(
-            "memplan needs {:.1}% less than PyTorch eager's simulated reserved memory",
-            100.0 * (1.0 - s.peak_bytes as f64 / pt.peak_bytes.max(1) as f64)
-        );
+    if let Some(line) = verdict(&g, &base, s.peak_bytes, xla.as_ref().map(|e| e.total)) {
+        println!("{line}");
     }
     Ok(())
 }
 
+/// `compare`'s closing sentence: memplan against the baseline a user of
+/// the input's framework runs today. An XLA module: XLA's own total (its
+/// memory-usage report), else XLA's own order; another graph: PyTorch
+/// eager's reserved memory (simulated). `xla_estimate` is memplan's plan
+/// in XLA's terms (`--xla-allocations`), compared with XLA's total.
+fn verdict(
+    g: &Graph,
+    base: &[baselines::Baseline],
+    peak: u64,
+    xla_estimate: Option<u64>,
+) -> Option<String> {
+    let find = |name: &str| base.iter().find(|b| b.name == name).map(|b| b.peak_bytes);
+    let hlo = g.metadata.get("source").and_then(|s| s.as_str()) == Some("hlo");
+    let (ours, theirs, what) = if hlo {
+        if let Some(xla) = find("xla") {
+            (
+                xla_estimate.unwrap_or(peak),
+                xla,
+                "XLA's own Total bytes (its memory-usage report)",
+            )
+        } else if let Some(x) = find("xla-order+memplan-layout") {
+            (
+                peak,
+                x,
+                "XLA's own order of the module, laid out in one arena",
+            )
+        } else {
+            (
+                peak,
+                find("program-order+greedy")?,
+                "the module's listed order, laid out greedily",
+            )
+        }
+    } else {
+        (
+            peak,
+            find("pytorch-reserved")?,
+            "PyTorch eager's simulated reserved memory",
+        )
+    };
+    let change = 1.0 - ours as f64 / theirs.max(1) as f64;
+    Some(if change >= 0.0 {
+        format!("memplan needs {:.1}% less than {what}", 100.0 * change)
+    } else {
+        format!("memplan needs {:.1}% more than {what}", -100.0 * change)
+    })
+}
+
 fn export(graph: Option<&Path>, src: &GraphArgs, output: &Path) -> Result<()> {
     let g = load(graph, src)?;
-    memplan::io::save_graph(&g, output)?;
+    if super::is_stdout(output) {
+        super::write_output(output, &memplan::io::json::write_graph(&g))?;
+    } else {
+        memplan::io::save_graph(&g, output)?;
+    }
     eprintln!(
         "wrote {} ({} ops, {} tensors) to {}",
         g.name,
         g.num_ops(),
         g.num_tensors(),
-        output.display()
+        super::shown(output)
     );
     Ok(())
 }
@@ -529,7 +581,11 @@ fn export_hlo(
     };
     let out = hlo::schedule::scheduled_text(&text, &m, &g, &plan.order, !no_chain)
         .with_context(|| format!("relisting {}", module.display()))?;
-    memplan::io::write_text(output, &out)?;
+    if super::is_stdout(output) {
+        super::write_output(output, &out)?;
+    } else {
+        memplan::io::write_text(output, &out)?;
+    }
     let xla_order = g
         .extra_orders
         .iter()
@@ -538,7 +594,7 @@ fn export_hlo(
     eprintln!(
         "wrote {} scheduled in memplan's order to {}: max live {} ({} bytes){}",
         m.name,
-        output.display(),
+        super::shown(output),
         human_bytes(plan.stats.max_live_bytes),
         grouped(plan.stats.max_live_bytes),
         match xla_order {

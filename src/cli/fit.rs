@@ -13,7 +13,7 @@ use memplan::graph::Graph;
 
 use super::GraphArgs;
 use super::commands::{load, shard};
-use super::format::{grouped, human_bytes, table};
+use super::format::{grouped_f64, human_bytes, table};
 
 #[derive(Args, Debug)]
 pub struct FitArgs {
@@ -38,10 +38,12 @@ pub struct FitArgs {
     #[arg(long, value_name = "SHARE", conflicts_with_all = ["budget", "pareto", "max_batch"])]
     pub max_added: Option<String>,
     /// Write the plan here (it names the recomputed tensors: check or run it
-    /// with the graph of --output-graph).
+    /// with the graph of --output-graph); `-`: to standard output (the
+    /// summary then goes to standard error).
     #[arg(short, long, value_name = "PLAN")]
     pub output: Option<PathBuf>,
-    /// Write the step with its recomputation here (memplan JSON).
+    /// Write the step with its recomputation here (memplan JSON); `-`: to
+    /// standard output.
     #[arg(long, value_name = "GRAPH")]
     pub output_graph: Option<PathBuf>,
     /// Print the result as JSON.
@@ -60,7 +62,8 @@ pub struct FitArgs {
     /// plan without recomputation down to the floor, in steps of 5%.
     #[arg(long, conflicts_with_all = ["budget", "max_batch"])]
     pub pareto: bool,
-    /// With --pareto: also draw the curve as SVG here.
+    /// With --pareto: also draw the curve as SVG here (`-`: standard
+    /// output, the table then on standard error).
     #[arg(long, value_name = "OUT.svg", requires = "pareto")]
     pub svg: Option<PathBuf>,
     /// The largest batch that fits --budget (bytes or a unit, not %), with
@@ -145,15 +148,13 @@ pub fn parse_share(text: &str) -> Result<f64> {
     Ok(x * scale)
 }
 
-fn time_limit(s: f64) -> Result<Duration> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .with_context(|| format!("--time-limit must be a positive number of seconds, got {s}"))
-}
-
 pub fn run(a: FitArgs) -> Result<()> {
-    let limit = time_limit(a.time_limit)?;
+    let limit = super::commands::time_limit(a.time_limit)?;
+    super::claim_stdout(&[
+        ("-o", a.output.as_deref()),
+        ("--output-graph", a.output_graph.as_deref()),
+        ("--svg", a.svg.as_deref()),
+    ])?;
     if a.max_batch {
         return max_batch(&a, limit);
     }
@@ -181,7 +182,7 @@ pub fn run(a: FitArgs) -> Result<()> {
     drop(guard);
     write_outputs(&f, a.output.as_deref(), a.output_graph.as_deref())?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&f.summary_json())?);
+        sayln!("{}", serde_json::to_string_pretty(&f.summary_json())?);
     } else {
         print_fitted(&g, &f, a.list);
     }
@@ -202,11 +203,14 @@ fn base_arena(g: &Graph) -> Result<u64> {
 
 fn write_outputs(f: &Fitted, plan: Option<&Path>, graph: Option<&Path>) -> Result<()> {
     if let Some(p) = plan {
-        std::fs::write(p, f.plan.to_json(&f.graph))
-            .with_context(|| format!("writing {}", p.display()))?;
+        super::write_output(p, &f.plan.to_json(&f.graph))?;
     }
-    if let Some(p) = graph {
-        memplan::io::save_graph(&f.graph, p)?;
+    match graph {
+        Some(p) if super::is_stdout(p) => {
+            super::write_output(p, &memplan::io::json::write_graph(&f.graph))?
+        }
+        Some(p) => memplan::io::save_graph(&f.graph, p)?,
+        None => {}
     }
     Ok(())
 }
@@ -217,17 +221,17 @@ fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
         Some(share) => format!("at most +{:.3}% of the step's cost", 100.0 * share),
         None => format!("budget {}", human_bytes(f.budget)),
     };
-    println!(
+    sayln!(
         "{}: arena {} ({limit}; without recomputation {})",
         g.name,
         human_bytes(f.plan.arena_bytes),
         human_bytes(f.base_arena)
     );
-    println!(
+    sayln!(
         "recomputes {} of {} candidate ops: +{} FLOPs ({:.2}% of the step), +{:.3} ms estimated ({:.2}%){}",
         f.recomputed.len(),
         f.candidates,
-        grouped(f.added.flops as u64),
+        grouped_f64(f.added.flops),
         pct(f.added.flops, f.step.flops),
         f.added.seconds * 1e3,
         pct(f.added.seconds, f.step.seconds),
@@ -237,7 +241,7 @@ fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
             (true, Some(_)) => "; proven lowest within it",
         }
     );
-    println!(
+    sayln!(
         "max live {}, lower bound of this step {} ({} plans tried, {:.1} s)",
         human_bytes(f.plan.stats.max_live_bytes),
         human_bytes(f.plan.stats.lower_bound_bytes),
@@ -246,7 +250,7 @@ fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
     );
     if list {
         let rows: Vec<Vec<String>> = f.recomputed.iter().map(|n| vec![n.clone()]).collect();
-        print!("{}", table(&["recomputed op"], &rows));
+        say!("{}", table(&["recomputed op"], &rows));
     }
 }
 
@@ -263,7 +267,7 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
         ..FitOptions::default()
     };
     let points = memplan::fit::pareto(g, &budgets, &opts);
-    let step = memplan::cost::CostModel::default().total(g);
+    let step = memplan::cost::CostModel::default().checked_total(g)?;
     let pct = |x: f64, of: f64| if of > 0.0 { 100.0 * x / of } else { 0.0 };
     if let Some(path) = &a.svg {
         let pts: Vec<(u64, f64)> = points
@@ -275,7 +279,7 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
             &pts,
             floor,
         )?;
-        std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
+        super::write_output(path, &svg)?;
     }
     if a.json {
         let rows: Vec<serde_json::Value> = points
@@ -293,7 +297,7 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
             .collect();
         let doc = json!({"graph": g.name, "no_recompute_arena_bytes": base, "floor_bytes": floor,
             "step_flops": step.flops, "points": rows});
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        sayln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
     let rows: Vec<Vec<String>> = points
@@ -309,13 +313,13 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
             ]
         })
         .collect();
-    println!(
+    sayln!(
         "{}: without recomputation {}; floor {} ({why})",
         g.name,
         human_bytes(base),
         human_bytes(floor)
     );
-    print!(
+    say!(
         "{}",
         table(
             &[
@@ -398,7 +402,7 @@ fn max_batch(a: &FitArgs, limit: Duration) -> Result<()> {
     };
     let r = memplan::batch::max_batch(&mut *at, budget, &opts, 1 << 16)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        sayln!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(());
     }
     let at_least = |b: u64| {
@@ -413,7 +417,7 @@ fn max_batch(a: &FitArgs, limit: Duration) -> Result<()> {
         ("memplan", r.planned),
         ("memplan + recomputation", r.fitted),
     ] {
-        println!(
+        sayln!(
             "{name}: largest batch within {} is {}",
             human_bytes(budget),
             at_least(b)

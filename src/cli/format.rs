@@ -29,6 +29,19 @@ pub fn grouped(n: u64) -> String {
     out
 }
 
+/// A count held as f64 (FLOPs): grouped digits up to 10^15, exponent
+/// notation above (`3.000e20`), where an integer would claim digits the
+/// figure does not have.
+pub fn grouped_f64(x: f64) -> String {
+    if x.is_finite() && x.abs() < 1e15 {
+        let r = x.round();
+        let s = grouped(r.abs() as u64);
+        if r < 0.0 { format!("-{s}") } else { s }
+    } else {
+        format!("{x:.3e}")
+    }
+}
+
 /// A plain text table with right-aligned numeric columns (all but the first).
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let cols = header.len();

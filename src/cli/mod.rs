@@ -1,5 +1,29 @@
 //! Command-line front end: argument parsing and the commands.
 
+/// `println!`, or `eprintln!` while a document holds standard output
+/// (`-o -`): a command's summary then goes to standard error, so what
+/// reaches standard output is the document alone.
+macro_rules! sayln {
+    ($($t:tt)*) => {
+        if crate::cli::stdout_taken() {
+            eprintln!($($t)*)
+        } else {
+            println!($($t)*)
+        }
+    };
+}
+
+/// `print!` as [`sayln!`] is `println!`.
+macro_rules! say {
+    ($($t:tt)*) => {
+        if crate::cli::stdout_taken() {
+            eprint!($($t)*)
+        } else {
+            print!($($t)*)
+        }
+    };
+}
+
 mod alloc;
 mod bench;
 mod commands;
@@ -11,9 +35,72 @@ mod report;
 mod run;
 mod trace;
 
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+
+/// Set once a document claims standard output (`-o -`).
+static STDOUT_TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// Whether a document holds standard output (see [`sayln!`]).
+pub fn stdout_taken() -> bool {
+    STDOUT_TAKEN.load(Ordering::Relaxed)
+}
+
+/// Whether an output path means standard output: `-`.
+pub fn is_stdout(path: &Path) -> bool {
+    path.as_os_str() == "-"
+}
+
+/// An output path as messages show it.
+pub fn shown(path: &Path) -> String {
+    if is_stdout(path) {
+        "standard output".into()
+    } else {
+        path.display().to_string()
+    }
+}
+
+/// Claims standard output for whichever of a command's output options is
+/// `-`, so its summary goes to standard error; two documents cannot share
+/// it. Call before printing anything.
+pub fn claim_stdout(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
+    let to_stdout: Vec<&str> = outputs
+        .iter()
+        .filter(|(_, p)| p.is_some_and(is_stdout))
+        .map(|(name, _)| *name)
+        .collect();
+    if to_stdout.len() > 1 {
+        bail!(
+            "{} all say `-`: only one of them can write to standard output",
+            to_stdout.join(" and ")
+        );
+    }
+    if !to_stdout.is_empty() {
+        STDOUT_TAKEN.store(true, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// Writes a command's output document to `path`, or to standard output
+/// for `-`.
+pub fn write_output(path: &Path, text: &str) -> Result<()> {
+    if is_stdout(path) {
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes())
+            .and_then(|()| match text.ends_with('\n') {
+                true => Ok(()),
+                false => out.write_all(b"\n"),
+            })
+            .and_then(|()| out.flush())
+            .context("writing to standard output")
+    } else {
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    }
+}
 
 #[derive(Parser, Debug)]
 #[command(
@@ -25,6 +112,16 @@ use clap::{Args, Parser, Subcommand};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `--clip-grad-norm`, refused at parsing unless a positive finite number.
+fn clip_grad_norm(text: &str) -> Result<f64, String> {
+    let x: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a positive number, got {text:?}"))?;
+    memplan::models::clip_grad_norm(x)
+        .map_err(|_| format!("expected a positive finite number, got {text}"))
 }
 
 /// Where the graph comes from: a file, or a built-in example.
@@ -40,7 +137,8 @@ pub struct GraphArgs {
     /// Sequence length of a GPT-2 or Llama example.
     #[arg(long, value_name = "N", requires = "example")]
     pub seq: Option<u64>,
-    /// Number of layers of the example.
+    /// Number of layers of the example (a built-in example has at most
+    /// 1,000,000 ops: a larger request is refused with its size).
     #[arg(long, value_name = "N", requires = "example")]
     pub layers: Option<u64>,
     /// Element type of the example: f32, bf16, f16.
@@ -51,7 +149,13 @@ pub struct GraphArgs {
     pub checkpoint: bool,
     /// Clip the gradients' global norm before the updates (GPT-2 and Llama
     /// examples).
-    #[arg(long, value_name = "MAX", requires = "example")]
+    #[arg(
+        long,
+        value_name = "MAX",
+        requires = "example",
+        allow_negative_numbers = true,
+        value_parser = clip_grad_norm
+    )]
     pub clip_grad_norm: Option<f64>,
     /// Fused (flash-style) attention in every GPT-2 block: no [B, H, T, T]
     /// scores or probabilities, the log-sum-exp saved for the backward
@@ -104,7 +208,8 @@ pub enum Command {
         graph: Option<PathBuf>,
         #[command(flatten)]
         source: GraphArgs,
-        /// Write the plan (JSON) here.
+        /// Write the plan (JSON) here; `-`: to standard output (the summary
+        /// then goes to standard error).
         #[arg(short, long, value_name = "PLAN")]
         output: Option<PathBuf>,
         /// Print the result as JSON.
@@ -163,7 +268,7 @@ pub enum Command {
         #[command(flatten)]
         source: GraphArgs,
         /// Output file (.json, or .json.gz to compress; with --hlo, HLO text,
-        /// .gz to compress).
+        /// .gz to compress); `-`: standard output.
         #[arg(short, long, value_name = "FILE")]
         output: PathBuf,
         /// Write the HLO module GRAPH with its entry computation in the

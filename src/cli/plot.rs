@@ -1,7 +1,6 @@
 //! `memplan plot`: a picture of a plan's memory (SVG).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
@@ -23,7 +22,7 @@ pub struct PlotArgs {
     /// Draw this plan (memplan JSON plan) instead of planning the graph.
     #[arg(long, value_name = "PLAN")]
     pub plan: Option<PathBuf>,
-    /// Output SVG file.
+    /// Output SVG file; `-`: standard output.
     #[arg(short, long, value_name = "OUT.svg")]
     pub output: PathBuf,
     /// Picture width in pixels.
@@ -53,10 +52,10 @@ pub fn run(a: PlotArgs) -> Result<()> {
         lower_bound: None,
     };
     let svg = memplan::plot::svg(&g, &plan, &opts)?;
-    std::fs::write(&a.output, svg).with_context(|| format!("writing {}", a.output.display()))?;
+    super::write_output(&a.output, &svg)?;
     eprintln!(
         "wrote {}: {} arena, lower bound {}",
-        a.output.display(),
+        super::shown(&a.output),
         human(plan.arena_bytes),
         human(plan.stats.lower_bound_bytes)
     );
@@ -72,11 +71,8 @@ pub fn load_or_make_plan(g: &Graph, path: Option<&Path>, time_limit: f64) -> Res
             .map_err(|e| anyhow!("{}: the plan is invalid: {e}", p.display()))?;
         return Ok(plan);
     }
-    if !(time_limit.is_finite() && time_limit >= 0.0) {
-        bail!("--time-limit must be a non-negative number of seconds, got {time_limit}");
-    }
     let opts = Options {
-        time_limit: Duration::from_secs_f64(time_limit),
+        time_limit: super::commands::time_limit(time_limit)?,
         ..Options::default()
     };
     let plan = memplan::plan(g, &opts)?;

@@ -20,7 +20,8 @@ pub struct TraceArgs {
     /// Trace this plan (memplan JSON plan) instead of planning the graph.
     #[arg(long, value_name = "PLAN")]
     pub plan: Option<PathBuf>,
-    /// Output trace file (JSON; open it in ui.perfetto.dev or chrome://tracing).
+    /// Output trace file (JSON; open it in ui.perfetto.dev or chrome://tracing);
+    /// `-`: standard output.
     #[arg(short, long, value_name = "TRACE.json")]
     pub output: PathBuf,
     /// Time budget of the solve when planning, in seconds.
@@ -34,13 +35,17 @@ pub fn run(a: TraceArgs) -> Result<()> {
     let trace = memplan::trace::trace(&g, &plan, plan.stats.lower_bound_bytes);
     memplan::trace::validate(&trace)
         .map_err(|e| anyhow!("internal error: the trace is malformed: {e}"))?;
-    let file = std::fs::File::create(&a.output)
-        .with_context(|| format!("creating {}", a.output.display()))?;
-    let mut w = std::io::BufWriter::new(file);
-    serde_json::to_writer(&mut w, &trace)?;
-    w.flush()
-        .with_context(|| format!("writing {}", a.output.display()))?;
+    if super::is_stdout(&a.output) {
+        super::write_output(&a.output, &serde_json::to_string(&trace)?)?;
+    } else {
+        let file = std::fs::File::create(&a.output)
+            .with_context(|| format!("creating {}", a.output.display()))?;
+        let mut w = std::io::BufWriter::new(file);
+        serde_json::to_writer(&mut w, &trace)?;
+        w.flush()
+            .with_context(|| format!("writing {}", a.output.display()))?;
+    }
     let events = trace["traceEvents"].as_array().map_or(0, |e| e.len());
-    eprintln!("wrote {} ({events} trace events)", a.output.display());
+    eprintln!("wrote {} ({events} trace events)", super::shown(&a.output));
     Ok(())
 }
