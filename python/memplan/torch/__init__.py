@@ -40,7 +40,7 @@ another shape than the captured one is refused at run time (capture again).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import memplan
 
 from . import _distributed, _graph, _optim, _scaler
-from ._capture import _callers_line, _Inputs, _not_a_tensor, _step_device, _trace
+from ._capture import Captured, _callers_line, _Inputs, _not_a_tensor, _step_device, _trace
 from ._captured import AsCaptured
 from ._distributed import CollectiveTimeout, RankFailure
 from ._record import Call, Recorder, Ref, UnsupportedStep
@@ -62,13 +62,9 @@ class Step:
     captured shapes runs forward, loss, backward and the optimizer update in
     the planned order and returns the loss (a tensor)."""
 
-    def __init__(self, model, optimizer, rec: Recorder, graph: Dict[str, Any], bound: Dict[str, int],
-                 batch_spec, batch_layouts, loss_index: int, updated: List[torch.Tensor],
-                 hyper: _optim.Hyper, optimizer_calls: List[bool], capture_seconds: float,
-                 norm_index: Optional[int] = None, accumulate: int = 1, scaling=None,
-                 state_slots: Sequence[Tuple[int, torch.Tensor, str]] = (),
-                 group_slots: Sequence[Tuple[int, int, str]] = (),
-                 dist: Optional[_distributed.DataParallel] = None) -> None:
+    def __init__(self, model, optimizer: _optim.Optimizers, hyper: _optim.Hyper, captured: Captured,
+                 scaling=None, dist: Optional[_distributed.DataParallel] = None) -> None:
+        c = captured
         self.model = model
         # Data parallel (DDP): plans and fits are made on the group's first
         # rank and sent to the others, so every rank runs one order.
@@ -84,28 +80,28 @@ class Step:
         self.skipped_update: Any = False
         self._optimizers = optimizer  # _optim.Optimizers over what the caller gave
         self.optimizer = optimizer.members[0] if len(optimizer.members) == 1 else list(optimizer.members)
-        self.graph = graph
-        self.device = rec.device
-        self._calls = rec.calls
-        self._bound = bound  # graph tensor index -> caller's tensor
-        self._batch_spec = batch_spec
-        self._batch_layouts = batch_layouts  # (index, shape, dtype, device) per leaf
-        self._loss = loss_index
-        self._norm = norm_index  # the clipped gradients' total norm, if clipping
-        self.accumulate = accumulate  # micro-batches per step
+        self.graph = c.graph
+        self.device = c.device
+        self._calls = c.calls
+        self._bound = c.bound  # graph tensor index -> caller's tensor
+        self._batch_spec = c.batch_spec
+        self._batch_layouts = c.batch_layouts
+        self._loss = c.loss
+        self._norm = c.norm  # the clipped gradients' total norm, if clipping
+        self.accumulate = c.accumulate  # micro-batches per step
         self.grad_norm: Optional[torch.Tensor] = None
-        self._updated = updated
+        self._updated = c.updated
         self._updated_by_member: Optional[List[List[torch.Tensor]]] = None  # made on the first scaled run
         self._hyper = hyper
-        self._optimizer_calls = optimizer_calls
-        self.capture_seconds = capture_seconds
+        self._optimizer_calls = c.optimizer_calls
+        self.capture_seconds = c.seconds
         self.plan: Optional[Dict[str, Any]] = None
         self.plan_seconds = 0.0
         self._programs: Dict[str, Program] = {}
         self.tracked_peak_bytes: Optional[int] = None
-        self._layouts = rec.layouts
-        # The step as captured (graph, calls, layouts): what `fit` starts from.
-        self._captured = (graph, rec.calls, rec.layouts)
+        self._layouts = c.layouts
+        # The step as captured: what `fit` starts from.
+        self._captured = c
         self.fitted: Optional[Dict[str, Any]] = None
         self._arena: Optional[Arena] = None
         self._graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
@@ -113,13 +109,13 @@ class Step:
         self._batch_slots: Dict[int, torch.Tensor] = {}
         # Tensors read from outside the step: [graph tensor, the caller's
         # tensor, its version when last copied].
-        self._outside = [[i, x, x._version] for i, x in rec.sources.items()]
+        self._outside = [[i, x, x._version] for i, x in c.sources.items()]
         # The optimizer state the graph reads (graph tensor, parameter,
         # key), and the state dicts it was found in.
-        self._state_slots = list(state_slots)
+        self._state_slots = list(c.state_slots)
         # The param groups' tensors the graph reads (graph tensor, group
         # index, key): a capturable Adam's tensor learning rate.
-        self._group_slots = list(group_slots)
+        self._group_slots = list(c.group_slots)
         self._state_dicts = [o.state for o in optimizer.members]
 
     # ---- planning -------------------------------------------------------
@@ -155,13 +151,13 @@ class Step:
             raise ValueError("the step already runs in its arena; fit before the first arena run")
         base = self._captured
         t0 = time.perf_counter()
-        make = lambda: memplan.fit(base[0], budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
+        make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
                                    max_added=max_added)
         fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
         self.plan_seconds = time.perf_counter() - t0
         self.graph = fitted.pop("graph")
         self.plan = fitted.pop("plan")
-        self._calls, self._layouts = _recomputed_program(base[0], base[1], base[2], self.graph)
+        self._calls, self._layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
         self._optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
         self._programs.clear()
         self.fitted = fitted
@@ -265,7 +261,7 @@ class Step:
         if self.plan is None:
             self.make_plan()
         offsets = {t["id"]: t["offset"] for t in self.plan["tensors"] if "offset" in t}
-        device = self._layouts[self._loss][4]
+        device = self._layouts[self._loss].device
         arena = Arena(self.plan["arena_bytes"], device)
         placed: Dict[int, torch.Tensor] = {}
         for i, t in enumerate(self.graph["tensors"]):
@@ -382,7 +378,7 @@ class Step:
         if self._graphed is not None:
             _graph.refuse_unless_graphable(track=track, order=order)
             return
-        _graph.refuse_unless_graphable(device=self._layouts[self._loss][4], scaled=self._scaling is not None,
+        _graph.refuse_unless_graphable(device=self._layouts[self._loss].device, scaled=self._scaling is not None,
                                        track=track, order=order,
                                        dependent=_optim.step_dependent(self._optimizers))
 
@@ -392,7 +388,7 @@ class Step:
         device); makes the step's :class:`_graph.Graphed`."""
         if self._graphed is not None:
             return
-        device = self._layouts[self._loss][4]
+        device = self._layouts[self._loss].device
         host = [self.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
         _graph.refuse_unless_graphable(host_inputs=host)
         self._graphed = _graph.Graphed()
@@ -643,7 +639,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             raise
         raise UnsupportedStep(f"{e} [at {where}]").with_traceback(e.__traceback__) from None
     for i, value in rec.constants.items():
-        inputs.bound[i] = value.to(rec.layouts[i][4]) if value.device != rec.layouts[i][4] else value
+        where = rec.layouts[i].device
+        inputs.bound[i] = value.to(where) if value.device != where else value
     label = name or f"{type(model).__name__}-step"
     meta = {"source": "memplan.torch.capture", "torch": torch.__version__, "device": device,
             "optimizer": optimizer.name}
@@ -659,9 +656,12 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         dist.agree(graph)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     scaling = (scaler, _scaler.settings(scaler)) + gate if gate is not None else None
-    step = Step(model, optimizer, rec, graph, inputs.bound, inputs.spec, inputs.batch_layouts, loss_index,
-                updated, hyper, optimizer_calls, time.perf_counter() - t0, norm_index, accumulate, scaling,
-                inputs.state_slots, inputs.group_slots, dist)
+    captured = Captured(graph=graph, calls=rec.calls, layouts=rec.layouts, device=rec.device, bound=inputs.bound,
+                        sources=dict(rec.sources), batch_spec=inputs.spec, batch_layouts=inputs.batch_layouts,
+                        loss=loss_index, norm=norm_index, updated=updated, optimizer_calls=optimizer_calls,
+                        accumulate=accumulate, state_slots=tuple(inputs.state_slots),
+                        group_slots=tuple(inputs.group_slots), seconds=time.perf_counter() - t0)
+    step = Step(model, optimizer, hyper, captured, scaling=scaling, dist=dist)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -22,7 +23,32 @@ import memplan
 
 from . import _distributed, _optim, _scaler
 from ._captured import AsCaptured
-from ._record import GeneratorStates, Recorder, UnsupportedStep
+from ._record import Call, GeneratorStates, Layout, Recorder, UnsupportedStep
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """One recorded step, as :func:`memplan.torch.capture` hands it to
+    :class:`memplan.torch.Step`: the graph and the program of calls (one
+    per op, in the graph's op order), each graph tensor's layout, and how
+    the step meets the caller's objects."""
+
+    graph: Dict[str, Any]
+    calls: List[Call]
+    layouts: List[Layout]
+    device: str  # the device type whose memory is planned
+    bound: Dict[int, torch.Tensor]  # graph tensor -> the caller's tensor (all inputs but the batch)
+    sources: Dict[int, torch.Tensor]  # a constant -> the caller's tensor it was copied from
+    batch_spec: Any  # the batch's pytree structure
+    batch_layouts: List[Tuple[int, tuple, torch.dtype, torch.device, str]]  # (tensor, shape, dtype, device, name)
+    loss: int  # the loss's graph tensor
+    norm: Optional[int]  # the clipped gradients' total norm's, when clipping
+    updated: List[torch.Tensor]  # the parameters the step updates
+    optimizer_calls: List[bool]  # per call: whether it reads the optimizer's numbers
+    accumulate: int  # micro-batches per step
+    state_slots: Tuple[Tuple[int, torch.Tensor, str], ...]  # optimizer state read: (tensor, parameter, key)
+    group_slots: Tuple[Tuple[int, int, str], ...]  # param groups' tensors read: (tensor, group, key)
+    seconds: float  # what capture took
 
 
 def _path_name(path) -> str:

@@ -44,7 +44,7 @@ in), and tensors made outside any op the recorder saw.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -177,6 +177,16 @@ class UnsupportedStep(MemplanError):
     """A step memplan cannot run in another order; the message names the
     op and says why. A :class:`memplan.MemplanError` (a ``ValueError``),
     as every refusal of the package is."""
+
+
+class Layout(NamedTuple):
+    """How a graph tensor sits in its storage, as recorded."""
+
+    shape: tuple
+    stride: tuple
+    offset: int  # storage offset, in elements
+    dtype: torch.dtype
+    device: torch.device
 
 
 class Ref:
@@ -491,8 +501,7 @@ class Recorder(TorchDispatchMode):
         # Real storage of each parameter and buffer -> its fake and graph id.
         self._inputs_by_storage: Dict[int, Tuple[torch.Tensor, str]] = {}
         self.parent: List[Optional[int]] = []  # per tensor: what it is a view of
-        # Per graph tensor: shape, stride, storage offset, dtype, device.
-        self.layouts: List[Tuple[tuple, tuple, int, torch.dtype, torch.device]] = []
+        self.layouts: List[Layout] = []  # per graph tensor
         self._by_object = WeakIdKeyDictionary()
         self._root_of_storage: Dict[int, int] = {}
         self._kept: List[Any] = []  # storages kept alive while recording
@@ -515,9 +524,7 @@ class Recorder(TorchDispatchMode):
         t["shape"] = [int(d) for d in x.shape]
         self.tensors.append(t)
         self.parent.append(view_of)
-        self.layouts.append(
-            (tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.device)
-        )
+        self.layouts.append(Layout(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.device))
         i = len(self.tensors) - 1
         self._by_object[x] = i
         self._phase_of[i] = self.phase
@@ -808,7 +815,7 @@ class Recorder(TorchDispatchMode):
         if i is None:
             self.tensors.append({"id": f"rng:{key}", "size": 0, "role": "input", "lifetime": "persistent"})
             self.parent.append(None)
-            self.layouts.append(((), (), 0, torch.uint8, device))
+            self.layouts.append(Layout((), (), 0, torch.uint8, device))
             i = self._generators[key] = len(self.tensors) - 1
             self._fixed_role[i] = "input"
             self._phase_of[i] = "before"

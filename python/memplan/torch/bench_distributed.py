@@ -81,8 +81,9 @@ def _rank(args) -> Dict[str, Any]:
         model = _model(args)
         ddp = DDP(model, gradient_as_bucket_view=(side == "eager-ddp-bucket-view"))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        s = None
         if side.startswith("eager"):
-            def step(b):
+            def step(b, ddp=ddp, opt=opt):
                 _loss(ddp, b).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -108,7 +109,7 @@ def _rank(args) -> Dict[str, Any]:
         out.setdefault(side, {}).update(peak_bytes=peak + buckets, bucket_bytes=buckets,
                                         resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
         dist.barrier()
-        del ddp, opt, model, step
+        ddp = opt = model = step = s = None  # this side's memory goes before the next side's is made
     return out
 
 
