@@ -70,6 +70,7 @@ pub mod plot;
 pub mod testing;
 pub mod timeline;
 pub mod trace;
+pub mod units;
 
 pub use error::{Error, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};

@@ -44,7 +44,11 @@ class MemplanError(ValueError):
 def _text(doc, what):
     """The JSON text of `doc`: a dict, a JSON string, or a path."""
     if isinstance(doc, dict):
-        return json.dumps(doc)
+        try:
+            return json.dumps(doc, allow_nan=False)
+        except ValueError:
+            raise MemplanError(f"{_first_non_finite(doc, what)}: sizes, costs and attributes must be finite "
+                               "numbers (JSON has no NaN or infinity)") from None
     if isinstance(doc, (str, os.PathLike)):
         path = os.fspath(doc)
         if isinstance(doc, str) and doc.lstrip().startswith("{"):
@@ -73,7 +77,7 @@ def plan(graph, time_limit=10.0):
     `stats` (among others `lower_bound_bytes`, the floor no order can beat,
     and `peak_bytes`). The plan has passed memplan's independent checker.
     """
-    return _call(_memplan.plan_json, _text(graph, "graph"), float(time_limit))
+    return _call(_memplan.plan_json, _text(graph, "graph"), _seconds(time_limit))
 
 
 def check(graph, plan):
@@ -87,17 +91,48 @@ def check(graph, plan):
     return _call(_memplan.check_json, _text(graph, "graph"), _text(plan, "plan"))
 
 
-def _budget(budget):
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise TypeError(f"budget must be a number of bytes (a non-negative int), not {budget!r}")
+def _budget(budget, what="budget"):
+    """Bytes: a non-negative int below 2**64, or a string as the CLI takes
+    it (``"24GiB"``, ``"1.5 GB"``)."""
+    if isinstance(budget, str):
+        try:
+            return _memplan.parse_bytes(budget)
+        except ValueError as e:
+            raise MemplanError(f"{what} {e}") from None
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise MemplanError(f"{what} must be a number of bytes (an int, or a string such as '24GiB'), "
+                           f"not {budget!r}")
+    if not 0 <= budget < 2 ** 64:
+        raise MemplanError(f"{what} must be between 0 and 2**64 - 1 bytes, not {budget}")
     return budget
+
+
+def _seconds(time_limit):
+    """A time limit as a float; memplan's core checks its range."""
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)):
+        raise MemplanError(f"time_limit must be a number of seconds, not {time_limit!r}")
+    return float(time_limit)
+
+
+def _first_non_finite(doc, path="graph"):
+    """The path of the first NaN or infinite number in `doc`, or None."""
+    stack = [(path, doc)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return f"{where} is {x}"
+        if isinstance(x, dict):
+            stack.extend((f"{where}.{k}", v) for k, v in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+    return None
 
 
 def _share(max_added):
     if isinstance(max_added, bool) or not isinstance(max_added, (int, float)):
-        raise TypeError(f"max_added must be a number (0.001 for 0.1%), not {max_added!r}")
+        raise MemplanError(f"max_added must be a number (0.001 for 0.1%), not {max_added!r}")
     if not math.isfinite(max_added) or max_added < 0:
-        raise ValueError("max_added must be a share of the step's cost, 0 or more "
+        raise MemplanError("max_added must be a share of the step's cost, 0 or more "
                          f"(0.001 for 0.1%), not {max_added!r}")
     return float(max_added)
 
@@ -126,8 +161,8 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None)
         raise TypeError("give either budget (bytes) or max_added (a share of the step's cost)")
     if max_added is not None:
         return _call(_memplan.fit_within_json, _text(graph, "graph"), _share(max_added),
-                     float(time_limit), str(minimise))
-    return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), float(time_limit),
+                     _seconds(time_limit), str(minimise))
+    return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), _seconds(time_limit),
                  str(minimise))
 
 
@@ -175,4 +210,4 @@ def max_batch(graph1, graph2, budget, batches=None, probe_time=5.0):
     """
     b1, b2 = _batches(batches)
     return _call(_memplan.max_batch_json, _text(graph1, "graph1"), b1, _text(graph2, "graph2"),
-                 b2, _budget(budget), float(probe_time))
+                 b2, _budget(budget), _seconds(probe_time))

@@ -92,6 +92,13 @@ fn read_text(path: std::path::PathBuf) -> PyResult<String> {
     memplan::io::read_text(&path).map_err(err)
 }
 
+/// Bytes written as people write them (`"24GiB"`, `"1.5 GB"`): the CLI's
+/// rule, `memplan::units::parse_bytes`.
+#[pyfunction]
+fn parse_bytes(text: &str) -> PyResult<u64> {
+    memplan::units::parse_bytes(text).map_err(err)
+}
+
 #[pymodule]
 fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
@@ -102,6 +109,7 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(max_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(example_json, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -93,6 +93,31 @@ class PlanAndCheck(unittest.TestCase):
         self.assertIn("/no/such/graph.json", str(e.exception))
         with self.assertRaises(TypeError):
             memplan.plan(42)
+
+    def test_bad_arguments_are_memplan_errors_naming_the_element(self):
+        # Issue 41: each of these raised TypeError, OverflowError or a bare
+        # JSON column before.
+        self.assertEqual(memplan._budget("24GiB"), 24 << 30)
+        self.assertEqual(memplan._budget("1.5 GB"), 1_500_000_000)
+        for bad, says in (("24 parsecs", "unknown unit"), (2 ** 70, "2\\*\\*64"), (-1, "between 0"),
+                          (1.5, "number of bytes"), (None, "number of bytes"), ("-3GB", "non-negative")):
+            with self.assertRaisesRegex(memplan.MemplanError, says, msg=repr(bad)):
+                memplan.fit(TWO_OPS, budget=bad)
+        with self.assertRaisesRegex(memplan.MemplanError, "time_limit"):
+            memplan.plan(TWO_OPS, time_limit="soon")
+        with self.assertRaisesRegex(memplan.MemplanError, "time limit"):
+            memplan.plan(TWO_OPS, time_limit=1e300)
+        g = json.loads(json.dumps(TWO_OPS))
+        g["tensors"][1]["size"] = float("nan")
+        with self.assertRaisesRegex(memplan.MemplanError, r"graph\.tensors\[1\]\.size is nan"):
+            memplan.plan(g)
+        g = json.loads(json.dumps(TWO_OPS))
+        g["ops"][0]["flops"] = float("inf")
+        with self.assertRaisesRegex(memplan.MemplanError, r"graph\.ops\[0\]\.flops is inf"):
+            memplan.fit(g, max_added=0.1)
+        # A budget as a string reaches the fit (which then says it cannot fit 1 byte).
+        with self.assertRaisesRegex(memplan.MemplanError, "bound|fit"):
+            memplan.fit(TWO_OPS, budget="1B", time_limit=1)
         self.assertTrue(issubclass(memplan.MemplanError, ValueError))
         self.assertEqual(memplan.__version__.count("."), 2)
 

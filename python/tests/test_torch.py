@@ -2262,7 +2262,7 @@ class FittedStepsRecompute(unittest.TestCase):
             h.step.fit(1 << 20, max_added=0.01)
         with self.assertRaisesRegex(ValueError, "max_added"):
             memplan.fit(h.step.graph, max_added=-0.5)
-        with self.assertRaisesRegex(TypeError, "max_added"):
+        with self.assertRaisesRegex(memplan.MemplanError, "max_added"):
             memplan.fit(h.step.graph, max_added="1%")
         # The same through capture().
         model = gpt2()
@@ -2574,6 +2574,20 @@ class BadInputIsRefusedByName(unittest.TestCase):
         batch = batch if batch is not None else (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
         opt = opt or torch.optim.AdamW(model.parameters())
         return mt.capture(model, opt, batch, loss_fn, time_limit=1)
+
+    def test_a_model_without_parameters_and_a_meta_model_run_for_real(self):
+        # Issue 41: "tensors are on several device types: []", and torch's
+        # own error from inside the step.
+        with self.assertRaisesRegex(mt.UnsupportedStep, r"Sequential\) has no parameters or buffers"):
+            self.capture(nn.Sequential(nn.ReLU()), opt=torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        step = self.capture(model)
+        self.assertGreater(step.stats["arena_bytes"], 0)  # planned
+        batch = (torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+        for run in (lambda: step(batch), lambda: step(batch, arena=True), step.place):
+            with self.assertRaisesRegex(mt.UnsupportedStep, "meta device.*planned.*capture it again"):
+                run()
 
     def test_reseeding_inside_the_step(self):
         def reseeded(m, b):

@@ -102,31 +102,7 @@ pub fn parse_budget(text: &str, base: impl FnOnce() -> Result<u64>) -> Result<u6
         }
         return Ok((base()? as f64 * share / 100.0).floor() as u64);
     }
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024f64.powi(4),
-        u => bail!(
-            "--budget {text:?}: unknown unit {u:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, or %)"
-        ),
-    };
-    let n: f64 = num
-        .trim()
-        .parse()
-        .with_context(|| format!("--budget {text:?}: not a number"))?;
-    let bytes = n * scale;
-    if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
-        bail!("--budget {text:?}: out of range");
-    }
-    Ok(bytes.floor() as u64)
+    memplan::units::parse_bytes(t).map_err(|e| anyhow::anyhow!("--budget {e}"))
 }
 
 /// A share of the step's cost as the user wrote it: `0.5%` or `0.005`.

@@ -258,6 +258,7 @@ class Step:
         ``run(..., arena=True)``."""
         if self._arena is not None:
             return self._arena
+        self._refuse_meta()
         if self.plan is None:
             self.make_plan()
         offsets = {t["id"]: t["offset"] for t in self.plan["tensors"] if "offset" in t}
@@ -316,6 +317,7 @@ class Step:
         graph and launched as one (see :mod:`memplan.torch._graph`; the
         first run settles the arena without a graph); the loss returned is
         then overwritten by the next step."""
+        self._refuse_meta()
         self._as_captured.check()
         self._refresh_outside()
         self._rebind_state()
@@ -370,6 +372,14 @@ class Step:
         return env[self._loss]
 
     __call__ = run
+
+    def _refuse_meta(self) -> None:
+        if self._captured.meta:
+            raise UnsupportedStep(
+                "the model is on the meta device, which holds no values: this step can be planned "
+                "(step.plan, step.stats, step.fit) but not run; to run it, make the model on a real device "
+                "(or model.to_empty(device=...) and initialise its weights) and capture it again"
+            )
 
     def _graph_checks(self, order: str, track: bool) -> None:
         """Refuses, saying why, a call a CUDA graph cannot run (see
@@ -660,7 +670,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
                         sources=dict(rec.sources), batch_spec=inputs.spec, batch_layouts=inputs.batch_layouts,
                         loss=loss_index, norm=norm_index, updated=updated, optimizer_calls=optimizer_calls,
                         accumulate=accumulate, state_slots=tuple(inputs.state_slots),
-                        group_slots=tuple(inputs.group_slots), seconds=time.perf_counter() - t0)
+                        group_slots=tuple(inputs.group_slots), seconds=time.perf_counter() - t0,
+                        meta=traced is not None)
     step = Step(model, optimizer, hyper, captured, scaling=scaling, dist=dist)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)

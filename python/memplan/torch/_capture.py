@@ -49,6 +49,7 @@ class Captured:
     state_slots: Tuple[Tuple[int, torch.Tensor, str], ...]  # optimizer state read: (tensor, parameter, key)
     group_slots: Tuple[Tuple[int, int, str], ...]  # param groups' tensors read: (tensor, group, key)
     seconds: float  # what capture took
+    meta: bool = False  # traced from a model on the meta device: planned, never run
 
 
 def _path_name(path) -> str:
@@ -61,6 +62,9 @@ def _step_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, param
     model is traced as (else None). Refuses a model on several device
     types and a param group holding a tensor that is not a parameter."""
     devices = {p.device.type for p in params.values()} | {b.device.type for b in model.buffers()}
+    if not devices:
+        raise UnsupportedStep(f"the model ({type(model).__name__}) has no parameters or buffers: there is no "
+                              "training step to capture")
     if len(devices) != 1:
         raise UnsupportedStep(f"the model's tensors are on several device types: {sorted(devices)}")
     device = devices.pop()
