@@ -328,16 +328,46 @@ fn an_example_too_large_is_refused_with_its_size() {
     assert!(e.to_string().contains("ops"), "{e}");
     let e = memplan::api::example_json("mlp,layers=18446744073709551615").unwrap_err();
     assert!(e.to_string().contains("mlp with"), "{e}");
-    // Within the limit, the estimate is exact.
-    let g = memplan::models::example(
-        "gpt2-tiny",
-        &memplan::models::ExampleOptions {
-            layers: Some(7),
+    // Sizes that overflow u64 are refused too (they used to overflow in
+    // the builders: a panic in debug builds, wrapped sizes in release).
+    for dims in [
+        &["--batch", "18446744073709551615"][..],
+        &["--seq", "4294967296"],
+        &["--batch", "100000000000"],
+    ] {
+        for name in ["gpt2-tiny", "llama-tiny"] {
+            let mut args = vec!["plan", "--example", name];
+            args.extend(dims);
+            let (_, err) = exits(1, &args);
+            assert!(err.contains("too large to count in 64-bit bytes"), "{err}");
+        }
+    }
+    let (_, err) = exits(
+        1,
+        &["stats", "--example", "mlp", "--batch", "1000000000000000"],
+    );
+    assert!(err.contains("too large"), "{err}");
+    // The estimate assumes ops and tensors grow linearly with the layers:
+    // the count at 1 and 2 layers gives the count at any other exactly.
+    let at = |name: &str, layers: u64, checkpoint: bool| {
+        let o = memplan::models::ExampleOptions {
+            layers: Some(layers),
+            checkpoint,
+            mixed_precision: name != "mlp",
+            clip_grad_norm: (name != "mlp").then_some(1.0),
             ..Default::default()
-        },
-    )
-    .unwrap();
-    assert!(g.num_ops() > 7);
+        };
+        let g = memplan::models::example(name, &o).unwrap();
+        (g.num_ops() as u64, g.num_tensors() as u64)
+    };
+    for name in ["gpt2-tiny", "llama-tiny", "mlp"] {
+        for checkpoint in [false, true] {
+            let (one, two) = (at(name, 1, checkpoint), at(name, 2, checkpoint));
+            let seven = at(name, 7, checkpoint);
+            assert_eq!(seven.0, one.0 + 6 * (two.0 - one.0), "{name}");
+            assert_eq!(seven.1, one.1 + 6 * (two.1 - one.1), "{name}");
+        }
+    }
 }
 
 #[test]

@@ -83,7 +83,29 @@ pub const MAX_EXAMPLE_OPS: u64 = 1_000_000;
 /// Refuses an example request whose layer count gives more than
 /// [`MAX_EXAMPLE_OPS`] ops. Ops and tensors grow linearly with the layers,
 /// so the same example at one and two layers gives the count exactly.
+///
+/// Batch and sequence length are bounded too, so every tensor's size fits
+/// in u64 with room to spare: the builders multiply them with the preset's
+/// widths (at most 2^18) and, for attention scores, with the sequence and
+/// the heads (at most 64), in bytes (at most 8 each), so tokens (batch ×
+/// seq) times max(seq, 2^18) may be at most 2^55.
 fn check_size(name: &str, opts: &ExampleOptions) -> Result<(), Error> {
+    let (batch, seq) = if name == "mlp" {
+        (opts.batch.unwrap_or(mlp::MlpConfig::default().batch), 1)
+    } else if let Some(c) = llama::LlamaConfig::preset(name) {
+        (opts.batch.unwrap_or(c.batch), opts.seq.unwrap_or(c.seq))
+    } else if let Some(c) = gpt2::Gpt2Config::preset(name) {
+        (opts.batch.unwrap_or(c.batch), opts.seq.unwrap_or(c.seq))
+    } else {
+        // Unknown: build_example names it.
+        return Ok(());
+    };
+    let elements = (batch as u128) * (seq as u128) * (seq.max(1 << 18) as u128);
+    if elements > 1 << 55 {
+        return Err(Error::Invalid(format!(
+            "{name} at batch {batch}, seq {seq} has tensors too large to count in 64-bit bytes (batch × seq × max(seq, 262144) must be at most 2^55)"
+        )));
+    }
     let Some(layers) = opts.layers.filter(|&l| l > 2) else {
         return Ok(());
     };
