@@ -177,11 +177,21 @@ def example(spec):
     return _call(_memplan.example_json, str(spec))
 
 
+def _count(n, what):
+    """A batch size: a non-negative int below 2**64."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise MemplanError(f"{what} must be a whole number, not {n!r}")
+    if not 0 <= n < 2 ** 64:
+        raise MemplanError(f"{what} must be between 0 and 2**64 - 1, not {n}")
+    return n
+
+
 def _batches(batches):
     if batches is None:
         return 0, 0
-    b1, b2 = batches
-    return int(b1), int(b2)
+    if not isinstance(batches, (tuple, list)) or len(batches) != 2:
+        raise MemplanError(f"batches must be the two captures' batch sizes (b1, b2), not {batches!r}")
+    return _count(batches[0], "batches[0]"), _count(batches[1], "batches[1]")
 
 
 def at_batch(graph1, graph2, batch, batches=None):
@@ -195,7 +205,7 @@ def at_batch(graph1, graph2, batch, batches=None):
     """
     b1, b2 = _batches(batches)
     return _call(_memplan.graph_at_batch_json, _text(graph1, "graph1"), b1,
-                 _text(graph2, "graph2"), b2, int(batch))
+                 _text(graph2, "graph2"), b2, _count(batch, "batch"))
 
 
 def max_batch(graph1, graph2, budget, batches=None, probe_time=5.0):

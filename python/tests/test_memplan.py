@@ -100,7 +100,7 @@ class PlanAndCheck(unittest.TestCase):
         self.assertEqual(memplan._budget("24GiB"), 24 << 30)
         self.assertEqual(memplan._budget("1.5 GB"), 1_500_000_000)
         for bad, says in (("24 parsecs", "unknown unit"), (2 ** 70, "2\\*\\*64"), (-1, "between 0"),
-                          (1.5, "number of bytes"), (None, "number of bytes"), ("-3GB", "non-negative")):
+                          (1.5, "number of bytes"), ([1], "number of bytes"), ("-3GB", "non-negative")):
             with self.assertRaisesRegex(memplan.MemplanError, says, msg=repr(bad)):
                 memplan.fit(TWO_OPS, budget=bad)
         with self.assertRaisesRegex(memplan.MemplanError, "time_limit"):
@@ -120,6 +120,87 @@ class PlanAndCheck(unittest.TestCase):
             memplan.fit(TWO_OPS, budget="1B", time_limit=1)
         self.assertTrue(issubclass(memplan.MemplanError, ValueError))
         self.assertEqual(memplan.__version__.count("."), 2)
+
+
+class EntryPointsNeverCrash(unittest.TestCase):
+    """A bounded fuzz of the package's entry points: mutated graphs and
+    plans, junk arguments and example specs. Each call returns or raises
+    MemplanError (or TypeError for an argument of the wrong kind); a
+    panic in the core (pyo3's PanicException, a BaseException), any other
+    exception or a crash fails."""
+
+    JUNK = [None, True, -1, 0, 1, 3, 2 ** 64, 2 ** 70, -2 ** 63, 1e308, -0.5, float("nan"), float("inf"), "",
+            "x", "1e999", [], [1], {}, {"id": "x"}, "f", "h"]
+
+    def mutate(self, rng, doc):
+        doc = copy.deepcopy(doc)
+        for _ in range(rng.randint(1, 4)):
+            node, key = doc, None
+            # Walk to a random place in the document.
+            while isinstance(node, (dict, list)) and node and rng.random() < 0.7:
+                key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+                if not isinstance(node[key], (dict, list)) or rng.random() < 0.3:
+                    break
+                node, key = node[key], None
+            if key is None or not isinstance(node, (dict, list)) or not node:
+                continue
+            if isinstance(node, list) and key >= len(node):
+                continue
+            what = rng.random()
+            if what < 0.5:
+                node[key] = rng.choice(self.JUNK)
+            elif what < 0.7:
+                del node[key]
+            elif isinstance(node, list):
+                node.append(copy.deepcopy(rng.choice(node)))  # a duplicate (same id)
+            else:
+                node[rng.choice(["inputs", "outputs", "updates", "view_of", "reuse", "kind", "size", "role"])] = \
+                    rng.choice(self.JUNK)
+        return doc
+
+    def call(self, fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except (memplan.MemplanError, TypeError):
+            pass
+        except BaseException as e:  # noqa: B902 (a panic is a BaseException)
+            self.fail(f"{fn.__name__}{args!r:.300} {kwargs!r}: {type(e).__name__}: {e}")
+
+    def test_mutated_graphs_plans_and_arguments(self):
+        import random
+
+        rng = random.Random(41)
+        base_plan = memplan.plan(TWO_OPS, time_limit=1)
+        for _ in range(300):
+            g = self.mutate(rng, TWO_OPS)
+            self.call(memplan.plan, g, time_limit=0.2)
+            self.call(memplan.check, TWO_OPS, self.mutate(rng, base_plan))
+            self.call(memplan.check, g, base_plan)
+            self.call(memplan.fit, g, budget=rng.choice([0, 4096, 6144, 2 ** 63, "6KiB"]), time_limit=0.2)
+            self.call(memplan.fit, g, max_added=rng.choice([0, 0.001, 1e300]), time_limit=0.2)
+            self.call(memplan.at_batch, g, self.mutate(rng, TWO_OPS), rng.choice(self.JUNK), (2, 3))
+            self.call(memplan.max_batch, g, g, rng.choice(self.JUNK), batches=(2, 3), probe_time=0.2)
+            self.call(memplan.plan, TWO_OPS, time_limit=rng.choice(self.JUNK))
+        gpt2 = json.loads(gzip.decompress(GPT2_TINY.read_bytes()))
+        for _ in range(20):  # a real step's graph, a few ops or tensors broken
+            g = self.mutate(rng, gpt2)
+            self.call(memplan.plan, g, time_limit=0.2)
+            self.call(memplan.fit, g, max_added=0.001, time_limit=0.2)
+
+    def test_example_specs(self):
+        import random
+
+        rng = random.Random(7)
+        names = ["gpt2-tiny", "llama-tiny", "mlp", "gpt5", ""]
+        keys = ["batch", "seq", "layers", "dtype", "clip", "world", "prefetch", "noreshard", "flat", "reduce",
+                "checkpoint", "fused", "mixed", "", "=", "batch="]
+        values = ["0", "1", "2", "-1", "1e9", "18446744073709551616", "nan", "inf", "bf16", "x", ""]
+        for _ in range(120):
+            parts = [rng.choice(names)]
+            for _ in range(rng.randint(0, 4)):
+                k = rng.choice(keys)
+                parts.append(k if rng.random() < 0.3 else f"{k}={rng.choice(values)}")
+            self.call(memplan.example, ",".join(parts))
 
 
 if __name__ == "__main__":

@@ -402,13 +402,21 @@ class CapturedStepsMatchEager(unittest.TestCase):
             num_classes=10)
         Harness(self, model, (torch.randn(2, 3, 32, 32), torch.tensor([3, 4])), classify).run()
 
-    def test_compile_captures_on_the_first_batch(self):
+    def test_the_old_name_compile_warns_and_still_works(self):
+        model = random_model(random.Random(3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with self.assertWarnsRegex(DeprecationWarning, "renamed memplan.torch.train_step"):
+            fn = mt.compile(model, opt, classify, time_limit=2)
+        fn((torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])))
+        self.assertIsNotNone(fn.step.plan)
+
+    def test_train_step_captures_on_the_first_batch(self):
         torch.manual_seed(0)
         model = random_model(random.Random(3))
         ref = copy.deepcopy(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        train_step = mt.compile(model, opt, classify, time_limit=2)
+        train_step = mt.train_step(model, opt, classify, time_limit=2)
         batch = (torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0]))
         for _ in range(3):
             loss = train_step(batch)
@@ -1303,7 +1311,7 @@ class LearningRateSchedules(unittest.TestCase):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warm_up)
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, warm_up)
         batch = torch.randint(0, 256, (2, 16))
-        step = mt.compile(model, opt, causal_lm, time_limit=5)
+        step = mt.train_step(model, opt, causal_lm, time_limit=5)
         with warnings.catch_warnings():
             # PyTorch warns when scheduler.step() comes before any
             # optimizer.step(): memplan's step stands for the latter.
@@ -1446,7 +1454,7 @@ class CudaGraphSteps(unittest.TestCase):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, halve)
             ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, halve)
             batches = [torch.randint(0, 256, (2, 16)) for _ in range(5)]
-            train = mt.compile(model, opt, causal_lm, graph=True, time_limit=5)
+            train = mt.train_step(model, opt, causal_lm, graph=True, time_limit=5)
             with warnings.catch_warnings(), host_graphs():
                 warnings.simplefilter("ignore", UserWarning)  # scheduler.step() before optimizer.step()
                 for k, b in enumerate(batches + batches[:3]):
@@ -1490,7 +1498,7 @@ class CudaGraphSteps(unittest.TestCase):
             opt, ref_opt = make(model), make(ref)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
             ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, shape)
-            train = mt.compile(model, opt, causal_lm, graph=True, time_limit=5)
+            train = mt.train_step(model, opt, causal_lm, graph=True, time_limit=5)
             for k, b in enumerate(batches):
                 if k == 4:
                     # Resuming: a state dict whose learning rate is another tensor.
@@ -2012,7 +2020,7 @@ class GradientAccumulation(unittest.TestCase):
         ref = copy.deepcopy(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        train_step = mt.compile(model, opt, classify, time_limit=2, accumulate=2, clip_grad_norm=0.5)
+        train_step = mt.train_step(model, opt, classify, time_limit=2, accumulate=2, clip_grad_norm=0.5)
         for _ in range(2):
             micro = [(torch.randn(3, 6), torch.tensor([0, 1, 2])) for _ in range(2)]
             state = torch.get_rng_state()

@@ -54,7 +54,7 @@ from ._distributed import CollectiveTimeout, RankFailure
 from ._record import Call, Recorder, Ref, UnsupportedStep
 from ._run import Arena, Gate, Program, StorageTracker
 
-__all__ = ["capture", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
+__all__ = ["capture", "train_step", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
 
 
 class Step:
@@ -706,9 +706,9 @@ def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return r
 
 
-def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, arena: bool = False,
-            graph: bool = False, **options) -> Callable[[Any], torch.Tensor]:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, arena: bool = False,
+               graph: bool = False, **options) -> Callable[[Any], torch.Tensor]:
     """A training-step function that captures and plans on its first batch
     (options as for :func:`capture`; with ``accumulate=N`` each call takes
     a list of N micro-batches) and runs the planned step on every batch;
@@ -716,12 +716,23 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     are :meth:`Step.run`'s: every tensor at its planned offset, and the
     step launched as one CUDA graph."""
 
-    def train_step(batch):
-        if train_step.step is None:
+    def step_fn(batch):
+        if step_fn.step is None:
             # With accumulation the batch is the list of micro-batches.
             example = batch[0] if options.get("accumulate", 1) > 1 else batch
-            train_step.step = capture(model, optimizer, example, loss_fn, **options)
-        return train_step.step(batch, arena=arena, graph=graph)
+            step_fn.step = capture(model, optimizer, example, loss_fn, **options)
+        return step_fn.step(batch, arena=arena, graph=graph)
 
-    train_step.step = None
-    return train_step
+    step_fn.step = None
+    return step_fn
+
+
+def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], **options) -> Callable[[Any], torch.Tensor]:
+    """Deprecated name of :func:`train_step` (it is not ``torch.compile``);
+    it goes in the next release."""
+    import warnings
+
+    warnings.warn("memplan.torch.compile is renamed memplan.torch.train_step (it is not torch.compile); "
+                  "the old name goes in the next release", DeprecationWarning, stacklevel=2)
+    return train_step(model, optimizer, loss_fn, **options)
