@@ -10,6 +10,7 @@ writes its findings as JSON to OUT (one file per rank). Cases:
   step and by eager DDP (same initial weights on every rank, each rank its
   own batch): losses, parameters, buffers and optimizer state must agree, the
   tracked live bytes must equal the plan's max live, and the arena step too.
+- ``options``: dropout, clipping by norm and gradient accumulation.
 - ``mismatch``: rank 1 captures another batch shape; every rank must refuse
   the capture, naming the ranks.
 - ``dies``: rank 1 exits after capture; rank 0's step must fail naming the
@@ -148,6 +149,49 @@ def match(rank, world, only=None, dtype=torch.float32):
     return found
 
 
+def options(rank, world):
+    """GPT-2 with dropout, gradient clipping by norm and accumulation over
+    two micro-batches, against eager DDP written as users write it
+    (``no_sync()`` for the first micro-batch), from the same generator
+    state on both sides (dropout draws alike)."""
+    import transformers as T
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                           resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)).train()
+    ref, mine = DDP(copy.deepcopy(model)), DDP(model)
+    ref_opt, opt = adamw(ref.parameters()), adamw(mine.parameters())
+    g = torch.Generator().manual_seed(1000 + rank)
+    steps = [[torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)] for _ in range(3)]
+    step = mt.capture(mine, opt, steps[0][0], lm, time_limit=2, clip_grad_norm=1.0, accumulate=2)
+    found = {"losses": [], "norms": []}
+    for k, micro in enumerate(steps):
+        state = torch.get_rng_state()
+        loss = step(micro, track=True)
+        torch.set_rng_state(state)
+        with ref.no_sync():
+            first = lm(ref, micro[0]) / 2
+            first.backward()
+        second = lm(ref, micro[1]) / 2
+        second.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss.detach(), (first + second).detach(), **TOL, msg=lambda m: f"loss {k}: {m}")
+        torch.testing.assert_close(step.grad_norm, norm, **TOL, msg=lambda m: f"norm {k}: {m}")
+        assert step.tracked_peak_bytes == step.plan["stats"]["max_live_bytes"], (step.tracked_peak_bytes,
+                                                                                step.plan["stats"])
+        found["losses"].append(float(loss))
+        found["norms"].append(float(norm))
+    for (n, p), q in zip(mine.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+    # One all-reduce per gradient, after both micro-batches (as no_sync).
+    found["all_reduces"] = sum(op["type"] == "memplan.all_reduce" for op in step.graph["ops"])
+    found["parameters"] = len(list(mine.parameters()))
+    return found
+
+
 def mismatch(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -216,6 +260,8 @@ def main():
             only = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
             dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
             result = match(rank, world, only, dtype)
+        elif case == "options":
+            result = options(rank, world)
         elif case == "mismatch":
             result = mismatch(rank, world)
         elif case in ("dies", "stalls"):

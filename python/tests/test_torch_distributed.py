@@ -104,6 +104,19 @@ class DataParallelStepsMatchEagerDDP(unittest.TestCase):
         self.check(4, 400, only=["random-mlp-1", "batchnorm-cnn", "hf-gpt2", "hf-llama"], dtype="float64")
 
 
+class DataParallelWithTheUsualOptions(unittest.TestCase):
+    def test_dropout_clipping_and_accumulation_match_eager_ddp(self):
+        reports, _, logs = launch("options", 2, 300)
+        for r, rep in enumerate(reports):
+            self.assertIsNotNone(rep, f"rank {r}:\n{logs[r][-3000:]}")
+            self.assertTrue(rep["ok"], f"rank {r}:\n{rep['result'].get('traceback')}")
+            got = rep["result"]
+            self.assertEqual(got["all_reduces"], got["parameters"])  # one per gradient (tied ones once)
+            self.assertEqual(len(got["losses"]), 3)
+        # Each rank its own data, the same replica: the norms agree.
+        self.assertEqual(reports[0]["result"]["norms"], reports[1]["result"]["norms"])
+
+
 class RanksThatDisagreeOrFail(unittest.TestCase):
     def test_a_rank_capturing_another_step_is_refused_on_every_rank(self):
         reports, _, logs = launch("mismatch", 2, 180)
