@@ -134,7 +134,7 @@ pub fn run(a: AllocArgs) -> Result<()> {
             "source": out.source,
             "seconds": out.stats.seconds,
             "search_nodes": out.stats.nodes,
-            "output": a.output.as_deref().filter(|_| fits).map(super::shown),
+            "output": a.output.as_ref().filter(|_| fits).map(|p| p.display().to_string()),
         });
         sayln!("{}", serde_json::to_string_pretty(&v)?);
     } else {

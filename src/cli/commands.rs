@@ -209,7 +209,7 @@ fn plan(
             "solve_seconds": s.solve_seconds,
             "order_source": s.order_source,
             "layout_source": s.layout_source,
-            "plan_file": output.as_deref().map(super::shown),
+            "plan_file": output.as_ref().map(|p| p.display().to_string()),
         });
         let mut v = v;
         if with_report {
