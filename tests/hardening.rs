@@ -86,6 +86,10 @@ fn a_huge_time_limit_is_refused_by_every_command() {
                 "--time-limit must be a positive number of seconds, got 0",
             ),
             ("NaN", "got NaN"),
+            (
+                "-1",
+                "--time-limit must be a positive number of seconds, got -1",
+            ),
         ] {
             args.extend(["--time-limit", limit]);
             let (_, err) = exits(1, &args);

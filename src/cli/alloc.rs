@@ -30,7 +30,12 @@ pub struct AllocArgs {
     #[arg(short, long, value_name = "OUT")]
     pub output: Option<PathBuf>,
     /// Time budget per problem, in seconds.
-    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    #[arg(
+        long,
+        value_name = "S",
+        allow_negative_numbers = true,
+        default_value_t = 10.0
+    )]
     pub time_limit: f64,
     /// Print the result as JSON.
     #[arg(long)]

@@ -41,7 +41,7 @@ pub struct BenchArgs {
     pub markdown: bool,
     /// Time budget of each solve, in seconds (default 10; with --update or
     /// --check and no value, each recorded graph's own budget).
-    #[arg(long, value_name = "S")]
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
     pub time_limit: Option<f64>,
     /// Write memplan's peaks and lower bounds into this record (created if
     /// missing). Without PATHs, re-benchmarks every graph the record holds.

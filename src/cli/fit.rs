@@ -50,7 +50,12 @@ pub struct FitArgs {
     #[arg(long)]
     pub json: bool,
     /// Time budget of the whole fit, in seconds.
-    #[arg(long, value_name = "S", default_value_t = 60.0)]
+    #[arg(
+        long,
+        value_name = "S",
+        allow_negative_numbers = true,
+        default_value_t = 60.0
+    )]
     pub time_limit: f64,
     /// List every recomputed op.
     #[arg(long)]

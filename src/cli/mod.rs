@@ -216,7 +216,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
         /// Time budget for the whole solve, in seconds.
-        #[arg(long, value_name = "S", default_value_t = 10.0)]
+        #[arg(
+            long,
+            value_name = "S",
+            allow_negative_numbers = true,
+            default_value_t = 10.0
+        )]
         time_limit: f64,
         /// Report where the time went and each part's size, bound, peak and gap.
         #[arg(long)]
@@ -250,7 +255,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
         /// Time budget for memplan's solve, in seconds.
-        #[arg(long, value_name = "S", default_value_t = 10.0)]
+        #[arg(
+            long,
+            value_name = "S",
+            allow_negative_numbers = true,
+            default_value_t = 10.0
+        )]
         time_limit: f64,
     },
     /// Offsets for buffers with fixed lifetimes (MiniMalloc CSV), or the
@@ -280,7 +290,12 @@ pub enum Command {
         #[arg(long, value_name = "PLAN", requires = "hlo")]
         plan: Option<PathBuf>,
         /// With --hlo and no --plan: time budget for the solve, in seconds.
-        #[arg(long, value_name = "S", default_value_t = 10.0)]
+        #[arg(
+            long,
+            value_name = "S",
+            allow_negative_numbers = true,
+            default_value_t = 10.0
+        )]
         time_limit: f64,
         /// With --hlo: do not chain the entry's instructions with control
         /// predecessors (XLA's CPU compiler then schedules them again).

@@ -35,7 +35,12 @@ pub struct PlotArgs {
     #[arg(long)]
     pub title: Option<String>,
     /// Time budget of the solve when planning, in seconds.
-    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    #[arg(
+        long,
+        value_name = "S",
+        allow_negative_numbers = true,
+        default_value_t = 10.0
+    )]
     pub time_limit: f64,
 }
 

@@ -42,7 +42,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub json: bool,
     /// Time budget for planning, in seconds.
-    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    #[arg(
+        long,
+        value_name = "S",
+        allow_negative_numbers = true,
+        default_value_t = 10.0
+    )]
     pub time_limit: f64,
     /// Seed of parameter initialization (the batch uses SEED + 1).
     #[arg(long, value_name = "SEED", default_value_t = 0)]

@@ -25,7 +25,12 @@ pub struct TraceArgs {
     #[arg(short, long, value_name = "TRACE.json")]
     pub output: PathBuf,
     /// Time budget of the solve when planning, in seconds.
-    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    #[arg(
+        long,
+        value_name = "S",
+        allow_negative_numbers = true,
+        default_value_t = 10.0
+    )]
     pub time_limit: f64,
 }
 
