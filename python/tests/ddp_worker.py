@@ -16,7 +16,9 @@ writes its findings as JSON to OUT (one file per rank). Cases:
 - ``dies``: rank 1 exits after capture; rank 0's step must fail naming the
   collective, within the timeout.
 - ``stalls``: rank 1 sleeps after capture; rank 0's step must time out.
-- ``refusals``: wrappers memplan.torch does not capture are refused by name.
+- ``fsdp [MODELS [DTYPE]]``: FSDP2 (``fully_shard`` on blocks and root)
+  against FSDP2 eager: losses, ``full_tensor()`` parameters, tracked bytes.
+- ``refusals``: what memplan.torch does not capture yet, refused by name.
 """
 
 import copy
@@ -192,6 +194,81 @@ def options(rank, world):
     return found
 
 
+def fsdp_models():
+    """(name, model, how to shard it, batch maker, loss_fn)."""
+    import transformers as T
+
+    def blocks_then_root(layers_of, reshard=True):
+        def shard(m):
+            from torch.distributed.fsdp import fully_shard
+
+            for i, block in enumerate(layers_of(m)):
+                # One unit keeps its parameters gathered into the backward.
+                fully_shard(block, reshard_after_forward=reshard if i != 0 else False)
+            fully_shard(m)
+        return shard
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    tokens = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    out = [("mlp", mlp, blocks_then_root(lambda m: [m[0], m[2]]),
+            lambda g: (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)), classify)]
+    torch.manual_seed(0)
+    out.append(("hf-llama", T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2)),
+                blocks_then_root(lambda m: m.model.layers), lambda g: torch.randint(0, 256, (2, 16), generator=g), lm))
+    torch.manual_seed(0)
+    out.append(("hf-qwen2", T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2)),
+                blocks_then_root(lambda m: m.model.layers), lambda g: torch.randint(0, 256, (2, 16), generator=g), lm))
+    return out
+
+
+def fsdp(rank, world, only=None, dtype=torch.float32):
+    """FSDP2 (fully_shard) steps against FSDP2 eager, 3 steps each."""
+    found = {}
+    for name, model, shard, make, loss_fn in fsdp_models():
+        if only is not None and name not in only:
+            continue
+        model.to(dtype)
+        ref = copy.deepcopy(model)
+        shard(model)
+        shard(ref)
+        opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
+        g = torch.Generator().manual_seed(1000 + rank)
+        batches = [torch.utils._pytree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, make(g))
+                   for _ in range(3)]
+        step = mt.capture(model, opt, batches[0], loss_fn, time_limit=2)
+        tracked = []
+        for k, batch in enumerate(batches):
+            loss = step(batch, track=True)
+            tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"]))
+            want = loss_fn(ref, batch)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(loss.detach(), want.detach(), **TOL, msg=lambda m: f"{name} loss {k}: {m}")
+        worst = 0.0
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            a, b = p.full_tensor(), q.full_tensor()  # DTensors: every rank's shards gathered
+            worst = max(worst, biggest_difference(a, b))
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name} {n}: {m}")
+        sd = model.state_dict()  # FSDP2's state dict works on the updated shards
+        graph = step.graph
+        found[name] = dict(
+            tracked=tracked, worst=worst, state_dict_keys=len(sd),
+            all_gathers=sum(op["type"] == "memplan.all_gather" for op in graph["ops"]),
+            reduce_scatters=sum(op["type"] == "memplan.reduce_scatter" for op in graph["ops"]),
+            parameters=len(list(model.parameters())),
+            checked_max_live=memplan.check(graph, step.plan)["max_live_bytes"],
+        )
+        try:
+            step(batches[0], arena=True)
+            found[name]["arena"] = "ran"
+        except mt.UnsupportedStep as e:
+            found[name]["arena"] = str(e)
+    return found
+
+
 def mismatch(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -230,20 +307,45 @@ def fault(rank, world, how):
 
 
 def refusals(rank, world):
-    from torch.distributed.fsdp import fully_shard
+    """What capture does not take yet, each refused by name."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    out = {}
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    fully_shard(model[0])
-    fully_shard(model)
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def sharded(**kw):
+        m = mlp()
+        fully_shard(m[0], **kw)
+        fully_shard(m, **kw)
+        return m
+
+    partly = mlp()
+    fully_shard(partly[0])
     batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
-    for what, m in (("fsdp2", model), ("data-parallel", nn.DataParallel(nn.Linear(6, 3)))):
+    cases = {
+        "fsdp2-partly": (partly, {}, None),
+        "fsdp2-mixed-precision": (sharded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), {}, None),
+        "fsdp2-cpu-offload": (sharded(offload_policy=CPUOffloadPolicy(pin_memory=False)), {}, None),
+        "fsdp2-clipping": (sharded(), {"clip_grad_norm": 1.0}, None),
+        "fsdp2-adafactor": (sharded(), {}, torch.optim.Adafactor),
+        "data-parallel": (nn.DataParallel(mlp()), {}, None),
+    }
+    out = {}
+    for what, (m, kw, opt_cls) in cases.items():
+        opt = opt_cls(m.parameters()) if opt_cls is not None else adamw(m.parameters())
         try:
-            mt.capture(m, adamw(m.parameters()), batch, classify, plan=False)
+            mt.capture(m, opt, batch, classify, plan=False, **kw)
             out[what] = None
         except mt.UnsupportedStep as e:
             out[what] = str(e)
+    m = sharded()
+    step = mt.capture(m, adamw(m.parameters()), batch, classify, time_limit=1)
+    try:
+        step(batch, arena=True)
+        out["fsdp2-arena"] = None
+    except mt.UnsupportedStep as e:
+        out["fsdp2-arena"] = str(e)
     return out
 
 
@@ -260,6 +362,10 @@ def main():
             only = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
             dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
             result = match(rank, world, only, dtype)
+        elif case == "fsdp":
+            only = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
+            dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
+            result = fsdp(rank, world, only, dtype)
         elif case == "options":
             result = options(rank, world)
         elif case == "mismatch":

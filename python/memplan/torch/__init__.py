@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import memplan
 
 from . import _distributed, _graph, _optim, _scaler
-from ._capture import Captured, _callers_line, _Inputs, _not_a_tensor, _step_device, _trace
+from ._capture import Captured, _callers_line, _Inputs, _not_a_tensor, _step_device, _trace, local_tensor
 from ._captured import AsCaptured
 from ._distributed import CollectiveTimeout, RankFailure
 from ._record import Call, Recorder, Ref, UnsupportedStep
@@ -124,7 +124,20 @@ class Step:
         """Plans the graph with memplan (checked by its independent checker)."""
         t0 = time.perf_counter()
         make = lambda: memplan.plan(self.graph, time_limit=time_limit)  # noqa: E731
-        self.plan = make() if self._dist is None else self._dist.from_first_rank(make, "planning the step")
+        if self._dist is None:
+            self.plan = make()
+        else:
+            self.plan = self._dist.from_first_rank(make, "planning the step")
+            if self._dist.rank != 0:
+                # The first rank's order and places, checked against this
+                # rank's graph (FSDP2's later shards may be shorter, or
+                # empty: those own no bytes here): its max live is this
+                # rank's.
+                empty = {t["id"] for t in self.graph["tensors"] if t["size"] == 0}
+                self.plan["tensors"] = [t for t in self.plan["tensors"] if t["id"] not in empty]
+                self.plan["reuse"] = [r for r in self.plan.get("reuse", [])
+                                      if r["output"] not in empty and r["input"] not in empty]
+                self.plan["stats"]["max_live_bytes"] = memplan.check(self.graph, self.plan)["max_live_bytes"]
         self.plan_seconds = time.perf_counter() - t0
         self._programs.pop("planned", None)
         return self.plan
@@ -327,6 +340,9 @@ class Step:
         if graph:
             self._graph_checks(order, track)
             arena = True
+        if arena and self._dist is not None and not self._dist.supports_arena:
+            raise UnsupportedStep("a step sharded with FSDP2 runs outside the arena for now (arena=True and "
+                                  "graph=True move the parameters into the arena, where FSDP2 owns their storage)")
         if arena:
             if order != "planned":
                 raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
@@ -434,7 +450,7 @@ class Step:
             for i, p, k in self._state_slots:
                 st, mine = self._optimizers.state[p], self._bound[i]
                 new = st.get(k)
-                if new is mine:
+                if new is mine or (type(new).__name__ == "DTensor" and local_tensor(new) is mine):
                     continue
                 if not isinstance(new, torch.Tensor) or new.shape != mine.shape:
                     raise UnsupportedStep(
@@ -443,6 +459,11 @@ class Step:
                         f"where the step was captured with {list(mine.shape)} (a checkpoint of another "
                         "optimizer or model?); capture the step again"
                     )
+                if type(new).__name__ == "DTensor":  # FSDP2's state: the step holds its local shard
+                    mine.copy_(local_tensor(new))
+                    st[k] = type(new).from_local(mine, new.device_mesh, new.placements, run_check=False,
+                                                 shape=new.shape, stride=new.stride())
+                    continue
                 mine.copy_(new)
                 st[k] = mine
         self._state_dicts = [o.state for o in members]
@@ -635,7 +656,11 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     rec = Recorder(device, align)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive number of micro-batches, not {accumulate!r}")
-    inputs = _Inputs(rec, traced, params, dict(model.named_buffers()), optimizer, example_batch, accumulate)
+    if dist is not None:
+        dist.check_options(hyper.kinds, clip_grad_norm if clip_grad_norm is not None else clip_grad_value,
+                           _scaler.active(scaler))
+    held = dist.inputs(params) if dist is not None else params  # FSDP2: each rank's local shards
+    inputs = _Inputs(rec, traced, held, dict(model.named_buffers()), optimizer, example_batch, accumulate)
     rec.fake_mode = inputs.fake
     if _scaler.active(scaler):
         inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))

@@ -26,6 +26,12 @@ from ._captured import AsCaptured
 from ._record import Call, GeneratorStates, Layout, Recorder, UnsupportedStep
 
 
+def local_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters and optimizer state),
+    or the tensor itself."""
+    return x._local_tensor if type(x).__name__ == "DTensor" else x
+
+
 @dataclasses.dataclass(frozen=True)
 class Captured:
     """One recorded step, as :func:`memplan.torch.capture` hands it to
@@ -136,7 +142,7 @@ class _Inputs:
         the recorder and fake mode set aside."""
         with _disable_current_modes():
             _optim.ensure_state(self.optimizer, p)
-            self.fstate[id(p)] = {k: self.reg(v, f"state:{n}.{k}", "optimizer_state")
+            self.fstate[id(p)] = {k: self.reg(local_tensor(v), f"state:{n}.{k}", "optimizer_state")
                                   for k, v in _optim.state_tensors(self.optimizer, p).items()}
         self.state_slots += [(self.rec.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
         return self.fstate[id(p)]
@@ -181,15 +187,21 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     fp = inputs.fp
     trainable = [n for n, p in params.items() if p.requires_grad]
     scale = inputs.fscaler[0] if inputs.fscaler is not None else None
-    with inputs.fake, rec, GeneratorStates(rec), \
-            _reparametrize_module(model, {**fp, **inputs.fb}, tie_weights=True), \
-            (dist.forwarding(rec) if dist is not None else contextlib.nullcontext()):
-        if len(inputs.fbatches) == 1:
-            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatches[0], fp, trainable, 1, scale)
-        else:
-            loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, fp, trainable, scale)
+    with contextlib.ExitStack() as stack:
+        for ctx in (inputs.fake, rec, GeneratorStates(rec)):
+            stack.enter_context(ctx)
+        # What the forward reads as parameters, whose gradients the backward
+        # computes: the parameters themselves, or (FSDP2) their all-gathers.
+        leaves = dist.leaves(rec, fp) if dist is not None else fp
+        stack.enter_context(_reparametrize_module(model, {**leaves, **inputs.fb}, tie_weights=True))
         if dist is not None:
-            dist.reduce_gradients(rec, grad_of)
+            stack.enter_context(dist.forwarding(rec))
+        if len(inputs.fbatches) == 1:
+            loss, grad_of = _forward_backward(rec, model, loss_fn, inputs.fbatches[0], leaves, trainable, 1, scale)
+        else:
+            loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, leaves, trainable, scale)
+        if dist is not None:
+            grad_of = dist.reduce_gradients(rec, grad_of)
         loss_index = rec.mark(loss, "output", persistent=True)
         for g in grad_of.values():
             r = rec.root(rec.index_of(g))

@@ -38,6 +38,7 @@ a ``RuntimeError``, so no replay retries the call.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import time
@@ -65,11 +66,17 @@ def _dist():
 
 
 class Collective:
-    """A recorded collective, run at replay on the real tensor it updates:
-    ``all_reduce`` (sum) or ``broadcast`` (from global rank `src`) over
-    `group`. `what` names the tensor in errors."""
+    """A recorded collective, run at replay on the real tensors it
+    updates and reads, over `group`: ``all_reduce`` (sum, of one tensor in
+    place), ``broadcast`` (one tensor, from global rank `src`),
+    ``all_gather`` (``out``, ``inp``: every rank's `inp` end to end into
+    `out`) and ``reduce_scatter`` (``out``, ``inp``: this rank's chunk of
+    the ranks' mean of `inp`, FSDP2's ``ReduceOp.AVG``, a sum for one rank;
+    on gloo `inp` is summed in place, so the call updates it too). `what`
+    names the tensor in errors. On gloo each waits at most `timeout`
+    seconds."""
 
-    __slots__ = ("kind", "group", "src", "timeout", "what", "rank", "poll")
+    __slots__ = ("kind", "group", "src", "timeout", "what", "rank", "gloo")
 
     def __init__(self, kind: str, group, what: str, timeout: float, src: int = 0) -> None:
         dist = _dist()
@@ -77,47 +84,66 @@ class Collective:
         self.rank = dist.get_rank()
         # gloo's works are polled against the timeout; NCCL's wait() only
         # orders the stream (its watchdog enforces the group's timeout).
-        self.poll = dist.get_backend(group) == "gloo"
+        self.gloo = dist.get_backend(group) == "gloo"
 
-    def __call__(self, t: torch.Tensor) -> None:
+    def _issue(self, bufs: List[torch.Tensor]):
         dist = _dist()
-        buf = t if t.is_contiguous() else t.contiguous()
-        held = buf._use_count()
+        if self.kind == "all_reduce":
+            return dist.all_reduce(bufs[0], group=self.group, async_op=True)
+        if self.kind == "broadcast":
+            return dist.broadcast(bufs[0], src=self.src, group=self.group, async_op=True)
+        if self.kind == "all_gather":
+            return dist.all_gather_into_tensor(bufs[0], bufs[1], group=self.group, async_op=True)
+        if self.gloo:
+            # gloo's reduce-scatter runs only inside wait(), which ignores
+            # its timeout: sum the input in place instead (the call updates
+            # it: the graph says so) and take this rank's chunk after.
+            return dist.all_reduce(bufs[1], group=self.group, async_op=True)
+        op = dist.ReduceOp.AVG if dist.get_world_size(self.group) > 1 else dist.ReduceOp.SUM
+        return dist.reduce_scatter_tensor(bufs[0], bufs[1], op=op, group=self.group, async_op=True)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        bufs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        held = [b._use_count() for b in bufs]
         try:
-            if self.kind == "all_reduce":
-                work = dist.all_reduce(buf, group=self.group, async_op=True)
+            work = self._issue(bufs)
+            if self.gloo:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             else:
-                work = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
-            if self.poll:
-                deadline = time.monotonic() + self.timeout
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise CollectiveTimeout(
-                            f"rank {self.rank}: {self.kind} of {self.what} did not complete within "
-                            f"{self.timeout:g} s: another rank of the group failed or stopped (see its output)"
-                        )
-                    time.sleep(1e-4)
-            work.wait()
+                work.wait()
             del work
-            if self.poll:
-                # gloo's worker thread lets go of the tensor a moment after
-                # the work completes: wait for it, so the tensor's bytes
-                # are freed where the plan frees them.
+            if self.gloo:
+                # gloo's worker thread lets go of the tensors a moment after
+                # the work completes: wait for it, so their bytes are freed
+                # where the plan frees them.
                 deadline = time.monotonic() + 1.0
-                while buf._use_count() > held and time.monotonic() < deadline:
+                while any(b._use_count() > h for b, h in zip(bufs, held)) and time.monotonic() < deadline:
                     time.sleep(1e-5)
-        except RankFailure:
-            raise
         except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            if "timed out" in first.lower():
+                raise CollectiveTimeout(
+                    f"rank {self.rank}: {self.kind} of {self.what} did not complete within {self.timeout:g} s: "
+                    "another rank of the group failed or stopped (see its output)"
+                ) from e
             raise RankFailure(
                 f"rank {self.rank}: {self.kind} of {self.what} failed: another rank of the group failed or "
-                f"left it (PyTorch: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
+                f"left it (PyTorch: {first})"
             ) from e
-        if buf is not t:
-            t.copy_(buf)
+        if self.kind == "reduce_scatter" and self.gloo:
+            world, rank = dist_world_rank(self.group)
+            rows = bufs[0].shape[0]
+            torch.div(bufs[1].narrow(0, rank * rows, rows), world, out=bufs[0])
+        if bufs[0] is not tensors[0]:
+            tensors[0].copy_(bufs[0])  # the written tensor, when it was not contiguous
 
     def __repr__(self) -> str:
         return f"memplan.{self.kind}({self.what})"
+
+
+def dist_world_rank(group):
+    dist = _dist()
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _is_ddp(model) -> bool:
@@ -152,88 +178,44 @@ def refuse_unsupported_wrappers(model: torch.nn.Module) -> None:
                                   "memplan.torch cannot capture yet")
 
 
-class DataParallel:
-    """What capture needs of a ``DistributedDataParallel`` model: its
-    process group, the world size, whether buffers are broadcast, and the
-    timeout of each collective (seconds)."""
+class RankGroup:
+    """The ranks of a process group that capture one step together: what
+    they agree on (:meth:`agree`, :meth:`from_first_rank`) and the timeout
+    of each collective (seconds)."""
 
-    def __init__(self, ddp, timeout: float) -> None:
+    def __init__(self, group, timeout: float) -> None:
         dist = _dist()
-        self.ddp = ddp
-        self.group = ddp.process_group
+        self.group = group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         self.backend = dist.get_backend(self.group)
         self.timeout = float(timeout)
-        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_mp_stream", None) is not None:
-            raise UnsupportedStep("DistributedDataParallel with a communication hook or mixed precision: "
-                                  "memplan records DDP's default all-reduce (sum of the gradients times 1/W)")
-        if getattr(ddp, "_delay_all_reduce_all_params", False):
-            raise UnsupportedStep("DistributedDataParallel(delay_all_reduce_named_params=...) is not supported")
-        self.broadcast_buffers = bool(ddp.broadcast_buffers) and bool(getattr(ddp, "require_forward_param_sync",
-                                                                            True))
-        self.ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
 
-    @staticmethod
-    def of(model, timeout: float) -> Optional["DataParallel"]:
-        """The model's data parallelism (None for a model that is not
-        wrapped with DDP); refuses wrappers it cannot capture."""
-        if not _is_ddp(model):
-            refuse_unsupported_wrappers(model)
-            return None
-        if not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
-            raise ValueError(f"collective_timeout must be a positive number of seconds, not {timeout!r}")
-        refuse_unsupported_wrappers(model.module)
-        return DataParallel(model, timeout)
+    # Recording: what the capture calls, each a no-op unless a kind of
+    # parallelism needs it.
+    def forwarding(self, rec: Recorder):
+        """A context around the recorded forward and backward passes."""
+        return contextlib.nullcontext()
 
-    # ---- recording -------------------------------------------------------
+    def leaves(self, rec: Recorder, fp: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The tensors the forward pass reads as parameters (recorded in
+        this call), and whose gradients the backward pass computes."""
+        return fp
 
-    class _Forwarding:
-        """While recording: the DDP wrapper's forward calls the wrapped
-        module's (DDP's own forward would start its reducer and collectives
-        on fake tensors), after recording the buffers' broadcast."""
+    def reduce_gradients(self, rec: Recorder, grad_of: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Records the gradients' reduction; returns what each update reads."""
+        return grad_of
 
-        def __init__(self, dp: "DataParallel", rec: Recorder) -> None:
-            self.dp, self.rec = dp, rec
+    def inputs(self, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The tensors the step holds for the model's parameters."""
+        return params
 
-        def __enter__(self):
-            dp, rec = self.dp, self.rec
-            module = dp.ddp.module
+    def check_options(self, kinds: List[str], clip, scaled: bool) -> None:
+        """Refuses the capture's options this parallelism cannot record."""
 
-            def forward(*args, **kwargs):
-                if dp.broadcast_buffers:
-                    dp._broadcast_buffers(rec, module)
-                return module(*args, **kwargs)
-
-            dp.ddp.forward = forward
-            return self
-
-        def __exit__(self, *exc) -> None:
-            del self.dp.ddp.forward
-
-    def forwarding(self, rec: Recorder) -> "DataParallel._Forwarding":
-        return DataParallel._Forwarding(self, rec)
-
-    def _broadcast_buffers(self, rec: Recorder, module: torch.nn.Module) -> None:
-        for name, b in module.named_buffers():
-            if f"module.{name}" in self.ignored or name in self.ignored or b is None:
-                continue
-            rec.collective("broadcast", Collective("broadcast", self.group, f"buffer {name}", self.timeout,
-                                                   src=self.first), [b])
-
-    def reduce_gradients(self, rec: Recorder, grad_of: Dict[str, torch.Tensor]) -> None:
-        """Records DDP's reduction of each gradient: ``grad.mul_(1/W)`` (the
-        reducer's copy into its bucket) and an all-reduce (sum) in place.
-        Gradients of ignored parameters are left alone, as DDP does."""
-        scale = 1.0 / self.world
-        with torch.no_grad():
-            for name, g in grad_of.items():
-                if name in self.ignored or name.removeprefix("module.") in self.ignored:
-                    continue
-                g.mul_(scale)
-                rec.collective("all_reduce", Collective("all_reduce", self.group, f"the gradient of {name}",
-                                                        self.timeout), [g])
+    # Whether the step may run in an arena (parameters moved into it).
+    supports_arena = True
 
     # ---- agreeing ------------------------------------------------------
 
@@ -295,10 +277,101 @@ class DataParallel:
         return box[0][1]
 
 
+class DataParallel(RankGroup):
+    """What capture needs of a ``DistributedDataParallel`` model: its
+    process group, the world size, whether buffers are broadcast, and the
+    timeout of each collective (seconds)."""
+
+    def __init__(self, ddp, timeout: float) -> None:
+        super().__init__(ddp.process_group, timeout)
+        self.ddp = ddp
+        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_mp_stream", None) is not None:
+            raise UnsupportedStep("DistributedDataParallel with a communication hook or mixed precision: "
+                                  "memplan records DDP's default all-reduce (sum of the gradients times 1/W)")
+        if getattr(ddp, "_delay_all_reduce_all_params", False):
+            raise UnsupportedStep("DistributedDataParallel(delay_all_reduce_named_params=...) is not supported")
+        self.broadcast_buffers = bool(ddp.broadcast_buffers) and bool(getattr(ddp, "require_forward_param_sync",
+                                                                            True))
+        self.ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+
+    @staticmethod
+    def of(model, timeout: float) -> Optional[RankGroup]:
+        """The model's data parallelism: :class:`DataParallel` for a DDP
+        model, :class:`memplan.torch._fsdp.FullySharded` for one whose root
+        is sharded with ``fully_shard``, None for neither; refuses wrappers
+        it cannot capture."""
+        if not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
+            raise ValueError(f"collective_timeout must be a positive number of seconds, not {timeout!r}")
+        if _is_ddp(model):
+            refuse_unsupported_wrappers(model.module)
+            return DataParallel(model, timeout)
+        from . import _fsdp
+
+        sharded = _fsdp.FullySharded.of(model, timeout)
+        if sharded is not None:
+            return sharded
+        refuse_unsupported_wrappers(model)
+        return None
+
+    # ---- recording -------------------------------------------------------
+
+    class _Forwarding:
+        """While recording: the DDP wrapper's forward calls the wrapped
+        module's (DDP's own forward would start its reducer and collectives
+        on fake tensors), after recording the buffers' broadcast."""
+
+        def __init__(self, dp: "DataParallel", rec: Recorder) -> None:
+            self.dp, self.rec = dp, rec
+
+        def __enter__(self):
+            dp, rec = self.dp, self.rec
+            module = dp.ddp.module
+
+            def forward(*args, **kwargs):
+                if dp.broadcast_buffers:
+                    dp._broadcast_buffers(rec, module)
+                return module(*args, **kwargs)
+
+            dp.ddp.forward = forward
+            return self
+
+        def __exit__(self, *exc) -> None:
+            del self.dp.ddp.forward
+
+    def forwarding(self, rec: Recorder) -> "DataParallel._Forwarding":
+        return DataParallel._Forwarding(self, rec)
+
+    def _broadcast_buffers(self, rec: Recorder, module: torch.nn.Module) -> None:
+        for name, b in module.named_buffers():
+            if f"module.{name}" in self.ignored or name in self.ignored or b is None:
+                continue
+            rec.collective("broadcast", Collective("broadcast", self.group, f"buffer {name}", self.timeout,
+                                                   src=self.first), [b])
+
+    def reduce_gradients(self, rec: Recorder, grad_of: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Records DDP's reduction of each gradient: ``grad.mul_(1/W)`` (the
+        reducer's copy into its bucket) and an all-reduce (sum) in place.
+        Gradients of ignored parameters are left alone, as DDP does."""
+        scale = 1.0 / self.world
+        with torch.no_grad():
+            for name, g in grad_of.items():
+                if name in self.ignored or name.removeprefix("module.") in self.ignored:
+                    continue
+                g.mul_(scale)
+                rec.collective("all_reduce", Collective("all_reduce", self.group, f"the gradient of {name}",
+                                                        self.timeout), [g])
+        return grad_of
+
 def _signature(graph: Dict[str, Any]) -> List[str]:
     """One line per tensor and op: what every rank's graph must share."""
-    lines = [f"tensor {t['id']} {t.get('dtype')} {t.get('shape')} {t['size']} {t['role']}"
-             for t in graph["tensors"]]
+    # A shard's shape may differ between ranks (FSDP2's last shards are
+    # shorter where dim 0 does not divide by W), and so may a view's and an
+    # update's temporaries: the ops, the activations and the batch may not.
+    ranked = ("parameter", "optimizer_state", "gradient")
+    shard_sized = {t for op in graph["ops"] if op["kind"] == "optimizer" for t in op.get("outputs", [])}
+    lines = [f"tensor {t['id']} {t.get('dtype')} {t['role']}"
+             if "view_of" in t or t["role"] in ranked or t["id"] in shard_sized else
+             f"tensor {t['id']} {t.get('dtype')} {t.get('shape')} {t['size']} {t['role']}" for t in graph["tensors"]]
     for op in graph["ops"]:
         lines.append(f"op {op['id']} {op['type']} {op['kind']} in={op.get('inputs', [])} "
                      f"out={op.get('outputs', [])} upd={op.get('updates', [])}")

@@ -866,18 +866,25 @@ class Recorder(TorchDispatchMode):
         self.ops.append(op)
         self.calls.append(call)
 
-    def collective(self, what: str, call: Any, tensors: Sequence[torch.Tensor]) -> None:
+    def collective(self, what: str, call: Any, tensors: Sequence[torch.Tensor],
+                   inputs: Sequence[torch.Tensor] = ()) -> None:
         """Records a collective that updates `tensors` in place (a gradient's
-        all-reduce): an op of kind ``collective``, type ``memplan.<what>``,
-        and a :class:`Call` of `call` (a Python callable doing the
-        collective on the real tensors at replay). Nothing runs while
-        recording: the tensors are fake, and their values do not matter."""
+        all-reduce, an all-gather's buffer), reading `inputs`: an op of kind
+        ``collective``, type ``memplan.<what>``, and a :class:`Call` of
+        `call` (a Python callable doing the collective on the real tensors
+        at replay, given the updated tensors then the inputs). Nothing runs
+        while recording: the tensors are fake, and their values do not
+        matter."""
         ids = [self._arg(t, f"memplan.{what}") for t in tensors]
-        op: Dict[str, Any] = {"id": f"o{len(self.ops)}", "kind": "collective", "type": f"memplan.{what}",
-                              "updates": [self.tensors[i]["id"] for i in ids]}
+        reads = [self._arg(t, f"memplan.{what}") for t in inputs]
+        op: Dict[str, Any] = {"id": f"o{len(self.ops)}", "kind": "collective", "type": f"memplan.{what}"}
+        if reads:
+            op["inputs"] = [self.tensors[i]["id"] for i in reads]
+        op["updates"] = [self.tensors[i]["id"] for i in ids]
         self.ops.append(op)
-        self.calls.append(Call(call, tuple(Ref(i) for i in ids), {}, [], writes=frozenset(range(len(ids)))))
-        for i in ids:
+        self.calls.append(Call(call, tuple(Ref(i) for i in ids + reads), {}, [],
+                               writes=frozenset(range(len(ids)))))
+        for i in ids + reads:
             self._used_in.setdefault(self.root(i), set()).add(self.phase)
 
     def _reuse_hint(self, func, writes, outputs, new_roots, args, inputs) -> Optional[Tuple[int, int]]:
