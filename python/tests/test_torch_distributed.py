@@ -225,3 +225,34 @@ class DataParallelBench(unittest.TestCase):
             self.assertAlmostEqual(r["peak_bytes"], r["max_live_bytes"] + r["bucket_bytes"], delta=1024, msg=side)
             self.assertLessEqual(r["peak_bytes"], rows["eager-ddp"]["peak_bytes"], side)
         self.assertLessEqual(rows["memplan-fit-0.1%"]["added_flops_share"], 0.001)
+
+    def test_one_ranks_fsdp2_step_planned_without_the_ranks(self):
+        # A meta-device model and PyTorch's fake process group of 8 ranks:
+        # one process captures and plans rank 0's step, nothing runs.
+        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--without-ranks", "--world",
+                              "8", "--layers", "2", "--hidden", "256", "--vocab", "4096", "--seq", "256", "--autocast",
+                              "--json"], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        r = json.loads(out.stdout[out.stdout.index("{"):])
+        self.assertGreater(r["ops"], 500)
+        self.assertLessEqual(r["lower_bound_bytes"], r["max_live_bytes"])
+        self.assertLessEqual(r["max_live_bytes"], r["arena_bytes"])
+        # The parameters and AdamW's moments are 1/8 of the model's f32 bytes.
+        # (embedding and head; per layer q, o, k and v at 2 of 4 heads, the
+        # MLP of width 682 and two norms; the final norm).
+        params = 2 * 4096 * 256 + 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 682 + 2 * 256) + 256
+        self.assertGreater(r["max_live_bytes"], 3 * 4 * params / 8)
+
+    def test_per_rank_peaks_of_fsdp2_eager_and_memplan(self):
+        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--fsdp", "--world", "2",
+                              "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit",
+                              "2", "--json", "--timeout", "240"], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        rows = json.loads(out.stdout[out.stdout.index("{"):])
+        self.assertEqual(set(rows), {"fsdp2-eager", "memplan", "memplan-fit-0.1%"})
+        self.assertNotIn("max_live_bytes", rows["fsdp2-eager"])  # measured, not planned
+        for side in ("memplan", "memplan-fit-0.1%"):
+            r = rows[side]
+            self.assertEqual(r["bucket_bytes"], 0)
+            self.assertAlmostEqual(r["peak_bytes"], r["max_live_bytes"], delta=1024, msg=side)
+            self.assertLessEqual(r["peak_bytes"], rows["fsdp2-eager"]["peak_bytes"], side)

@@ -1,5 +1,6 @@
-"""Per-rank memory of a data-parallel (DDP) training step on the CPU: eager
-DDP against memplan's captured step, measured with real ranks (gloo).
+"""Per-rank memory of a data-parallel (DDP) or sharded (FSDP2, ``--fsdp``)
+training step on the CPU: eager PyTorch against memplan's captured step,
+measured with real ranks (gloo).
 
     python -m memplan.torch.bench_distributed --world 2 --layers 4 --hidden 512 --seq 512
 
@@ -15,6 +16,10 @@ step (random weights, AdamW, each rank its own batch):
   (:mod:`memplan.torch._distributed`);
 - ``memplan-fit-0.1%``: the step fitted by recomputation to the smallest
   memplan finds for at most 0.1% more FLOPs.
+
+With ``--fsdp`` the model is sharded with ``fully_shard`` on each decoder
+block, then the root, and the sides are ``fsdp2-eager``, ``memplan`` and
+``memplan-fit-0.1%`` (FSDP2 holds no buckets).
 
 Every figure is the allocator's: the bytes of the tensors held before and
 after the step (parameters, optimizer state, the batch) plus the highest
@@ -39,6 +44,7 @@ import tempfile
 from typing import Any, Dict, List
 
 SIDES = ("eager-ddp", "eager-ddp-bucket-view", "memplan", "memplan-fit-0.1%")
+FSDP_SIDES = ("fsdp2-eager", "memplan", "memplan-fit-0.1%")
 
 
 def _model(args):
@@ -46,14 +52,54 @@ def _model(args):
     import transformers as T
 
     torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq)
+    heads = args.heads or max(1, args.hidden // 64)
+    cfg = T.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                        intermediate_size=args.intermediate or args.hidden * 8 // 3, num_hidden_layers=args.layers,
+                        num_attention_heads=heads, num_key_value_heads=args.kv_heads or max(1, heads // 2),
+                        max_position_embeddings=args.seq)
     return T.LlamaForCausalLM(cfg).train()
 
 
 def _loss(m, b):
     return m(input_ids=b, labels=b).loss
+
+
+def _bf16_loss(m, b):
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return m(input_ids=b, labels=b).loss
+
+
+def _without_ranks(args) -> Dict[str, Any]:
+    """One rank's FSDP2 step planned in this process alone: the model on
+    the meta device, PyTorch's fake process group of `--world` ranks."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import memplan.torch as mt
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    with torch.device("meta"):
+        model = _model(args)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t0 = time.perf_counter()
+    step = mt.capture(model, opt, torch.zeros((args.batch, args.seq), dtype=torch.long),
+                      _bf16_loss if args.autocast else _loss, plan=False)
+    t1 = time.perf_counter()
+    step.make_plan(time_limit=args.time_limit)
+    t2 = time.perf_counter()
+    st = step.stats
+    return {"ops": st["ops"], "capture_seconds": t1 - t0, "plan_seconds": t2 - t1,
+            "max_live_bytes": st["max_live_bytes"], "lower_bound_bytes": st["lower_bound_bytes"],
+            "arena_bytes": st["arena_bytes"]}
 
 
 def _bucket_bytes(ddp) -> int:
@@ -65,10 +111,30 @@ def _state(opt) -> List[Any]:
     return [v for s in opt.state.values() for v in s.values()]
 
 
+def _local(x):
+    """A DTensor's local shard (FSDP2's parameters and state), or `x`."""
+    return x._local_tensor if type(x).__name__ == "DTensor" else x
+
+
+def _wrapped(args, side):
+    """The model as the side runs it: DDP, or FSDP2 on each block then the
+    root (torchtitan's wrapping)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model(args)
+    if not args.fsdp:
+        return DDP(model, gradient_as_bucket_view=(side == "eager-ddp-bucket-view"))
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def _rank(args) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import memplan.torch as mt
     from memplan.torch._run import allocator_peak
@@ -77,18 +143,17 @@ def _rank(args) -> Dict[str, Any]:
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2)]
     out: Dict[str, Any] = {}
-    for side in SIDES:
-        model = _model(args)
-        ddp = DDP(model, gradient_as_bucket_view=(side == "eager-ddp-bucket-view"))
+    for side in (FSDP_SIDES if args.fsdp else SIDES):
+        ddp = _wrapped(args, side)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         s = None
-        if side.startswith("eager"):
+        if "eager" in side:
             def step(b, ddp=ddp, opt=opt):
-                _loss(ddp, b).backward()
+                (_bf16_loss if args.autocast else _loss)(ddp, b).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         else:
-            s = mt.capture(ddp, opt, batches[0], _loss, time_limit=args.time_limit)
+            s = mt.capture(ddp, opt, batches[0], _bf16_loss if args.autocast else _loss, time_limit=args.time_limit)
             row = {"max_live_bytes": s.plan["stats"]["max_live_bytes"],
                    "lower_bound_bytes": s.plan["stats"]["lower_bound_bytes"]}
             if side == "memplan-fit-0.1%":
@@ -101,15 +166,15 @@ def _rank(args) -> Dict[str, Any]:
                 s(b)
         step(batches[0])
         dist.barrier()
-        resident = list(ddp.parameters()) + _state(opt) + [batches[1]]
-        if not side.startswith("eager"):
+        resident = [_local(x) for x in list(ddp.parameters()) + _state(opt)] + [batches[1]]
+        if not "eager" in side:
             resident += list(s._bound.values())  # the step's constants (held between steps) too
         peak = allocator_peak(lambda: step(batches[1]), resident)
-        buckets = _bucket_bytes(ddp)
+        buckets = 0 if args.fsdp else _bucket_bytes(ddp)
         out.setdefault(side, {}).update(peak_bytes=peak + buckets, bucket_bytes=buckets,
                                         resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
         dist.barrier()
-        ddp = opt = model = step = s = None  # this side's memory goes before the next side's is made
+        ddp = opt = step = s = None  # this side's memory goes before the next side's is made
     return out
 
 
@@ -128,6 +193,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=10.0, help="seconds for the plan and the fit, each")
+    ap.add_argument("--intermediate", type=int, help="MLP width (default 8/3 of --hidden)")
+    ap.add_argument("--heads", type=int, help="attention heads (default hidden/64)")
+    ap.add_argument("--kv-heads", type=int, help="key-value heads (default half the heads)")
+    ap.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
+    ap.add_argument("--without-ranks", action="store_true",
+                    help="plan one rank's FSDP2 step in this process: a meta-device model and PyTorch's fake "
+                         "process group of --world ranks (nothing runs)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard with FSDP2 (fully_shard on each block, then the root) instead of DDP")
     ap.add_argument("--json", action="store_true", help="print rank 0's figures as JSON")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is stopped")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -136,6 +210,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world < 1:
         ap.error("--world must be at least 1")
+    if args.without_ranks:
+        r = _without_ranks(args)
+        if args.json:
+            print(json.dumps(r, indent=1))
+        else:
+            gib = 2 ** 30
+            print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
+                  f"{args.batch} per rank, f32 parameters{', bf16 autocast' if args.autocast else ''}, AdamW, "
+                  f"FSDP2 over W={args.world} (fake process group, meta device): {r['ops']:,} ops, capture "
+                  f"{r['capture_seconds']:.1f} s, plan {r['plan_seconds']:.1f} s; per rank: max live "
+                  f"{r['max_live_bytes'] / gib:.2f} GiB, lower bound {r['lower_bound_bytes'] / gib:.2f} GiB, arena "
+                  f"{r['arena_bytes'] / gib:.2f} GiB")
+        return 0
     if args.rank is not None:
         import datetime
 
@@ -173,11 +260,12 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     mib = 2 ** 20
+    sides = FSDP_SIDES if args.fsdp else SIDES
     print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
           f"{args.batch} per rank, f32, AdamW, W={args.world} (gloo, CPU); per-rank bytes of rank 0")
-    print(f"{'side':24} {'peak':>10} {'buckets':>9} {'plan max live':>14} {'vs eager-ddp':>13}")
-    base = rows["eager-ddp"]["peak_bytes"]
-    for side in SIDES:
+    print(f"{'side':24} {'peak':>10} {'buckets':>9} {'plan max live':>14} {'vs ' + sides[0]:>13}")
+    base = rows[sides[0]]["peak_bytes"]
+    for side in sides:
         r = rows[side]
         live = f"{r['max_live_bytes'] / mib:11.1f}M" if "max_live_bytes" in r else ""
         print(f"{side:24} {r['peak_bytes'] / mib:9.1f}M {r['bucket_bytes'] / mib:8.1f}M {live:>14} "
