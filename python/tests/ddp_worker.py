@@ -188,6 +188,7 @@ def options(rank, world):
         found["norms"].append(float(norm))
     for (n, p), q in zip(mine.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+    memplan.check(step.graph, step.plan)  # the plan passes the independent checker
     # One all-reduce per gradient, after both micro-batches (as no_sync).
     found["all_reduces"] = sum(op["type"] == "memplan.all_reduce" for op in step.graph["ops"])
     found["parameters"] = len(list(mine.parameters()))

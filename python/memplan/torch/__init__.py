@@ -450,7 +450,7 @@ class Step:
             for i, p, k in self._state_slots:
                 st, mine = self._optimizers.state[p], self._bound[i]
                 new = st.get(k)
-                if new is mine or (type(new).__name__ == "DTensor" and local_tensor(new) is mine):
+                if local_tensor(new) is mine:  # the tensor itself, or a DTensor over it
                     continue
                 if not isinstance(new, torch.Tensor) or new.shape != mine.shape:
                     raise UnsupportedStep(

@@ -22,10 +22,10 @@ called directly while recording.
 
 Every rank must run the same collectives in the same order:
 
-- :meth:`DataParallel.agree` compares the ranks' graphs after capture (a
+- :meth:`RankGroup.agree` compares the ranks' graphs after capture (a
   digest, then, on a mismatch, the first op that differs, named with both
   ranks) and refuses a mismatch on every rank;
-- :meth:`DataParallel.from_first_rank` makes the plan (or the fit) on the
+- :meth:`RankGroup.from_first_rank` makes the plan (or the fit) on the
   group's first rank only and sends it to the others, so every rank runs
   one order whatever the solver's time limit reached.
 
@@ -82,8 +82,8 @@ class Collective:
         dist = _dist()
         self.kind, self.group, self.what, self.timeout, self.src = kind, group, what, float(timeout), src
         self.rank = dist.get_rank()
-        # gloo's works are polled against the timeout; NCCL's wait() only
-        # orders the stream (its watchdog enforces the group's timeout).
+        # gloo's works wait at most the timeout; NCCL's wait() only orders
+        # the stream (its watchdog enforces the group's timeout).
         self.gloo = dist.get_backend(group) == "gloo"
 
     def _issue(self, bufs: List[torch.Tensor]):

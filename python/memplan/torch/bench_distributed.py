@@ -111,11 +111,6 @@ def _state(opt) -> List[Any]:
     return [v for s in opt.state.values() for v in s.values()]
 
 
-def _local(x):
-    """A DTensor's local shard (FSDP2's parameters and state), or `x`."""
-    return x._local_tensor if type(x).__name__ == "DTensor" else x
-
-
 def _wrapped(args, side):
     """The model as the side runs it: DDP, or FSDP2 on each block then the
     root (torchtitan's wrapping)."""
@@ -137,6 +132,7 @@ def _rank(args) -> Dict[str, Any]:
     import torch.distributed as dist
 
     import memplan.torch as mt
+    from memplan.torch._capture import local_tensor
     from memplan.torch._run import allocator_peak
 
     rank = dist.get_rank()
@@ -166,7 +162,7 @@ def _rank(args) -> Dict[str, Any]:
                 s(b)
         step(batches[0])
         dist.barrier()
-        resident = [_local(x) for x in list(ddp.parameters()) + _state(opt)] + [batches[1]]
+        resident = [local_tensor(x) for x in list(ddp.parameters()) + _state(opt)] + [batches[1]]
         if not "eager" in side:
             resident += list(s._bound.values())  # the step's constants (held between steps) too
         peak = allocator_peak(lambda: step(batches[1]), resident)
