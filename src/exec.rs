@@ -219,6 +219,7 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
         "linear_backward_weight" => Kernel::LinearBackwardWeight(a.matmul()?),
         "matmul_nt" => Kernel::MatmulNt(a.matmul()?),
         "matmul_nn" => Kernel::MatmulNn(a.matmul()?),
+        "matmul_tn" if a.bool_or("accumulate", false)? => Kernel::MatmulTnAccumulate(a.matmul()?),
         "matmul_tn" => Kernel::MatmulTn(a.matmul()?),
         "attention_scores" => Kernel::AttentionScores(a.attention()?),
         "attention_scores_backward" => Kernel::AttentionScoresBackward(a.attention()?),
@@ -246,6 +247,7 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
         "cross_entropy" => Kernel::CrossEntropy {
             rows: a.u64("rows")?,
             classes: a.u64("classes")?,
+            divisor: a.u64_or("divisor", a.u64("rows")?)?,
         },
         "cross_entropy_backward" => Kernel::CrossEntropyBackward {
             rows: a.u64("rows")?,

@@ -66,6 +66,7 @@ pub mod pipeline;
 pub mod plan;
 #[cfg(feature = "cli")]
 pub mod plot;
+pub mod split;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod timeline;

@@ -174,6 +174,9 @@ pub enum Kernel {
     MatmulNn(Matmul),
     /// in `[a KM, b KN]`, out `[c MN]` (`c = aᵀ b`).
     MatmulTn(Matmul),
+    /// in `[a KM, b KN]`, updates `[c MN]`: `c += aᵀ b` (`matmul_tn` with
+    /// `accumulate`: the weight gradient of a split chain, chunk by chunk).
+    MatmulTnAccumulate(Matmul),
     /// in `[qkv]`, out `[scores BHTT]`.
     AttentionScores(Attention),
     /// in `[dscores BHTT, qkv]`, updates `[dqkv]` (adds the query and key parts).
@@ -207,8 +210,14 @@ pub enum Kernel {
     Relu { elements: u64 },
     /// in `[dy E, x E]`, out `[dy · (x > 0)]`.
     ReluBackward { elements: u64 },
-    /// in `[logits RV, targets i32 R]`, out `[loss f32 1]` (mean over rows).
-    CrossEntropy { rows: u64, classes: u64 },
+    /// in `[logits RV, targets i32 R]`, out `[loss f32 1]`: the sum over
+    /// rows divided by `divisor` (`rows`: the mean; a chunk of a split
+    /// loss divides by the rows of the whole batch).
+    CrossEntropy {
+        rows: u64,
+        classes: u64,
+        divisor: u64,
+    },
     /// in `[logits RV, targets i32 R]`, out `[dlogits RV]`.
     CrossEntropyBackward { rows: u64, classes: u64, scale: f32 },
     /// in `[g₁, g₂, …]`, out `[norm f32 1]` (the L2 norm of all, or its square).
@@ -327,7 +336,7 @@ impl Kernel {
             Kernel::LinearBackwardWeight(_) => "linear_backward_weight",
             Kernel::MatmulNt(_) => "matmul_nt",
             Kernel::MatmulNn(_) => "matmul_nn",
-            Kernel::MatmulTn(_) => "matmul_tn",
+            Kernel::MatmulTn(_) | Kernel::MatmulTnAccumulate(_) => "matmul_tn",
             Kernel::AttentionScores(_) => "attention_scores",
             Kernel::AttentionScoresBackward(_) => "attention_scores_backward",
             Kernel::CausalSoftmax(_) => "causal_softmax",

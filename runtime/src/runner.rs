@@ -23,10 +23,14 @@ pub enum Data {
 }
 
 /// The largest value + 1 each i32 input may hold, from the kernels that
-/// read it; `None` if no kernel bounds it.
+/// read it (a bound on a view holds for its base); `None` if no kernel
+/// bounds it.
 fn int_ranges(p: &Program) -> Vec<Option<u64>> {
     let mut range: Vec<Option<u64>> = vec![None; p.tensors.len()];
-    let mut bound = |t: TensorIdx, r: u64| {
+    let mut bound = |mut t: TensorIdx, r: u64| {
+        while let Some(b) = p.tensors[t.index()].view_of {
+            t = b;
+        }
         let e = &mut range[t.index()];
         *e = Some(e.map_or(r, |x| x.min(r)));
     };
@@ -82,12 +86,30 @@ pub fn synthetic_batch(p: &Program, seed: u64, rank: usize) -> Result<Vec<(Tenso
     Ok(out)
 }
 
-/// The outputs of the program's cross-entropy kernels (the losses).
+/// The program's losses: the outputs of its cross-entropy kernels, or
+/// where a loss was split into chunks, the persistent sum (`add`s) of the
+/// partial losses, read once: a partial loss that feeds such a sum is not
+/// itself a loss (nor does it outlive the step).
 pub fn loss_tensors(p: &Program) -> Vec<TensorIdx> {
+    let mut loss = vec![false; p.tensors.len()];
+    let mut summed = vec![false; p.tensors.len()];
+    for i in &p.instrs {
+        match i.kernel {
+            Kernel::CrossEntropy { .. } => loss[i.outputs[0].index()] = true,
+            Kernel::Add { elements: 1 } if i.inputs.iter().all(|t| loss[t.index()]) => {
+                for t in &i.inputs {
+                    summed[t.index()] = true;
+                }
+                loss[i.outputs[0].index()] = true;
+            }
+            _ => {}
+        }
+    }
     p.instrs
         .iter()
-        .filter(|i| matches!(i.kernel, Kernel::CrossEntropy { .. }))
+        .filter(|i| matches!(i.kernel, Kernel::CrossEntropy { .. } | Kernel::Add { .. }))
         .map(|i| i.outputs[0])
+        .filter(|t| loss[t.index()] && !summed[t.index()])
         .collect()
 }
 

@@ -659,6 +659,17 @@ unsafe fn run_instr(
                 false,
                 false,
             ),
+            Kernel::MatmulTnAccumulate(m) => gemm::matmul(
+                ops.input_ro(0),
+                ops.input_ro(1),
+                ops.update(0),
+                u(m.m),
+                u(m.k),
+                u(m.n),
+                true,
+                false,
+                true,
+            ),
             Kernel::AttentionScores(a) => k::attention_scores(ops.input_ro(0), ops.output(0), a),
             Kernel::AttentionScoresBackward(a) => {
                 k::attention_scores_backward(ops.input_ro(0), ops.input_ro(1), ops.update(0), a)
@@ -700,9 +711,19 @@ unsafe fn run_instr(
             Kernel::ReluBackward { .. } => {
                 k::relu_backward(ops.input(0), ops.input_ro(1), ops.output(0))
             }
-            Kernel::CrossEntropy { classes, .. } => {
+            Kernel::CrossEntropy {
+                rows,
+                classes,
+                divisor,
+            } => {
                 let loss = k::cross_entropy(ops.input_ro(0), ops.input_i32(1), u(*classes))?;
-                ops.output(0)[0] = loss;
+                // The kernel's mean, over `divisor` rows instead (in f64 as
+                // the kernel sums; exact when `divisor == rows`).
+                ops.output(0)[0] = if divisor == rows {
+                    loss
+                } else {
+                    (loss as f64 * *rows as f64 / *divisor as f64) as f32
+                };
             }
             Kernel::CrossEntropyBackward { classes, scale, .. } => k::cross_entropy_backward(
                 ops.input(0),

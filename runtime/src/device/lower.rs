@@ -51,7 +51,8 @@ pub fn lower(
         | Kernel::LinearBackwardWeight(_)
         | Kernel::MatmulNt(_)
         | Kernel::MatmulNn(_)
-        | Kernel::MatmulTn(_) => products(&a, &mut ops)?,
+        | Kernel::MatmulTn(_)
+        | Kernel::MatmulTnAccumulate(_) => products(&a, &mut ops)?,
         Kernel::AttentionScores(_)
         | Kernel::CausalSoftmax(_)
         | Kernel::AttentionValues(_)
@@ -395,6 +396,17 @@ fn products(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             RowMajor::new(a.o(0), mm.n, a.dout(0)),
             1,
         )?)),
+        Kernel::MatmulTnAccumulate(mm) => ops.push(DevOp::Gemm(gemm_row_major(
+            mm.m,
+            mm.n,
+            mm.k,
+            1.0,
+            RowMajor::new(a.i(0), mm.m, a.di(0)).t(),
+            RowMajor::new(a.i(1), mm.n, a.di(1)),
+            1.0,
+            RowMajor::new(a.u(0), mm.n, a.du(0)),
+            1,
+        )?)),
         other => return Err(misrouted(other, "products")),
     }
     Ok(())
@@ -695,7 +707,18 @@ fn loss(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
     let err = Arg::Ptr(a.layout.error_word);
     let code = Arg::I32(a.index as i32 + 1);
     match &a.ins.kernel {
-        Kernel::CrossEntropy { rows, classes } => {
+        Kernel::CrossEntropy {
+            rows,
+            classes,
+            divisor,
+        } => {
+            if divisor != rows {
+                // The kernel divides by the rows it runs over.
+                return Err(RuntimeError::Unavailable(
+                    "CUDA",
+                    format!("cross_entropy over {rows} rows divided by {divisor} (a split loss)"),
+                ));
+            }
             ops.push(DevOp::Memset {
                 at: a.o(0),
                 bytes: 4,

@@ -89,8 +89,9 @@ impl Kernel {
             | Kernel::LinearBackwardWeight(Matmul { m, k, n })
             | Kernel::MatmulNt(Matmul { m, k, n })
             | Kernel::MatmulNn(Matmul { m, k, n })
-            | Kernel::MatmulTn(Matmul { m, k, n }) => &[("m", *m), ("k", *k), ("n", *n)],
-            Kernel::CrossEntropy { rows, classes }
+            | Kernel::MatmulTn(Matmul { m, k, n })
+            | Kernel::MatmulTnAccumulate(Matmul { m, k, n }) => &[("m", *m), ("k", *k), ("n", *n)],
+            Kernel::CrossEntropy { rows, classes, .. }
             | Kernel::CrossEntropyBackward { rows, classes, .. } => {
                 &[("rows", *rows), ("classes", *classes)]
             }
@@ -120,7 +121,8 @@ impl Kernel {
             | Kernel::LinearBackwardWeight(m)
             | Kernel::MatmulNt(m)
             | Kernel::MatmulNn(m)
-            | Kernel::MatmulTn(m) => Ok(self.matmul_operands(m)),
+            | Kernel::MatmulTn(m)
+            | Kernel::MatmulTnAccumulate(m) => Ok(self.matmul_operands(m)),
             Kernel::AttentionScores(a)
             | Kernel::AttentionScoresBackward(a)
             | Kernel::CausalSoftmax(a)
@@ -250,6 +252,11 @@ impl Kernel {
                 vec![Float(m * n), Float(m * k)],
                 vec![Float(k * n), Float(n)],
             ),
+            Kernel::MatmulTnAccumulate(_) => Operands {
+                inputs: vec![Float(m * k), Float(k * n)],
+                outputs: vec![],
+                updates: vec![Float(m * n)],
+            },
             _ => io(vec![Float(m * k), Float(k * n)], vec![Float(m * n)]),
         }
     }
@@ -317,9 +324,13 @@ impl Kernel {
 
     fn loss_operands(&self) -> Checked {
         match *self {
-            Kernel::CrossEntropy { rows, classes } => {
-                if classes == 0 {
-                    return Err("classes must be positive".into());
+            Kernel::CrossEntropy {
+                rows,
+                classes,
+                divisor,
+            } => {
+                if classes == 0 || divisor < rows {
+                    return Err("classes must be positive and divisor at least rows".into());
                 }
                 Ok(io(vec![Float(rows * classes), I32(rows)], vec![F32(1)]))
             }

@@ -1,0 +1,690 @@
+//! Splitting ("fission"): rewrite a chain of ops that is independent along
+//! its rows into `k` chunks, joined by the reductions the chunks need.
+//!
+//! Order, layout and recomputation cannot make one tensor smaller; in a
+//! language model's step the largest tensors are often the logits
+//! `[B·T, V]` and their gradient. Nothing in the loss region mixes rows
+//! (tokens) except two sums: the loss itself and the LM head's weight
+//! gradient. So the region can run on `k` slices of the rows in turn, each
+//! holding `[B·T/k, V]` instead of `[B·T, V]`, with the same math.
+//!
+//! # The chain it splits
+//! The loss chain of the built-in language models (`src/models/step.rs`,
+//! `head_and_loss`), recognized by op type, operands and attributes (it
+//! also matches the same ops in a graph read from JSON):
+//!
+//! | op | reads | writes | chunk `i` (rows `[r₀, r₁)`) |
+//! |---|---|---|---|
+//! | `matmul_nt` (LM head) | `y [R, C]`, `H [V, C]` | `logits [R, V]` | reads the rows of `y` (a view), all of `H` |
+//! | `cross_entropy` | `logits`, `targets i32 [R]` | `loss f32 [1]` | partial loss over its rows, divided by all `R` rows (`divisor`) |
+//! | `cross_entropy_backward` | `logits`, `targets` | `dlogits [R, V]` (in place of `logits`) | its rows, same `scale` |
+//! | `matmul_nn` (backward data) | `dlogits`, `H` | `dy [R, C]` | its rows of `dy`, packed into `dy` at the end |
+//! | `matmul_tn` (backward weight) | `dlogits`, `y` | `dH [V, C]` | chunk 0 writes `dH`, later chunks add to it (`accumulate`) |
+//!
+//! Joins: the partial losses are summed by `add` ops into the original
+//! (persistent) `loss` tensor; `dH` is accumulated in place; the chunks of
+//! `dy` are copied into `dy` by one `pack` op (rows are contiguous, so
+//! chunk `i` sits at element `r₀·C`). The rows of `y` and of `targets` are
+//! `view`s (no copies).
+//!
+//! # Why each split is exact
+//! - `logits = y Hᵀ`: row `r` of the product depends only on row `r` of
+//!   `y`. Each chunk computes the same dot products, in the same order.
+//! - `cross_entropy_backward`: row-wise (softmax of the row minus the
+//!   one-hot target, times a constant `scale` = 1/R that the chunks keep).
+//!   Bit-identical per row.
+//! - `dy = dlogits H`: row-wise, bit-identical.
+//! - `loss = (1/R) Σ_r ℓ_r`: the chunks compute `(1/R) Σ_{r∈chunk} ℓ_r`, and
+//!   the sum of the chunks is the same sum grouped differently.
+//! - `dH = dlogitsᵀ y = Σ_r dlogits_rᵀ y_r`: a sum over rows, grouped by
+//!   chunk. With a low-precision `dH` (bf16), each chunk's addition rounds
+//!   once more than the single product would.
+//!
+//! So the split step equals the original up to floating-point summation
+//! order (and, for bf16 gradients, `k − 1` more roundings of `dH`).
+//!
+//! # What it refuses
+//! A chain is split only if every link matches exactly: the logits and
+//! their gradient are plain transient tensors (not views, not persistent,
+//! no in-place updates) that no other op reads, the products take `y` and
+//! `H` in the positions above (so that rows are the rows of `y`: a product
+//! that contracts over rows, or a consumer that mixes rows, is not
+//! separable), both backward products read the same `y` and `H` as the
+//! forward one, and nothing between the chain's first and last op updates
+//! `y`, `H` or `targets`. Anything else is left alone.
+//!
+//! Not split (yet): an explicit upcast (`cast`) between the logits and the
+//! loss, pointwise chains and MLP projections.
+//!
+//! # Choosing `k`
+//! [`plan_split`] plans the graph as it is and split into each `k` of
+//! [`AUTO_CHUNKS`] (or the `k` asked for), and keeps the split graph only if
+//! its planned arena is smaller: without a gain the graph is left as it
+//! was. Splitting recomputes nothing; it adds the `k − 1` partial-loss
+//! additions and the `(k − 1)·V·C` additions of the accumulation
+//! ([`added_flops`]).
+
+use std::collections::HashMap;
+
+use serde_json::{Value, json};
+
+use crate::error::Error;
+use crate::graph::{
+    Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec,
+};
+use crate::pipeline::{self, Options};
+use crate::plan::Plan;
+
+/// What `--split` asks for.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Split {
+    /// Never split.
+    #[default]
+    Off,
+    /// Try each of [`AUTO_CHUNKS`]; keep the best if it lowers the peak.
+    Auto,
+    /// Split every separable chain into this many chunks (at least 2), if
+    /// that lowers the peak.
+    Chunks(u64),
+}
+
+impl std::str::FromStr for Split {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" | "none" | "no" => Ok(Split::Off),
+            "auto" => Ok(Split::Auto),
+            n => match n.parse::<u64>() {
+                Ok(k) if k >= 2 => Ok(Split::Chunks(k)),
+                Ok(1) => Ok(Split::Off),
+                _ => Err(format!(
+                    "--split takes auto, off or a number of chunks (2 or more), got {s:?}"
+                )),
+            },
+        }
+    }
+}
+
+/// The chunk counts `auto` tries.
+pub const AUTO_CHUNKS: [u64; 5] = [2, 4, 8, 16, 32];
+
+/// A loss chain found in a graph (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LossChain {
+    /// `matmul_nt`, `cross_entropy`, `cross_entropy_backward`,
+    /// `matmul_nn`, `matmul_tn`.
+    pub ops: [OpId; 5],
+    pub y: TensorId,
+    pub head: TensorId,
+    pub targets: TensorId,
+    pub logits: TensorId,
+    pub loss: TensorId,
+    pub dlogits: TensorId,
+    pub dy: TensorId,
+    pub dhead: TensorId,
+    pub rows: u64,
+    pub width: u64,
+    pub classes: u64,
+}
+
+fn attr_u64(g: &Graph, o: OpId, k: &str) -> Option<u64> {
+    g.op(o).attrs.get(k).and_then(Value::as_u64)
+}
+
+fn plain(g: &Graph, t: TensorId) -> bool {
+    let x = g.tensor(t);
+    x.view_of.is_none() && x.lifetime == Lifetime::Transient && !x.role.is_step_input()
+}
+
+/// The only op that reads `t` as an input, if that op is of type `ty`.
+fn readers_of_type(g: &Graph, t: TensorId, ty: &str) -> Vec<OpId> {
+    g.readers(t)
+        .iter()
+        .copied()
+        .filter(|&o| g.op(o).op_type == ty)
+        .collect()
+}
+
+/// Whether `g`'s ops at program positions strictly between `from` and
+/// `to` (inclusive of the chain's own ops, which update nothing) update the
+/// bytes of any root in `roots`.
+fn updated_between(g: &Graph, chain: &[OpId], roots: &[TensorId]) -> bool {
+    let pos: HashMap<OpId, usize> = g
+        .program_order()
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| (o, i))
+        .collect();
+    let lo = chain.iter().map(|o| pos[o]).min().unwrap_or(0);
+    let hi = chain.iter().map(|o| pos[o]).max().unwrap_or(0);
+    g.program_order()[lo..=hi]
+        .iter()
+        .any(|&o| g.op(o).updates.iter().any(|&t| roots.contains(&g.root(t))))
+}
+
+/// The loss chain starting at `head_op` (a `matmul_nt`), if every link
+/// matches (see "What it refuses").
+fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
+    let op = g.op(a);
+    if op.op_type != "matmul_nt"
+        || op.inputs.len() != 2
+        || op.outputs.len() != 1
+        || !op.updates.is_empty()
+    {
+        return None;
+    }
+    let (y, head, logits) = (op.inputs[0], op.inputs[1], op.outputs[0]);
+    let (rows, width, classes) = (
+        attr_u64(g, a, "m")?,
+        attr_u64(g, a, "k")?,
+        attr_u64(g, a, "n")?,
+    );
+    if rows < 2 || !plain(g, logits) || g.users_of_root(logits).len() != 2 {
+        return None;
+    }
+    let ce = readers_of_type(g, logits, "cross_entropy");
+    let ceb = readers_of_type(g, logits, "cross_entropy_backward");
+    let (&[b], &[cb]) = (ce.as_slice(), ceb.as_slice()) else {
+        return None;
+    };
+    let (bo, cbo) = (g.op(b), g.op(cb));
+    if bo.inputs.len() != 2
+        || bo.inputs[0] != logits
+        || bo.outputs.len() != 1
+        || cbo.inputs != bo.inputs
+        || cbo.outputs.len() != 1
+        || !bo.updates.is_empty()
+        || !cbo.updates.is_empty()
+    {
+        return None;
+    }
+    let targets = bo.inputs[1];
+    let (loss, dlogits) = (bo.outputs[0], cbo.outputs[0]);
+    for o in [b, cb] {
+        if attr_u64(g, o, "rows")? != rows || attr_u64(g, o, "classes")? != classes {
+            return None;
+        }
+        if g.op(o)
+            .attrs
+            .get("divisor")
+            .is_some_and(|d| d.as_u64() != Some(rows))
+        {
+            return None;
+        }
+    }
+    cbo.attrs.get("scale")?.as_f64()?;
+    let loss_t = g.tensor(loss);
+    if loss_t.view_of.is_some() || loss_t.dtype.as_deref() != Some("f32") || loss_t.size != 4 {
+        return None;
+    }
+    if !plain(g, dlogits) || g.users_of_root(dlogits).len() != 2 {
+        return None;
+    }
+    let nn = readers_of_type(g, dlogits, "matmul_nn");
+    let tn = readers_of_type(g, dlogits, "matmul_tn");
+    let (&[d], &[e]) = (nn.as_slice(), tn.as_slice()) else {
+        return None;
+    };
+    let (dop, eop) = (g.op(d), g.op(e));
+    if dop.inputs != [dlogits, head]
+        || eop.inputs != [dlogits, y]
+        || dop.outputs.len() != 1
+        || eop.outputs.len() != 1
+        || !dop.updates.is_empty()
+        || !eop.updates.is_empty()
+        || eop
+            .attrs
+            .get("accumulate")
+            .is_some_and(|v| v != &Value::Bool(false))
+    {
+        return None;
+    }
+    let (dy, dhead) = (dop.outputs[0], eop.outputs[0]);
+    let dims = |o, m, k, n| {
+        attr_u64(g, o, "m") == Some(m)
+            && attr_u64(g, o, "k") == Some(k)
+            && attr_u64(g, o, "n") == Some(n)
+    };
+    if !dims(d, rows, classes, width) || !dims(e, classes, rows, width) {
+        return None;
+    }
+    // Rows are contiguous: the byte sizes must be rows × row.
+    let elems = |t: TensorId| {
+        g.tensor(t)
+            .shape
+            .as_ref()
+            .map(|s| s.iter().product::<u64>())
+    };
+    if elems(y) != Some(rows * width)
+        || elems(logits) != Some(rows * classes)
+        || elems(dlogits) != Some(rows * classes)
+        || elems(dy) != Some(rows * width)
+        || elems(targets) != Some(rows)
+        || g.tensor(dy).view_of.is_some()
+        || g.tensor(dhead).view_of.is_some()
+    {
+        return None;
+    }
+    let ops = [a, b, cb, d, e];
+    let roots = [g.root(y), g.root(head), g.root(targets)];
+    if updated_between(g, &ops, &roots) {
+        return None;
+    }
+    Some(LossChain {
+        ops,
+        y,
+        head,
+        targets,
+        logits,
+        loss,
+        dlogits,
+        dy,
+        dhead,
+        rows,
+        width,
+        classes,
+    })
+}
+
+/// Every loss chain of `g` that can be split (disjoint, in program order).
+pub fn find_chains(g: &Graph) -> Vec<LossChain> {
+    g.program_order()
+        .iter()
+        .filter_map(|&o| chain_at(g, o))
+        .collect()
+}
+
+/// Rows `[r₀, r₁)` of each of `k` chunks of `rows` (sizes differ by at most
+/// one, larger first).
+pub fn chunk_rows(rows: u64, k: u64) -> Vec<(u64, u64)> {
+    let (q, r) = (rows / k, rows % k);
+    let mut out = Vec::with_capacity(k as usize);
+    let mut lo = 0;
+    for i in 0..k {
+        let n = q + u64::from(i < r);
+        out.push((lo, lo + n));
+        lo += n;
+    }
+    out
+}
+
+fn elem_bytes(x: &TensorSpec, elements: u64) -> u64 {
+    x.size / elements.max(1)
+}
+
+/// `g` with each chain of `chains` split into `k` chunks (`2 ≤ k ≤ rows`).
+/// The chunks' ops take the place of the chain's first op in the program
+/// order, chunk by chunk; the rest of the graph is unchanged.
+pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Error> {
+    if k < 2 {
+        return Err(Error::Invalid(format!(
+            "split into {k} chunks: need at least 2"
+        )));
+    }
+    for c in chains {
+        if k > c.rows {
+            return Err(Error::Invalid(format!(
+                "split into {k} chunks: the chain at {:?} has only {} rows",
+                g.op(c.ops[0]).name,
+                c.rows
+            )));
+        }
+    }
+    let mut dropped_ops = vec![false; g.num_ops()];
+    let mut dropped_tensors = vec![false; g.num_tensors()];
+    let mut first: HashMap<OpId, &LossChain> = HashMap::new();
+    for c in chains {
+        for o in c.ops {
+            dropped_ops[o.index()] = true;
+        }
+        dropped_tensors[c.logits.index()] = true;
+        dropped_tensors[c.dlogits.index()] = true;
+        let lead = *g
+            .program_order()
+            .iter()
+            .find(|o| c.ops.contains(o))
+            .expect("a chain's ops are in the graph");
+        first.insert(lead, c);
+    }
+    let mut b = GraphBuilder::new(g.name.clone());
+    let mut tmap: Vec<Option<TensorId>> = vec![None; g.num_tensors()];
+    // Bases before views: tensors in id order, views of dropped tensors
+    // cannot exist (the chain's tensors are plain).
+    for t in g.tensor_ids() {
+        if dropped_tensors[t.index()] {
+            continue;
+        }
+        let mut spec = TensorSpec::from(g.tensor(t));
+        spec.view_of = spec
+            .view_of
+            .map(|v| tmap[v.index()].expect("a view's base is kept"));
+        tmap[t.index()] = Some(b.add_tensor(spec));
+    }
+    let tm = |t: TensorId| tmap[t.index()].expect("kept tensor");
+    let mut omap: Vec<Vec<OpId>> = vec![Vec::new(); g.num_ops()];
+    for &o in g.program_order() {
+        if let Some(c) = first.get(&o) {
+            let new = emit_chunks(g, &mut b, c, k, &tm);
+            for &old in &c.ops {
+                omap[old.index()] = new.clone();
+            }
+            continue;
+        }
+        if dropped_ops[o.index()] {
+            continue;
+        }
+        let op = g.op(o);
+        let mut spec = OpSpec::from(op);
+        spec.inputs = op.inputs.iter().map(|&t| tm(t)).collect();
+        spec.outputs = op.outputs.iter().map(|&t| tm(t)).collect();
+        spec.updates = op.updates.iter().map(|&t| tm(t)).collect();
+        spec.reuse = op.reuse.iter().map(|&(x, y)| (tm(x), tm(y))).collect();
+        spec.after = op
+            .after
+            .iter()
+            .flat_map(|a| omap[a.index()].iter().copied())
+            .collect();
+        if op.after.iter().any(|a| omap[a.index()].is_empty()) {
+            return Err(Error::Invalid(format!(
+                "op {:?} runs after an op that comes later in program order",
+                op.name
+            )));
+        }
+        omap[o.index()] = vec![b.add_op(spec)];
+    }
+    let mut out = b.build()?;
+    out.reference_peaks = g.reference_peaks.clone();
+    out.metadata = g.metadata.clone();
+    out.metadata.insert(
+        "split".into(),
+        json!({ "chunks": k, "chains": chains.len() }),
+    );
+    Ok(out)
+}
+
+/// Adds chain `c`'s `k` chunks to `b`; returns the ops added.
+fn emit_chunks(
+    g: &Graph,
+    b: &mut GraphBuilder,
+    c: &LossChain,
+    k: u64,
+    tm: &dyn Fn(TensorId) -> TensorId,
+) -> Vec<OpId> {
+    let [a, ce, ceb, d, e] = c.ops.map(|o| g.op(o));
+    let (rows, width, classes) = (c.rows, c.width, c.classes);
+    let spec_of = |t: TensorId| TensorSpec::from(g.tensor(t));
+    let (ys, ts, ls, dls, dys) = (
+        spec_of(c.y),
+        spec_of(c.targets),
+        spec_of(c.logits),
+        spec_of(c.dlogits),
+        spec_of(c.dy),
+    );
+    let (y_e, t_e, l_e, dl_e, dy_e) = (
+        elem_bytes(&ys, rows * width),
+        elem_bytes(&ts, rows),
+        elem_bytes(&ls, rows * classes),
+        elem_bytes(&dls, rows * classes),
+        elem_bytes(&dys, rows * width),
+    );
+    let parts = chunk_rows(rows, k);
+    let frac = |n: u64| n as f64 / rows as f64;
+    let scaled = |x: Option<f64>, n: u64| x.map(|v| v * frac(n));
+    let mut ops = Vec::new();
+
+    // Views of the rows of y and of the targets.
+    let view = |b: &mut GraphBuilder, base: TensorId, spec: &TensorSpec, row: u64, ebytes: u64| {
+        let mut out = Vec::new();
+        let mut offsets = Vec::new();
+        for (i, &(lo, hi)) in parts.iter().enumerate() {
+            let mut s =
+                TensorSpec::new(format!("{}.chunk{i}", spec.name), (hi - lo) * row * ebytes)
+                    .role(spec.role)
+                    .align(spec.align)
+                    .view_of(tm(base));
+            s.dtype = spec.dtype.clone();
+            s.shape = Some(if row == 1 {
+                vec![hi - lo]
+            } else {
+                vec![hi - lo, row]
+            });
+            out.push(b.add_tensor(s));
+            offsets.push(lo * row);
+        }
+        let op = b.add_op(
+            OpSpec::new(format!("{}.chunks", spec.name), OpKind::Other, "view")
+                .inputs([tm(base)])
+                .outputs(out.clone())
+                .attr("offsets", offsets),
+        );
+        (op, out)
+    };
+    let (vy, y_parts) = view(b, c.y, &ys, width, y_e);
+    let (vt, t_parts) = view(b, c.targets, &ts, 1, t_e);
+    ops.extend([vy, vt]);
+
+    let like = |spec: &TensorSpec, name: String, shape: Vec<u64>, bytes: u64| {
+        let mut s = TensorSpec::new(name, bytes)
+            .role(spec.role)
+            .align(spec.align)
+            .lifetime(Lifetime::Transient);
+        s.dtype = spec.dtype.clone();
+        s.shape = Some(shape);
+        s
+    };
+    let copy_op = |op: &crate::graph::Op, name: String| {
+        let mut s = OpSpec::new(name, op.kind, op.op_type.clone());
+        s.stream = op.stream;
+        s.attrs = op.attrs.clone();
+        s
+    };
+    let loss_spec = spec_of(c.loss);
+    let mut sum: Option<TensorId> = None;
+    let mut dy_parts = Vec::new();
+    for (i, &(lo, hi)) in parts.iter().enumerate() {
+        let n = hi - lo;
+        let logits = b.add_tensor(like(
+            &ls,
+            format!("{}.chunk{i}", ls.name),
+            vec![n, classes],
+            n * classes * l_e,
+        ));
+        let mut s = copy_op(a, format!("{}.chunk{i}", a.name))
+            .inputs([y_parts[i], tm(c.head)])
+            .outputs([logits]);
+        s.attrs.insert("m".into(), json!(n));
+        s.cost = scaled(a.cost, n);
+        s.flops = scaled(a.flops, n);
+        ops.push(b.add_op(s));
+
+        let part = b.add_tensor(
+            TensorSpec::new(format!("{}.chunk{i}", loss_spec.name), 4)
+                .role(Role::Activation)
+                .align(loss_spec.align)
+                .dtype("f32")
+                .shape(vec![1]),
+        );
+        let mut s = copy_op(ce, format!("{}.chunk{i}", ce.name))
+            .inputs([logits, t_parts[i]])
+            .outputs([part]);
+        s.attrs.insert("rows".into(), json!(n));
+        s.attrs.insert("divisor".into(), json!(rows));
+        s.cost = scaled(ce.cost, n);
+        s.flops = scaled(ce.flops, n);
+        ops.push(b.add_op(s));
+        if let Some(prev) = sum {
+            let last = i + 1 == parts.len();
+            let out = if last {
+                tm(c.loss)
+            } else {
+                b.add_tensor(
+                    TensorSpec::new(format!("{}.sum{i}", loss_spec.name), 4)
+                        .role(Role::Activation)
+                        .align(loss_spec.align)
+                        .dtype("f32")
+                        .shape(vec![1]),
+                )
+            };
+            ops.push(
+                b.add_op(
+                    OpSpec::new(format!("{}.sum{i}", ce.name), ce.kind, "add")
+                        .inputs([prev, part])
+                        .outputs([out])
+                        .attr("elements", 1)
+                        .stream(ce.stream),
+                ),
+            );
+            sum = Some(out);
+        } else {
+            sum = Some(part);
+        }
+
+        let dlogits = b.add_tensor(like(
+            &dls,
+            format!("{}.chunk{i}", dls.name),
+            vec![n, classes],
+            n * classes * dl_e,
+        ));
+        let mut s = copy_op(ceb, format!("{}.chunk{i}", ceb.name))
+            .inputs([logits, t_parts[i]])
+            .outputs([dlogits]);
+        if ceb.reuse.contains(&(c.dlogits, c.logits)) && n * classes * dl_e <= n * classes * l_e {
+            s = s.reuse(dlogits, logits);
+        }
+        s.attrs.insert("rows".into(), json!(n));
+        s.cost = scaled(ceb.cost, n);
+        s.flops = scaled(ceb.flops, n);
+        ops.push(b.add_op(s));
+
+        let dy = b.add_tensor(like(
+            &dys,
+            format!("{}.chunk{i}", dys.name),
+            vec![n, width],
+            n * width * dy_e,
+        ));
+        let mut s = copy_op(d, format!("{}.chunk{i}", d.name))
+            .inputs([dlogits, tm(c.head)])
+            .outputs([dy]);
+        s.attrs.insert("m".into(), json!(n));
+        s.cost = scaled(d.cost, n);
+        s.flops = scaled(d.flops, n);
+        ops.push(b.add_op(s));
+        dy_parts.push(dy);
+
+        let mut s = copy_op(e, format!("{}.chunk{i}", e.name)).inputs([dlogits, y_parts[i]]);
+        s = if i == 0 {
+            s.outputs([tm(c.dhead)])
+        } else {
+            s.updates([tm(c.dhead)]).attr("accumulate", true)
+        };
+        s.attrs.insert("k".into(), json!(n));
+        s.cost = scaled(e.cost, n);
+        // 2·V·n·C for the product, V·C for adding it to the sum.
+        let product = 2.0 * (classes * n * width) as f64;
+        s.flops = Some(
+            match e.flops {
+                Some(f) => f * frac(n),
+                None => product,
+            } + if i == 0 {
+                0.0
+            } else {
+                (classes * width) as f64
+            },
+        );
+        ops.push(b.add_op(s));
+    }
+    let offsets: Vec<u64> = parts.iter().map(|&(lo, _)| lo * width).collect();
+    ops.push(
+        b.add_op(
+            OpSpec::new(format!("{}.pack", d.name), d.kind, "pack")
+                .inputs(dy_parts)
+                .outputs([tm(c.dy)])
+                .attr("offsets", offsets)
+                .attr("elements", rows * width)
+                .flops(0.0)
+                .stream(d.stream),
+        ),
+    );
+    ops
+}
+
+/// FLOPs the split adds: `Σ_k` over chains of `(k − 1)` loss additions and
+/// `(k − 1)·V·C` gradient additions.
+pub fn added_flops(chains: &[LossChain], k: u64) -> f64 {
+    chains
+        .iter()
+        .map(|c| ((k - 1) * (1 + c.classes * c.width)) as f64)
+        .sum()
+}
+
+/// What [`plan_split`] chose.
+#[derive(Clone, Debug)]
+pub struct SplitReport {
+    /// Chunks of the kept graph (1: not split).
+    pub chunks: u64,
+    /// Chains split.
+    pub chains: usize,
+    /// `(k, arena bytes)` of every candidate planned (`k = 1`: unsplit).
+    pub tried: Vec<(u64, u64)>,
+    /// FLOPs the split adds (0 when not split).
+    pub added_flops: f64,
+}
+
+/// Plans `g` and, as `split` asks, its splits; returns the graph with the
+/// smallest planned arena (the unsplit one unless a split is strictly
+/// smaller), its plan and what was tried. Each candidate gets
+/// `opts.time_limit` divided by the number of candidates.
+pub fn plan_split(
+    g: &Graph,
+    opts: &Options,
+    split: Split,
+) -> Result<(Graph, Plan, SplitReport), Error> {
+    let chains = find_chains(g);
+    let min_rows = chains.iter().map(|c| c.rows).min().unwrap_or(0);
+    let ks: Vec<u64> = match split {
+        Split::Off => Vec::new(),
+        Split::Auto => AUTO_CHUNKS
+            .iter()
+            .copied()
+            .filter(|&k| k <= min_rows)
+            .collect(),
+        Split::Chunks(k) => vec![k],
+    };
+    let ks = if chains.is_empty() { Vec::new() } else { ks };
+    let mut o = opts.clone();
+    o.time_limit = opts.time_limit / (1 + ks.len() as u32);
+    let base = pipeline::plan(g, &o)?;
+    let mut tried = vec![(1, base.arena_bytes)];
+    let mut best: Option<(Graph, Plan, u64)> = None;
+    for &k in &ks {
+        let sg = split_chains(g, &chains, k)?;
+        let p = pipeline::plan(&sg, &o)?;
+        tried.push((k, p.arena_bytes));
+        let cur = best.as_ref().map_or(base.arena_bytes, |b| b.1.arena_bytes);
+        if p.arena_bytes < cur {
+            best = Some((sg, p, k));
+        }
+    }
+    Ok(match best {
+        Some((sg, p, k)) => (
+            sg,
+            p,
+            SplitReport {
+                chunks: k,
+                chains: chains.len(),
+                tried,
+                added_flops: added_flops(&chains, k),
+            },
+        ),
+        None => (
+            g.clone(),
+            base,
+            SplitReport {
+                chunks: 1,
+                chains: 0,
+                tried,
+                added_flops: 0.0,
+            },
+        ),
+    })
+}

@@ -1,0 +1,329 @@
+//! Splitting the loss chain ([`memplan::split`]): the split steps of the
+//! built-in GPT-2 and Llama run on the CPU executor and equal the unsplit
+//! ones, every split plan passes the checker, `auto` keeps a split only
+//! when it lowers the planned arena, and chains that are not separable are
+//! never split.
+//!
+//! Tolerances (f32 steps, 2–3 steps of Adam/AdamW): losses within 1e-5
+//! relative; the final state (every parameter, moment and the loss) within
+//! 1e-5 relative L2 distance of the unsplit step's (the split only
+//! regroups two sums; element by element, Adam turns a gradient near zero
+//! into a step of either sign, so single near-zero elements may differ by
+//! far more than the whole).
+//! bf16 mixed precision: the head's bf16 gradient is rounded once per
+//! chunk instead of once, so the state is compared by relative L2 distance,
+//! within 1e-2 (measured 1.7e-4 at k = 3; the f32 steps: 6e-9 to 3e-7).
+
+use std::time::Duration;
+
+use memplan::exec;
+use memplan::graph::{Graph, GraphBuilder, OpKind, OpSpec, Role, TensorSpec};
+use memplan::models::gpt2::{self, Gpt2Config};
+use memplan::models::llama::{self, LlamaConfig};
+use memplan::split::{self, Split};
+use memplan::{Options, Plan, checker};
+use memplan_runtime::runner::{RunConfig, RunReport, run_cpu};
+
+fn opts() -> Options {
+    Options {
+        time_limit: Duration::from_secs(1),
+        ..Options::default()
+    }
+}
+
+fn plan(g: &Graph) -> Plan {
+    let p = memplan::plan(g, &opts()).unwrap();
+    checker::check(g, &p).unwrap();
+    p
+}
+
+fn run(g: &Graph, steps: usize) -> RunReport {
+    let p = exec::program(g, &plan(g)).unwrap();
+    let cfg = RunConfig {
+        steps,
+        keep_state: true,
+        ..RunConfig::default()
+    };
+    run_cpu(&p, &cfg).unwrap()
+}
+
+fn close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= atol + rtol * y.abs(),
+            "{what}[{i}]: {x} vs {y}"
+        );
+    }
+}
+
+fn split(g: &Graph, k: u64) -> Graph {
+    let chains = split::find_chains(g);
+    assert_eq!(chains.len(), 1, "one loss chain in {}", g.name);
+    split::split_chains(g, &chains, k).unwrap()
+}
+
+/// The split step equals the unsplit one (f32).
+fn split_matches(g: &Graph, k: u64, steps: usize) {
+    let s = split(g, k);
+    assert!(
+        split::find_chains(&s).is_empty(),
+        "split chains are not split again"
+    );
+    let a = run(&s, steps);
+    let b = run(g, steps);
+    for (i, (x, y)) in a.steps.iter().zip(&b.steps).enumerate() {
+        assert!(x.loss.is_finite());
+        close(
+            &format!("loss at step {i}"),
+            &[x.loss],
+            &[y.loss],
+            1e-5,
+            0.0,
+        );
+    }
+    assert_eq!(a.state[0].len(), b.state[0].len());
+    let dist = state_distance(&a, &b);
+    eprintln!("{} split into {k}: state distance {dist:.2e}", g.name);
+    assert!(dist < 1e-5, "state distance {dist}");
+}
+
+/// Relative L2 distance between the final states (every parameter, moment
+/// and the loss), after checking they name the same tensors.
+fn state_distance(a: &RunReport, b: &RunReport) -> f64 {
+    let (mut d, mut n) = (0.0f64, 0.0f64);
+    for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
+        assert_eq!(na, nb);
+        assert_eq!(va.len(), vb.len(), "{na}");
+        for (&x, &y) in va.iter().zip(vb) {
+            d += (x as f64 - y as f64).powi(2);
+            n += (y as f64).powi(2);
+        }
+    }
+    (d / n).sqrt()
+}
+
+fn tiny_gpt2() -> Gpt2Config {
+    Gpt2Config::small_config(2, 32, 2, 16, 2, 64)
+}
+
+fn tiny_llama() -> LlamaConfig {
+    LlamaConfig {
+        layers: 2,
+        width: 32,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 48,
+        vocab: 64,
+        seq: 70,
+        batch: 2,
+        ..LlamaConfig::preset("llama-tiny").unwrap()
+    }
+}
+
+#[test]
+fn split_gpt2_equals_unsplit_on_the_cpu() {
+    let g = gpt2::build(&tiny_gpt2()).unwrap();
+    split_matches(&g, 2, 3);
+    split_matches(&g, 5, 2);
+}
+
+#[test]
+fn split_llama_equals_unsplit_untied_tied_and_checkpointed() {
+    let g = llama::build(&tiny_llama()).unwrap();
+    // 140 rows in chunks of 47, 47 and 46.
+    split_matches(&g, 3, 3);
+    let mut cfg = tiny_llama();
+    cfg.tied = true;
+    cfg.checkpoint = true;
+    cfg.clip_grad_norm = Some(0.5);
+    split_matches(&llama::build(&cfg).unwrap(), 4, 2);
+}
+
+#[test]
+fn split_mixed_precision_llama_stays_near_unsplit() {
+    let mut cfg = tiny_llama();
+    cfg.mixed_precision = true;
+    cfg.dtype = memplan::models::DType::BF16;
+    let g = llama::build(&cfg).unwrap();
+    let s = split(&g, 3);
+    let (a, b) = (run(&s, 3), run(&g, 3));
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        assert!(
+            (x.loss - y.loss).abs() <= 1e-3 * y.loss,
+            "{} vs {}",
+            x.loss,
+            y.loss
+        );
+    }
+    let dist = state_distance(&a, &b);
+    eprintln!("{} split into 3: state distance {dist:.2e}", g.name);
+    assert!(dist < 1e-2, "state distance {dist}");
+}
+
+/// A Llama step whose logits dominate: a large vocabulary at a long
+/// sequence.
+fn vocab_heavy() -> Graph {
+    llama::build(&LlamaConfig {
+        layers: 1,
+        width: 32,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 64,
+        vocab: 4096,
+        seq: 256,
+        batch: 2,
+        ..LlamaConfig::preset("llama-tiny").unwrap()
+    })
+    .unwrap()
+}
+
+#[test]
+fn auto_splits_where_the_peak_drops_and_every_split_plan_checks() {
+    let g = vocab_heavy();
+    let (s, p, rep) = split::plan_split(&g, &opts(), Split::Auto).unwrap();
+    checker::check(&s, &p).unwrap();
+    let base = rep.tried[0].1;
+    assert!(rep.chunks > 1, "{:?}", rep.tried);
+    assert!(p.arena_bytes < base, "{:?}", rep.tried);
+    assert_eq!(rep.tried.iter().map(|t| t.1).min(), Some(p.arena_bytes));
+    assert!(rep.added_flops > 0.0);
+    // Each k plans and checks.
+    for k in [2, 7] {
+        let sg = split(&g, k);
+        checker::check(&sg, &plan(&sg)).unwrap();
+    }
+    // Off leaves the graph as it was.
+    let (same, _, rep) = split::plan_split(&g, &opts(), Split::Off).unwrap();
+    assert_eq!(rep.chunks, 1);
+    assert_eq!(same.num_ops(), g.num_ops());
+}
+
+#[test]
+fn without_a_gain_the_graph_is_left_as_it_was() {
+    // A tiny vocabulary: the logits are smaller than what the split adds
+    // (the chunks of dy beside dy), so no split lowers the peak.
+    let g = llama::build(&LlamaConfig {
+        vocab: 8,
+        ..tiny_llama()
+    })
+    .unwrap();
+    let (s, p, rep) = split::plan_split(&g, &opts(), Split::Auto).unwrap();
+    checker::check(&s, &p).unwrap();
+    if rep.chunks == 1 {
+        assert_eq!(s.num_ops(), g.num_ops());
+        assert_eq!(p.arena_bytes, rep.tried[0].1);
+    } else {
+        assert!(p.arena_bytes < rep.tried[0].1);
+    }
+    assert!(p.arena_bytes <= rep.tried.iter().map(|t| t.1).min().unwrap());
+}
+
+/// A minimal loss chain: `logits = y Hᵀ`, cross-entropy and its backward,
+/// `dy = dlogits H`, `dH = dlogitsᵀ y`; `extra` adds an op that reads the
+/// logits across rows (a softmax over the batch dimension: not separable).
+fn chain(extra: bool, swapped: bool) -> Graph {
+    let (r, c, v) = (8u64, 4u64, 16u64);
+    let mut b = GraphBuilder::new("chain");
+    let f = |b: &mut GraphBuilder, name: &str, shape: Vec<u64>, role: Role| {
+        let n: u64 = shape.iter().product();
+        b.add_tensor(
+            TensorSpec::new(name, 4 * n)
+                .role(role)
+                .dtype("f32")
+                .shape(shape),
+        )
+    };
+    let y = f(&mut b, "y", vec![r, c], Role::Input);
+    let h = f(&mut b, "h", vec![v, c], Role::Parameter);
+    let tgt = b.add_tensor(
+        TensorSpec::new("targets", 4 * r)
+            .role(Role::Input)
+            .dtype("i32")
+            .shape(vec![r]),
+    );
+    let logits = f(&mut b, "logits", vec![r, v], Role::Activation);
+    let loss = b.add_tensor(
+        TensorSpec::new("loss", 4)
+            .role(Role::Output)
+            .dtype("f32")
+            .shape(vec![1])
+            .persistent(),
+    );
+    let dl = f(&mut b, "dlogits", vec![r, v], Role::Activation);
+    let dy = f(&mut b, "dy", vec![r, c], Role::Output);
+    let dh = f(&mut b, "dh", vec![v, c], Role::Gradient);
+    let head = OpSpec::new("head", OpKind::Forward, "matmul_nt")
+        .inputs(if swapped { [h, y] } else { [y, h] })
+        .outputs([logits])
+        .attr("m", r)
+        .attr("k", c)
+        .attr("n", v);
+    b.add_op(head);
+    b.add_op(
+        OpSpec::new("loss", OpKind::Forward, "cross_entropy")
+            .inputs([logits, tgt])
+            .outputs([loss])
+            .attr("rows", r)
+            .attr("classes", v),
+    );
+    if extra {
+        let s = f(&mut b, "col_softmax", vec![r, v], Role::Output);
+        b.add_op(
+            OpSpec::new("mix", OpKind::Forward, "softmax_over_rows")
+                .inputs([logits])
+                .outputs([s]),
+        );
+    }
+    b.add_op(
+        OpSpec::new("loss.backward", OpKind::Backward, "cross_entropy_backward")
+            .inputs([logits, tgt])
+            .outputs([dl])
+            .reuse(dl, logits)
+            .attr("rows", r)
+            .attr("classes", v)
+            .attr("scale", 1.0 / r as f64),
+    );
+    b.add_op(
+        OpSpec::new("head.backward_data", OpKind::Backward, "matmul_nn")
+            .inputs([dl, h])
+            .outputs([dy])
+            .attr("m", r)
+            .attr("k", v)
+            .attr("n", c),
+    );
+    b.add_op(
+        OpSpec::new("head.backward_weight", OpKind::Backward, "matmul_tn")
+            .inputs([dl, y])
+            .outputs([dh])
+            .attr("m", v)
+            .attr("k", r)
+            .attr("n", c),
+    );
+    b.build().unwrap()
+}
+
+#[test]
+fn a_chain_that_is_not_separable_is_never_split() {
+    assert_eq!(split::find_chains(&chain(false, false)).len(), 1);
+    // Another op reads the logits across rows.
+    assert!(split::find_chains(&chain(true, false)).is_empty());
+    // The product's rows are the head's, not the tokens': `H yᵀ`'s shape
+    // attributes do not match a row split.
+    assert!(split::find_chains(&chain(false, true)).is_empty());
+    for g in [chain(true, false), chain(false, true)] {
+        let (s, _, rep) = split::plan_split(&g, &opts(), Split::Chunks(2)).unwrap();
+        assert_eq!(rep.chunks, 1);
+        assert_eq!(s.num_ops(), g.num_ops());
+    }
+}
+
+#[test]
+fn split_parses_auto_off_and_counts() {
+    assert_eq!("auto".parse::<Split>(), Ok(Split::Auto));
+    assert_eq!("off".parse::<Split>(), Ok(Split::Off));
+    assert_eq!("8".parse::<Split>(), Ok(Split::Chunks(8)));
+    assert!("0".parse::<Split>().is_err());
+    assert!("many".parse::<Split>().is_err());
+    assert_eq!(split::chunk_rows(10, 3), vec![(0, 4), (4, 7), (7, 10)]);
+}
