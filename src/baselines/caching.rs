@@ -1,9 +1,14 @@
 //! A simulation of PyTorch's CUDA caching allocator, to tell what a PyTorch
-//! eager user would see as reserved memory for the same step.
+//! eager user would see as reserved memory for the same step, with the
+//! default settings or with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
 //!
-//! Modelled after `c10/cuda/CUDACachingAllocator.cpp` with default settings
-//! (checked against its `round_size`, `get_pool`, `get_allocation_size`,
-//! `get_free_block`, `should_split`, `alloc_found_block` and `free_block`):
+//! Modelled after `c10/cuda/CUDACachingAllocator.cpp` (checked against its
+//! `round_size`, `get_pool`, `get_allocation_size`, `get_free_block`,
+//! `should_split`, `alloc_found_block`, `free_block`, and for expandable
+//! segments `find_expandable_block`, `map_block`,
+//! `try_allocate_expandable_block` and `ExpandableSegment::map`).
+//!
+//! Default settings ([`CachingAllocator::new`]):
 //! - requests round up to a multiple of 512 bytes (at least 512);
 //! - two pools per stream: small (rounded requests ≤ 1 MiB) and large; a
 //!   free block serves only requests of its own pool and stream;
@@ -18,19 +23,40 @@
 //! - a freed block merges with its free neighbours in its segment and stays
 //!   cached; segments are never released.
 //!
-//! Simplified: real ties between equal-sized free blocks go to the lowest
-//! device address, which a simulation cannot know; here they go to the
-//! oldest segment, then the lowest offset. No `max_split_size`,
-//! `roundup_power2_divisions`, garbage collection or expandable segments
-//! (all off by default in PyTorch). No release-and-retry after an
-//! out-of-memory error (memory is unbounded, so the peak reserved is what
-//! the step would ask of the device). A tensor used on another stream than
-//! its own is freed at once, as if `record_stream` events completed
+//! Expandable segments ([`CachingAllocator::expandable`]):
+//! - the same rounding and the same two pools per stream, but each pool of
+//!   each stream has one segment: a virtual address range whose start is
+//!   backed by physical pages, grown at its end a page at a time; pages are
+//!   2 MiB in the small pool and 20 MiB in the large one (`kSmallBuffer`,
+//!   `kLargeBuffer`);
+//! - a cache miss maps the fewest pages that, with the free block at the
+//!   end of the mapped range if there is one, hold the request; reserved
+//!   bytes are the mapped pages;
+//! - lookup is best fit over the mapped free blocks, except that the free
+//!   block at the end of the mapped range counts as large as the address
+//!   space behind it (PyTorch's `expandable_size`), so it is taken only
+//!   when no other free block fits;
+//! - every block is split when the remainder is ≥ 512 B, in both pools;
+//! - frees merge as above; pages are never unmapped.
+//!
+//! Simplified: with the default settings, real ties between equal-sized
+//! free blocks go to the lowest device address, which a simulation cannot
+//! know; here they go to the oldest segment, then the lowest offset. (With
+//! expandable segments a pool has one segment, so the lowest offset is the
+//! lowest address and ties are exact.) No `max_split_size`,
+//! `roundup_power2_divisions` or garbage collection (all off by default in
+//! PyTorch). No release-and-retry after an out-of-memory error, and no
+//! unmapping of free pages, which PyTorch does only then or on
+//! `empty_cache()` (memory is unbounded, so the peak reserved is what the
+//! step would ask of the device); an expandable segment's address space
+//! (1⅛ of the device's memory in PyTorch) is unbounded here, so a second
+//! segment per pool never opens. A tensor used on another stream than its
+//! own is freed at once, as if `record_stream` events completed
 //! immediately. Events happen in op order: an op's outputs are allocated,
 //! then every tensor whose last use was that op is freed; the kernels'
 //! internal workspaces are not modelled.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 const MIN_BLOCK: u64 = 512;
 const SMALL_SIZE: u64 = 1 << 20;
@@ -47,7 +73,8 @@ pub struct CachingStats {
     pub max_allocated: u64,
     /// Peak of bytes reserved in segments (`max_memory_reserved`).
     pub max_reserved: u64,
-    /// Number of segments reserved.
+    /// Number of segments reserved (with expandable segments: segments
+    /// opened, one per pool and stream).
     pub segments: usize,
 }
 
@@ -61,8 +88,15 @@ struct Block {
 /// The allocator's state.
 #[derive(Default, Debug)]
 pub struct CachingAllocator {
+    /// `expandable_segments:True`.
+    expandable: bool,
     /// Blocks of every segment by offset.
     segments: Vec<BTreeMap<u64, Block>>,
+    /// Expandable segments: the bytes mapped in each segment, from offset 0
+    /// (its blocks cover exactly that range).
+    mapped: Vec<u64>,
+    /// Expandable segments: the segment of each (stream, small pool).
+    expandable_of: HashMap<(u32, bool), usize>,
     /// Stream of every segment.
     segment_stream: Vec<u32>,
     /// Free blocks: (stream, size, segment, offset), one set per pool.
@@ -99,8 +133,81 @@ fn segment_size(size: u64) -> u64 {
 }
 
 impl CachingAllocator {
+    /// The allocator with PyTorch's default settings.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The allocator with `expandable_segments:True`.
+    pub fn expandable() -> Self {
+        Self {
+            expandable: true,
+            ..Self::default()
+        }
+    }
+
+    /// Best fit in `small`'s pool for a rounded `size` on `stream`:
+    /// `(stream, size, segment, offset)` of the free block, taken out of the
+    /// pool.
+    fn take_free_block(
+        &mut self,
+        size: u64,
+        stream: u32,
+        small: bool,
+    ) -> Option<(u64, usize, u64)> {
+        let range = (stream, size, 0, 0)..=(stream, u64::MAX, usize::MAX, u64::MAX);
+        let mut fits = if small {
+            self.small_pool.range(range)
+        } else {
+            self.large_pool.range(range)
+        };
+        let first = fits.next().copied();
+        let second = fits.next().copied();
+        let key = match first {
+            // The free block at the end of an expandable segment's mapped
+            // range counts as large as the address space behind it: any
+            // other block that fits comes first.
+            Some(k) if self.expandable && k.3 + k.1 == self.mapped[k.2] => second.or(first),
+            k => k,
+        }?;
+        self.pool(small).remove(&key);
+        Some((key.1, key.2, key.3))
+    }
+
+    /// Expandable segments: maps pages at the end of `small`'s segment of
+    /// `stream` until the free block there holds `size` bytes; returns
+    /// `(block size, segment, offset)` of that block.
+    fn grow(&mut self, size: u64, stream: u32, small: bool) -> (u64, usize, u64) {
+        let segment = match self.expandable_of.get(&(stream, small)) {
+            Some(&s) => s,
+            None => {
+                self.segments.push(BTreeMap::new());
+                self.segment_stream.push(stream);
+                self.mapped.push(0);
+                self.stats.segments = self.segments.len();
+                let s = self.segments.len() - 1;
+                self.expandable_of.insert((stream, small), s);
+                s
+            }
+        };
+        let end = self.mapped[segment];
+        let tail = self.segments[segment]
+            .last_key_value()
+            .filter(|(o, b)| b.free && *o + b.size == end)
+            .map(|(&o, b)| (o, b.size));
+        let (start, have) = match tail {
+            Some((o, n)) => {
+                self.pool(small).remove(&(stream, n, segment, o));
+                (o, n)
+            }
+            None => (end, 0),
+        };
+        let page = if small { SMALL_BUFFER } else { LARGE_BUFFER };
+        let grown = (size - have).div_ceil(page) * page;
+        self.mapped[segment] += grown;
+        self.reserved += grown;
+        self.stats.max_reserved = self.stats.max_reserved.max(self.reserved);
+        (have + grown, segment, start)
     }
 
     fn pool(&mut self, small: bool) -> &mut BTreeSet<(u32, u64, usize, u64)> {
@@ -120,15 +227,12 @@ impl CachingAllocator {
     pub fn malloc_on(&mut self, size: u64, stream: u32) -> Handle {
         let size = round_size(size);
         let small = size <= SMALL_SIZE;
-        let found = self
-            .pool(small)
-            .range((stream, size, 0, 0)..=(stream, u64::MAX, usize::MAX, u64::MAX))
-            .next()
-            .copied();
+        let found = self.take_free_block(size, stream, small);
         let (segment, offset, bsize) = match found {
-            Some(key) => {
-                self.pool(small).remove(&key);
-                (key.2, key.3, key.1)
+            Some((bsize, segment, offset)) => (segment, offset, bsize),
+            None if self.expandable => {
+                let (bsize, segment, offset) = self.grow(size, stream, small);
+                (segment, offset, bsize)
             }
             None => {
                 let seg = segment_size(size);
@@ -148,7 +252,7 @@ impl CachingAllocator {
             }
         };
         let remaining = bsize - size;
-        let split = if small {
+        let split = if small || self.expandable {
             remaining >= MIN_BLOCK
         } else {
             remaining > SMALL_SIZE
@@ -292,5 +396,68 @@ mod tests {
         let _y = a.malloc(2 << 20);
         assert_eq!(a.allocated, 2 << 20);
         assert_eq!(a.stats.segments, 1);
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn expandable_segments_grow_by_twenty_mib_pages_in_the_large_pool() {
+        let mut a = CachingAllocator::expandable();
+        // 100 B rounds to 512 B (small pool): one 2 MiB page of the small
+        // pool's segment; the rest of the page stays free (split, ≥ 512 B).
+        let _s = a.malloc(100);
+        assert_eq!((a.reserved, a.allocated), (2 * MIB, 512));
+        // 3 MiB (large pool): one 20 MiB page of a second segment; the
+        // block is split, 17 MiB stay free at the end of the mapped range.
+        let y = a.malloc(3 * MIB);
+        assert_eq!(a.reserved, 22 * MIB);
+        assert_eq!(a.stats.segments, 2);
+        // 30 MiB fits no free block: the free 17 MiB at the end grow by the
+        // fewest pages that hold the request, ceil(13 / 20) = 1 page, so
+        // the block is [3, 40) MiB: z takes [3, 33), 7 MiB stay free. (The
+        // default allocator would open a segment of 30 MiB here.)
+        let z = a.malloc(30 * MIB);
+        assert_eq!(a.reserved, (2 + 40) * MIB);
+        assert_eq!((z.segment, z.offset), (1, 3 * MIB));
+        assert_eq!(a.stats.segments, 2);
+        // Free: 3 MiB at 0 and the 7 MiB tail at 33 MiB.
+        a.free(y);
+        // 5 MiB: only the tail fits; [33, 38) taken, 2 MiB tail left.
+        let w = a.malloc(5 * MIB);
+        assert_eq!(w.offset, 33 * MIB);
+        // 2 MiB: the 2 MiB tail is the smallest fit, but the tail counts as
+        // large as the address space behind it, so the 3 MiB block at 0 is
+        // taken and split (remainder 1 MiB ≥ 512 B: split in both pools;
+        // the default allocator would hand out the whole 3 MiB).
+        let v = a.malloc(2 * MIB);
+        assert_eq!(v.offset, 0);
+        assert_eq!(a.allocated, 512 + (30 + 5 + 2) * MIB);
+        assert_eq!(a.stats.max_reserved, 42 * MIB);
+        // Allocated peaks now: 512 B + 30 + 5 + 2 MiB (y, 3 MiB, went
+        // before w came).
+        assert_eq!(a.stats.max_allocated, 512 + 37 * MIB);
+    }
+
+    #[test]
+    fn expandable_segments_small_pool_pages_and_streams() {
+        let mut a = CachingAllocator::expandable();
+        // 1 MiB requests are small: 2 MiB pages. The first maps a page and
+        // leaves 1 MiB free at its end; the second takes that tail whole;
+        // the third finds no free block and no free tail: one more page.
+        let x = a.malloc(MIB);
+        let _y = a.malloc(MIB);
+        assert_eq!(a.reserved, 2 * MIB);
+        let _z = a.malloc(MIB);
+        assert_eq!(a.reserved, 4 * MIB);
+        a.free(x);
+        // Stream 1 has its own segment: the free 1 MiB of stream 0 is not
+        // its to take.
+        let _w = a.malloc_on(1000, 1);
+        assert_eq!(a.stats.segments, 2);
+        assert_eq!(a.stats.max_reserved, 6 * MIB);
+        // Back on stream 0, the freed block at 0 is reused.
+        let v = a.malloc(MIB);
+        assert_eq!((v.segment, v.offset), (0, 0));
+        assert_eq!(a.stats.max_reserved, 6 * MIB);
     }
 }

@@ -3,6 +3,16 @@
 //!   CUDA caching allocator ([`caching`]): the reserved memory a PyTorch eager
 //!   user sees (`max_memory_reserved`), with the scratch PyTorch's eager ops
 //!   allocate inside the graph's fused ones ([`eager_scratch_bytes`]);
+//! - `pytorch-expandable-segments`: the same with
+//!   `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (reserved), which
+//!   torchtitan sets;
+//! - `eager-optimizer-in-backward` and
+//!   `eager-optimizer-in-backward-expandable-segments`: program order with
+//!   each parameter's update moved to right after its gradient is complete
+//!   ([`optimizer_in_backward_order`]), as torchtune's optimizer-in-backward
+//!   runs it through `register_post_accumulate_grad_hook`, through the
+//!   simulated allocator with default settings and with expandable
+//!   segments (reserved);
 //! - `program-order`: the max live bytes of program order, no reuse
 //!   (PyTorch's `max_memory_allocated` without the 512-byte rounding);
 //! - `program-order+greedy`: program order laid out by greedy-by-size
@@ -17,7 +27,7 @@ use memplan_allocator as alloc;
 use memplan_solver as solver;
 use serde::Serialize;
 
-use crate::graph::{Graph, Lifetime};
+use crate::graph::{Graph, Lifetime, OpId, OpKind};
 use crate::lower::{self, Lowered};
 use crate::plan::{Plan, PlanStats};
 
@@ -57,13 +67,100 @@ pub fn program_order_max_live(g: &Graph) -> u64 {
     solver::evaluate(&low.problem, &Lowered::from_op_ids(g.program_order())).peak
 }
 
-/// Runs program order through the caching-allocator simulation.
+/// The baselines that are a configuration of PyTorch eager a user can run
+/// (reserved memory, simulated): the strongest of them is the one memplan
+/// is measured against ([`best_eager`]).
+pub const EAGER: [&str; 4] = [
+    "pytorch-reserved",
+    "pytorch-expandable-segments",
+    "eager-optimizer-in-backward",
+    "eager-optimizer-in-backward-expandable-segments",
+];
+
+/// The eager configuration ([`EAGER`]) that needs the least, if `base` has
+/// any; the first listed wins a tie.
+pub fn best_eager(base: &[Baseline]) -> Option<&Baseline> {
+    EAGER
+        .iter()
+        .filter_map(|n| base.iter().find(|b| b.name == *n))
+        .min_by_key(|b| b.peak_bytes)
+}
+
+/// Runs program order through the caching-allocator simulation (default
+/// settings).
 pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
+    eager_caching(g, g.program_order(), false)
+}
+
+/// Program order with every optimizer op moved to right after its last
+/// dependency: each parameter's update runs as soon as its gradient is
+/// complete (and, in a sharded step, reduced), as torchtune's
+/// optimizer-in-backward runs it from `register_post_accumulate_grad_hook`.
+/// Every other op keeps its place; optimizer ops ready at the same point
+/// keep their program order. Where the updates read a global value, such
+/// as the gradient norm for clipping, they wait for it, which leaves them
+/// at the end of the backward (torchtune refuses clipping with
+/// optimizer-in-backward for that reason).
+pub fn optimizer_in_backward_order(g: &Graph) -> Vec<OpId> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let n = g.num_ops();
+    let program = g.program_order();
+    let mut position = vec![0usize; n];
+    for (i, &o) in program.iter().enumerate() {
+        position[o.index()] = i;
+    }
+    let moved = |o: OpId| g.op(o).kind == OpKind::Optimizer;
+    // Unfinished dependencies of each optimizer op, and who waits on whom.
+    let mut missing = vec![0usize; n];
+    let mut waiting: Vec<Vec<OpId>> = vec![Vec::new(); n];
+    let mut ready = BinaryHeap::new();
+    for o in g.op_ids().filter(|&o| moved(o)) {
+        missing[o.index()] = g.deps(o).len();
+        for &d in g.deps(o) {
+            waiting[d.index()].push(o);
+        }
+        if missing[o.index()] == 0 {
+            ready.push(Reverse(position[o.index()]));
+        }
+    }
+    // An optimizer op as soon as it is ready, else the next other op in
+    // program order. Every optimizer op before an op in program order is
+    // out by the time that op comes: its dependencies precede it there.
+    let mut rest = program.iter().copied().filter(|&o| !moved(o));
+    let mut order = Vec::with_capacity(n);
+    loop {
+        let o = match ready.pop() {
+            Some(Reverse(i)) => program[i],
+            None => match rest.next() {
+                Some(o) => o,
+                None => break,
+            },
+        };
+        order.push(o);
+        for &w in &waiting[o.index()] {
+            missing[w.index()] -= 1;
+            if missing[w.index()] == 0 {
+                ready.push(Reverse(position[w.index()]));
+            }
+        }
+    }
+    debug_assert_eq!(order.len(), n);
+    order
+}
+
+/// Runs `order` (a valid order of `g`) through the caching-allocator
+/// simulation, with expandable segments or PyTorch's default settings.
+pub fn eager_caching(g: &Graph, order: &[OpId], expandable: bool) -> caching::CachingStats {
     let low = lower::lower(g, false);
     let p = &low.problem;
-    let order = Lowered::from_op_ids(g.program_order());
+    let order = Lowered::from_op_ids(order);
     let ev = solver::evaluate(p, &order);
-    let mut a = caching::CachingAllocator::new();
+    let mut a = if expandable {
+        caching::CachingAllocator::expandable()
+    } else {
+        caching::CachingAllocator::new()
+    };
     let mut handle = vec![None; p.num_bufs()];
     // Step inputs exist before the step: allocate them first, in order.
     for b in p.buf_ids() {
@@ -81,7 +178,7 @@ pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
     }
     for (i, &op) in order.iter().enumerate() {
         // Blocks are cached per stream: an op's outputs come from its own.
-        let o = g.op(crate::graph::OpId(op.0));
+        let o = g.op(OpId(op.0));
         let stream = o.stream;
         let scratch = eager_scratch_bytes(o).map(|n| a.malloc_on(n, stream));
         for b in p.outputs(op) {
@@ -126,6 +223,8 @@ pub fn eager_scratch_bytes(op: &crate::graph::Op) -> Option<u64> {
 /// Every baseline for `g`, with its figure.
 pub fn all(g: &Graph) -> Vec<Baseline> {
     let cs = pytorch_caching(g);
+    let expandable = eager_caching(g, g.program_order(), true);
+    let in_backward = optimizer_in_backward_order(g);
     let mut out = vec![
         Baseline {
             name: "pytorch-reserved".into(),
@@ -136,6 +235,21 @@ pub fn all(g: &Graph) -> Vec<Baseline> {
             name: "pytorch-allocated".into(),
             peak_bytes: cs.max_allocated,
             description: "program order + simulated PyTorch caching allocator (allocated)".into(),
+        },
+        Baseline {
+            name: "pytorch-expandable-segments".into(),
+            peak_bytes: expandable.max_reserved,
+            description: "program order + simulated PyTorch caching allocator with expandable_segments:True (reserved)".into(),
+        },
+        Baseline {
+            name: "eager-optimizer-in-backward".into(),
+            peak_bytes: eager_caching(g, &in_backward, false).max_reserved,
+            description: "program order, each update right after its gradient + simulated PyTorch caching allocator (reserved)".into(),
+        },
+        Baseline {
+            name: "eager-optimizer-in-backward-expandable-segments".into(),
+            peak_bytes: eager_caching(g, &in_backward, true).max_reserved,
+            description: "program order, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)".into(),
         },
         Baseline {
             name: "program-order".into(),
@@ -177,7 +291,7 @@ pub fn all(g: &Graph) -> Vec<Baseline> {
 }
 
 /// A given order with reuses, laid out by memplan's allocator.
-pub fn order_with_layout(g: &Graph, order: &[crate::graph::OpId], source: &str) -> Plan {
+pub fn order_with_layout(g: &Graph, order: &[OpId], source: &str) -> Plan {
     let low = lower::lower(g, true);
     let order = Lowered::from_op_ids(order);
     let ev = solver::evaluate(&low.problem, &order);

@@ -417,6 +417,10 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
             "order_source": s.order_source,
             "layout_source": s.layout_source,
             "baselines": b,
+            "best_eager": baselines::best_eager(&base)
+                .map(|b| json!({"name": b.name, "peak_bytes": b.peak_bytes})),
+            "ratio_to_best_eager": baselines::best_eager(&base)
+                .map(|b| s.peak_bytes as f64 / b.peak_bytes.max(1) as f64),
             "xla_estimate_bytes": xla.as_ref().map(|e| e.total),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -479,9 +483,12 @@ fn compare(graph: Option<PathBuf>, src: &GraphArgs, as_json: bool, time_limit: f
 
 /// `compare`'s closing sentence: memplan against the baseline a user of
 /// the input's framework runs today. An XLA module: XLA's own total (its
-/// memory-usage report), else XLA's own order; another graph: PyTorch
-/// eager's reserved memory (simulated). `xla_estimate` is memplan's plan
-/// in XLA's terms (`--xla-allocations`), compared with XLA's total.
+/// memory-usage report), else XLA's own order; another graph: the best
+/// eager configuration (the least reserved memory of PyTorch eager's
+/// simulated configurations, [`baselines::best_eager`]), then PyTorch
+/// eager on its default allocator as a second figure. `xla_estimate` is
+/// memplan's plan in XLA's terms (`--xla-allocations`), compared with
+/// XLA's total.
 fn verdict(
     g: &Graph,
     base: &[baselines::Baseline],
@@ -489,6 +496,14 @@ fn verdict(
     xla_estimate: Option<u64>,
 ) -> Option<String> {
     let find = |name: &str| base.iter().find(|b| b.name == name).map(|b| b.peak_bytes);
+    let versus = |ours: u64, theirs: u64, what: &str| {
+        let change = 1.0 - ours as f64 / theirs.max(1) as f64;
+        if change >= 0.0 {
+            format!("{:.1}% less than {what}", 100.0 * change)
+        } else {
+            format!("{:.1}% more than {what}", -100.0 * change)
+        }
+    };
     let hlo = g.metadata.get("source").and_then(|s| s.as_str()) == Some("hlo");
     let (ours, theirs, what) = if hlo {
         if let Some(xla) = find("xla") {
@@ -511,18 +526,30 @@ fn verdict(
             )
         }
     } else {
-        (
-            peak,
-            find("pytorch-reserved")?,
-            "PyTorch eager's simulated reserved memory",
-        )
+        let best = baselines::best_eager(base)?;
+        let mut line = format!(
+            "memplan needs {}",
+            versus(
+                peak,
+                best.peak_bytes,
+                &format!("the best eager configuration ({})", best.name)
+            )
+        );
+        if best.name != "pytorch-reserved"
+            && let Some(default) = find("pytorch-reserved")
+        {
+            line.push_str(&format!(
+                "; {}",
+                versus(
+                    peak,
+                    default,
+                    "PyTorch eager on its default allocator (pytorch-reserved)"
+                )
+            ));
+        }
+        return Some(line);
     };
-    let change = 1.0 - ours as f64 / theirs.max(1) as f64;
-    Some(if change >= 0.0 {
-        format!("memplan needs {:.1}% less than {what}", 100.0 * change)
-    } else {
-        format!("memplan needs {:.1}% more than {what}", -100.0 * change)
-    })
+    Some(format!("memplan needs {}", versus(ours, theirs, what)))
 }
 
 fn export(graph: Option<&Path>, src: &GraphArgs, output: &Path) -> Result<()> {
