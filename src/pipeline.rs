@@ -33,6 +33,9 @@ pub struct Options {
     pub solver: solver::SolverParams,
     /// Counters the solve updates as it goes (for a progress bar).
     pub progress: Option<Arc<solver::Progress>>,
+    /// Split token-wise chains first ([`crate::split::plan`] reads it; a
+    /// plain [`plan`] plans the graph as given).
+    pub split: crate::split::Split,
 }
 
 impl Default for Options {
@@ -42,6 +45,7 @@ impl Default for Options {
             layouts: 3,
             solver: solver::SolverParams::default(),
             progress: None,
+            split: crate::split::Split::Off,
         }
     }
 }

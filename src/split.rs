@@ -628,6 +628,8 @@ pub struct SplitReport {
     pub tried: Vec<(u64, u64)>,
     /// FLOPs the split adds (0 when not split).
     pub added_flops: f64,
+    /// FLOPs of the unsplit step (the cost model's, [`crate::cost`]).
+    pub step_flops: f64,
 }
 
 /// Plans `g` and, as `split` asks, its splits; returns the graph with the
@@ -639,51 +641,77 @@ pub fn plan_split(
     opts: &Options,
     split: Split,
 ) -> Result<(Graph, Plan, SplitReport), Error> {
+    let (g, p, (), rep) = plan_split_with(g, split, |g, n| {
+        let mut o = opts.clone();
+        o.time_limit = opts.time_limit / n;
+        Ok::<_, Error>((pipeline::plan(g, &o)?, ()))
+    })?;
+    Ok((g, p, rep))
+}
+
+/// [`plan_split`] with `opts.split`: the graph that was planned (split or
+/// not), its plan, and what was tried.
+pub fn plan(g: &Graph, opts: &Options) -> Result<(Graph, Plan, SplitReport), Error> {
+    plan_split(g, opts, opts.split)
+}
+
+/// [`plan_split`] with any planner: `plan(graph, n)` plans one candidate of
+/// `n` (to share a time budget) and returns its plan and whatever else it
+/// reports, kept for the chosen graph.
+pub fn plan_split_with<R, E: From<Error>>(
+    g: &Graph,
+    split: Split,
+    mut plan: impl FnMut(&Graph, u32) -> Result<(Plan, R), E>,
+) -> Result<(Graph, Plan, R, SplitReport), E> {
     let chains = find_chains(g);
     let min_rows = chains.iter().map(|c| c.rows).min().unwrap_or(0);
     let ks: Vec<u64> = match split {
+        _ if chains.is_empty() => Vec::new(),
         Split::Off => Vec::new(),
         Split::Auto => AUTO_CHUNKS
             .iter()
             .copied()
             .filter(|&k| k <= min_rows)
             .collect(),
-        Split::Chunks(k) => vec![k],
+        Split::Chunks(k) => vec![k.min(min_rows)],
     };
-    let ks = if chains.is_empty() { Vec::new() } else { ks };
-    let mut o = opts.clone();
-    o.time_limit = opts.time_limit / (1 + ks.len() as u32);
-    let base = pipeline::plan(g, &o)?;
+    let n = 1 + ks.len() as u32;
+    let step_flops: f64 = g.op_ids().map(|o| crate::cost::op_flops(g, o)).sum();
+    let (base, r) = plan(g, n)?;
     let mut tried = vec![(1, base.arena_bytes)];
-    let mut best: Option<(Graph, Plan, u64)> = None;
+    let mut best: Option<(Graph, Plan, R, u64)> = None;
     for &k in &ks {
         let sg = split_chains(g, &chains, k)?;
-        let p = pipeline::plan(&sg, &o)?;
+        let (p, r) = plan(&sg, n)?;
         tried.push((k, p.arena_bytes));
         let cur = best.as_ref().map_or(base.arena_bytes, |b| b.1.arena_bytes);
         if p.arena_bytes < cur {
-            best = Some((sg, p, k));
+            best = Some((sg, p, r, k));
         }
     }
     Ok(match best {
-        Some((sg, p, k)) => (
+        Some((sg, p, r, k)) => (
             sg,
             p,
+            r,
             SplitReport {
                 chunks: k,
                 chains: chains.len(),
                 tried,
                 added_flops: added_flops(&chains, k),
+                step_flops,
             },
         ),
         None => (
             g.clone(),
             base,
+            r,
             SplitReport {
                 chunks: 1,
                 chains: 0,
                 tried,
                 added_flops: 0.0,
+                step_flops,
             },
         ),
     })

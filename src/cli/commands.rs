@@ -22,7 +22,17 @@ pub fn run(cmd: Command) -> Result<()> {
             json,
             time_limit,
             report,
-        } => plan(graph, &source, output, json, time_limit, report),
+            split,
+            graph_output,
+        } => plan(
+            graph,
+            &source,
+            (output, graph_output),
+            json,
+            time_limit,
+            report,
+            split,
+        ),
         Command::Check {
             files,
             source,
@@ -176,14 +186,24 @@ fn solve_with_report(g: &Graph, time_limit: f64) -> Result<(Plan, memplan::pipel
 fn plan(
     graph: Option<PathBuf>,
     src: &GraphArgs,
-    output: Option<PathBuf>,
+    (output, graph_output): (Option<PathBuf>, Option<PathBuf>),
     as_json: bool,
     time_limit: f64,
     with_report: bool,
+    split: memplan::split::Split,
 ) -> Result<()> {
-    super::claim_stdout(&[("-o", output.as_deref())])?;
+    super::claim_stdout(&[
+        ("-o", output.as_deref()),
+        ("--graph-output", graph_output.as_deref()),
+    ])?;
     let g = load(graph.as_deref(), src)?;
-    let (mut plan, report) = solve_with_report(&g, time_limit)?;
+    let (g, (mut plan, report), split) = memplan::split::plan_split_with(&g, split, |g, n| {
+        solve_with_report(g, time_limit / f64::from(n))
+    })
+    .map(|(g, p, r, s)| (g, (p, r), s))?;
+    if let Some(out) = &graph_output {
+        super::write_output(out, &memplan::io::json::write_graph(&g))?;
+    }
     let mut xla = None;
     if let (true, Some(path)) = (src.xla_allocations, graph.as_deref()) {
         let (p, e) = for_xla(&g, path, plan, time_limit)?;
@@ -212,6 +232,15 @@ fn plan(
             "plan_file": output.as_ref().map(|p| p.display().to_string()),
         });
         let mut v = v;
+        if split.tried.len() > 1 {
+            v["split"] = json!({
+                "chunks": split.chunks,
+                "chains": split.chains,
+                "added_flops": split.added_flops,
+                "step_flops": split.step_flops,
+                "tried": split.tried.iter().map(|&(k, b)| json!({"chunks": k, "peak_bytes": b})).collect::<Vec<_>>(),
+            });
+        }
         if with_report {
             v["report"] = super::report::json(&report);
         }
@@ -244,6 +273,24 @@ fn plan(
                 grouped(e.total),
                 human_bytes(e.hosted_bytes),
                 s.order_source
+            );
+        }
+        if split.tried.len() > 1 {
+            let tried: Vec<String> = split
+                .tried
+                .iter()
+                .map(|&(k, b)| format!("{k}: {}", human_bytes(b)))
+                .collect();
+            sayln!(
+                "split: {} (arena by chunks: {}; {} FLOPs added, {:.4}% of the step's)",
+                if split.chunks > 1 {
+                    format!("{} chain(s) into {} chunks", split.chains, split.chunks)
+                } else {
+                    "none (no split lowered the arena)".to_string()
+                },
+                tried.join(", "),
+                grouped(split.added_flops as u64),
+                100.0 * split.added_flops / split.step_flops.max(1.0)
             );
         }
         if let Some(out) = &output {

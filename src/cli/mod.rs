@@ -226,6 +226,16 @@ pub enum Command {
         /// Report where the time went and each part's size, bound, peak and gap.
         #[arg(long)]
         report: bool,
+        /// Split token-wise chains (the loss: LM head, cross-entropy and
+        /// their backward) into chunks where that lowers the planned arena:
+        /// `auto` tries 2 to 32 chunks, `K` tries K, `off` never splits
+        /// (docs/splitting.md). The plan is then the split graph's.
+        #[arg(long, value_name = "auto|K|off", default_value = "off")]
+        split: memplan::split::Split,
+        /// Write the graph that was planned (split or not) as memplan JSON,
+        /// to check or run the plan with.
+        #[arg(long, value_name = "FILE")]
+        graph_output: Option<PathBuf>,
     },
     /// Check a plan against its graph with the independent checker.
     Check {
