@@ -231,42 +231,175 @@ def fsdp(rank, world, only=None, dtype=torch.float32):
         if only is not None and name not in only:
             continue
         model.to(dtype)
-        ref = copy.deepcopy(model)
-        shard(model)
-        shard(ref)
-        opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
-        g = torch.Generator().manual_seed(1000 + rank)
-        batches = [torch.utils._pytree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, make(g))
-                   for _ in range(3)]
-        step = mt.capture(model, opt, batches[0], loss_fn, time_limit=2)
-        tracked = []
-        for k, batch in enumerate(batches):
-            loss = step(batch, track=True)
-            tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"]))
-            want = loss_fn(ref, batch)
-            want.backward()
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            torch.testing.assert_close(loss.detach(), want.detach(), **TOL, msg=lambda m: f"{name} loss {k}: {m}")
-        worst = 0.0
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            a, b = p.full_tensor(), q.full_tensor()  # DTensors: every rank's shards gathered
-            worst = max(worst, biggest_difference(a, b))
-            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name} {n}: {m}")
-        sd = model.state_dict()  # FSDP2's state dict works on the updated shards
-        graph = step.graph
-        found[name] = dict(
-            tracked=tracked, worst=worst, state_dict_keys=len(sd),
-            all_gathers=sum(op["type"] == "memplan.all_gather" for op in graph["ops"]),
-            reduce_scatters=sum(op["type"] == "memplan.reduce_scatter" for op in graph["ops"]),
-            parameters=len(list(model.parameters())),
-            checked_max_live=memplan.check(graph, step.plan)["max_live_bytes"],
-        )
+        found[name] = against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype)
+        found[name].pop("model")
+    return found
+
+
+def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.float32, tol=TOL, capture_kw=None,
+                        clip=None, arena=True):
+    """Shards a copy of `model` with `shard` for memplan and another for
+    FSDP2 eager, runs 3 steps of each on this rank's batches and compares
+    the losses and the parameters (``full_tensor()``) within `tol`;
+    returns what it measured. `clip`: the max norm eager clips to, as
+    ``capture(clip_grad_norm=...)`` does."""
+    ref = copy.deepcopy(model)
+    shard(model)
+    shard(ref)
+    opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
+    g = torch.Generator().manual_seed(1000 + rank)
+    batches = [torch.utils._pytree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, make(g))
+               for _ in range(3)]
+    kw = dict(capture_kw or {})
+    if clip is not None:
+        kw["clip_grad_norm"] = clip
+    step = mt.capture(model, opt, batches[0], loss_fn, time_limit=2, **kw)
+    tracked = []
+    for k, batch in enumerate(batches):
+        loss = step(batch, track=True)
+        tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"]))
+        want = loss_fn(ref, batch)
+        want.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss.detach(), want.detach(), **tol, msg=lambda m: f"{name} loss {k}: {m}")
+    worst = 0.0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        a, b = p.full_tensor(), q.full_tensor()  # DTensors: every rank's shards gathered
+        worst = max(worst, biggest_difference(a, b))
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name} {n}: {m}")
+    sd = model.state_dict()  # FSDP2's state dict works on the updated shards
+    graph = step.graph
+    found = dict(
+        tracked=tracked, worst=worst, state_dict_keys=len(sd),
+        all_gathers=sum(op["type"] == "memplan.all_gather" for op in graph["ops"]),
+        reduce_scatters=sum(op["type"] == "memplan.reduce_scatter" for op in graph["ops"]),
+        all_reduces=sum(op["type"] == "memplan.all_reduce" for op in graph["ops"]),
+        parameters=len(list(model.parameters())),
+        checked_max_live=memplan.check(graph, step.plan)["max_live_bytes"],
+    )
+    if arena:
         try:
             step(batches[0], arena=True)
-            found[name]["arena"] = "ran"
+            found["arena"] = "ran"
         except mt.UnsupportedStep as e:
-            found[name]["arena"] = str(e)
+            found["arena"] = str(e)
+    found["model"] = model
+    return found
+
+
+def random_wrapped(seed):
+    """A random MLP (2 to 5 linear layers of random widths, some with an
+    odd number of rows so shards are uneven, activations between, some
+    layers grouped in a sub-Sequential) and a random wrapping: each linear
+    layer or group sharded or not, with a random reshard_after_forward,
+    then the root. The same on every rank (seeded)."""
+    rng = random.Random(seed)
+    widths = [rng.randint(3, 13) for _ in range(rng.randint(3, 6))]
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(a, b, bias=rng.random() < 0.7))
+        if i < len(widths) - 2:
+            layers.append(rng.choice([nn.ReLU, nn.Tanh, nn.GELU])())
+    if len(layers) >= 3 and rng.random() < 0.5:  # a unit of two modules
+        k = rng.randrange(len(layers) - 1)
+        layers[k:k + 2] = [nn.Sequential(layers[k], layers[k + 1])]
+    torch.manual_seed(seed)
+    model = nn.Sequential(*layers)
+    picks = [(i, rng.random() < 0.5, rng.choice([True, False])) for i in range(len(model))]
+
+    def shard(m):
+        from torch.distributed.fsdp import fully_shard
+
+        for i, wrap, reshard in picks:
+            if wrap and any(True for _ in m[i].parameters()):
+                fully_shard(m[i], reshard_after_forward=reshard)
+        fully_shard(m)
+
+    n_in, n_out = widths[0], widths[-1]
+    desc = f"seed {seed}: widths {widths}, units {[(i, r) for i, w, r in picks if w]}"
+    return desc, model, shard, lambda g: (torch.randn(5, n_in, generator=g),
+                                          torch.randint(0, n_out, (5,), generator=g)), classify
+
+
+def fsdp_more(rank, world, port):
+    """FSDP2 beyond plain float32: mixed precision (torchtitan's policy on a
+    Hugging Face Llama; bf16 reduction and a float32 output on an MLP),
+    gradient clipping, random models at random unit boundaries, and the
+    updated shards saved and loaded with torch.distributed.checkpoint."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    import transformers as T
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    found = {}
+    tokens = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+
+    def blocks_then_root(**kw):
+        def shard(m):
+            for block in m.model.layers:
+                fully_shard(block, **kw)
+            fully_shard(m, **kw)
+        return shard
+
+    # Mixed precision: the same bf16 kernels on the same bf16 values; the
+    # gradients are upcast and reduced as FSDP2 does.
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2))
+    tokens_of = lambda g: torch.randint(0, 256, (2, 16), generator=g)  # noqa: E731
+    found["hf-llama-bf16"] = against_fsdp2_eager("hf-llama-bf16", rank, llama, blocks_then_root(mp_policy=bf16),
+                                                  tokens_of, lm, arena=False)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    low = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    low_out = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                   output_dtype=torch.float32)
+
+    def shard_mlp(m):
+        fully_shard(m[0], mp_policy=low)
+        fully_shard(m[2], mp_policy=low)
+        fully_shard(m, mp_policy=low_out)  # the loss in float32
+
+    mlp_batch = lambda g: (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))  # noqa: E731
+    found["mlp-bf16-reduce"] = against_fsdp2_eager("mlp-bf16-reduce", rank, mlp, shard_mlp, mlp_batch, classify,
+                                                   arena=False)
+    # Clipping by the global norm of the sharded gradients.
+    torch.manual_seed(0)
+    qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2))
+    found["hf-qwen2-clipped"] = against_fsdp2_eager("hf-qwen2-clipped", rank, qwen, blocks_then_root(), tokens_of,
+                                                    lm, clip=0.5, arena=False)
+    # Random models at random unit boundaries.
+    for seed in range(4):
+        desc, model, shard, make, loss_fn = random_wrapped(seed)
+        found[f"random-{seed}"] = got = against_fsdp2_eager(desc, rank, model, shard, make, loss_fn, arena=False)
+        got["desc"] = desc
+    # The updated shards saved and loaded by torch.distributed.checkpoint
+    # into a freshly sharded model.
+    trained = found["hf-llama-bf16"]["model"]
+    where = os.path.join(tempfile.gettempdir(), f"memplan-dcp-{port}")
+    dcp.save(trained.state_dict(), checkpoint_id=where)
+    torch.manual_seed(1)
+    fresh = T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2))
+    blocks_then_root(mp_policy=bf16)(fresh)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=where)
+    fresh.load_state_dict(sd)
+    dist.barrier()
+    found["dcp"] = max(biggest_difference(p.full_tensor(), q.full_tensor())
+                       for p, q in zip(trained.parameters(), fresh.parameters()))
+    found["dcp_tensors"] = len(sd)
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(where, ignore_errors=True)
+    for got in found.values():
+        if isinstance(got, dict):
+            got.pop("model", None)
     return found
 
 
@@ -309,7 +442,8 @@ def fault(rank, world, how):
 
 def refusals(rank, world):
     """What capture does not take yet, each refused by name."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     def mlp():
         torch.manual_seed(0)
@@ -323,12 +457,16 @@ def refusals(rank, world):
 
     partly = mlp()
     fully_shard(partly[0])
+    hsdp = mlp()  # replicated over one dimension, sharded over the other
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    fully_shard(hsdp[0], mesh=mesh)
+    fully_shard(hsdp, mesh=mesh)
     batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
     cases = {
         "fsdp2-partly": (partly, {}, None),
-        "fsdp2-mixed-precision": (sharded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), {}, None),
         "fsdp2-cpu-offload": (sharded(offload_policy=CPUOffloadPolicy(pin_memory=False)), {}, None),
-        "fsdp2-clipping": (sharded(), {"clip_grad_norm": 1.0}, None),
+        "fsdp2-inf-norm": (sharded(), {"clip_grad_norm": 1.0, "norm_type": float("inf")}, None),
+        "fsdp2-hsdp": (hsdp, {}, None),
         "fsdp2-adafactor": (sharded(), {}, torch.optim.Adafactor),
         "data-parallel": (nn.DataParallel(mlp()), {}, None),
     }
@@ -367,6 +505,8 @@ def main():
             only = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
             dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
             result = fsdp(rank, world, only, dtype)
+        elif case == "fsdp-more":
+            result = fsdp_more(rank, world, port)
         elif case == "options":
             result = options(rank, world)
         elif case == "mismatch":

@@ -155,9 +155,9 @@ class RanksThatDisagreeOrFail(unittest.TestCase):
             self.assertTrue(rep["ok"], rep["result"].get("traceback"))
             got = rep["result"]
             self.assertRegex(got["fsdp2-partly"], r"^0 is sharded with fully_shard but the model's root is not")
-            self.assertRegex(got["fsdp2-mixed-precision"], r"MixedPrecisionPolicy\(param_dtype=torch.bfloat16")
+            self.assertRegex(got["fsdp2-hsdp"], r"^the root: a 2-D device mesh .*HSDP is not captured yet")
             self.assertRegex(got["fsdp2-cpu-offload"], r"CPUOffloadPolicy")
-            self.assertRegex(got["fsdp2-clipping"], r"gradient clipping with FSDP2")
+            self.assertRegex(got["fsdp2-inf-norm"], r"norm_type=inf and FSDP2")
             self.assertRegex(got["fsdp2-adafactor"], r"^adafactor: its update is not elementwise")
             self.assertRegex(got["fsdp2-arena"], r"outside the arena")
             self.assertRegex(got["data-parallel"], r"torch.nn.DataParallel")
@@ -168,7 +168,9 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
     parameters into the backward, then the root) captured on every rank:
     the losses and the parameters (``full_tensor()``) equal FSDP2 eager's
     after 3 steps, each rank's tracked live bytes its plan's max live, and
-    ``state_dict()`` works on the updated shards."""
+    ``state_dict()`` works on the updated shards. Also: MixedPrecisionPolicy,
+    clipping by norm, random models wrapped at random unit boundaries, and
+    torch.distributed.checkpoint after memplan's steps."""
 
     def check(self, world, timeout, only=None, dtype="float32"):
         reports, _, logs = launch("fsdp", world, timeout, ",".join(only or []), dtype)
@@ -194,6 +196,36 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
         for rep in reports:
             for name, got in rep["result"].items():
                 self.assertEqual(got["worst"], 0.0, f"rank {rep['rank']} {name}")  # the same bits as FSDP2 eager
+
+    def test_mixed_precision_clipping_random_wrapping_and_checkpoints(self):
+        reports, _, logs = launch("fsdp-more", 2, 400)
+        for r, rep in enumerate(reports):
+            self.assertIsNotNone(rep, f"rank {r} wrote no report within 400 s:\n{logs[r][-3000:]}")
+            self.assertTrue(rep["ok"], f"rank {r}:\n{rep['result'].get('traceback')}")
+            got = rep["result"]
+            for name, one in got.items():
+                if not isinstance(one, dict):
+                    continue
+                with self.subTest(rank=r, model=name, desc=one.get("desc")):
+                    for tracked, max_live in one["tracked"]:
+                        self.assertEqual(tracked, max_live)
+                    self.assertEqual(one["checked_max_live"], one["tracked"][0][1])
+                    self.assertEqual(one["reduce_scatters"], one["parameters"])
+                    if name == "hf-qwen2-clipped":
+                        # One all-reduce of the shards' squared norms; the
+                        # norm is summed in another order than DTensor's.
+                        self.assertEqual(one["all_reduces"], 1)
+                        self.assertLess(one["worst"], 1e-6)
+                    else:
+                        # Mixed precision: the same bf16 kernels on the same
+                        # bf16 values, gradients upcast and reduced as FSDP2
+                        # does; random units: the float32 bits of eager.
+                        self.assertEqual(one["worst"], 0.0)
+            self.assertEqual({k for k in got if k.startswith("random-")}, {f"random-{i}" for i in range(4)})
+            # Saved by torch.distributed.checkpoint after memplan's steps and
+            # loaded into a freshly sharded model: the same parameters.
+            self.assertEqual(got["dcp"], 0.0)
+            self.assertEqual(got["dcp_tensors"], got["hf-llama-bf16"]["parameters"])
 
     def test_four_ranks_in_float64(self):
         # Uneven shards (the MLP's 3-row head over 4 ranks: the last rank's

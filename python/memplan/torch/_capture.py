@@ -216,7 +216,11 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                          for o in optimizer.members]
         norm_index = None
         if clip is not None and clip[0] == "norm":
-            norm_index = _clip(rec, fp, grad_of, clip[1], clip[2])
+            total = dist.clip_norm(rec, grad_of, clip[1], clip[2]) if dist is not None else None
+            if total is not None:
+                norm_index = rec.mark(total, "output", persistent=True)
+            else:
+                norm_index = _clip(rec, fp, grad_of, clip[1], clip[2])
         elif clip is not None:
             _clip_values(grad_of, clip[1])
         updated, spans = _updates(rec, optimizer, hyper, name_of, fp, grad_of, inputs)

@@ -214,6 +214,13 @@ class RankGroup:
     def check_options(self, kinds: List[str], clip, scaled: bool) -> None:
         """Refuses the capture's options this parallelism cannot record."""
 
+    def clip_norm(self, rec: Recorder, grad_of: Dict[str, torch.Tensor], max_norm: float,
+                  norm_type: float) -> Optional[torch.Tensor]:
+        """Records ``clip_grad_norm_`` where the gradients the updates read
+        are not whole (shards); returns the total norm, or None where the
+        single-process recording is right (the gradients are whole)."""
+        return None
+
     # Whether the step may run in an arena (parameters moved into it).
     supports_arena = True
 

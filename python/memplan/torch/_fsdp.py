@@ -45,11 +45,23 @@ padding, its ``DTensor`` state) through the user's process group. Recording
 at capture reads those from FSDP2's own objects, so the step's results are
 FSDP2 eager's (tests: ``test_torch_distributed.py``).
 
-Not yet captured (refused by name): mixed precision
-(``MixedPrecisionPolicy`` with ``param_dtype``/``reduce_dtype``), CPU
-offload, HSDP and other meshes of more than one dimension, sharding on a
-dim other than 0, a root that is not sharded, gradient clipping, gradient
-scaling, optimizers whose update is not elementwise (Adafactor, Muon), and
+Gradient clipping by norm (``capture(..., clip_grad_norm=)``) is recorded
+as ``clip_grad_norm_`` runs on FSDP2's DTensor gradients: the shards'
+norms, an all-reduce of this rank's total to the power ``p``, its root,
+and each shard scaled; clipping by value is elementwise on the shards.
+
+Mixed precision (each unit's ``MixedPrecisionPolicy``) is recorded as
+FSDP2 runs it: the shard is cast to ``param_dtype`` and gathered in it (so
+the gathered buffer, and its regathers, are ``param_dtype`` bytes); the
+unit's floating-point inputs are cast to ``param_dtype`` and its output to
+``output_dtype``; each gradient is reduced in ``reduce_dtype`` (the
+parameter's own dtype when unset, as FSDP2 upcasts the gradient to it) and
+the reduced chunk cast back to the shard's dtype for the update. With a
+16-bit ``reduce_dtype`` FSDP2 divides before and after a sum where memplan
+averages in one collective: equal up to rounding.
+
+Not yet captured (refused by name): CPU offload, HSDP and other meshes of more than one dimension, sharding on a
+dim other than 0, a root that is not sharded, gradient scaling, optimizers whose update is not elementwise (Adafactor, Muon), and
 the arena (``arena=True``/``graph=True``).
 """
 
@@ -80,13 +92,21 @@ class _Param:
     """One sharded parameter: its module path `name`, FSDP2's
     ``FSDPParam`` and whether its unit reshards after forward."""
 
-    __slots__ = ("name", "fp", "reshard", "rows", "chunk", "rest")
+    __slots__ = ("name", "fp", "reshard", "rows", "chunk", "rest", "orig", "param_dtype", "reduce_dtype")
 
-    def __init__(self, name: str, fp, reshard: bool) -> None:
+    def __init__(self, name: str, fp, reshard: bool, policy) -> None:
         self.name, self.fp, self.reshard = name, fp, reshard
         size = tuple(fp._orig_size)
         self.rows, self.rest = size[0], size[1:]
         self.chunk = tuple(fp.padded_sharded_param_size)[0]  # rows of a padded shard
+        # The unit's MixedPrecisionPolicy, as FSDPParam.init_dtype_attrs
+        # reads it: the gathered dtype (None: the shard's own), and the
+        # dtype the gradient is reduced in (the parameter's unless set).
+        self.orig = fp.sharded_param.dtype
+        wanted = policy.param_dtype
+        self.param_dtype = wanted if wanted is not None and wanted != self.orig and self.orig.is_floating_point \
+            else None
+        self.reduce_dtype = policy.reduce_dtype or self.orig
 
 
 class _Regather:
@@ -106,10 +126,14 @@ class FullySharded(RankGroup):
 
     supports_arena = False
 
-    def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, timeout: float) -> None:
+    def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, timeout: float,
+                 policies=()) -> None:
         super().__init__(group, timeout)
         self.model = model
         self.params = params
+        # Each unit's module and MixedPrecisionPolicy, for the casts of
+        # its forward's inputs and output.
+        self.policies = list(policies)
         # While recording: the gathered buffer's storage of each parameter
         # whose unit reshards (forward), and the backward's gathers.
         self._forward_storage: Dict[int, str] = {}
@@ -129,6 +153,7 @@ class FullySharded(RankGroup):
             raise UnsupportedStep(f"{units[0][0]} is sharded with fully_shard but the model's root is not: shard the "
                                   "root too (fully_shard(model) after its blocks, as torchtitan does)")
         params: Dict[str, _Param] = {}
+        policies = []
         owner = {id(p): n for n, p in model.named_parameters()}
         group = None
         for uname, m in units:
@@ -136,10 +161,7 @@ class FullySharded(RankGroup):
             state = m._get_fsdp_state()
             pg = state._fsdp_param_group
             policy = state._mp_policy
-            if policy.param_dtype is not None or policy.reduce_dtype is not None:
-                raise UnsupportedStep(f"{where}: fully_shard with MixedPrecisionPolicy(param_dtype="
-                                      f"{policy.param_dtype}, reduce_dtype={policy.reduce_dtype}) is not captured "
-                                      "yet (memplan's own executor plans mixed-precision FSDP2 built-in steps)")
+            policies.append((m, policy))
             if pg is None:
                 continue
             mesh_info = pg.mesh_info
@@ -155,6 +177,8 @@ class FullySharded(RankGroup):
             for fp in pg.fsdp_params:
                 if getattr(fp, "offload_to_cpu", False):
                     raise UnsupportedStep(f"{where}: fully_shard(offload_policy=CPUOffloadPolicy()) is not captured")
+                if getattr(fp, "_has_sharded_grad_dtype_override", False):
+                    raise UnsupportedStep(f"{where}: a parameter with its own grad_dtype is not captured with FSDP2")
                 if fp.fsdp_placement.dim != 0:
                     raise UnsupportedStep(f"{where}: a parameter sharded on dim {fp.fsdp_placement.dim}; memplan "
                                           "captures dim-0 sharding only")
@@ -162,7 +186,7 @@ class FullySharded(RankGroup):
                 if name is None:
                     raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
                                           "replaced after fully_shard?)")
-                params[name] = _Param(name, fp, reshard)
+                params[name] = _Param(name, fp, reshard, policy)
             g = mesh_info.mesh.get_group()
             if group is not None and g is not group:
                 raise UnsupportedStep(f"{where}: sharded over another process group than the other units")
@@ -172,7 +196,7 @@ class FullySharded(RankGroup):
                 raise UnsupportedStep(f"parameter {n} is not sharded by any fully_shard unit")
             if type(p).__name__ != "DTensor":
                 raise UnsupportedStep(f"parameter {n}: not a DTensor; capture before changing FSDP2's parameters")
-        return FullySharded(model, params, group, timeout)
+        return FullySharded(model, params, group, timeout, policies)
 
     # ---- what capture asks -------------------------------------------------
 
@@ -186,11 +210,31 @@ class FullySharded(RankGroup):
         if bad:
             raise UnsupportedStep(f"{bad[0]}: its update is not elementwise, so it cannot run on FSDP2's shards "
                                   f"one by one; memplan captures {', '.join(sorted(ELEMENTWISE))} with FSDP2")
-        if clip is not None:
-            raise UnsupportedStep("gradient clipping with FSDP2 is not captured yet (it needs the norm's "
-                                  "all-reduce over the shards)")
         if scaled:
             raise UnsupportedStep("a gradient scaler with FSDP2 is not captured yet")
+
+    def clip_norm(self, rec: Recorder, grad_of: Dict[str, torch.Tensor], max_norm: float,
+                  norm_type: float) -> torch.Tensor:
+        """Records ``clip_grad_norm_`` over the gradients' shards as it runs
+        on FSDP2's DTensor gradients: each shard's norm, this rank's total,
+        its ``p``-th power summed over the ranks (an all-reduce) and its
+        ``p``-th root: the norm of the whole gradients; then every shard
+        scaled by ``min(1, max_norm / (norm + 1e-6))``. Returns the norm."""
+        norm_type = float(norm_type)
+        if norm_type == float("inf") or norm_type <= 0:
+            raise UnsupportedStep(f"clip_grad_norm with norm_type={norm_type:g} and FSDP2: memplan reduces "
+                                  "the shards' norms as p-th powers (a finite p > 0)")
+        with torch.no_grad():
+            grads = list(grad_of.values())
+            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                             norm_type)
+            powered = local.pow(norm_type)
+            rec.collective("all_reduce", self._collective("all_reduce", "the gradients' norm"), [powered])
+            total = powered.pow(1.0 / norm_type)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        return total
 
     def _collective(self, kind: str, name: str) -> Collective:
         return Collective(kind, self.group, name, self.timeout)
@@ -204,7 +248,9 @@ class FullySharded(RankGroup):
         # Recorded on every rank (ranks whose shard is shorter and ranks
         # whose is not record the same ops).
         padded = torch.as_strided(local, padded_shape, _contiguous_strides(padded_shape), local.storage_offset())
-        buf = torch.empty((self.world * p.chunk,) + p.rest, dtype=local.dtype, device=local.device)
+        if p.param_dtype is not None:  # mixed precision: the shard is cast, then gathered
+            padded = padded.to(p.param_dtype)
+        buf = torch.empty((self.world * p.chunk,) + p.rest, dtype=padded.dtype, device=local.device)
         rec.collective("all_gather", self._collective("all_gather", f"parameter {name}"), [buf], [padded])
         return buf if p.rows == self.world * p.chunk else buf.narrow(0, 0, p.rows)
 
@@ -228,6 +274,8 @@ class FullySharded(RankGroup):
         resharded parameters gathered again when the backward unpacks them."""
         stack = contextlib.ExitStack()
         stack.enter_context(_WithoutFsdpHooks(self.model))
+        for m, policy in self.policies:
+            stack.enter_context(_casts(m, policy))
 
         def pack(t):
             if isinstance(t, torch.Tensor):
@@ -256,20 +304,49 @@ class FullySharded(RankGroup):
             for n, g in grad_of.items():
                 p = self.params[n]
                 full_shape = (self.world * p.chunk,) + p.rest
-                if tuple(g.shape) == full_shape and g.is_contiguous():
+                if tuple(g.shape) == full_shape and g.is_contiguous() and g.dtype == p.reduce_dtype:
                     padded = g
-                else:
-                    padded = g.new_zeros(full_shape)
+                else:  # padded with zeros, in the dtype it is reduced in
+                    padded = g.new_zeros(full_shape, dtype=p.reduce_dtype)
                     padded.narrow(0, 0, p.rows).copy_(g)
-                chunk = g.new_empty((p.chunk,) + p.rest)
+                chunk = padded.new_empty((p.chunk,) + p.rest)
                 # The padded gradient is updated too: gloo's form sums it in
                 # place (it dies here either way).
                 rec.collective("reduce_scatter", self._collective("reduce_scatter", f"the gradient of {n}"),
                                [chunk, padded])
+                if chunk.dtype != p.orig:  # reduced in another dtype: the shard's gradient is in its own
+                    chunk = chunk.to(p.orig)
                 out[n] = chunk.narrow(0, 0, tuple(p.fp.sharded_size)[0])  # on every rank, as above
         self._forward_storage.clear()
         self._regathered.clear()
         return out
+
+
+def _cast_floats(dtype: torch.dtype, tree):
+    """`tree` with its floating-point tensors of another dtype cast to
+    `dtype` (FSDP2's ``_cast_fp_tensor`` over a pytree)."""
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
+
+
+@contextlib.contextmanager
+def _casts(module: torch.nn.Module, policy):
+    """The casts FSDP2's forward hooks make on unit `module` under its
+    MixedPrecisionPolicy: floating-point inputs to ``param_dtype`` (with
+    ``cast_forward_inputs``), and its output to ``output_dtype``; the
+    hooks that unshard and reshard are set aside (`_WithoutFsdpHooks`)."""
+    handles = []
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        def pre(_m, args, kwargs):
+            return _cast_floats(policy.param_dtype, args), _cast_floats(policy.param_dtype, kwargs)
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+    if policy.output_dtype is not None:
+        handles.append(module.register_forward_hook(lambda _m, _i, out: _cast_floats(policy.output_dtype, out)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
