@@ -223,7 +223,12 @@ fn without_a_gain_the_graph_is_left_as_it_was() {
 /// `dy = dlogits H`, `dH = dlogitsᵀ y`; `extra` adds an op that reads the
 /// logits across rows (a softmax over the batch dimension: not separable).
 fn chain(extra: bool, swapped: bool) -> Graph {
-    let (r, c, v) = (8u64, 4u64, 16u64);
+    chain_sized(8, 4, 16, extra, swapped)
+}
+
+/// [`chain`] with `r` rows of width `c` and `v` classes; `y`, `H` and the
+/// targets are step inputs, the loss, `dy` and `dH` persistent outputs.
+fn chain_sized(r: u64, c: u64, v: u64, extra: bool, swapped: bool) -> Graph {
     let mut b = GraphBuilder::new("chain");
     let f = |b: &mut GraphBuilder, name: &str, shape: Vec<u64>, role: Role| {
         let n: u64 = shape.iter().product();
@@ -235,7 +240,7 @@ fn chain(extra: bool, swapped: bool) -> Graph {
         )
     };
     let y = f(&mut b, "y", vec![r, c], Role::Input);
-    let h = f(&mut b, "h", vec![v, c], Role::Parameter);
+    let h = f(&mut b, "h", vec![v, c], Role::Input);
     let tgt = b.add_tensor(
         TensorSpec::new("targets", 4 * r)
             .role(Role::Input)
@@ -252,7 +257,10 @@ fn chain(extra: bool, swapped: bool) -> Graph {
     );
     let dl = f(&mut b, "dlogits", vec![r, v], Role::Activation);
     let dy = f(&mut b, "dy", vec![r, c], Role::Output);
-    let dh = f(&mut b, "dh", vec![v, c], Role::Gradient);
+    let dh = f(&mut b, "dh", vec![v, c], Role::Output);
+    for t in [dy, dh] {
+        b.tensor_spec_mut(t).lifetime = memplan::graph::Lifetime::Persistent;
+    }
     let head = OpSpec::new("head", OpKind::Forward, "matmul_nt")
         .inputs(if swapped { [h, y] } else { [y, h] })
         .outputs([logits])
@@ -326,4 +334,58 @@ fn split_parses_auto_off_and_counts() {
     assert!("0".parse::<Split>().is_err());
     assert!("many".parse::<Split>().is_err());
     assert_eq!(split::chunk_rows(10, 3), vec![(0, 4), (4, 7), (7, 10)]);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 16,
+        failure_persistence: None,
+        ..Default::default()
+    })]
+
+    /// Random chains (rows, width, classes) split into a random number of
+    /// chunks: the split graph's plan checks, and on random inputs the
+    /// CPU executor gives the same loss, `dy` and `dH` (f32; 1e-5
+    /// relative + 1e-6 absolute: two sums regrouped).
+    #[test]
+    fn random_chains_split_into_random_chunks_equal_the_original(
+        r in 2u64..48,
+        c in 1u64..9,
+        v in 2u64..40,
+        kk in 0u64..1000,
+        seed in 0u64..1000,
+    ) {
+        let g = chain_sized(r, c, v, false, false);
+        let k = 2 + kk % (r - 1);
+        let chains = split::find_chains(&g);
+        proptest::prop_assert_eq!(chains.len(), 1);
+        let s = split::split_chains(&g, &chains, k).unwrap();
+        let cfg = RunConfig {
+            steps: 1,
+            keep_state: true,
+            data_seed: seed,
+            ..RunConfig::default()
+        };
+        let go = |g: &Graph| run_cpu(&exec::program(g, &plan(g)).unwrap(), &cfg).unwrap();
+        let (a, b) = (go(&s), go(&g));
+        close("loss", &[a.steps[0].loss], &[b.steps[0].loss], 1e-5, 1e-6);
+        proptest::prop_assert_eq!(a.state[0].len(), b.state[0].len());
+        for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
+            proptest::prop_assert_eq!(na, nb);
+            close(na, va, vb, 1e-5, 1e-6);
+        }
+    }
+
+    /// The same chains with a reader that mixes rows, or with the product's
+    /// operands swapped, are never split.
+    #[test]
+    fn random_chains_that_are_not_separable_are_never_split(
+        r in 2u64..48,
+        c in 1u64..9,
+        v in 2u64..40,
+        swapped in proptest::bool::ANY,
+    ) {
+        let g = chain_sized(r, c, v, !swapped, swapped);
+        proptest::prop_assert!(split::find_chains(&g).is_empty());
+    }
 }
