@@ -256,6 +256,15 @@ impl Row {
         self.best_baseline()
             .map(|b| ratio(self.peak_bytes, b.peak_bytes))
     }
+    /// The strongest eager configuration ([`baselines::best_eager`]).
+    pub fn best_eager(&self) -> Option<&Baseline> {
+        baselines::best_eager(&self.baselines)
+    }
+    /// memplan's peak over the best eager configuration's.
+    pub fn ratio_to_best_eager(&self) -> Option<f64> {
+        self.best_eager()
+            .map(|b| ratio(self.peak_bytes, b.peak_bytes))
+    }
     /// A baseline's peak by name.
     pub fn baseline(&self, name: &str) -> Option<u64> {
         self.baselines
@@ -322,6 +331,8 @@ pub struct Summary {
     pub geomean_ratio_to_lower_bound: Option<f64>,
     /// Geometric mean of memplan's peak over the best baseline.
     pub geomean_ratio_to_best_baseline: Option<f64>,
+    /// Geometric mean of memplan's peak over the best eager configuration.
+    pub geomean_ratio_to_best_eager: Option<f64>,
     /// For each baseline (first-seen order): the geometric mean of its
     /// peak over the lower bound, over the graphs that have it.
     pub baselines: Vec<BaselineSummary>,
@@ -373,6 +384,7 @@ pub fn summarize(rows: &[Row]) -> Summary {
         geomean_ratio_to_best_baseline: geomean(
             rows.iter().filter_map(Row::ratio_to_best_baseline),
         ),
+        geomean_ratio_to_best_eager: geomean(rows.iter().filter_map(Row::ratio_to_best_eager)),
         baselines,
         total_solve_seconds: rows.iter().map(|r| r.solve_seconds).sum(),
         total_baseline_seconds: rows.iter().map(|r| r.baseline_seconds).sum(),

@@ -33,7 +33,9 @@ fn bench_prints_a_markdown_table_with_a_summary_row() {
     let md = text(&out.stdout);
     let lines: Vec<&str> = md.lines().collect();
     assert!(lines[0].starts_with("| graph | ops | tensors | lower bound | pytorch-reserved"));
-    assert!(lines[0].ends_with("| memplan | vs bound | vs best baseline | solve |"));
+    assert!(
+        lines[0].ends_with("| memplan | vs bound | vs best baseline | vs best eager | solve |")
+    );
     assert!(lines[1].starts_with("| :-- | --: |"));
     assert!(
         lines[2].starts_with("| gpt2-tiny-b2 | 93 |"),
