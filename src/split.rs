@@ -608,6 +608,19 @@ fn emit_chunks(
     ops
 }
 
+/// `g` with every separable chain split into `k` chunks (`--split-chunks`);
+/// an error if it has none, or `k` is not between 2 and a chain's rows.
+pub fn split_graph(g: &Graph, k: u64) -> Result<Graph, Error> {
+    let chains = find_chains(g);
+    if chains.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: no separable loss chain to split (docs/splitting.md)",
+            g.name
+        )));
+    }
+    split_chains(g, &chains, k)
+}
+
 /// FLOPs the split adds: `Σ_k` over chains of `(k − 1)` loss additions and
 /// `(k − 1)·V·C` gradient additions.
 pub fn added_flops(chains: &[LossChain], k: u64) -> f64 {

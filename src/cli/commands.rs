@@ -80,7 +80,12 @@ pub fn run(cmd: Command) -> Result<()> {
 /// Loads the graph a command names: a file or `--example`, sharded over
 /// `--world-size` ranks if given.
 pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
-    shard(load_unsharded(graph, src)?, src)
+    let g = load_unsharded(graph, src)?;
+    let g = match src.split_chunks {
+        Some(k) => memplan::split::split_graph(&g, k)?,
+        None => g,
+    };
+    shard(g, src)
 }
 
 /// `g` sharded as --world-size asks (unchanged without it).

@@ -196,6 +196,11 @@ pub struct GraphArgs {
     /// instead of FSDP2's per-parameter shards.
     #[arg(long, requires = "world_size")]
     pub flat_shards: bool,
+    /// Split the loss chain (LM head, cross-entropy and their backward)
+    /// into K chunks of rows after loading (docs/splitting.md); a graph
+    /// without a separable chain is refused.
+    #[arg(long, value_name = "K", conflicts_with = "world_size")]
+    pub split_chunks: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
