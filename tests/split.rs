@@ -389,3 +389,88 @@ proptest::proptest! {
         proptest::prop_assert!(split::find_chains(&g).is_empty());
     }
 }
+
+/// `memplan plan --split`: `auto` reports each candidate's arena and keeps
+/// the smallest; the written split graph and plan pass `memplan check`;
+/// `--split-chunks` splits any command's graph, and refuses a graph
+/// without a loss chain.
+#[test]
+fn cli_plan_split_auto_writes_a_graph_and_plan_that_check() {
+    use std::process::Command;
+    let dir = std::env::temp_dir().join(format!("memplan-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plan_path, graph_path) = (dir.join("plan.json"), dir.join("graph.json"));
+    let bin = env!("CARGO_BIN_EXE_memplan");
+    let args = [
+        "plan",
+        "--example",
+        "gpt2-tiny",
+        "--seq",
+        "256",
+        "--split",
+        "auto",
+        "--json",
+        "--time-limit",
+        "3",
+    ];
+    let out = Command::new(bin)
+        .args(args)
+        .arg("-o")
+        .arg(&plan_path)
+        .arg("--graph-output")
+        .arg(&graph_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = &v["split"];
+    assert!(s["chunks"].as_u64().unwrap() > 1, "{s}");
+    let tried: Vec<u64> = s["tried"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["peak_bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(tried.len(), 1 + split::AUTO_CHUNKS.len());
+    assert_eq!(v["peak_bytes"].as_u64(), tried.iter().min().copied());
+    assert!(v["peak_bytes"].as_u64().unwrap() < tried[0]);
+    let check = Command::new(bin)
+        .arg("check")
+        .arg(&graph_path)
+        .arg(&plan_path)
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    // --split-chunks on another command; refused without a chain.
+    let stats = Command::new(bin)
+        .args([
+            "stats",
+            "--example",
+            "gpt2-tiny",
+            "--split-chunks",
+            "4",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        stats.status.success(),
+        "{}",
+        String::from_utf8_lossy(&stats.stderr)
+    );
+    let mlp = Command::new(bin)
+        .args(["stats", "--example", "mlp", "--split-chunks", "4"])
+        .output()
+        .unwrap();
+    assert!(!mlp.status.success());
+    assert!(String::from_utf8_lossy(&mlp.stderr).contains("no separable loss chain"));
+    std::fs::remove_dir_all(&dir).ok();
+}
