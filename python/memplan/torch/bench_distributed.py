@@ -19,7 +19,10 @@ step (random weights, AdamW, each rank its own batch):
 
 With ``--fsdp`` the model is sharded with ``fully_shard`` on each decoder
 block, then the root, and the sides are ``fsdp2-eager``, ``memplan`` and
-``memplan-fit-0.1%`` (FSDP2 holds no buckets).
+``memplan-fit-0.1%`` (FSDP2 holds no buckets); ``--mixed-precision`` gives
+every unit torchtitan's ``MixedPrecisionPolicy`` (bf16 parameters, float32
+reduction). ``--checkpoint`` checkpoints every decoder block on every side
+(Hugging Face's ``gradient_checkpointing_enable``, non-reentrant).
 
 Every figure is the allocator's: the bytes of the tensors held before and
 after the step (parameters, optimizer state, the batch) plus the highest
@@ -57,7 +60,25 @@ def _model(args):
                         intermediate_size=args.intermediate or args.hidden * 8 // 3, num_hidden_layers=args.layers,
                         num_attention_heads=heads, num_key_value_heads=args.kv_heads or max(1, heads // 2),
                         max_position_embeddings=args.seq)
-    return T.LlamaForCausalLM(cfg).train()
+    model = T.LlamaForCausalLM(cfg).train()
+    if getattr(args, "checkpoint", False):  # each decoder block recomputed in the backward, on every side
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _shard(args, model) -> None:
+    """torchtitan's wrapping: ``fully_shard`` on each decoder block, then
+    the root; with ``--mixed-precision`` its policy (bf16 parameters,
+    float32 reduction)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {}
+    if args.mixed_precision:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
 
 
 def _loss(m, b):
@@ -78,7 +99,6 @@ def _without_ranks(args) -> Dict[str, Any]:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import memplan.torch as mt
@@ -86,9 +106,7 @@ def _without_ranks(args) -> Dict[str, Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     with torch.device("meta"):
         model = _model(args)
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    _shard(args, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t0 = time.perf_counter()
     step = mt.capture(model, opt, torch.zeros((args.batch, args.seq), dtype=torch.long),
@@ -119,11 +137,7 @@ def _wrapped(args, side):
     model = _model(args)
     if not args.fsdp:
         return DDP(model, gradient_as_bucket_view=(side == "eager-ddp-bucket-view"))
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    _shard(args, model)
     return model
 
 
@@ -174,6 +188,12 @@ def _rank(args) -> Dict[str, Any]:
     return out
 
 
+def _precision(args) -> str:
+    return ((", bf16 autocast" if args.autocast else "")
+            + (", MixedPrecisionPolicy(bf16, reduce float32)" if args.mixed_precision else "")
+            + (", every block checkpointed" if args.checkpoint else ""))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -193,6 +213,11 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, help="attention heads (default hidden/64)")
     ap.add_argument("--kv-heads", type=int, help="key-value heads (default half the heads)")
     ap.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="activation checkpointing of every decoder block (Hugging Face's, "
+                         "use_reentrant=False) on every side")
+    ap.add_argument("--mixed-precision", action="store_true",
+                    help="with --fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) on every unit")
     ap.add_argument("--without-ranks", action="store_true",
                     help="plan one rank's FSDP2 step in this process: a meta-device model and PyTorch's fake "
                          "process group of --world ranks (nothing runs)")
@@ -206,6 +231,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world < 1:
         ap.error("--world must be at least 1")
+    if args.mixed_precision and not args.fsdp and not args.without_ranks:
+        ap.error("--mixed-precision is FSDP2's MixedPrecisionPolicy: give it with --fsdp or --without-ranks")
     if args.without_ranks:
         r = _without_ranks(args)
         if args.json:
@@ -213,7 +240,7 @@ def main(argv=None) -> int:
         else:
             gib = 2 ** 30
             print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
-                  f"{args.batch} per rank, f32 parameters{', bf16 autocast' if args.autocast else ''}, AdamW, "
+                  f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, "
                   f"FSDP2 over W={args.world} (fake process group, meta device): {r['ops']:,} ops, capture "
                   f"{r['capture_seconds']:.1f} s, plan {r['plan_seconds']:.1f} s; per rank: max live "
                   f"{r['max_live_bytes'] / gib:.2f} GiB, lower bound {r['lower_bound_bytes'] / gib:.2f} GiB, arena "
@@ -258,7 +285,8 @@ def main(argv=None) -> int:
     mib = 2 ** 20
     sides = FSDP_SIDES if args.fsdp else SIDES
     print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
-          f"{args.batch} per rank, f32, AdamW, W={args.world} (gloo, CPU); per-rank bytes of rank 0")
+          f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, W={args.world} (gloo, CPU); per-rank "
+          "bytes of rank 0")
     print(f"{'side':24} {'peak':>10} {'buckets':>9} {'plan max live':>14} {'vs ' + sides[0]:>13}")
     base = rows[sides[0]]["peak_bytes"]
     for side in sides:

@@ -1,0 +1,312 @@
+"""What experts run, measured: eager PyTorch in the configurations a
+knowledgeable user would choose, against memplan's planned and fitted step,
+on real Hugging Face models on the CPU.
+
+    python -m memplan.torch.bench_baselines                     # GPT-2 and Llama, small configs
+    python -m memplan.torch.bench_baselines --cap 64 --json     # and the largest batch in 64 MiB
+
+For each model every side runs from the same weights on the same batches
+(three steps; the same losses are checked), and each side's peak is the
+allocator's, over its second step (the first makes the optimizer state):
+the bytes of the tensors held across steps (parameters, optimizer state,
+the batch) plus the highest running sum of the allocator's events
+(:func:`memplan.torch._run.allocator_peak`). The sides:
+
+- ``eager``: ``loss.backward(); optimizer.step(); zero_grad()``;
+- ``eager-optimizer-in-backward``: torchtune's way of freeing each gradient
+  as soon as it is complete: one optimizer per parameter, stepped in the
+  parameter's ``register_post_accumulate_grad_hook``;
+- ``eager-selective-ac``: every decoder block checkpointed with an
+  op-level policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
+  that saves the outputs of matrix products and attention and recomputes
+  the rest, as torchtitan's op-level selective checkpointing does (without
+  its "every other ``mm``" refinement);
+- ``eager-full-ac``: every decoder block checkpointed whole;
+- ``memplan``: the captured step in memplan's order;
+- ``memplan-fit-0.1%``: fitted by recomputation to the least memplan finds
+  for at most 0.1% more FLOPs;
+- ``memplan-fit@<side>``: fitted to each checkpointing side's measured
+  peak, with the FLOPs it adds beside theirs.
+
+Added FLOPs are counted on captured graphs: a checkpointing side's step
+is captured with its checkpointing (the recomputation is recorded like any
+op) and compared with the plain step's FLOPs; memplan's from its fit. The
+graph counts the FLOPs of matrix products and attention only, so
+elementwise ops run again add none: the ops run again are listed beside.
+
+With ``--cap MIB``: the largest batch whose step fits MIB MiB, for each
+eager side by its measured peak (batches tried in turn) and for memplan by
+its plan and by its fit at 0.1% (:func:`memplan.torch.max_batch`). No
+timing on the CPU (a CPU's step time says nothing about a GPU's); on a GPU
+the same sides would be timed with ``expandable_segments`` on and off,
+each in its own process: not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+import memplan
+
+from . import capture, max_batch
+from ._run import allocator_peak
+
+EAGER_SIDES = ("eager", "eager-optimizer-in-backward", "eager-selective-ac", "eager-full-ac")
+CHECKPOINTING = ("eager-selective-ac", "eager-full-ac")
+
+
+def _lm(m, b):
+    return m(input_ids=b, labels=b).loss
+
+
+def model_configs(size: str = "small") -> Dict[str, Callable[[], torch.nn.Module]]:
+    """name -> a function making the model (the same weights each call)."""
+    import transformers as T
+
+    if size == "tiny":  # for the tests
+        gpt2 = dict(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+        llama = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    else:
+        gpt2 = dict(vocab_size=8192, n_positions=256, n_embd=256, n_layer=4, n_head=4)
+        llama = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+    def make(cls, cfg_cls, cfg):
+        def build():
+            torch.manual_seed(0)
+            return cls(cfg_cls(**cfg)).train()
+        return build
+
+    return {"hf-gpt2": make(T.GPT2LMHeadModel, T.GPT2Config, {**gpt2, "attn_pdrop": 0.0, "resid_pdrop": 0.0,
+                                                               "embd_pdrop": 0.0}),
+            "hf-llama": make(T.LlamaForCausalLM, T.LlamaConfig, llama)}
+
+
+def _saved_ops():
+    """The ops whose outputs selective checkpointing keeps: matrix products
+    and attention (the expensive ones); all else is recomputed."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    return ops
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _saved_ops()
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def configured(make, side: str) -> torch.nn.Module:
+    """The model as `side` runs it (checkpointing set on its blocks)."""
+    model = make()
+    if side == "eager-full-ac":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif side == "eager-selective-ac":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": _selective_context})
+    return model
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _eager_step(model, side: str):
+    """(one training step on a batch, the tensors it holds between steps)."""
+    if side == "eager-optimizer-in-backward":
+        opts = {p: _adamw([p]) for p in model.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+        def step(b):
+            loss = _lm(model, b)
+            loss.backward()
+            return loss.detach()
+        held = lambda: [v for o in opts.values() for s in o.state.values() for v in s.values()]  # noqa: E731
+        return step, held
+    opt = _adamw(model.parameters())
+
+    def step(b):
+        loss = _lm(model, b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, lambda: [v for s in opt.state.values() for v in s.values()]
+
+
+def _tensors(x) -> List[torch.Tensor]:
+    return [t for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
+
+
+def _measure(model, step, held, batches) -> Dict[str, Any]:
+    """Runs `step` on each batch; the peak over the second."""
+    losses = [float(step(batches[0]))]
+    resident = lambda: list(model.parameters()) + list(model.buffers()) + held() + [batches[1]]  # noqa: E731
+    out = {}
+
+    def second():
+        out["loss"] = float(step(batches[1]))
+    peak = allocator_peak(second, resident())
+    losses.append(out["loss"])
+    losses += [float(step(b)) for b in batches[2:]]
+    return {"peak_bytes": peak, "losses": losses}
+
+
+def _flops(graph) -> int:
+    return sum(int(op.get("flops", 0)) for op in graph["ops"])
+
+
+def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0) -> Dict[str, Any]:
+    """Every side on one model at `batch` × `seq` tokens: peaks, losses,
+    FLOPs (see the module's doc)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(3)]
+    rows: Dict[str, Dict[str, Any]] = {}
+    for side in EAGER_SIDES:
+        model = configured(make, side)
+        step, held = _eager_step(model, side)
+        rows[side] = _measure(model, step, held, batches)
+        if side in CHECKPOINTING:  # its recomputation, counted on its captured graph
+            m2 = configured(make, side)
+            graph = capture(m2, _adamw(m2.parameters()), batches[0], _lm, plan=False).graph
+            rows[side]["flops"], rows[side]["ops"] = _flops(graph), len(graph["ops"])
+        model = step = None
+    plain = make()
+    graph = capture(plain, _adamw(plain.parameters()), batches[0], _lm, plan=False).graph
+    plain_flops, plain_ops = _flops(graph), len(graph["ops"])
+    for side in CHECKPOINTING:
+        rows[side]["added_flops_share"] = rows[side]["flops"] / plain_flops - 1
+        rows[side]["added_ops"] = rows[side]["ops"] - plain_ops
+    targets = [("memplan", None), ("memplan-fit-0.1%", "0.1%")] + [(f"memplan-fit@{s}", s) for s in CHECKPOINTING]
+    for side, fit in targets:
+        model = make()
+        opt = _adamw(model.parameters())
+        s = capture(model, opt, batches[0], _lm, time_limit=time_limit)
+        row: Dict[str, Any] = {}
+        try:
+            f = None
+            if fit == "0.1%":
+                f = s.fit(max_added=0.001, minimise="flops", time_limit=time_limit)
+            elif fit is not None:
+                # The plan counts what the allocator's peak counts, so the
+                # checkpointing side's measured peak is the budget.
+                f = s.fit(rows[fit]["peak_bytes"], minimise="flops", time_limit=time_limit)
+            if f is not None:
+                row["added_flops_share"] = f["added_flops"] / f["step_flops"]
+                row["added_ops"] = f["recomputed_ops"]
+        except memplan.MemplanError as e:  # nothing fits: the row says so
+            row["error"] = str(e)
+        row["max_live_bytes"] = s.plan["stats"]["max_live_bytes"]
+        row["lower_bound_bytes"] = s.plan["stats"]["lower_bound_bytes"]
+        consts = lambda s=s: list(s._bound.values())  # noqa: E731 - the step's constants, held between steps
+        row.update(_measure(model, lambda b, s=s: s(b).detach(),
+                            lambda opt=opt, consts=consts: [v for st in opt.state.values() for v in st.values()]
+                            + consts(), batches))
+        rows[side] = row
+        model = opt = s = None
+    # Every side computes the same step: its losses against eager's.
+    for row in rows.values():
+        row["loss_difference"] = max(abs(a - b) for a, b in zip(row["losses"], rows["eager"]["losses"]))
+    best = min(EAGER_SIDES, key=lambda k: rows[k]["peak_bytes"])
+    best_no_recompute = min(("eager", "eager-optimizer-in-backward"), key=lambda k: rows[k]["peak_bytes"])
+    return {"rows": rows, "best_eager": best, "best_eager_without_recomputation": best_no_recompute,
+            "step_flops": plain_flops}
+
+
+def largest_batches(make, seq: int, vocab: int, cap: int, upto: int = 64, time_limit: float = 5.0
+                    ) -> Dict[str, Any]:
+    """The largest batch (≤ `upto`) whose step fits `cap` bytes: each eager
+    side's by its measured peak, memplan's by its plan and its fit."""
+    out: Dict[str, Any] = {"cap_bytes": cap}
+    g = torch.Generator().manual_seed(0)
+    for side in EAGER_SIDES:
+        best = 0
+        b = 1
+        while b <= upto:
+            batches = [torch.randint(0, vocab, (b, seq), generator=g) for _ in range(2)]
+            model = configured(make, side)
+            step, held = _eager_step(model, side)
+            if _measure(model, step, held, batches)["peak_bytes"] > cap:
+                break
+            best, b = b, b + 1
+        out[side] = best
+    model = make()
+    r = max_batch(model, _adamw(model.parameters()),
+                  lambda b: torch.randint(0, vocab, (b, seq), generator=g), _lm, cap, probe_time=time_limit)
+    out["memplan"], out["memplan-fit-0.1%"] = r["planned"], r["fitted"]
+    return out
+
+
+def report(name: str, r: Dict[str, Any]) -> str:
+    rows, mib = r["rows"], 2 ** 20
+    best = rows[r["best_eager"]]["peak_bytes"]
+    lines = [f"{name}: per-step peak (allocator's events, CPU), against the best eager configuration "
+             f"({r['best_eager']})",
+             f"{'side':34} {'peak':>10} {'vs best':>9} {'added FLOPs':>12} {'ops run again':>14}"]
+    for side, row in rows.items():
+        added = row.get("added_flops_share")
+        lines.append(f"{side:34} {row['peak_bytes'] / mib:9.2f}M {100 * (row['peak_bytes'] / best - 1):+8.1f}% "
+                     f"{'' if added is None else f'{100 * added:.3f}%':>12} {row.get('added_ops', ''):>14}"
+                     + (f"  ({row['error']})" if "error" in row else ""))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_baselines", description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="hf-gpt2,hf-llama", help="comma-separated: hf-gpt2, hf-llama")
+    ap.add_argument("--size", choices=("tiny", "small"), default="small")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--cap", type=float, metavar="MIB", help="also the largest batch whose step fits MIB MiB")
+    ap.add_argument("--time-limit", type=float, default=5.0, help="seconds for each plan and fit")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    configs = model_configs(args.size)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}: choose from {', '.join(configs)}")
+    out = {}
+    for name in names:
+        make = configs[name]
+        vocab = make().config.vocab_size
+        r = measure(make, args.batch, args.seq, vocab, args.time_limit)
+        if args.cap is not None:
+            r["largest_batch"] = largest_batches(make, args.seq, vocab, int(args.cap * 2 ** 20),
+                                                 time_limit=args.time_limit)
+        out[name] = r
+        if not args.json:
+            print(report(name, r))
+            if "largest_batch" in r:
+                lb = r["largest_batch"]
+                print(f"largest batch in {args.cap:g} MiB: " + ", ".join(
+                    f"{k} {v}" for k, v in lb.items() if k != "cap_bytes"))
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""memplan.torch.bench_baselines: eager PyTorch as experts configure it
+(optimizer in backward, selective and full activation checkpointing)
+measured by the allocator's events beside memplan's plan and fits, on a
+tiny Hugging Face Llama (the real models, small)."""
+
+import contextlib
+import io
+import json
+import unittest
+
+from memplan.torch import bench_baselines
+
+
+class BaselinesAsExpertsRunThem(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            bench_baselines.main(["--models", "hf-llama", "--size", "tiny", "--batch", "2", "--seq", "32",
+                                  "--cap", "3.2", "--time-limit", "2", "--json"])
+        cls.r = json.loads(out.getvalue())["hf-llama"]
+        cls.rows = cls.r["rows"]
+
+    def test_every_side_computes_the_same_step(self):
+        self.assertEqual(set(self.rows), {*bench_baselines.EAGER_SIDES, "memplan", "memplan-fit-0.1%",
+                                          "memplan-fit@eager-selective-ac", "memplan-fit@eager-full-ac"})
+        for side, row in self.rows.items():
+            with self.subTest(side=side):
+                self.assertEqual(len(row["losses"]), 3)
+                self.assertLess(row["loss_difference"], 1e-5)
+
+    def test_the_experts_configurations_hold_less_than_plain_eager(self):
+        eager = self.rows["eager"]["peak_bytes"]
+        # Freeing each gradient at once pays where the update's moment is the
+        # peak; here the peak is the loss's (a few bytes of per-parameter
+        # optimizers either way).
+        self.assertLessEqual(self.rows["eager-optimizer-in-backward"]["peak_bytes"], eager * 1.001)
+        for side in bench_baselines.CHECKPOINTING:
+            self.assertLess(self.rows[side]["peak_bytes"], eager, side)
+            self.assertGreater(self.rows[side]["added_ops"], 0, side)
+        # Full checkpointing runs the matrix products again; the selective
+        # policy keeps their outputs and runs only the cheap ops again.
+        self.assertGreater(self.rows["eager-full-ac"]["added_flops_share"], 0.1)
+        self.assertEqual(self.rows["eager-selective-ac"]["added_flops_share"], 0.0)
+        self.assertIn(self.r["best_eager"], bench_baselines.EAGER_SIDES)
+        best = min(self.rows[s]["peak_bytes"] for s in bench_baselines.EAGER_SIDES)
+        self.assertEqual(self.rows[self.r["best_eager"]]["peak_bytes"], best)
+
+    def test_memplans_sides(self):
+        plan = self.rows["memplan"]
+        self.assertLessEqual(plan["peak_bytes"], self.rows["eager"]["peak_bytes"])
+        self.assertLessEqual(plan["lower_bound_bytes"], plan["max_live_bytes"])
+        self.assertLessEqual(self.rows["memplan-fit-0.1%"]["added_flops_share"], 0.001)
+        self.assertLessEqual(self.rows["memplan-fit-0.1%"]["max_live_bytes"], plan["max_live_bytes"])
+        # Fitted to each checkpointing side's measured peak: within it (by
+        # plan), or refused with the reason.
+        for side in bench_baselines.CHECKPOINTING:
+            row = self.rows[f"memplan-fit@{side}"]
+            if "error" not in row:
+                self.assertLessEqual(row["max_live_bytes"], self.rows[side]["peak_bytes"])
+            else:
+                self.assertRegex(row["error"], "budget|fit")
+
+    def test_largest_batch_within_a_cap(self):
+        lb = self.r["largest_batch"]
+        self.assertEqual(lb["cap_bytes"], int(3.2 * 2 ** 20))
+        self.assertGreaterEqual(lb["eager"], 1)
+        for side in bench_baselines.EAGER_SIDES:
+            self.assertGreaterEqual(lb[side], 0, side)
+        self.assertGreaterEqual(lb["memplan"], lb["eager"])
+        self.assertGreaterEqual(lb["memplan-fit-0.1%"], lb["memplan"])
+
+
+if __name__ == "__main__":
+    unittest.main()
