@@ -729,3 +729,77 @@ pub fn plan_split_with<R, E: From<Error>>(
         ),
     })
 }
+
+/// A fit ([`crate::fit::fit`]) that may split as well as recompute.
+#[derive(Clone, Debug)]
+pub struct SplitFit {
+    /// The fitted step: split (if that was cheaper) and with its
+    /// recomputation. Its `added` includes the split's FLOPs (and their
+    /// time at the step's FLOP rate).
+    pub fitted: crate::fit::Fitted,
+    /// The split chosen (`chunks` 1: not split).
+    pub split: SplitReport,
+}
+
+/// Fits `g` into `opts.budget`, splitting as `split` asks where that is the
+/// cheaper way in: the split with the smallest planned arena (if any is
+/// smaller than the unsplit step's) and the unsplit step are each fitted
+/// with half the time, and the one that fits with the least added cost
+/// (recomputation plus the split's additions, in `opts.objective`'s unit)
+/// is kept; ties go to the unsplit step.
+pub fn fit_split(
+    g: &Graph,
+    opts: &crate::fit::FitOptions,
+    split: Split,
+) -> Result<SplitFit, Error> {
+    use crate::fit::fit;
+    let probe = Options {
+        time_limit: opts.probe_time,
+        layouts: 1,
+        ..Options::default()
+    };
+    let (sg, _, rep) = plan_split(g, &probe, split)?;
+    if rep.chunks == 1 {
+        return Ok(SplitFit {
+            fitted: fit(g, opts)?,
+            split: rep,
+        });
+    }
+    let half = crate::fit::FitOptions {
+        time_limit: opts.time_limit / 2,
+        ..opts.clone()
+    };
+    let plain = fit(g, &half);
+    let split_fit = fit(&sg, &half).map(|mut f| {
+        let rate = if f.step.flops > 0.0 {
+            f.step.seconds / f.step.flops
+        } else {
+            0.0
+        };
+        f.added.flops += rep.added_flops;
+        f.added.seconds += rep.added_flops * rate;
+        f
+    });
+    let cost = |f: &crate::fit::Fitted| opts.objective.of(&f.added);
+    let unsplit = SplitReport {
+        chunks: 1,
+        chains: 0,
+        added_flops: 0.0,
+        ..rep.clone()
+    };
+    Ok(match (plain, split_fit) {
+        (Ok(a), Ok(b)) if cost(&b) < cost(&a) => SplitFit {
+            fitted: b,
+            split: rep,
+        },
+        (Ok(a), _) => SplitFit {
+            fitted: a,
+            split: unsplit,
+        },
+        (Err(_), Ok(b)) => SplitFit {
+            fitted: b,
+            split: rep,
+        },
+        (Err(_), Err(e)) => return Err(e),
+    })
+}

@@ -474,3 +474,40 @@ fn cli_plan_split_auto_writes_a_graph_and_plan_that_check() {
     assert!(String::from_utf8_lossy(&mlp.stderr).contains("no separable loss chain"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `fit` may split: with a budget the unsplit step meets only by
+/// recomputing, the split step fits without recomputation at a smaller
+/// added time, so the fit splits; with splitting off it recomputes.
+#[test]
+fn fit_splits_where_that_is_the_cheaper_way_into_the_budget() {
+    let g = vocab_heavy();
+    let (sg, sp, rep) = split::plan_split(&g, &opts(), Split::Auto).unwrap();
+    assert!(rep.chunks > 1);
+    let fit_opts = memplan::fit::FitOptions {
+        budget: sp.arena_bytes,
+        time_limit: Duration::from_secs(4),
+        probe_time: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let f = split::fit_split(&g, &fit_opts, Split::Auto).unwrap();
+    assert!(f.split.chunks > 1, "{:?}", f.split);
+    assert!(f.fitted.plan.arena_bytes <= sp.arena_bytes);
+    assert!(f.fitted.recomputed.is_empty(), "{:?}", f.fitted.recomputed);
+    assert!(f.fitted.added.flops >= f.split.added_flops);
+    checker::check(&f.fitted.graph, &f.fitted.plan).unwrap();
+    assert!(f.fitted.graph.num_ops() >= sg.num_ops());
+    // Off: the same budget by recomputation, or not at all.
+    let f = split::fit_split(&g, &fit_opts, Split::Off);
+    if let Ok(f) = f {
+        assert_eq!(f.split.chunks, 1);
+        assert_eq!(
+            f.fitted
+                .graph
+                .ops()
+                .iter()
+                .filter(|o| o.op_type == "pack")
+                .count(),
+            0
+        );
+    }
+}

@@ -60,6 +60,16 @@ pub struct FitArgs {
     /// List every recomputed op.
     #[arg(long)]
     pub list: bool,
+    /// With --budget: may also split the loss chain (`auto`, or K chunks)
+    /// where that is the cheaper way into the budget (docs/splitting.md);
+    /// the step and plan written are then the split step's.
+    #[arg(
+        long,
+        value_name = "auto|K|off",
+        default_value = "off",
+        conflicts_with_all = ["max_added", "pareto", "max_batch"]
+    )]
+    pub split: memplan::split::Split,
     /// What to minimise: the estimated added time, or the added FLOPs.
     #[arg(long, value_enum, default_value = "time", alias = "minimize")]
     pub minimise: memplan::fit::Objective,
@@ -152,20 +162,46 @@ pub fn run(a: FitArgs) -> Result<()> {
         ..FitOptions::default()
     };
     let guard = super::progress::watch_fit(progress);
+    let mut split = None;
     let f = match &a.max_added {
         Some(share) => fit_within(&g, parse_share(share)?, &opts)?,
         None => {
             let budget_text = a.budget.as_deref().unwrap_or("100%");
             opts.budget = parse_budget(budget_text, || base_arena(&g))?;
-            fit(&g, &opts)?
+            if a.split == memplan::split::Split::Off {
+                fit(&g, &opts)?
+            } else {
+                let s = memplan::split::fit_split(&g, &opts, a.split)?;
+                split = Some(s.split);
+                s.fitted
+            }
         }
     };
     drop(guard);
     write_outputs(&f, a.output.as_deref(), a.output_graph.as_deref())?;
     if a.json {
-        sayln!("{}", serde_json::to_string_pretty(&f.summary_json())?);
+        let mut v = f.summary_json();
+        if let Some(s) = &split {
+            v["split_chunks"] = serde_json::json!(s.chunks);
+            v["split_added_flops"] = serde_json::json!(s.added_flops);
+        }
+        sayln!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print_fitted(&g, &f, a.list);
+        if let Some(s) = &split {
+            sayln!(
+                "split: {}",
+                if s.chunks > 1 {
+                    format!(
+                        "the loss chain into {} chunks ({} FLOPs added, counted above)",
+                        s.chunks,
+                        super::format::grouped(s.added_flops as u64)
+                    )
+                } else {
+                    "none (the unsplit step fits at least as cheaply)".to_string()
+                }
+            );
+        }
     }
     Ok(())
 }
