@@ -259,3 +259,59 @@ fn compare_reports_the_eager_configurations() {
         "{last}"
     );
 }
+
+/// The eager figures of two documented steps, pinned to the byte (peaks
+/// are exact; docs/benchmarks.md, "The eager configurations", quotes them):
+/// a change to the graphs or the simulation that moves one fails here.
+#[test]
+fn documented_eager_figures_are_pinned() {
+    use memplan::models::{ExampleOptions, example};
+    let ckpt = ExampleOptions {
+        checkpoint: true,
+        ..Default::default()
+    };
+    let gpt2 = example("gpt2-small", &ckpt).unwrap();
+    let llama = example(
+        "llama3-8b",
+        &ExampleOptions {
+            mixed_precision: true,
+            ..ckpt
+        },
+    )
+    .unwrap();
+    let llama = memplan::models::fsdp::shard(&llama, 8).unwrap();
+    // (reserved, allocated, expandable, in backward, in backward + expandable)
+    for (g, want) in [
+        (
+            &gpt2,
+            [
+                2_415_919_104,
+                2_165_417_472,
+                2_267_021_312,
+                2_415_919_104,
+                2_162_163_712,
+            ],
+        ),
+        (
+            &llama,
+            [
+                24_081_596_416,
+                18_949_906_944,
+                23_009_951_744,
+                21_013_463_040,
+                20_052_967_424,
+            ],
+        ),
+    ] {
+        let base = baselines::all(g);
+        let got = [
+            "pytorch-reserved",
+            "pytorch-allocated",
+            "pytorch-expandable-segments",
+            "eager-optimizer-in-backward",
+            "eager-optimizer-in-backward-expandable-segments",
+        ]
+        .map(|n| peak(&base, n));
+        assert_eq!(got, want, "{}", g.name);
+    }
+}
