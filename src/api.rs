@@ -40,6 +40,40 @@ pub fn plan_json(graph_json: &str, time_limit_s: f64) -> Result<String, Error> {
     Ok(plan.to_json(&g))
 }
 
+/// Plans the graph in `graph_json` as [`plan_json`] does, splitting its
+/// loss chain as `split` asks (`"auto"`, `"off"` or a number of chunks;
+/// [`crate::split::plan_split`]): returns `{"graph", "plan", "split"}`,
+/// the graph that was planned (split or not) as a graph document, its
+/// checked plan, and `split` with `chunks` (1: not split), `tried`
+/// (`[chunks, arena bytes]` of each candidate), `added_flops` and
+/// `step_flops`.
+pub fn plan_split_json(graph_json: &str, time_limit_s: f64, split: &str) -> Result<String, Error> {
+    let time_limit = pipeline::time_limit(time_limit_s, "time limit")?;
+    let split: crate::split::Split = split.parse().map_err(Error::Invalid)?;
+    let g = graph(graph_json)?;
+    let opts = pipeline::Options {
+        time_limit,
+        ..pipeline::Options::default()
+    };
+    let (g, plan, rep) = crate::split::plan_split(&g, &opts, split)?;
+    checker::check(&g, &plan).map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+    let doc = |text: String| -> Result<serde_json::Value, Error> {
+        serde_json::from_str(&text).map_err(|e| Error::Invalid(format!("internal error: {e}")))
+    };
+    Ok(json!({
+        "graph": doc(io::json::write_graph(&g))?,
+        "plan": doc(plan.to_json(&g))?,
+        "split": {
+            "chunks": rep.chunks,
+            "chains": rep.chains,
+            "tried": rep.tried,
+            "added_flops": rep.added_flops,
+            "step_flops": rep.step_flops,
+        },
+    })
+    .to_string())
+}
+
 /// Checks the plan document `plan_json` against the graph in `graph_json`
 /// with the independent checker; returns its report as JSON
 /// (`max_live_bytes`, `used_bytes`, `ops`, `tensors_placed`).

@@ -511,3 +511,21 @@ fn fit_splits_where_that_is_the_cheaper_way_into_the_budget() {
         );
     }
 }
+
+/// The bindings' entry point: a graph document in, the planned (split)
+/// graph, its plan and the split's figures out; bad `split` text refused.
+#[test]
+fn plan_split_json_returns_the_split_graph_and_its_plan() {
+    let g = vocab_heavy();
+    let text = memplan::io::json::write_graph(&g);
+    let out = memplan::api::plan_split_json(&text, 2.0, "auto").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["split"]["chunks"].as_u64().unwrap() > 1);
+    let graph = v["graph"].to_string();
+    let plan = v["plan"].to_string();
+    memplan::api::check_json(&graph, &plan).unwrap();
+    let off = memplan::api::plan_split_json(&text, 1.0, "off").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&off).unwrap();
+    assert_eq!(v["split"]["chunks"], 1);
+    assert!(memplan::api::plan_split_json(&text, 1.0, "lots").is_err());
+}
