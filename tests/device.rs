@@ -564,3 +564,32 @@ fn a_large_vocabulary_embedding_gradient_matches_the_cpu_executor() {
     let bf16 = Tolerance { loss: 1e-5, ..tol };
     matches_cpu_within(&gpt2::build(&cfg).unwrap(), 1, bf16);
 }
+
+/// Split loss chains (docs/splitting.md): the chunks' `cross_entropy` with
+/// a divisor, the accumulating `matmul_tn` (cuBLAS with β = 1), the views
+/// of `y` and the targets and the `pack` of `dy` lower and match the CPU
+/// executor.
+#[test]
+fn split_steps_lowered_for_the_gpu_match_the_cpu_executor() {
+    let split = |g: Graph, k: u64| memplan::split::split_graph(&g, k).unwrap();
+    let cfg = Gpt2Config::small_config(2, 32, 2, 16, 2, 64);
+    let p = matches_cpu(&split(gpt2::build(&cfg).unwrap(), 3), 2);
+    assert!(
+        p.instrs
+            .iter()
+            .any(|i| matches!(i.kernel, memplan_runtime::Kernel::MatmulTnAccumulate(_)))
+    );
+    let llama = LlamaConfig {
+        layers: 1,
+        width: 32,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 48,
+        vocab: 64,
+        seq: 24,
+        batch: 2,
+        tied: true,
+        ..LlamaConfig::preset("llama-tiny").unwrap()
+    };
+    matches_cpu(&split(llama::build(&llama).unwrap(), 4), 2);
+}

@@ -466,16 +466,24 @@ fn attention(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
 fn cross_entropy(m: &mut Mem<'_>, k: DevKernel, a: &Args<'_>) {
     match k {
         DevKernel::CrossEntropyFwd => {
-            let (x, tgt, loss, rows, classes, err, code) =
-                (a.p(0), a.p(1), a.p(2), a.n(3), a.n(4), a.p(5), a.i(6));
+            let (x, tgt, loss, rows, classes, divisor, err, code) = (
+                a.p(0),
+                a.p(1),
+                a.p(2),
+                a.n(3),
+                a.n(4),
+                a.f(5),
+                a.p(6),
+                a.i(7),
+            );
             for r in 0..rows {
                 let (mx, s) = m.max_sum(x, r * classes, classes);
                 let t = m.i(tgt, r);
                 if t < 0 || t as usize >= classes {
                     m.fail(err, code);
                 } else {
-                    let v = m.f(loss, 0)
-                        + (mx + s.ln() - m.f(x, r * classes + t as usize)) / rows as f32;
+                    let v =
+                        m.f(loss, 0) + (mx + s.ln() - m.f(x, r * classes + t as usize)) / divisor;
                     m.set(loss, 0, v);
                 }
             }

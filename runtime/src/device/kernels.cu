@@ -404,8 +404,8 @@ extern "C" __global__ void __launch_bounds__(1024) zero_qk(Buf dqkv, i64 rows, i
 }
 
 // One block per row; loss (f32) must be zero beforehand.
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwd(Buf logits, const int* tgt, Buf loss, i64 rows, i64 classes, int* err,
-                                             int code) {
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwd(Buf logits, const int* tgt, Buf loss, i64 rows, i64 classes,
+                                             float divisor, int* err, int code) {
     i64 r = blockIdx.x;
     if (r >= rows) return;
     Buf x = logits + r * classes;
@@ -414,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwd(Buf logits,
     int t = tgt[r];
     if (threadIdx.x == 0) {
         if (t < 0 || t >= classes) fail(err, code);
-        else atomicAdd((float*)loss.p, (mx + logf(s) - x[t]) / (float)rows);
+        else atomicAdd((float*)loss.p, (mx + logf(s) - x[t]) / divisor);
     }
 }
 

@@ -712,13 +712,6 @@ fn loss(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
             classes,
             divisor,
         } => {
-            if divisor != rows {
-                // The kernel divides by the rows it runs over.
-                return Err(RuntimeError::Unavailable(
-                    "CUDA",
-                    format!("cross_entropy over {rows} rows divided by {divisor} (a split loss)"),
-                ));
-            }
             ops.push(DevOp::Memset {
                 at: a.o(0),
                 bytes: 4,
@@ -733,6 +726,7 @@ fn loss(a: &Addr<'_>, ops: &mut Vec<DevOp>) -> Result<()> {
                     a.f32_out(0)?,
                     n(*rows),
                     n(*classes),
+                    Arg::F32(*divisor as f32),
                     err,
                     code,
                 ],
