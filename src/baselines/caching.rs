@@ -460,4 +460,91 @@ mod tests {
         assert_eq!((v.segment, v.offset), (0, 0));
         assert_eq!(a.stats.max_reserved, 6 * MIB);
     }
+
+    /// Every structural rule of the state: blocks tile each segment (its
+    /// mapped range with expandable segments, in whole pages), no two free
+    /// blocks touch, the pools hold exactly the free blocks, and the
+    /// counters add up.
+    fn check_invariants(a: &CachingAllocator) {
+        let mut free = BTreeSet::new();
+        let (mut allocated, mut reserved) = (0, 0);
+        for (i, seg) in a.segments.iter().enumerate() {
+            let mut end = 0;
+            let mut last_free = false;
+            let mut small = None;
+            for (&o, b) in seg {
+                assert_eq!(o, end, "segment {i}: a gap or an overlap at {o}");
+                assert!(
+                    !(last_free && b.free),
+                    "segment {i}: free blocks touch at {o}"
+                );
+                assert!(small.is_none_or(|s| s == b.small));
+                small = Some(b.small);
+                last_free = b.free;
+                end += b.size;
+                if b.free {
+                    free.insert((b.small, (a.segment_stream[i], b.size, i, o)));
+                } else {
+                    allocated += b.size;
+                }
+            }
+            if a.expandable {
+                assert_eq!(end, a.mapped[i]);
+                let page = if small == Some(true) {
+                    SMALL_BUFFER
+                } else {
+                    LARGE_BUFFER
+                };
+                assert_eq!(end % page, 0);
+            }
+            reserved += end;
+        }
+        let pools: BTreeSet<_> = a
+            .small_pool
+            .iter()
+            .map(|&k| (true, k))
+            .chain(a.large_pool.iter().map(|&k| (false, k)))
+            .collect();
+        assert_eq!(pools, free);
+        assert_eq!((a.allocated, a.reserved), (allocated, reserved));
+        assert!(a.stats.max_allocated >= allocated && a.stats.max_reserved >= reserved);
+    }
+
+    #[test]
+    fn random_mallocs_and_frees_keep_the_state_whole() {
+        // A fixed pseudo-random run over both settings, two streams and
+        // sizes across both pools.
+        for expandable in [false, true] {
+            let mut a = if expandable {
+                CachingAllocator::expandable()
+            } else {
+                CachingAllocator::new()
+            };
+            let mut live: Vec<Handle> = Vec::new();
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            for _ in 0..3000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if live.is_empty() || x % 5 < 3 {
+                    let size = match (x >> 8) % 4 {
+                        0 => 1 + (x >> 16) % 4096,
+                        1 => 1 + (x >> 16) % (2 * MIB),
+                        2 => 1 + (x >> 16) % (12 * MIB),
+                        _ => 1 + (x >> 16) % (50 * MIB),
+                    };
+                    live.push(a.malloc_on(size, ((x >> 40) % 2) as u32));
+                } else {
+                    let h = live.swap_remove(((x >> 16) % live.len() as u64) as usize);
+                    a.free(h);
+                }
+                check_invariants(&a);
+            }
+            for h in live {
+                a.free(h);
+            }
+            check_invariants(&a);
+            assert_eq!(a.allocated, 0);
+        }
+    }
 }
