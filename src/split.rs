@@ -659,6 +659,9 @@ pub fn plan_split(
         o.time_limit = opts.time_limit / n;
         Ok::<_, Error>((pipeline::plan(g, &o)?, ()))
     })?;
+    // Every plan leaves through the independent checker.
+    crate::checker::check(&g, &p)
+        .map_err(|e| Error::Invalid(format!("internal error: the split plan is invalid: {e}")))?;
     Ok((g, p, rep))
 }
 

@@ -201,8 +201,7 @@ fn auto_splits_where_the_peak_drops_and_every_split_plan_checks() {
 
 #[test]
 fn without_a_gain_the_graph_is_left_as_it_was() {
-    // A tiny vocabulary: the logits are smaller than what the split adds
-    // (the chunks of dy beside dy), so no split lowers the peak.
+    // A tiny vocabulary: the logits are small and the peak is elsewhere.
     let g = llama::build(&LlamaConfig {
         vocab: 8,
         ..tiny_llama()
@@ -210,13 +209,15 @@ fn without_a_gain_the_graph_is_left_as_it_was() {
     .unwrap();
     let (s, p, rep) = split::plan_split(&g, &opts(), Split::Auto).unwrap();
     checker::check(&s, &p).unwrap();
-    if rep.chunks == 1 {
-        assert_eq!(s.num_ops(), g.num_ops());
-        assert_eq!(p.arena_bytes, rep.tried[0].1);
-    } else {
-        assert!(p.arena_bytes < rep.tried[0].1);
-    }
-    assert!(p.arena_bytes <= rep.tried.iter().map(|t| t.1).min().unwrap());
+    // The peak is elsewhere: every split plans to the same arena
+    // (measured: 687,364 bytes for 1 to 32 chunks), and a tie keeps the
+    // unsplit graph.
+    assert_eq!(rep.chunks, 1, "{:?}", rep.tried);
+    assert_eq!(rep.added_flops, 0.0);
+    let names = |g: &Graph| g.ops().iter().map(|o| o.name.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&s), names(&g));
+    assert_eq!(p.arena_bytes, rep.tried[0].1);
+    assert!(rep.tried.iter().all(|t| t.1 >= p.arena_bytes));
 }
 
 /// A minimal loss chain: `logits = y Hᵀ`, cross-entropy and its backward,
