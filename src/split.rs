@@ -21,6 +21,11 @@
 //! | `matmul_nn` (backward data) | `dlogits`, `H` | `dy [R, C]` | its rows of `dy`, packed into `dy` at the end |
 //! | `matmul_tn` (backward weight) | `dlogits`, `y` | `dH [V, C]` | chunk 0 writes `dH`, later chunks add to it (`accumulate`) |
 //!
+//! Optionally, a `cast` of the logits that the loss ops read instead (the
+//! upcast to f32 of a low-precision step) and a `cast` of `dlogits` that
+//! the products read instead (back to the compute dtype), each the only
+//! user of its input: they are elementwise and are chunked with the rest.
+//!
 //! Joins: the partial losses are summed by `add` ops into the original
 //! (persistent) `loss` tensor; `dH` is accumulated in place; the chunks of
 //! `dy` are copied into `dy` by one `pack` op (rows are contiguous, so
@@ -33,7 +38,7 @@
 //! - `cross_entropy_backward`: row-wise (softmax of the row minus the
 //!   one-hot target, times a constant `scale` = 1/R that the chunks keep).
 //!   Bit-identical per row.
-//! - `dy = dlogits H`: row-wise, bit-identical.
+//! - `dy = dlogits H` and the casts: row-wise (elementwise), bit-identical.
 //! - `loss = (1/R) Σ_r ℓ_r`: the chunks compute `(1/R) Σ_{r∈chunk} ℓ_r`, and
 //!   the sum of the chunks is the same sum grouped differently.
 //! - `dH = dlogitsᵀ y = Σ_r dlogits_rᵀ y_r`: a sum over rows, grouped by
@@ -53,8 +58,9 @@
 //! forward one, and nothing between the chain's first and last op updates
 //! `y`, `H` or `targets`. Anything else is left alone.
 //!
-//! Not split (yet): an explicit upcast (`cast`) between the logits and the
-//! loss, pointwise chains and MLP projections.
+//! Not split (yet): other pointwise ops between the logits and the loss
+//! (a soft-capping, a temperature), pointwise chains elsewhere, MLP
+//! projections.
 //!
 //! # Choosing `k`
 //! [`plan_split`] plans the graph as it is and split into each `k` of
@@ -125,6 +131,54 @@ pub struct LossChain {
     pub rows: u64,
     pub width: u64,
     pub classes: u64,
+    /// A `cast` of the logits that the loss reads instead (the upcast to
+    /// f32 of a low-precision step): the op and its output.
+    pub up: Option<(OpId, TensorId)>,
+    /// A `cast` of the logits' gradient that the products read instead
+    /// (back to the compute dtype): the op and its output.
+    pub down: Option<(OpId, TensorId)>,
+}
+
+impl LossChain {
+    /// Every op of the chain.
+    pub fn all_ops(&self) -> Vec<OpId> {
+        let mut v = self.ops.to_vec();
+        v.extend(self.up.map(|c| c.0));
+        v.extend(self.down.map(|c| c.0));
+        v
+    }
+    /// Every tensor the chain makes and the split replaces.
+    fn replaced(&self) -> Vec<TensorId> {
+        let mut v = vec![self.logits, self.dlogits];
+        v.extend(self.up.map(|c| c.1));
+        v.extend(self.down.map(|c| c.1));
+        v
+    }
+}
+
+/// The `cast` that is the only user of `t` (a plain tensor of the same
+/// element count), if there is one.
+fn sole_cast(g: &Graph, t: TensorId) -> Option<(OpId, TensorId)> {
+    let (&[o], &[r]) = (g.users_of_root(t), g.readers(t)) else {
+        return None;
+    };
+    let op = g.op(o);
+    if o != r
+        || op.op_type != "cast"
+        || op.inputs != [t]
+        || op.outputs.len() != 1
+        || !op.updates.is_empty()
+    {
+        return None;
+    }
+    let u = op.outputs[0];
+    let elems = |t: TensorId| {
+        g.tensor(t)
+            .shape
+            .as_ref()
+            .map(|s| s.iter().product::<u64>())
+    };
+    (plain(g, u) && elems(u).is_some() && elems(u) == elems(t)).then_some((o, u))
 }
 
 fn attr_u64(g: &Graph, o: OpId, k: &str) -> Option<u64> {
@@ -179,17 +233,22 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
         attr_u64(g, a, "k")?,
         attr_u64(g, a, "n")?,
     );
-    if rows < 2 || !plain(g, logits) || g.users_of_root(logits).len() != 2 {
+    if rows < 2 || !plain(g, logits) {
         return None;
     }
-    let ce = readers_of_type(g, logits, "cross_entropy");
-    let ceb = readers_of_type(g, logits, "cross_entropy_backward");
+    let up = sole_cast(g, logits);
+    let ce_in = up.map_or(logits, |c| c.1);
+    if g.users_of_root(ce_in).len() != 2 {
+        return None;
+    }
+    let ce = readers_of_type(g, ce_in, "cross_entropy");
+    let ceb = readers_of_type(g, ce_in, "cross_entropy_backward");
     let (&[b], &[cb]) = (ce.as_slice(), ceb.as_slice()) else {
         return None;
     };
     let (bo, cbo) = (g.op(b), g.op(cb));
     if bo.inputs.len() != 2
-        || bo.inputs[0] != logits
+        || bo.inputs[0] != ce_in
         || bo.outputs.len() != 1
         || cbo.inputs != bo.inputs
         || cbo.outputs.len() != 1
@@ -217,17 +276,22 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
     if loss_t.view_of.is_some() || loss_t.dtype.as_deref() != Some("f32") || loss_t.size != 4 {
         return None;
     }
-    if !plain(g, dlogits) || g.users_of_root(dlogits).len() != 2 {
+    if !plain(g, dlogits) {
         return None;
     }
-    let nn = readers_of_type(g, dlogits, "matmul_nn");
-    let tn = readers_of_type(g, dlogits, "matmul_tn");
+    let down = sole_cast(g, dlogits);
+    let mm_in = down.map_or(dlogits, |c| c.1);
+    if g.users_of_root(mm_in).len() != 2 {
+        return None;
+    }
+    let nn = readers_of_type(g, mm_in, "matmul_nn");
+    let tn = readers_of_type(g, mm_in, "matmul_tn");
     let (&[d], &[e]) = (nn.as_slice(), tn.as_slice()) else {
         return None;
     };
     let (dop, eop) = (g.op(d), g.op(e));
-    if dop.inputs != [dlogits, head]
-        || eop.inputs != [dlogits, y]
+    if dop.inputs != [mm_in, head]
+        || eop.inputs != [mm_in, y]
         || dop.outputs.len() != 1
         || eop.outputs.len() != 1
         || !dop.updates.is_empty()
@@ -267,7 +331,10 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
     }
     let ops = [a, b, cb, d, e];
     let roots = [g.root(y), g.root(head), g.root(targets)];
-    if updated_between(g, &ops, &roots) {
+    let mut every = ops.to_vec();
+    every.extend(up.map(|c| c.0));
+    every.extend(down.map(|c| c.0));
+    if updated_between(g, &every, &roots) {
         return None;
     }
     Some(LossChain {
@@ -283,6 +350,8 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
         rows,
         width,
         classes,
+        up,
+        down,
     })
 }
 
@@ -334,15 +403,17 @@ pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Er
     let mut dropped_tensors = vec![false; g.num_tensors()];
     let mut first: HashMap<OpId, &LossChain> = HashMap::new();
     for c in chains {
-        for o in c.ops {
+        let all = c.all_ops();
+        for &o in &all {
             dropped_ops[o.index()] = true;
         }
-        dropped_tensors[c.logits.index()] = true;
-        dropped_tensors[c.dlogits.index()] = true;
+        for t in c.replaced() {
+            dropped_tensors[t.index()] = true;
+        }
         let lead = *g
             .program_order()
             .iter()
-            .find(|o| c.ops.contains(o))
+            .find(|o| all.contains(o))
             .expect("a chain's ops are in the graph");
         first.insert(lead, c);
     }
@@ -365,7 +436,7 @@ pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Er
     for &o in g.program_order() {
         if let Some(c) = first.get(&o) {
             let new = emit_chunks(g, &mut b, c, k, &tm);
-            for &old in &c.ops {
+            for old in c.all_ops() {
                 omap[old.index()] = new.clone();
             }
             continue;
@@ -504,8 +575,13 @@ fn emit_chunks(
                 .dtype("f32")
                 .shape(vec![1]),
         );
+        // The upcast, if the chain has one: the loss reads its output.
+        let ce_in = match c.up {
+            None => logits,
+            Some((cast, out)) => cast_chunk(b, g, cast, out, logits, i, n * classes, &mut ops),
+        };
         let mut s = copy_op(ce, format!("{}.chunk{i}", ce.name))
-            .inputs([logits, t_parts[i]])
+            .inputs([ce_in, t_parts[i]])
             .outputs([part]);
         s.attrs.insert("rows".into(), json!(n));
         s.attrs.insert("divisor".into(), json!(rows));
@@ -546,10 +622,13 @@ fn emit_chunks(
             n * classes * dl_e,
         ));
         let mut s = copy_op(ceb, format!("{}.chunk{i}", ceb.name))
-            .inputs([logits, t_parts[i]])
+            .inputs([ce_in, t_parts[i]])
             .outputs([dlogits]);
-        if ceb.reuse.contains(&(c.dlogits, c.logits)) && n * classes * dl_e <= n * classes * l_e {
-            s = s.reuse(dlogits, logits);
+        let ce_in_orig = c.up.map_or(c.logits, |u| u.1);
+        if ceb.reuse.contains(&(c.dlogits, ce_in_orig))
+            && dl_e <= b.tensor_spec(ce_in).size / (n * classes)
+        {
+            s = s.reuse(dlogits, ce_in);
         }
         s.attrs.insert("rows".into(), json!(n));
         s.cost = scaled(ceb.cost, n);
@@ -562,8 +641,13 @@ fn emit_chunks(
             vec![n, width],
             n * width * dy_e,
         ));
+        // The downcast, if the chain has one: the products read its output.
+        let mm_in = match c.down {
+            None => dlogits,
+            Some((cast, out)) => cast_chunk(b, g, cast, out, dlogits, i, n * classes, &mut ops),
+        };
         let mut s = copy_op(d, format!("{}.chunk{i}", d.name))
-            .inputs([dlogits, tm(c.head)])
+            .inputs([mm_in, tm(c.head)])
             .outputs([dy]);
         s.attrs.insert("m".into(), json!(n));
         s.cost = scaled(d.cost, n);
@@ -571,7 +655,7 @@ fn emit_chunks(
         ops.push(b.add_op(s));
         dy_parts.push(dy);
 
-        let mut s = copy_op(e, format!("{}.chunk{i}", e.name)).inputs([dlogits, y_parts[i]]);
+        let mut s = copy_op(e, format!("{}.chunk{i}", e.name)).inputs([mm_in, y_parts[i]]);
         s = if i == 0 {
             s.outputs([tm(c.dhead)])
         } else {
@@ -619,6 +703,58 @@ pub fn split_graph(g: &Graph, k: u64) -> Result<Graph, Error> {
         )));
     }
     split_chains(g, &chains, k)
+}
+
+/// Chunk `i` (`elements` elements) of the chain's `cast` op `cast` (whose
+/// output is `out`), reading `from`; adds the op to `ops` and returns its
+/// output.
+#[allow(clippy::too_many_arguments)]
+fn cast_chunk(
+    b: &mut GraphBuilder,
+    g: &Graph,
+    cast: OpId,
+    out: TensorId,
+    from: TensorId,
+    i: usize,
+    elements: u64,
+    ops: &mut Vec<OpId>,
+) -> TensorId {
+    let (op, spec) = (g.op(cast), TensorSpec::from(g.tensor(out)));
+    let total: u64 = spec.shape.as_ref().map_or(1, |s| s.iter().product());
+    let mut t = TensorSpec::new(
+        format!("{}.chunk{i}", spec.name),
+        elements * (spec.size / total.max(1)),
+    )
+    .role(spec.role)
+    .align(spec.align)
+    .shape(vec![elements]);
+    t.dtype = spec.dtype.clone();
+    if let Some(s) = &spec.shape
+        && let Some(&last) = s.last()
+        && last > 0
+        && elements % last == 0
+    {
+        t.shape = Some(vec![elements / last, last]);
+    }
+    let t = b.add_tensor(t);
+    let mut s = OpSpec::new(format!("{}.chunk{i}", op.name), op.kind, op.op_type.clone())
+        .inputs([from])
+        .outputs([t]);
+    s.stream = op.stream;
+    s.attrs = op.attrs.clone();
+    s.attrs.insert("elements".into(), json!(elements));
+    s.cost = op.cost.map(|c| c * elements as f64 / total.max(1) as f64);
+    s.flops = op.flops.map(|f| f * elements as f64 / total.max(1) as f64);
+    for &(o, inp) in &op.reuse {
+        if o == out
+            && inp == g.op(cast).inputs[0]
+            && b.tensor_spec(t).size <= b.tensor_spec(from).size
+        {
+            s = s.reuse(t, from);
+        }
+    }
+    ops.push(b.add_op(s));
+    t
 }
 
 /// FLOPs the split adds: `Σ_k` over chains of `(k − 1)` loss additions and

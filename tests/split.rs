@@ -230,6 +230,13 @@ fn chain(extra: bool, swapped: bool) -> Graph {
 /// [`chain`] with `r` rows of width `c` and `v` classes; `y`, `H` and the
 /// targets are step inputs, the loss, `dy` and `dH` persistent outputs.
 fn chain_sized(r: u64, c: u64, v: u64, extra: bool, swapped: bool) -> Graph {
+    chain_cast(r, c, v, extra, swapped, false)
+}
+
+/// [`chain_sized`]; with `casts`, bf16 logits upcast to f32 for the loss
+/// and the f32 gradient cast back to bf16 for the products (as a PyTorch
+/// step under autocast computes the loss).
+fn chain_cast(r: u64, c: u64, v: u64, extra: bool, swapped: bool, casts: bool) -> Graph {
     let mut b = GraphBuilder::new("chain");
     let f = |b: &mut GraphBuilder, name: &str, shape: Vec<u64>, role: Role| {
         let n: u64 = shape.iter().product();
@@ -249,6 +256,20 @@ fn chain_sized(r: u64, c: u64, v: u64, extra: bool, swapped: bool) -> Graph {
             .shape(vec![r]),
     );
     let logits = f(&mut b, "logits", vec![r, v], Role::Activation);
+    let low = |b: &mut GraphBuilder, name: &str| {
+        b.add_tensor(
+            TensorSpec::new(name, 2 * r * v)
+                .dtype("bf16")
+                .shape(vec![r, v]),
+        )
+    };
+    let (logits16, dl16) = if casts {
+        (low(&mut b, "logits.bf16"), low(&mut b, "dlogits.bf16"))
+    } else {
+        (logits, logits)
+    };
+    // The head writes bf16 logits when `casts`; the loss reads f32 ones.
+    let head_out = if casts { logits16 } else { logits };
     let loss = b.add_tensor(
         TensorSpec::new("loss", 4)
             .role(Role::Output)
@@ -264,11 +285,19 @@ fn chain_sized(r: u64, c: u64, v: u64, extra: bool, swapped: bool) -> Graph {
     }
     let head = OpSpec::new("head", OpKind::Forward, "matmul_nt")
         .inputs(if swapped { [h, y] } else { [y, h] })
-        .outputs([logits])
+        .outputs([head_out])
         .attr("m", r)
         .attr("k", c)
         .attr("n", v);
     b.add_op(head);
+    if casts {
+        b.add_op(
+            OpSpec::new("logits.upcast", OpKind::Forward, "cast")
+                .inputs([logits16])
+                .outputs([logits])
+                .attr("elements", r * v),
+        );
+    }
     b.add_op(
         OpSpec::new("loss", OpKind::Forward, "cross_entropy")
             .inputs([logits, tgt])
@@ -293,9 +322,20 @@ fn chain_sized(r: u64, c: u64, v: u64, extra: bool, swapped: bool) -> Graph {
             .attr("classes", v)
             .attr("scale", 1.0 / r as f64),
     );
+    let mm_in = if casts {
+        b.add_op(
+            OpSpec::new("dlogits.downcast", OpKind::Backward, "cast")
+                .inputs([dl])
+                .outputs([dl16])
+                .attr("elements", r * v),
+        );
+        dl16
+    } else {
+        dl
+    };
     b.add_op(
         OpSpec::new("head.backward_data", OpKind::Backward, "matmul_nn")
-            .inputs([dl, h])
+            .inputs([mm_in, h])
             .outputs([dy])
             .attr("m", r)
             .attr("k", v)
@@ -303,7 +343,7 @@ fn chain_sized(r: u64, c: u64, v: u64, extra: bool, swapped: bool) -> Graph {
     );
     b.add_op(
         OpSpec::new("head.backward_weight", OpKind::Backward, "matmul_tn")
-            .inputs([dl, y])
+            .inputs([mm_in, y])
             .outputs([dh])
             .attr("m", v)
             .attr("k", r)
@@ -529,4 +569,32 @@ fn plan_split_json_returns_the_split_graph_and_its_plan() {
     let v: serde_json::Value = serde_json::from_str(&off).unwrap();
     assert_eq!(v["split"]["chunks"], 1);
     assert!(memplan::api::plan_split_json(&text, 1.0, "lots").is_err());
+}
+
+/// A chain with an upcast of the logits and a downcast of their gradient
+/// (bf16 products, f32 loss) splits with a cast per chunk, plans, checks
+/// and equals the original on the CPU executor; the casts are part of the
+/// chain, so the f32 logits are chunked too.
+#[test]
+fn a_chain_with_casts_splits_and_equals_the_original() {
+    let g = chain_cast(24, 8, 40, false, false, true);
+    let chains = split::find_chains(&g);
+    assert_eq!(chains.len(), 1);
+    assert!(chains[0].up.is_some() && chains[0].down.is_some());
+    let s = split::split_chains(&g, &chains, 5).unwrap();
+    assert_eq!(s.ops().iter().filter(|o| o.op_type == "cast").count(), 10);
+    let cfg = RunConfig {
+        steps: 1,
+        keep_state: true,
+        ..RunConfig::default()
+    };
+    let go = |g: &Graph| run_cpu(&exec::program(g, &plan(g)).unwrap(), &cfg).unwrap();
+    let (a, b) = (go(&s), go(&g));
+    close("loss", &[a.steps[0].loss], &[b.steps[0].loss], 1e-5, 1e-6);
+    for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
+        assert_eq!(na, nb);
+        close(na, va, vb, 1e-5, 1e-6);
+    }
+    // Another reader of the upcast logits (mixing rows): not split.
+    assert!(split::find_chains(&chain_cast(24, 8, 40, true, false, true)).is_empty());
 }
