@@ -37,14 +37,19 @@ fn plan(g: &Graph) -> Plan {
     p
 }
 
+/// Runs `steps` steps of `g`'s plan on the CPU executor, in one arena of
+/// exactly the planned size.
 fn run(g: &Graph, steps: usize) -> RunReport {
-    let p = exec::program(g, &plan(g)).unwrap();
+    let planned = plan(g);
+    let p = exec::program(g, &planned).unwrap();
     let cfg = RunConfig {
         steps,
         keep_state: true,
         ..RunConfig::default()
     };
-    run_cpu(&p, &cfg).unwrap()
+    let r = run_cpu(&p, &cfg).unwrap();
+    assert_eq!(r.arena_bytes, planned.arena_bytes);
+    r
 }
 
 fn close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) {
