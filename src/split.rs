@@ -64,9 +64,10 @@
 //!
 //! # Choosing `k`
 //! [`plan_split`] plans the graph as it is and split into each `k` of
-//! [`AUTO_CHUNKS`] (or the `k` asked for), and keeps the split graph only if
-//! its planned arena is smaller: without a gain the graph is left as it
-//! was. Splitting recomputes nothing; it adds the `k − 1` partial-loss
+//! [`AUTO_CHUNKS`] (or the `k` asked for; `auto` stops once doubling `k`
+//! no longer lowers the arena), sharing the time limit among them, and
+//! keeps the split graph only if its planned arena is smaller: without a
+//! gain the graph is left as it was. Splitting recomputes nothing; it adds the `k − 1` partial-loss
 //! additions and the `(k − 1)·V·C` additions of the accumulation
 //! ([`added_flops`]).
 
@@ -833,6 +834,14 @@ pub fn plan_split_with<R, E: From<Error>>(
     let mut tried = vec![(1, base.arena_bytes)];
     let mut best: Option<(Graph, Plan, R, u64)> = None;
     for &k in &ks {
+        // `auto` stops once more chunks no longer lower the arena.
+        if split == Split::Auto
+            && let [.., (_, a), (_, b)] = tried[..]
+            && tried.len() > 2
+            && b >= a
+        {
+            break;
+        }
         let sg = split_chains(g, &chains, k)?;
         let (p, r) = plan(&sg, n)?;
         tried.push((k, p.arena_bytes));

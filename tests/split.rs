@@ -215,8 +215,8 @@ fn without_a_gain_the_graph_is_left_as_it_was() {
     let (s, p, rep) = split::plan_split(&g, &opts(), Split::Auto).unwrap();
     checker::check(&s, &p).unwrap();
     // The peak is elsewhere: every split plans to the same arena
-    // (measured: 687,364 bytes for 1 to 32 chunks), and a tie keeps the
-    // unsplit graph.
+    // (measured: 687,364 bytes, unsplit and at each k tried), and a tie
+    // keeps the unsplit graph.
     assert_eq!(rep.chunks, 1, "{:?}", rep.tried);
     assert_eq!(rep.added_flops, 0.0);
     let names = |g: &Graph| g.ops().iter().map(|o| o.name.clone()).collect::<Vec<_>>();
@@ -481,7 +481,7 @@ fn cli_plan_split_auto_writes_a_graph_and_plan_that_check() {
         .iter()
         .map(|t| t["peak_bytes"].as_u64().unwrap())
         .collect();
-    assert_eq!(tried.len(), 1 + split::AUTO_CHUNKS.len());
+    assert!(tried.len() >= 3 && tried.len() <= 1 + split::AUTO_CHUNKS.len());
     assert_eq!(v["peak_bytes"].as_u64(), tried.iter().min().copied());
     assert!(v["peak_bytes"].as_u64().unwrap() < tried[0]);
     let check = Command::new(bin)
