@@ -368,6 +368,13 @@ def fsdp_more(rank, world, port):
     mlp_batch = lambda g: (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))  # noqa: E731
     found["mlp-bf16-reduce"] = against_fsdp2_eager("mlp-bf16-reduce", rank, mlp, shard_mlp, mlp_batch, classify,
                                                    arena=False)
+    # Checkpointed blocks (Hugging Face's, non-reentrant): the recomputation
+    # reads the module's parameters, gathered again for the backward.
+    torch.manual_seed(0)
+    ckpt = T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2))
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    found["hf-llama-checkpointed"] = against_fsdp2_eager("hf-llama-checkpointed", rank, ckpt, blocks_then_root(),
+                                                         tokens_of, lm, arena=False)
     # Clipping by the global norm of the sharded gradients.
     torch.manual_seed(0)
     qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2))

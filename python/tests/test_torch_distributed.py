@@ -211,6 +211,11 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
                         self.assertEqual(tracked, max_live)
                     self.assertEqual(one["checked_max_live"], one["tracked"][0][1])
                     self.assertEqual(one["reduce_scatters"], one["parameters"])
+                    if name == "hf-llama-checkpointed":
+                        # Each block's parameters gathered for its forward and
+                        # again for its backward (its recomputation reads them);
+                        # the root's (embedding, final norm, head) once.
+                        self.assertEqual(one["all_gathers"], 2 * one["parameters"] - 3)
                     if name == "hf-qwen2-clipped":
                         # One all-reduce of the shards' squared norms; the
                         # norm is summed in another order than DTensor's.

@@ -20,9 +20,12 @@ rank's graph:
   it; the forward reads its first ``rows`` rows (a view);
 - for units that reshard after forward, every tensor autograd saves that is
   a view of a gathered parameter is saved as a marker
-  (``saved_tensors_hooks``), and the backward gathers the parameter again
-  when it first unpacks one: so the forward's gathered bytes die with the
-  unit's forward, and the backward's are gathered where it needs them;
+  (``saved_tensors_hooks``); where the backward pass reaches the unit's
+  output (a hook on its gradient, FSDP2's pre-backward) its parameters are
+  gathered again and put in the module in place of the forward's, and the
+  markers unpack to views of those: so the forward's gathered bytes die
+  with the unit's forward, also when the unit is checkpointed (its
+  recomputation reads the module's parameters);
 - after the backward pass, per gradient, its padding (zeros), a
   ``reduce_scatter`` into a chunk-sized buffer, and the update of the local
   shard (a view of FSDP2's own padded storage, so the ``DTensor`` parameter
@@ -127,13 +130,15 @@ class FullySharded(RankGroup):
     supports_arena = False
 
     def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, timeout: float,
-                 policies=()) -> None:
+                 policies=(), resharded=()) -> None:
         super().__init__(group, timeout)
         self.model = model
         self.params = params
         # Each unit's module and MixedPrecisionPolicy, for the casts of
         # its forward's inputs and output.
         self.policies = list(policies)
+        # Each unit that reshards after forward, with its parameters' names.
+        self.resharded = list(resharded)
         # While recording: the gathered buffer's storage of each parameter
         # whose unit reshards (forward), and the backward's gathers.
         self._forward_storage: Dict[int, str] = {}
@@ -154,6 +159,7 @@ class FullySharded(RankGroup):
                                   "root too (fully_shard(model) after its blocks, as torchtitan does)")
         params: Dict[str, _Param] = {}
         policies = []
+        resharded: Dict[int, Tuple[torch.nn.Module, List[str]]] = {}
         owner = {id(p): n for n, p in model.named_parameters()}
         group = None
         for uname, m in units:
@@ -187,6 +193,8 @@ class FullySharded(RankGroup):
                     raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
                                           "replaced after fully_shard?)")
                 params[name] = _Param(name, fp, reshard, policy)
+                if reshard:
+                    resharded.setdefault(id(m), (m, []))[1].append(name)
             g = mesh_info.mesh.get_group()
             if group is not None and g is not group:
                 raise UnsupportedStep(f"{where}: sharded over another process group than the other units")
@@ -196,7 +204,7 @@ class FullySharded(RankGroup):
                 raise UnsupportedStep(f"parameter {n} is not sharded by any fully_shard unit")
             if type(p).__name__ != "DTensor":
                 raise UnsupportedStep(f"parameter {n}: not a DTensor; capture before changing FSDP2's parameters")
-        return FullySharded(model, params, group, timeout, policies)
+        return FullySharded(model, params, group, timeout, policies, list(resharded.values()))
 
     # ---- what capture asks -------------------------------------------------
 
@@ -294,7 +302,29 @@ class FullySharded(RankGroup):
             return torch.as_strided(g, x.shape, x.stride, x.offset)
 
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+        for m, names in self.resharded:
+            stack.enter_context(_pre_backward(m, lambda names=names: self._unshard(rec, names)))
         return stack
+
+    def _unshard(self, rec: Recorder, names: List[str]) -> None:
+        """A resharded unit's backward begins (FSDP2's pre-backward
+        unshard): its parameters gathered again and put in the module in
+        place of the forward's, so what the backward reads of them (a
+        checkpointed block's recomputation reads the module's parameters,
+        not saved tensors) reads the new gathers, and the forward's die
+        with the unit's forward."""
+        from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+        acc = NamedMemberAccessor(self.model)
+        with torch.no_grad():
+            for n in names:
+                g = self._regathered.get(n)
+                if g is None:
+                    g = self._regathered[n] = self._gather(rec, n, self._local[n])
+                # As the forward's leaf: a recomputation saves for a
+                # parameter that requires grad what the forward saved.
+                g.requires_grad_(self.params[n].fp.sharded_param.requires_grad)
+                acc.swap_tensor(n, g)
 
     def reduce_gradients(self, rec: Recorder, grad_of: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Records each gradient's reduce-scatter; returns the local shard
@@ -347,6 +377,34 @@ def _casts(module: torch.nn.Module, policy):
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def _pre_backward(module: torch.nn.Module, fn):
+    """Calls `fn()` once where the backward pass reaches `module`'s forward
+    output (a hook on the gradient of each output tensor that requires
+    one), as FSDP2's pre-backward hook does."""
+    def post_forward(_m, _args, out):
+        if not torch.is_grad_enabled():
+            return None
+        fired = []
+
+        def hook(grad):
+            if not fired:
+                fired.append(True)
+                fn()
+            return None
+
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+        return None
+
+    h = module.register_forward_hook(post_forward)
+    try:
+        yield
+    finally:
+        h.remove()
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:

@@ -22,6 +22,8 @@ the batch) plus the highest running sum of the allocator's events
   the rest, as torchtitan's op-level selective checkpointing does (without
   its "every other ``mm``" refinement);
 - ``eager-full-ac``: every decoder block checkpointed whole;
+- ``eager-compile`` (with ``--compile``): ``torch.compile`` with Inductor's
+  defaults, the optimizer's step compiled too;
 - ``memplan``: the captured step in memplan's order;
 - ``memplan-fit-0.1%``: fitted by recomputation to the least memplan finds
   for at most 0.1% more FLOPs;
@@ -177,12 +179,20 @@ def _flops(graph) -> int:
     return sum(int(op.get("flops", 0)) for op in graph["ops"])
 
 
-def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0) -> Dict[str, Any]:
+def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, compile: bool = False
+            ) -> Dict[str, Any]:
     """Every side on one model at `batch` × `seq` tokens: peaks, losses,
-    FLOPs (see the module's doc)."""
+    FLOPs (see the module's doc). With `compile`, also ``torch.compile``
+    with Inductor's defaults (:func:`memplan.torch.bench.compiled`)."""
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(3)]
     rows: Dict[str, Dict[str, Any]] = {}
+    if compile:
+        from .bench import compiled
+
+        peak, estimate, seconds = compiled(make(), batches[1], _lm)
+        rows["eager-compile"] = {"peak_bytes": peak, "inductor_estimate_bytes": estimate,
+                                 "compile_seconds": seconds}
     for side in EAGER_SIDES:
         model = configured(make, side)
         step, held = _eager_step(model, side)
@@ -214,7 +224,8 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0) -> 
                 f = s.fit(rows[fit]["peak_bytes"], minimise="flops", time_limit=time_limit)
             if f is not None:
                 row["added_flops_share"] = f["added_flops"] / f["step_flops"]
-                row["added_ops"] = f["recomputed_ops"]
+                ops = f["recomputed_ops"]
+                row["added_ops"] = len(ops) if isinstance(ops, (list, tuple)) else int(ops)
         except memplan.MemplanError as e:  # nothing fits: the row says so
             row["error"] = str(e)
         row["max_live_bytes"] = s.plan["stats"]["max_live_bytes"]
@@ -227,8 +238,9 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0) -> 
         model = opt = s = None
     # Every side computes the same step: its losses against eager's.
     for row in rows.values():
-        row["loss_difference"] = max(abs(a - b) for a, b in zip(row["losses"], rows["eager"]["losses"]))
-    best = min(EAGER_SIDES, key=lambda k: rows[k]["peak_bytes"])
+        if "losses" in row:  # (the compiled side is measured on one batch, its losses not kept)
+            row["loss_difference"] = max(abs(a - b) for a, b in zip(row["losses"], rows["eager"]["losses"]))
+    best = min((k for k in rows if k.startswith("eager")), key=lambda k: rows[k]["peak_bytes"])
     best_no_recompute = min(("eager", "eager-optimizer-in-backward"), key=lambda k: rows[k]["peak_bytes"])
     return {"rows": rows, "best_eager": best, "best_eager_without_recomputation": best_no_recompute,
             "step_flops": plain_flops}
@@ -280,6 +292,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--cap", type=float, metavar="MIB", help="also the largest batch whose step fits MIB MiB")
     ap.add_argument("--time-limit", type=float, default=5.0, help="seconds for each plan and fit")
+    ap.add_argument("--compile", action="store_true",
+                    help="also torch.compile with Inductor's defaults (minutes of compiling on a CPU)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -292,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in names:
         make = configs[name]
         vocab = make().config.vocab_size
-        r = measure(make, args.batch, args.seq, vocab, args.time_limit)
+        r = measure(make, args.batch, args.seq, vocab, args.time_limit, args.compile)
         if args.cap is not None:
             r["largest_batch"] = largest_batches(make, args.seq, vocab, int(args.cap * 2 ** 20),
                                                  time_limit=args.time_limit)
