@@ -2261,6 +2261,32 @@ class FittedStepsRecompute(unittest.TestCase):
         # 2-core machine; at 0.85 the 10 s search could run out there.
         Harness(self, model, batch, classify, "adam", budget_share=0.88).run()
 
+    def test_never_larger_than_the_steps_own_plan(self):
+        # A budget the step's own plan meets: the fit (whose plan without
+        # recomputation is made in a share of its time) keeps the step's
+        # plan when it finds nothing smaller, and the step still runs as
+        # eager's.
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+        batch = (torch.randn(16, 6), torch.randint(0, 3, (16,)))
+        ref = copy.deepcopy(model)
+        step = mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, classify, time_limit=2)
+        own = step.plan
+        f = step.fit(own["arena_bytes"] * 4, time_limit=1)
+        self.assertLessEqual(f["arena_bytes"], own["arena_bytes"])
+        if f.get("kept_unfitted"):
+            self.assertIs(step.plan, own)
+            self.assertEqual((f["recomputed_ops"], f["added_flops"]), ([], 0))
+        memplan.check(step.graph, step.plan)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = step(batch)
+            want = classify(ref, batch)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, want.detach())
+
     def test_gpt2_smallest_within_a_tenth_of_a_percent_more_flops(self):
         # No budget given: memplan finds how small the step gets for at
         # most 0.1% more FLOPs (measured: 9.61 MB from 11.19 MB, +0.094%).

@@ -102,6 +102,7 @@ class Step:
         self._layouts = c.layouts
         # The step as captured: what `fit` starts from.
         self._captured = c
+        self._captured_plan: Optional[Dict[str, Any]] = None  # the plan of the captured graph, once made
         self.fitted: Optional[Dict[str, Any]] = None
         self._arena: Optional[Arena] = None
         self._graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
@@ -140,6 +141,8 @@ class Step:
                 self.plan["stats"]["max_live_bytes"] = memplan.check(self.graph, self.plan)["max_live_bytes"]
         self.plan_seconds = time.perf_counter() - t0
         self._programs.pop("planned", None)
+        if self.graph is self._captured.graph:
+            self._captured_plan = self.plan
         return self.plan
 
     def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
@@ -152,7 +155,10 @@ class Step:
         live bytes stay within `budget`. Returns what the fit reports
         (`recomputed_ops`, `added_flops`, `arena_bytes`, ...); raises
         :class:`memplan.MemplanError` with the bound when nothing fits.
-        Fitting again starts from the captured step.
+        Fitting again starts from the captured step. Where the step's own
+        plan (of the captured graph) is no larger than what the fit finds
+        and within `budget`, the step keeps it (no op recomputed;
+        ``kept_unfitted`` in the report).
 
         With `max_added` instead of a budget, the step becomes the smallest
         memplan finds whose recomputation adds at most that share of the
@@ -168,6 +174,15 @@ class Step:
                                    max_added=max_added)
         fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
         self.plan_seconds = time.perf_counter() - t0
+        kept = self._captured_plan
+        if kept is not None and kept["arena_bytes"] <= fitted["plan"]["arena_bytes"] and (
+                budget is None or kept["arena_bytes"] <= budget):
+            # Never worse than the step's own plan: the fit plans each of
+            # its probes in a share of its time, and its plan without
+            # recomputation can come out larger than the one the step has.
+            fitted.update(arena_bytes=kept["arena_bytes"], max_live_bytes=kept["stats"]["max_live_bytes"],
+                          recomputed_ops=[], added_flops=0, added_seconds_estimate=0.0, kept_unfitted=True)
+            fitted["graph"], fitted["plan"] = base.graph, kept
         self.graph = fitted.pop("graph")
         self.plan = fitted.pop("plan")
         self._calls, self._layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
