@@ -128,22 +128,25 @@ class Step:
         if self._dist is None:
             self.plan = make()
         else:
-            self.plan = self._dist.from_first_rank(make, "planning the step")
-            if self._dist.rank != 0:
-                # The first rank's order and places, checked against this
-                # rank's graph (FSDP2's later shards may be shorter, or
-                # empty: those own no bytes here): its max live is this
-                # rank's.
-                empty = {t["id"] for t in self.graph["tensors"] if t["size"] == 0}
-                self.plan["tensors"] = [t for t in self.plan["tensors"] if t["id"] not in empty]
-                self.plan["reuse"] = [r for r in self.plan.get("reuse", [])
-                                      if r["output"] not in empty and r["input"] not in empty]
-                self.plan["stats"]["max_live_bytes"] = memplan.check(self.graph, self.plan)["max_live_bytes"]
+            self.plan = self._own_rank(self.graph, self._dist.from_first_rank(make, "planning the step"))
         self.plan_seconds = time.perf_counter() - t0
         self._programs.pop("planned", None)
         if self.graph is self._captured.graph:
             self._captured_plan = self.plan
         return self.plan
+
+    def _own_rank(self, graph: Dict[str, Any], plan: Dict[str, Any]) -> Dict[str, Any]:
+        """The first rank's plan as this rank runs it: its order and places,
+        checked against this rank's graph (FSDP2's later shards may be
+        shorter, or empty: those own no bytes here), with this rank's max
+        live."""
+        if self._dist is None or self._dist.rank == 0:
+            return plan
+        empty = {t["id"] for t in graph["tensors"] if t["size"] == 0}
+        plan["tensors"] = [t for t in plan["tensors"] if t["id"] not in empty]
+        plan["reuse"] = [r for r in plan.get("reuse", []) if r["output"] not in empty and r["input"] not in empty]
+        plan["stats"]["max_live_bytes"] = memplan.check(graph, plan)["max_live_bytes"]
+        return plan
 
     def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
             *, max_added: Optional[float] = None) -> Dict[str, Any]:
