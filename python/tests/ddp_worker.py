@@ -221,6 +221,21 @@ def fsdp_models():
     torch.manual_seed(0)
     out.append(("hf-qwen2", T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2)),
                 blocks_then_root(lambda m: m.model.layers), lambda g: torch.randint(0, 256, (2, 16), generator=g), lm))
+    torch.manual_seed(0)
+    out.append(("hf-gpt2", T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                                          n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                          attn_pdrop=0.0)),
+                blocks_then_root(lambda m: m.transformer.h), lambda g: torch.randint(0, 256, (2, 16), generator=g),
+                lm))
+    import torchvision
+
+    # Each stage a unit (the batch norms' running statistics are buffers,
+    # kept whole on every rank, as FSDP2 keeps them).
+    torch.manual_seed(0)
+    out.append(("torchvision-resnet18", torchvision.models.resnet18(num_classes=10),
+                blocks_then_root(lambda m: [m.layer1, m.layer2, m.layer3, m.layer4]),
+                lambda g: (torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)),
+                classify))
     return out
 
 
@@ -273,7 +288,7 @@ def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.flo
     sd = model.state_dict()  # FSDP2's state dict works on the updated shards
     graph = step.graph
     found = dict(
-        tracked=tracked, worst=worst, state_dict_keys=len(sd),
+        tracked=tracked, worst=worst, state_dict_keys=len(sd), eager_state_dict_keys=len(ref.state_dict()),
         all_gathers=sum(op["type"] == "memplan.all_gather" for op in graph["ops"]),
         reduce_scatters=sum(op["type"] == "memplan.reduce_scatter" for op in graph["ops"]),
         all_reduces=sum(op["type"] == "memplan.all_reduce" for op in graph["ops"]),
