@@ -172,21 +172,33 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
     clipping by norm, random models wrapped at random unit boundaries, and
     torch.distributed.checkpoint after memplan's steps."""
 
-    def check(self, world, timeout, only=None, dtype="float32"):
-        reports, _, logs = launch("fsdp", world, timeout, ",".join(only or []), dtype)
+    def reports(self, timeout, *args):
+        """Each rank's report of ddp_worker's `args`, every one present and ok."""
+        reports, _, logs = launch(*args[:2], timeout, *args[2:])
         for r, rep in enumerate(reports):
             self.assertIsNotNone(rep, f"rank {r} wrote no report within {timeout} s:\n{logs[r][-3000:]}")
             self.assertTrue(rep["ok"], f"rank {r}:\n{rep['result'].get('traceback')}")
+        return reports
+
+    def check_step(self, got):
+        """What every captured FSDP2 step must show: tracked bytes equal to
+        the plan's max live (which the checker confirms), one reduce-scatter
+        per parameter, eager's state dict."""
+        for tracked, max_live in got["tracked"]:
+            self.assertEqual(tracked, max_live)
+        self.assertEqual(got["checked_max_live"], got["tracked"][0][1])
+        self.assertEqual(got["reduce_scatters"], got["parameters"])
+        self.assertEqual(got["state_dict_keys"], got["eager_state_dict_keys"])
+
+    def check(self, world, timeout, only=None, dtype="float32"):
+        reports = self.reports(timeout, "fsdp", world, ",".join(only or []), dtype)
+        for r, rep in enumerate(reports):
             for name, got in rep["result"].items():
                 with self.subTest(rank=r, model=name):
-                    for tracked, max_live in got["tracked"]:
-                        self.assertEqual(tracked, max_live)
-                    self.assertEqual(got["checked_max_live"], got["tracked"][0][1])
-                    self.assertEqual(got["reduce_scatters"], got["parameters"])
+                    self.check_step(got)
                     # Every parameter gathered for the forward; those of the
                     # resharding units again for the backward.
                     self.assertGreater(got["all_gathers"], got["parameters"])
-                    self.assertEqual(got["state_dict_keys"], got["eager_state_dict_keys"])
                     self.assertRegex(got["arena"], "outside the arena")
         return reports
 
@@ -198,19 +210,13 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
                 self.assertEqual(got["worst"], 0.0, f"rank {rep['rank']} {name}")  # the same bits as FSDP2 eager
 
     def test_mixed_precision_clipping_random_wrapping_and_checkpoints(self):
-        reports, _, logs = launch("fsdp-more", 2, 400)
-        for r, rep in enumerate(reports):
-            self.assertIsNotNone(rep, f"rank {r} wrote no report within 400 s:\n{logs[r][-3000:]}")
-            self.assertTrue(rep["ok"], f"rank {r}:\n{rep['result'].get('traceback')}")
+        for r, rep in enumerate(self.reports(400, "fsdp-more", 2)):
             got = rep["result"]
             for name, one in got.items():
                 if not isinstance(one, dict):
                     continue
                 with self.subTest(rank=r, model=name, desc=one.get("desc")):
-                    for tracked, max_live in one["tracked"]:
-                        self.assertEqual(tracked, max_live)
-                    self.assertEqual(one["checked_max_live"], one["tracked"][0][1])
-                    self.assertEqual(one["reduce_scatters"], one["parameters"])
+                    self.check_step(one)
                     if name == "hf-llama-checkpointed":
                         # Each block's parameters gathered for its forward and
                         # again for its backward (its recomputation reads them);
