@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -32,6 +32,34 @@ def local_tensor(x: torch.Tensor) -> torch.Tensor:
     return x._local_tensor if type(x).__name__ == "DTensor" else x
 
 
+class BatchInput(NamedTuple):
+    """One tensor of the batch: its graph tensor and the layout every
+    batch must have there, with its name in the batch (``[0]``, ``x``)."""
+
+    tensor: int
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    name: str
+
+
+class StateSlot(NamedTuple):
+    """An optimizer state tensor the graph reads: ``optimizer.state[param][key]``."""
+
+    tensor: int
+    param: torch.Tensor
+    key: str
+
+
+class GroupSlot(NamedTuple):
+    """A param group's tensor the graph reads: ``param_groups[group][key]``
+    (a capturable Adam's tensor learning rate)."""
+
+    tensor: int
+    group: int
+    key: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Captured:
     """One recorded step, as :func:`memplan.torch.capture` hands it to
@@ -46,14 +74,14 @@ class Captured:
     bound: Dict[int, torch.Tensor]  # graph tensor -> the caller's tensor (all inputs but the batch)
     sources: Dict[int, torch.Tensor]  # a constant -> the caller's tensor it was copied from
     batch_spec: Any  # the batch's pytree structure
-    batch_layouts: List[Tuple[int, tuple, torch.dtype, torch.device, str]]  # (tensor, shape, dtype, device, name)
+    batch_layouts: List[BatchInput]  # per batch tensor (each micro-batch's in turn)
     loss: int  # the loss's graph tensor
     norm: Optional[int]  # the clipped gradients' total norm's, when clipping
     updated: List[torch.Tensor]  # the parameters the step updates
     optimizer_calls: List[bool]  # per call: whether it reads the optimizer's numbers
     accumulate: int  # micro-batches per step
-    state_slots: Tuple[Tuple[int, torch.Tensor, str], ...]  # optimizer state read: (tensor, parameter, key)
-    group_slots: Tuple[Tuple[int, int, str], ...]  # param groups' tensors read: (tensor, group, key)
+    state_slots: Tuple[StateSlot, ...]  # optimizer state the graph reads
+    group_slots: Tuple[GroupSlot, ...]  # param groups' tensors the graph reads
     seconds: float  # what capture took
     meta: bool = False  # traced from a model on the meta device: planned, never run
 
@@ -101,12 +129,12 @@ class _Inputs:
         self.fb = {n: self.reg(b, f"buffer:{n}", "parameter") for n, b in buffers.items()}
         self.optimizer = optimizer
         self.fstate: Dict[int, Dict[str, torch.Tensor]] = {}
-        self.state_slots: List[Tuple[int, torch.Tensor, str]] = []  # (graph tensor, parameter, state key)
+        self.state_slots: List[StateSlot] = []
         self.fgroup: Dict[int, torch.Tensor] = {}  # group index -> its tensor learning rate, fake
-        self.group_slots: List[Tuple[int, int, str]] = []  # (graph tensor, group index, key)
+        self.group_slots: List[GroupSlot] = []
         self.fscaler: Optional[Tuple[torch.Tensor, torch.Tensor, Tuple[float, float, int]]] = None
         leaves, self.spec = torch.utils._pytree.tree_flatten_with_path(example_batch)
-        self.batch_layouts = []
+        self.batch_layouts: List[BatchInput] = []
         self.fbatches = []  # one fake batch per micro-batch
         for k in range(micro):
             fleaves = []
@@ -120,7 +148,7 @@ class _Inputs:
                 fleaves.append(f)
                 i = rec.index_of(f)
                 del self.bound[i]  # each call binds its own batch
-                self.batch_layouts.append((i, tuple(x.shape), x.dtype, x.device, nm))
+                self.batch_layouts.append(BatchInput(i, tuple(x.shape), x.dtype, x.device, nm))
             self.fbatches.append(tree_unflatten(fleaves, self.spec))
         for (n, p), f in zip(params.items(), self.fp.values()):
             f.requires_grad_(p.requires_grad)
@@ -144,7 +172,7 @@ class _Inputs:
             _optim.ensure_state(self.optimizer, p)
             self.fstate[id(p)] = {k: self.reg(local_tensor(v), f"state:{n}.{k}", "optimizer_state")
                                   for k, v in _optim.state_tensors(self.optimizer, p).items()}
-        self.state_slots += [(self.rec.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
+        self.state_slots += [StateSlot(self.rec.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
         return self.fstate[id(p)]
 
     def numbers(self, gi: int, group: Dict[str, Any], markers: Dict[str, float]) -> Dict[str, Any]:
@@ -157,7 +185,7 @@ class _Inputs:
         if gi not in self.fgroup:
             with _disable_current_modes():
                 self.fgroup[gi] = self.reg(lr, f"optimizer:group{gi}.lr", "optimizer_state")
-            self.group_slots.append((self.rec.index_of(self.fgroup[gi]), gi, "lr"))
+            self.group_slots.append(GroupSlot(self.rec.index_of(self.fgroup[gi]), gi, "lr"))
         return {**markers, "lr": self.fgroup[gi]}
 
     def reg(self, x: torch.Tensor, id: str, role: str) -> torch.Tensor:

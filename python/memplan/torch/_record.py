@@ -836,7 +836,7 @@ class Recorder(TorchDispatchMode):
         self.tensors.append({"id": f"t{i}", "size": 0, "role": "activation", "lifetime": "transient",
                              "dtype": "u8", "shape": [0]})
         self.parent.append(None)
-        self.layouts.append(((0,), (1,), 0, torch.uint8, torch.device("cpu")))
+        self.layouts.append(Layout((0,), (1,), 0, torch.uint8, torch.device("cpu")))
         self._phase_of[i] = self.phase
         self._states[id(stand_in)] = i
         self._kept.append(stand_in)

@@ -23,11 +23,23 @@ does.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, List, NamedTuple, Tuple
 
 import torch
 
 from ._record import Recorder, UnsupportedStep
+
+
+class Scaling(NamedTuple):
+    """What a step captured with a gradient scaler keeps of it: the
+    scaler, its settings at capture (:func:`settings`), each optimizer's
+    overflow flag's graph tensor and the ids of the ops that flag gates
+    (:func:`gate`)."""
+
+    scaler: Any
+    settings: Tuple[float, float, int]
+    flags: List[int]
+    gated: List[frozenset]
 
 
 def active(scaler) -> bool:
@@ -133,4 +145,4 @@ def check_unchanged(scaler, fixed: Tuple[float, float, int]) -> None:
         )
 
 
-__all__ = ["active", "prepare", "settings", "unscale", "gate", "update_scale", "Snapshot", "check_unchanged"]
+__all__ = ["Scaling", "active", "prepare", "settings", "unscale", "gate", "update_scale", "Snapshot", "check_unchanged"]
