@@ -265,6 +265,56 @@ json.dump(rows, open('$OUT/torch_graph_xl.json', 'w'), indent=1)" 2>&1 | tee "$O
   fi
 }
 
+split_cuda() {
+  # Issue 40: steps whose loss chain is split into chunks (--split-chunks),
+  # on the CUDA executor against the CPU executor (MatmulTnAccumulate's
+  # lowering), then Llama 3.2 1B's shape at seq 1024 split and unsplit.
+  run split_llama_tiny_cmp run --example llama-tiny --split-chunks 4 --device cuda --steps 3 --compare-cpu
+  run split_llama_tiny_bf16_cmp run --example llama-tiny --mixed-precision --split-chunks 4 --device cuda --steps 3 --compare-cpu
+  run split_gpt2_tiny_cmp run --example gpt2-tiny --split-chunks 3 --device cuda --steps 3 --compare-cpu
+  run split_llama_1b_bf16 run --example llama3-1b --seq 1024 --mixed-precision --split-chunks 8 --device cuda --steps 3 --json --time-limit 5
+  run unsplit_llama_1b_bf16 run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --json --time-limit 5
+}
+
+fsdp_nccl() {
+  # Issue 37: memplan.torch's captured FSDP2 step with NCCL against FSDP2
+  # eager: Llama 3.2 1B's shape (HF config, random weights, tied
+  # embeddings), torchtitan's mixed precision, one rank (the machine has
+  # one GPU), expandable segments off and on; then, where NCCL is 2.30 or
+  # newer, two ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1) through
+  # this path and through memplan's own executor.
+  torch_ready || return
+  local l1b="--layers 16 --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --vocab 128256 --tied --seq 2048"
+  for conf in "" "expandable_segments:True"; do
+    echo "== PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m memplan.torch.bench_distributed --device cuda --world 1 --fsdp --mixed-precision $l1b"
+    PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH=python timeout 240 python3 -m memplan.torch.bench_distributed --device cuda \
+      --world 1 --fsdp --mixed-precision $l1b --batch 1 --time-limit 5 --timeout 230 2>&1 \
+      | grep -v "^USDT\|gpuGetDeviceCount" | tee -a "$OUT/fsdp_nccl.out"
+  done
+  local v
+  v=$(python3 -c 'import torch; print("%d.%d.%d" % torch.cuda.nccl.version())' 2>&1)
+  echo "NCCL $v"
+  if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.nccl.version() >= (2, 30, 0) else 1)'; then
+    echo "== NCCL_MULTI_RANK_GPU_ENABLE=1 python3 -m memplan.torch.bench_distributed --device cuda --world 2 --fsdp"
+    NCCL_MULTI_RANK_GPU_ENABLE=1 PYTHONPATH=python timeout 150 python3 -m memplan.torch.bench_distributed --device cuda \
+      --world 2 --fsdp --layers 4 --hidden 1024 --seq 1024 --time-limit 5 --timeout 140 2>&1 \
+      | grep -v "^USDT\|gpuGetDeviceCount" | tee -a "$OUT/fsdp_nccl.out"
+    NCCL_MULTI_RANK_GPU_ENABLE=1 run w2_shared_cuda run --example gpt2-tiny --device cuda --world-size 2 --steps 3
+    run w2_cpu run --example gpt2-tiny --world-size 2 --steps 3
+  fi
+}
+
+baselines_gpu() {
+  # Issue 39: the eager configurations a knowledgeable user runs, each in
+  # its own process with expandable segments off and on, against memplan,
+  # then the largest batch in 12 GiB and its tokens per second.
+  torch_ready || return
+  echo "== python3 -m memplan.torch.bench_baselines --device cuda --models hf-llama --size medium --batch 4 --seq 1024 --compile --cap 12288"
+  PYTHONPATH=python python3 -m memplan.torch.bench_baselines --device cuda --models hf-llama --size medium \
+    --batch 4 --seq 1024 --steps 3 --time-limit 4 --compile --cap 12288 --json \
+    > "$OUT/baselines.json" 2> >(grep -v "^USDT\|gpuGetDeviceCount" | tee "$OUT/baselines.log" >&2)
+}
+
 # SECTIONS picks what runs (default: all).
 for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops torch_step_precision torch_step_graph}; do
   "$section"

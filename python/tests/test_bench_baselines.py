@@ -73,3 +73,27 @@ class BaselinesAsExpertsRunThem(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class EachSideInItsOwnProcess(unittest.TestCase):
+    """memplan.torch.bench_baselines_device (the GPU bench) on the CPU: each
+    side in a child process with its allocator configuration, the same
+    losses on every side, memplan's arena step beside eager's."""
+
+    def test_sides_in_child_processes(self):
+        from memplan.torch import bench_baselines_device as dev
+
+        base = dict(model="hf-llama", size="tiny", batch=2, seq=16, steps=2, time_limit=2.0, device="cpu")
+        eager = dev.spawn(dict(base, side="eager"), dev.EXPANDABLE, timeout=300)
+        mine = dev.spawn(dict(base, side="memplan-fit-0.1%"), timeout=300)
+        for r in (eager, mine):
+            self.assertNotIn("error", r)
+            self.assertGreaterEqual(len(r["losses"]), 3)  # (the CPU's peak costs one step more)
+            self.assertGreater(r["allocated_bytes"], 0)
+        self.assertEqual(eager["losses"], mine["losses"])
+        self.assertLessEqual(mine["added_flops_share"], 0.001)
+        self.assertLessEqual(mine["lower_bound_bytes"], mine["max_live_bytes"])
+        self.assertGreaterEqual(mine["planned_arena_bytes"], mine["max_live_bytes"])
+        # A side that fails reports why, naming the error.
+        bad = dev.spawn(dict(base, side="memplan-fit@eager-full-ac", budget=1), timeout=300)
+        self.assertIn("fits in", bad["error"])

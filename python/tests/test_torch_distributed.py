@@ -299,3 +299,6 @@ class DataParallelBench(unittest.TestCase):
             self.assertEqual(r["bucket_bytes"], 0)
             self.assertAlmostEqual(r["peak_bytes"], r["max_live_bytes"], delta=1024, msg=side)
             self.assertLessEqual(r["peak_bytes"], rows["fsdp2-eager"]["peak_bytes"], side)
+            # The same two steps as FSDP2 eager: each shard's norm after them.
+            for a, b in zip(r["parameter_norms"], rows["fsdp2-eager"]["parameter_norms"], strict=True):
+                self.assertAlmostEqual(a, b, delta=1e-5 * abs(b), msg=side)

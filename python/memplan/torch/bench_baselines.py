@@ -74,6 +74,10 @@ def model_configs(size: str = "small") -> Dict[str, Callable[[], torch.nn.Module
         gpt2 = dict(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
         llama = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    elif size == "medium":  # for a GPU: about 150M parameters each
+        gpt2 = dict(vocab_size=32000, n_positions=2048, n_embd=1024, n_layer=8, n_head=16)
+        llama = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
     else:
         gpt2 = dict(vocab_size=8192, n_positions=256, n_embd=256, n_layer=4, n_head=4)
         llama = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -284,10 +288,29 @@ def report(name: str, r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _on_device(args) -> int:
+    from . import bench_baselines_device as dev
+
+    out = {}
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    for name in [n for n in args.models.split(",") if n]:
+        r = dev.measure(name, args.size, args.batch, args.seq, args.steps, args.time_limit, args.device,
+                        compile=args.compile, log=log)
+        if args.cap is not None:
+            r["largest_batch"] = dev.largest(name, args.size, args.seq, args.steps, args.time_limit, args.device,
+                                             args.cap / 1024, log=log)
+        out[name] = r
+        if not args.json:
+            print(dev.report(name, r))
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_baselines", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="hf-gpt2,hf-llama", help="comma-separated: hf-gpt2, hf-llama")
-    ap.add_argument("--size", choices=("tiny", "small"), default="small")
+    ap.add_argument("--size", choices=("tiny", "small", "medium"), default="small")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--cap", type=float, metavar="MIB", help="also the largest batch whose step fits MIB MiB")
@@ -295,7 +318,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="also torch.compile with Inductor's defaults (minutes of compiling on a CPU)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--device", default="cpu",
+                    help="cuda: every side in its own process, expandable segments off and on, "
+                         "torch.cuda.max_memory_*, timed (memplan.torch.bench_baselines_device)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps of each side (with --device)")
     args = ap.parse_args(argv)
+    if args.device != "cpu":
+        return _on_device(args)
     torch.set_num_threads(1)
     configs = model_configs(args.size)
     names = [n for n in args.models.split(",") if n]

@@ -44,6 +44,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, Dict, List
 
 SIDES = ("eager-ddp", "eager-ddp-bucket-view", "memplan", "memplan-fit-0.1%")
@@ -59,7 +60,7 @@ def _model(args):
     cfg = T.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                         intermediate_size=args.intermediate or args.hidden * 8 // 3, num_hidden_layers=args.layers,
                         num_attention_heads=heads, num_key_value_heads=args.kv_heads or max(1, heads // 2),
-                        max_position_embeddings=args.seq)
+                        max_position_embeddings=args.seq, tie_word_embeddings=args.tied)
     model = T.LlamaForCausalLM(cfg).train()
     if getattr(args, "checkpoint", False):  # each decoder block recomputed in the backward, on every side
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -88,7 +89,7 @@ def _loss(m, b):
 def _bf16_loss(m, b):
     import torch
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(b.device.type, dtype=torch.bfloat16):
         return m(input_ids=b, labels=b).loss
 
 
@@ -134,7 +135,7 @@ def _wrapped(args, side):
     root (torchtitan's wrapping)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model(args)
+    model = _model(args).to(args.device)
     if not args.fsdp:
         return DDP(model, gradient_as_bucket_view=(side == "eager-ddp-bucket-view"))
     _shard(args, model)
@@ -151,7 +152,8 @@ def _rank(args) -> Dict[str, Any]:
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1000 + rank)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2)]
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(args.device) for _ in range(2)]
+    cuda = args.device != "cpu"
     out: Dict[str, Any] = {}
     for side in (FSDP_SIDES if args.fsdp else SIDES):
         ddp = _wrapped(args, side)
@@ -179,10 +181,23 @@ def _rank(args) -> Dict[str, Any]:
         resident = [local_tensor(x) for x in list(ddp.parameters()) + _state(opt)] + [batches[1]]
         if not "eager" in side:
             resident += list(s._bound.values())  # the step's constants (held between steps) too
-        peak = allocator_peak(lambda: step(batches[1]), resident)
         buckets = 0 if args.fsdp else _bucket_bytes(ddp)
-        out.setdefault(side, {}).update(peak_bytes=peak + buckets, bucket_bytes=buckets,
-                                        resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
+        row = out.setdefault(side, {})
+        if cuda:  # the caching allocator's own figures (buckets are allocated on the device: counted)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            step(batches[1])
+            torch.cuda.synchronize()
+            row.update(step_seconds=time.perf_counter() - t0, reserved_bytes=torch.cuda.max_memory_reserved())
+            peak = torch.cuda.max_memory_allocated() - buckets
+        else:
+            peak = allocator_peak(lambda: step(batches[1]), resident)
+        # Every side computed the same two steps: a digest of this rank's shards to compare.
+        row["parameter_norms"] = [float(local_tensor(p).detach().double().norm()) for p in ddp.parameters()]
+        row.update(peak_bytes=peak + buckets, bucket_bytes=buckets,
+                   resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
         dist.barrier()
         ddp = opt = step = s = None  # this side's memory goes before the next side's is made
     return out
@@ -212,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, help="MLP width (default 8/3 of --hidden)")
     ap.add_argument("--heads", type=int, help="attention heads (default hidden/64)")
     ap.add_argument("--kv-heads", type=int, help="key-value heads (default half the heads)")
+    ap.add_argument("--tied", action="store_true", help="the output head shares the embedding's weight")
     ap.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
     ap.add_argument("--checkpoint", action="store_true",
                     help="activation checkpointing of every decoder block (Hugging Face's, "
@@ -223,6 +239,8 @@ def main(argv=None) -> int:
                          "process group of --world ranks (nothing runs)")
     ap.add_argument("--fsdp", action="store_true",
                     help="shard with FSDP2 (fully_shard on each block, then the root) instead of DDP")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: one GPU per rank (rank r on GPU r), NCCL, the peaks from torch.cuda.max_memory_*")
     ap.add_argument("--json", action="store_true", help="print rank 0's figures as JSON")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is stopped")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -231,6 +249,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world < 1:
         ap.error("--world must be at least 1")
+    if args.device == "cuda" and not args.without_ranks:
+        import torch
+
+        shared = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"  # NCCL 2.30+: ranks may share a GPU
+        if torch.cuda.device_count() < (1 if shared else args.world):
+            ap.error(f"--device cuda puts each rank on its own GPU: --world {args.world} needs {args.world} GPUs, "
+                     f"this machine has {torch.cuda.device_count()} (NCCL refuses two ranks on one GPU)")
     if args.mixed_precision and not args.fsdp and not args.without_ranks:
         ap.error("--mixed-precision is FSDP2's MixedPrecisionPolicy: give it with --fsdp or --without-ranks")
     if args.without_ranks:
@@ -254,7 +279,9 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=args.port)
-        dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
+        if args.device == "cuda":
+            torch.cuda.set_device(args.rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=args.rank, world_size=args.world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
         result = _rank(args)
         with open(args.out, "w") as f:
@@ -284,8 +311,9 @@ def main(argv=None) -> int:
         return 0
     mib = 2 ** 20
     sides = FSDP_SIDES if args.fsdp else SIDES
+    where = "NCCL, CUDA: torch.cuda.max_memory_allocated" if args.device == "cuda" else "gloo, CPU"
     print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
-          f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, W={args.world} (gloo, CPU); per-rank "
+          f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, W={args.world} ({where}); per-rank "
           "bytes of rank 0")
     print(f"{'side':24} {'peak':>10} {'buckets':>9} {'plan max live':>14} {'vs ' + sides[0]:>13}")
     base = rows[sides[0]]["peak_bytes"]
@@ -294,6 +322,14 @@ def main(argv=None) -> int:
         live = f"{r['max_live_bytes'] / mib:11.1f}M" if "max_live_bytes" in r else ""
         print(f"{side:24} {r['peak_bytes'] / mib:9.1f}M {r['bucket_bytes'] / mib:8.1f}M {live:>14} "
               f"{100 * (r['peak_bytes'] / base - 1):+12.1f}%")
+    norms = {side: rows[side]["parameter_norms"] for side in sides}
+    for side in sides[1:]:
+        d = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(norms[side], norms[sides[0]])), default=0.0)
+        print(f"{side}: parameter shards after two steps within {d:.2e} (relative norm) of {sides[0]}'s")
+    if args.device == "cuda":
+        for side in sides:
+            r = rows[side]
+            print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, second step {1000 * r['step_seconds']:.1f} ms")
     if "added_flops_share" in rows["memplan-fit-0.1%"]:
         print(f"memplan-fit-0.1% adds {100 * rows['memplan-fit-0.1%']['added_flops_share']:.3f}% FLOPs")
     return 0

@@ -872,8 +872,9 @@ fn one_rank(
     Ok((steps, state, total, profile))
 }
 
-/// Runs every rank on its own thread and GPU, NCCL between them.
-fn run_ranks(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<Vec<RankRun>> {
+/// Runs every rank on its own thread, NCCL between them: rank `r` on GPU
+/// `first_gpu + r % gpus` (its own GPU unless ranks share them).
+fn run_ranks(p: &Program, cfg: &RunConfig, first_gpu: usize, gpus: usize) -> Result<Vec<RankRun>> {
     let timeout = nccl::init_timeout()?;
     let id = cudarc::nccl::result::get_uniqueid().map_err(|e| nccl::error("ncclGetUniqueId", e))?;
     // Set by a rank that fails, so the others stop waiting for it in
@@ -884,7 +885,7 @@ fn run_ranks(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<Vec<RankR
         let hs: Vec<_> = (0..p.world_size as usize)
             .map(|r| {
                 s.spawn(move || {
-                    let run = caught(|| one_rank(p, cfg, first_gpu + r, r, nccl));
+                    let run = caught(|| one_rank(p, cfg, first_gpu + r % gpus, r, nccl));
                     if run.is_err() {
                         failed.store(true, Ordering::Relaxed);
                     }
@@ -940,6 +941,12 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     // Every rank needs its own GPU: a rank without one would leave the
     // others waiting in NCCL's set-up forever.
     let count = CudaContext::device_count().map_err(|e| driver("cuDeviceGetCount", e))? as usize;
+    // NCCL 2.30 and later can put several ranks on one GPU when asked
+    // (NCCL_MULTI_RANK_GPU_ENABLE=1): then ranks share GPUs in turn.
+    let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v == "1");
+    if shared && world > 1 && first_gpu < count {
+        return report_of(p, cfg, run_ranks(p, cfg, first_gpu, count - first_gpu)?);
+    }
     if first_gpu + world > count {
         return Err(RuntimeError::Unavailable(
             "enough GPUs",
@@ -952,8 +959,14 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     let per_rank: Vec<RankRun> = if world == 1 {
         vec![one_rank(p, cfg, first_gpu, 0, None)?]
     } else {
-        run_ranks(p, cfg, first_gpu)?
+        run_ranks(p, cfg, first_gpu, world)?
     };
+    report_of(p, cfg, per_rank)
+}
+
+/// The run's report from every rank's run.
+fn report_of(p: &Program, cfg: &RunConfig, per_rank: Vec<RankRun>) -> Result<RunReport> {
+    let world = p.world_size as usize;
     let steps = (0..cfg.steps)
         .map(|s| StepResult {
             loss: per_rank.iter().map(|r| r.0[s].0).sum::<f32>() / world as f32,
