@@ -243,6 +243,10 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         r = _run_timed(step, batches, spec["steps"], device)
         r.update(fit)
         r["outside_arena_bytes"] = r["allocated_bytes"] - s.plan["arena_bytes"]
+        if device.type == "cuda":  # which ops allocate outside the arena, most first
+            from .bench import _outside_by_op
+
+            r["outside_ops"] = _outside_by_op(lambda: step(batches[1]), device)
         return r
     t0 = time.perf_counter()
     model, step = _eager(spec, make, device)
