@@ -40,200 +40,56 @@ another shape than the captured one is refused at run time (capture again).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 import memplan
 
-from . import _distributed, _graph, _optim, _scaler
-from ._capture import Captured, _callers_line, _Inputs, _not_a_tensor, _step_device, _trace, local_tensor
-from ._captured import AsCaptured
+from . import _distributed, _optim, _scaler
+from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
 from ._distributed import CollectiveTimeout, RankFailure
-from ._record import Call, Recorder, Ref, UnsupportedStep
-from ._run import Arena, Gate, Program, StorageTracker
+from ._placement import Placement
+from ._planning import Planning
+from ._record import Recorder, UnsupportedStep
+from ._stepping import Running
 
 __all__ = ["capture", "train_step", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
 
 
-class Step:
+class Step(Planning, Placement, Running):
     """A captured, planned training step. Calling it with a batch of the
     captured shapes runs forward, loss, backward and the optimizer update in
-    the planned order and returns the loss (a tensor)."""
+    the planned order and returns the loss (a tensor).
+
+    Its roles live in one module each: planning, fitting and the program
+    (:class:`~memplan.torch._planning.Planning`), the arena and the binding
+    of the caller's tensors (:class:`~memplan.torch._placement.Placement`),
+    and the run (:class:`~memplan.torch._stepping.Running`). This class
+    holds what they share: the caller's model, optimizers and tensors, and
+    the captured step."""
 
     def __init__(self, model, optimizer: _optim.Optimizers, hyper: _optim.Hyper, captured: Captured,
-                 scaling=None, dist: Optional[_distributed.DataParallel] = None) -> None:
+                 scaling: Optional[_scaler.Scaling] = None,
+                 dist: Optional[_distributed.DataParallel] = None) -> None:
         c = captured
         self.model = model
-        # Data parallel (DDP): plans and fits are made on the group's first
-        # rank and sent to the others, so every rank runs one order.
+        # Data parallel (DDP, FSDP2): plans and fits are made on the group's
+        # first rank and sent to the others, so every rank runs one order.
         self._dist = dist
-        self._as_captured = AsCaptured(model)
-        # With a gradient scaler: (scaler, its settings at capture, each
-        # optimizer's overflow flag's graph tensor, the ids of the ops it
-        # gates).
-        self._scaling = scaling
-        self.scaler = scaling[0] if scaling is not None else None
-        # Whether the last run skipped the update (a gradient overflowed): a
-        # bool, or one per optimizer when there are several.
-        self.skipped_update: Any = False
         self._optimizers = optimizer  # _optim.Optimizers over what the caller gave
         self.optimizer = optimizer.members[0] if len(optimizer.members) == 1 else list(optimizer.members)
-        self.graph = c.graph
+        self._hyper = hyper
         self.device = c.device
-        self._calls = c.calls
         self._bound = c.bound  # graph tensor index -> caller's tensor
-        self._batch_spec = c.batch_spec
-        self._batch_layouts = c.batch_layouts
         self._loss = c.loss
         self._norm = c.norm  # the clipped gradients' total norm, if clipping
-        self.accumulate = c.accumulate  # micro-batches per step
-        self.grad_norm: Optional[torch.Tensor] = None
-        self._updated = c.updated
-        self._updated_by_member: Optional[List[List[torch.Tensor]]] = None  # made on the first scaled run
-        self._hyper = hyper
-        self._optimizer_calls = c.optimizer_calls
         self.capture_seconds = c.seconds
-        self.plan: Optional[Dict[str, Any]] = None
-        self.plan_seconds = 0.0
-        self._programs: Dict[str, Program] = {}
-        self.tracked_peak_bytes: Optional[int] = None
-        self._layouts = c.layouts
         # The step as captured: what `fit` starts from.
         self._captured = c
-        self._captured_plan: Optional[Dict[str, Any]] = None  # the plan of the captured graph, once made
-        self.fitted: Optional[Dict[str, Any]] = None
-        self._arena: Optional[Arena] = None
-        self._graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
-        self._placed: Dict[int, torch.Tensor] = {}
-        self._batch_slots: Dict[int, torch.Tensor] = {}
-        # Tensors read from outside the step: [graph tensor, the caller's
-        # tensor, its version when last copied].
-        self._outside = [[i, x, x._version] for i, x in c.sources.items()]
-        # The optimizer state the graph reads (graph tensor, parameter,
-        # key), and the state dicts it was found in.
-        self._state_slots = list(c.state_slots)
-        # The param groups' tensors the graph reads (graph tensor, group
-        # index, key): a capturable Adam's tensor learning rate.
-        self._group_slots = list(c.group_slots)
-        self._state_dicts = [o.state for o in optimizer.members]
-
-    # ---- planning -------------------------------------------------------
-
-    def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
-        """Plans the graph with memplan (checked by its independent checker)."""
-        t0 = time.perf_counter()
-        make = lambda: memplan.plan(self.graph, time_limit=time_limit)  # noqa: E731
-        if self._dist is None:
-            self.plan = make()
-        else:
-            self.plan = self._own_rank(self.graph, self._dist.from_first_rank(make, "planning the step"))
-        self.plan_seconds = time.perf_counter() - t0
-        self._programs.pop("planned", None)
-        if self.graph is self._captured.graph:
-            self._captured_plan = self.plan
-        return self.plan
-
-    def _own_rank(self, graph: Dict[str, Any], plan: Dict[str, Any]) -> Dict[str, Any]:
-        """The first rank's plan as this rank runs it: its order and places,
-        checked against this rank's graph (FSDP2's later shards may be
-        shorter, or empty: those own no bytes here), with this rank's max
-        live."""
-        if self._dist is None or self._dist.rank == 0:
-            return plan
-        empty = {t["id"] for t in graph["tensors"] if t["size"] == 0}
-        plan["tensors"] = [t for t in plan["tensors"] if t["id"] not in empty]
-        plan["reuse"] = [r for r in plan.get("reuse", []) if r["output"] not in empty and r["input"] not in empty]
-        plan["stats"]["max_live_bytes"] = memplan.check(graph, plan)["max_live_bytes"]
-        return plan
-
-    def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
-            *, max_added: Optional[float] = None) -> Dict[str, Any]:
-        """Fits the step into `budget` bytes by recomputation.
-
-        memplan chooses the forward ops to run again in the backward pass
-        (:func:`memplan.fit`), and from then on the step runs them: the
-        graph, the plan and the program become the fitted step's, so its
-        live bytes stay within `budget`. Returns what the fit reports
-        (`recomputed_ops`, `added_flops`, `arena_bytes`, ...); raises
-        :class:`memplan.MemplanError` with the bound when nothing fits.
-        Fitting again starts from the captured step. Where the step's own
-        plan (of the captured graph) is no larger than what the fit finds
-        and within `budget`, the step keeps it (no op recomputed;
-        ``kept_unfitted`` in the report).
-
-        With `max_added` instead of a budget, the step becomes the smallest
-        memplan finds whose recomputation adds at most that share of the
-        step's cost: ``step.fit(max_added=0.001, minimise="flops")`` is at
-        most 0.1% more FLOPs, recomputing cheap ops as ``torch.compile``
-        does by default.
-        """
-        if self._arena is not None:
-            raise ValueError("the step already runs in its arena; fit before the first arena run")
-        base = self._captured
-        t0 = time.perf_counter()
-        make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
-                                   max_added=max_added)
-        fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
-        self.plan_seconds = time.perf_counter() - t0
-        kept = self._captured_plan
-        if kept is not None and kept["arena_bytes"] <= fitted["plan"]["arena_bytes"] and (
-                budget is None or kept["arena_bytes"] <= budget):
-            # Never worse than the step's own plan: the fit plans each of
-            # its probes in a share of its time, and its plan without
-            # recomputation can come out larger than the one the step has.
-            fitted.update(arena_bytes=kept["arena_bytes"], max_live_bytes=kept["stats"]["max_live_bytes"],
-                          recomputed_ops=[], added_flops=0, added_seconds_estimate=0.0, kept_unfitted=True)
-            fitted["graph"], fitted["plan"] = base.graph, kept
-        self.graph = fitted.pop("graph")
-        self.plan = fitted.pop("plan")
-        self._calls, self._layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
-        self._optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
-        self._programs.clear()
-        self.fitted = fitted
-        return fitted
-
-    def program(self, order: str = "planned") -> Program:
-        """The program in the planned order or in the recorded (eager) one."""
-        if order not in self._programs:
-            if order == "eager":
-                seq = list(range(len(self._calls)))
-            elif order == "planned":
-                if self.plan is None:
-                    self.make_plan()
-                index = {op["id"]: k for k, op in enumerate(self.graph["ops"])}
-                seq = [index[op] for op in self.plan["order"]]
-            else:
-                raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
-            keep = list(self._bound) + [self._loss] + ([self._norm] if self._norm is not None else [])
-            takes = self._taken_reuses() if order == "planned" else None
-            self._programs[order] = Program(self._calls, seq, keep, takes, self._gate())
-        return self._programs[order]
-
-    def _gate(self) -> Optional[Gate]:
-        """The gradient scaler's gate over this graph's update calls."""
-        if self._scaling is None:
-            return None
-        _, _, flags, ids = self._scaling
-        return Gate(flags, [frozenset(k for k, op in enumerate(self.graph["ops"]) if op["id"] in gated)
-                            for gated in ids])
-
-    def _taken_reuses(self) -> Dict[int, tuple]:
-        """The plan's taken reuses as call index -> (output, input) tensor
-        indices: the call that makes the output writes it over the input.
-        The plan names the input's root (the tensor owning the bytes); the
-        call reads the tensor its hint names, maybe a view of that root."""
-        index = {t["id"]: i for i, t in enumerate(self.graph["tensors"])}
-        hinted = {}
-        for k, op in enumerate(self.graph["ops"]):
-            for r in op.get("reuse", []):
-                hinted[r["output"]] = (k, index[r["output"]], index[r["input"]])
-        takes = {}
-        for r in self.plan.get("reuse", []):
-            k, o, i = hinted[r["output"]]
-            takes[k] = (o, i)
-        return takes
+        self._start_planning(c)
+        self._start_placement(c, optimizer)
+        self._start_running(c, scaling)
 
     @property
     def stats(self) -> Dict[str, Any]:
@@ -253,334 +109,6 @@ class Step:
             g = self._graphed
             s.update(graph_recordings=g.recordings, graph_launches=g.launches, graph_refused=g.refused)
         return s
-
-    # ---- running --------------------------------------------------------
-
-    def _bind_batch(self, batch, env: Dict[int, torch.Tensor]) -> None:
-        micro = self.accumulate
-        if micro == 1:
-            batches = [batch]
-        elif not isinstance(batch, (list, tuple)) or len(batch) != micro:
-            raise UnsupportedStep(f"the step accumulates gradients over {micro} micro-batches: pass a list of "
-                                  f"{micro} batches of the captured shapes")
-        else:
-            batches = list(batch)
-        leaves = []
-        for b in batches:
-            flat, spec = tree_flatten(b)
-            if spec != self._batch_spec:
-                raise UnsupportedStep(f"the batch's structure {spec} is not the captured one {self._batch_spec}")
-            leaves += flat
-        for x, (i, shape, dtype, device, name) in zip(leaves, self._batch_layouts):
-            if not isinstance(x, torch.Tensor):
-                raise UnsupportedStep(_not_a_tensor(name, x))
-            if tuple(x.shape) != shape or x.dtype != dtype or x.device != device:
-                raise UnsupportedStep(
-                    f"batch element {name}: shape {tuple(x.shape)} {x.dtype} on {x.device}, but the step "
-                    f"was captured for {shape} {dtype} on {device} (shapes are static: capture again)"
-                )
-            env[i] = x
-
-    def place(self) -> Arena:
-        """Makes the arena (one buffer of the planned size) and moves the
-        parameters, buffers and optimizer state into their planned places
-        (``p.data`` becomes a view of the arena, so the model and the
-        optimizer keep working on the same objects). Called by the first
-        ``run(..., arena=True)``."""
-        if self._arena is not None:
-            return self._arena
-        self._refuse_meta()
-        if self.plan is None:
-            self.make_plan()
-        offsets = {t["id"]: t["offset"] for t in self.plan["tensors"] if "offset" in t}
-        device = self._layouts[self._loss].device
-        arena = Arena(self.plan["arena_bytes"], device)
-        placed: Dict[int, torch.Tensor] = {}
-        for i, t in enumerate(self.graph["tensors"]):
-            if "view_of" in t or t["size"] == 0 or t["id"] not in offsets:
-                continue
-            # The step's own tensors (parameters, state) own their bytes.
-            own = t["size"] if i in self._bound else None
-            placed[i] = arena.view(offsets[t["id"]], self._layouts[i], own_storage=own)
-        self._same_layouts()
-        with torch.no_grad():
-            for i, x in list(self._bound.items()):
-                if i in placed:
-                    placed[i].copy_(x)
-                    x.data = placed[i]
-                    del placed[i]  # bound: lives there, nothing makes it
-            self._place_bound_views(device)
-        self._batch_slots = {i: placed.pop(i) for i, *_ in self._batch_layouts if i in placed}
-        self._placed = placed
-        self._arena = arena
-        return arena
-
-    def _place_bound_views(self, device: torch.device) -> None:
-        """Parameters (or state) that share their bytes with another one
-        were recorded as views of its root: each moves with that root, to
-        its own offset in the root's new storage, with its value."""
-        tensors = self.graph["tensors"]
-        index = {t["id"]: k for k, t in enumerate(tensors)}
-        for i, x in self._bound.items():
-            if "view_of" not in tensors[i]:
-                continue
-            r = i
-            while "view_of" in tensors[r]:
-                r = index[tensors[r]["view_of"]]
-            root = self._bound.get(r)
-            if root is None:
-                continue
-            shape, stride, offset, dtype, _ = self._layouts[i]
-            moved = torch.empty(0, dtype=dtype, device=device).set_(root.untyped_storage(), offset, shape, stride)
-            moved.copy_(x)
-            x.data = moved
-
-    def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False,
-            graph: bool = False) -> torch.Tensor:
-        """One training step on `batch`; `order` is ``"planned"`` or
-        ``"eager"`` (the recorded order, for comparison). With `track`, a
-        :class:`StorageTracker` measures the live tensor bytes on the step's
-        device and :attr:`tracked_peak_bytes` holds its peak (with `arena`,
-        the arena counts as one storage). With `arena`, every tensor the
-        plan places is made at its offset in one buffer (see
-        :meth:`place`); the batch is copied into its place. With `graph`
-        (CUDA; implies `arena`), the arena step is recorded once as a CUDA
-        graph and launched as one (see :mod:`memplan.torch._graph`; the
-        first run settles the arena without a graph); the loss returned is
-        then overwritten by the next step."""
-        self._refuse_meta()
-        self._as_captured.check()
-        self._refresh_outside()
-        self._rebind_state()
-        prog = self.program(order)
-        env: Dict[int, torch.Tensor] = dict(self._bound)
-        self._bind_batch(batch, env)
-        if graph:
-            self._graph_checks(order, track)
-            arena = True
-        if arena and self._dist is not None and not self._dist.supports_arena:
-            raise UnsupportedStep("a step sharded with FSDP2 runs outside the arena for now (arena=True and "
-                                  "graph=True move the parameters into the arena, where FSDP2 owns their storage)")
-        if arena:
-            if order != "planned":
-                raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
-            self.place()
-            for i, slot in self._batch_slots.items():
-                slot.copy_(env[i])
-                env[i] = slot
-        if graph:
-            self._graph_ready(env)  # the step's, once its tensors are in their places
-        snapshots = self._scaler_ready(prog)
-        numbers = self._hyper.values(_optim.advance_steps(self._optimizers, self._updated))
-
-        def go():
-            try:
-                with AsCaptured.without_autocast():  # the recorded ops carry their casts
-                    if graph:
-                        return self._graphed.run(self._arena, prog, self._placed, env, numbers,
-                                                 self._optimizer_calls)
-                    if arena:
-                        self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
-                    else:
-                        prog.run(env, numbers, self._optimizer_calls)
-                    return env
-            except RuntimeError:
-                self._same_layouts()  # a tensor converted since capture: say which
-                raise
-
-        if track:
-            tracker = StorageTracker(self.device)
-            if arena:
-                tracker.count_as_one(self._arena.buffer)
-            for x in env.values():
-                tracker.track(x)
-            tracker.measure()
-            with tracker:
-                env = go()
-            self.tracked_peak_bytes = tracker.peak_bytes
-        else:
-            env = go()
-        self._updates_done(prog, snapshots)
-        if self._norm is not None:
-            self.grad_norm = env[self._norm]
-        return env[self._loss]
-
-    __call__ = run
-
-    def _refuse_meta(self) -> None:
-        if self._captured.meta:
-            raise UnsupportedStep(
-                "the model is on the meta device, which holds no values: this step can be planned "
-                "(step.plan, step.stats, step.fit) but not run; to run it, make the model on a real device "
-                "(or model.to_empty(device=...) and initialise its weights) and capture it again"
-            )
-
-    def _graph_checks(self, order: str, track: bool) -> None:
-        """Refuses, saying why, a call a CUDA graph cannot run (see
-        :func:`_graph.refusal`): the call's arguments every time, the
-        step's device, scaler and optimizer until it has a graph."""
-        if self._graphed is not None:
-            _graph.refuse_unless_graphable(track=track, order=order)
-            return
-        _graph.refuse_unless_graphable(device=self._layouts[self._loss].device, scaled=self._scaling is not None,
-                                       track=track, order=order,
-                                       dependent=_optim.step_dependent(self._optimizers))
-
-    def _graph_ready(self, env: Dict[int, torch.Tensor]) -> None:
-        """Refuses a step that reads host tensors, checked with its tensors
-        in their places (the arena moves a host tensor learning rate to the
-        device); makes the step's :class:`_graph.Graphed`."""
-        if self._graphed is not None:
-            return
-        device = self._layouts[self._loss].device
-        host = [self.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
-        _graph.refuse_unless_graphable(host_inputs=host)
-        self._graphed = _graph.Graphed()
-
-    def _same_layouts(self) -> None:
-        """Refuses, by name, a parameter, buffer or state tensor whose dtype
-        or shape changed since capture (``model.to(torch.bfloat16)``, an op
-        that resized it in place)."""
-        for i, x in self._bound.items():
-            shape, _, _, dtype, _ = self._layouts[i]
-            if (tuple(x.shape), x.dtype) == (shape, dtype):
-                continue
-            why = ("converted since (model.to(dtype), .half()...)" if x.dtype != dtype else
-                   "resized in place since (quantization-aware training's observers grow on their first call: "
-                   "run one eager forward pass under torch.no_grad() before capture)")
-            raise UnsupportedStep(
-                f"{self.graph['tensors'][i]['id']} is {x.dtype} {list(x.shape)} now and was {dtype} {list(shape)} "
-                f"at capture: {why}; the recorded ops are for the captured layouts, capture the step again"
-            )
-
-    def _rebind_state(self) -> None:
-        """After ``optimizer.load_state_dict`` (which gives the optimizer
-        new state tensors, a checkpoint's): their values are copied into the
-        tensors the step updates (in the arena, their places), and the
-        optimizer is given those back, so it and the step hold one state.
-        The same for the param groups' tensors the step reads (a tensor
-        learning rate)."""
-        self._rebind_groups()
-        members = self._optimizers.members
-        if all(o.state is d for o, d in zip(members, self._state_dicts)):
-            return
-        with torch.no_grad():
-            for i, p, k in self._state_slots:
-                st, mine = self._optimizers.state[p], self._bound[i]
-                new = st.get(k)
-                if local_tensor(new) is mine:  # the tensor itself, or a DTensor over it
-                    continue
-                if not isinstance(new, torch.Tensor) or new.shape != mine.shape:
-                    raise UnsupportedStep(
-                        f"{self.graph['tensors'][i]['id']}: the optimizer's state holds "
-                        f"{'a tensor of shape ' + str(list(new.shape)) if isinstance(new, torch.Tensor) else new!r} "
-                        f"where the step was captured with {list(mine.shape)} (a checkpoint of another "
-                        "optimizer or model?); capture the step again"
-                    )
-                if type(new).__name__ == "DTensor":  # FSDP2's state: the step holds its local shard
-                    mine.copy_(local_tensor(new))
-                    st[k] = type(new).from_local(mine, new.device_mesh, new.placements, run_check=False,
-                                                 shape=new.shape, stride=new.stride())
-                    continue
-                mine.copy_(new)
-                st[k] = mine
-        self._state_dicts = [o.state for o in members]
-
-    def _rebind_groups(self) -> None:
-        groups = self._optimizers.param_groups
-        with torch.no_grad():
-            for i, gi, k in self._group_slots:
-                new, mine = groups[gi].get(k), self._bound[i]
-                if new is mine:
-                    continue
-                if not isinstance(new, torch.Tensor) or new.shape != mine.shape:
-                    raise UnsupportedStep(
-                        f"param group {gi}: its {k} is {new!r} where the step was captured with a tensor of "
-                        f"shape {list(mine.shape)}; capture the step again")
-                mine.copy_(new)
-                groups[gi][k] = mine
-
-    def _refresh_outside(self) -> None:
-        """A tensor the step reads from outside it (class weights in a
-        loss), updated in place by the caller since it was last copied: the
-        step's copy takes its new value, as eager would read it."""
-        for entry in self._outside:
-            i, x, seen = entry
-            if x._version != seen:
-                with torch.no_grad():
-                    self._bound[i].copy_(x)
-                entry[2] = x._version
-
-    def _scaler_ready(self, prog: Program):
-        """With a gradient scaler: checks its settings, resets the gate and
-        returns each optimizer's step counters as they are before the step
-        advances them (None without a scaler)."""
-        if self._scaling is None:
-            return None
-        _scaler.check_unchanged(self._scaling[0], self._scaling[1])
-        prog.gate.reset()
-        if self._updated_by_member is None:
-            self._updated_by_member = [[p for p in self._updated if self._optimizers.owner(p) is o]
-                                       for o in self._optimizers.members]
-        return [_scaler.Snapshot(self._optimizers, ps) for ps in self._updated_by_member]
-
-    def _updates_done(self, prog: Program, snapshots) -> None:
-        """After a run: an optimizer whose update the scaler skipped gets
-        its step counters back, as eager's ``scaler.step(o)`` never called
-        ``o.step()``; the others count as stepped for learning-rate
-        schedulers, which check ``_opt_called`` to tell a late
-        ``scheduler.step()``."""
-        members = self._optimizers.members
-        skipped = [bool(s) for s in prog.gate.skipped] if snapshots is not None else [False] * len(members)
-        for j, (o, skip) in enumerate(zip(members, skipped)):
-            if skip:
-                snapshots[j].restore()
-            else:
-                o._opt_called = True
-        self.skipped_update = skipped[0] if len(skipped) == 1 else skipped
-
-
-_RECOMPUTE = "recompute."
-
-
-def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitted: Dict[str, Any]):
-    """The calls and tensor layouts of `fitted`, the step `graph` with
-    recomputed ops added by memplan (docs/fit.md): one call per op of
-    `fitted`, in its order. Tensors keep their indices (memplan appends the
-    copies after the captured tensors); a recomputed op is its original's
-    call on the copies of its inputs, writing the copies of its outputs,
-    and an op that now reads a copy has its arguments redirected."""
-    index = {t["id"]: i for i, t in enumerate(fitted["tensors"])}
-    original = {op["id"]: k for k, op in enumerate(graph["ops"])}
-    new_layouts = list(layouts) + [None] * (len(fitted["tensors"]) - len(layouts))
-    new_calls = []
-    for op in fitted["ops"]:
-        oid = op["id"]
-        if oid in original:
-            k = original[oid]
-        else:
-            at = oid.find(_RECOMPUTE)
-            k = original.get(oid[at + len(_RECOMPUTE):]) if at >= 0 else None
-            if k is None:
-                raise memplan.MemplanError(f"fitted step: op {oid!r} is neither captured nor a recomputation")
-        was = graph["ops"][k]
-        remap: Dict[int, int] = {}
-        for field in ("inputs", "outputs", "updates"):
-            old, new = was.get(field, []), op.get(field, [])
-            if len(old) != len(new):
-                raise memplan.MemplanError(f"fitted step: op {oid!r} has other {field} than {was['id']!r}")
-            for a, b in zip(old, new):
-                remap[index[a]] = index[b]
-                if new_layouts[index[b]] is None:
-                    new_layouts[index[b]] = layouts[index[a]]
-        c = calls[k]
-
-        def ref(x):
-            return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
-
-        new_calls.append(Call(c.func, tree_map(ref, c.args), tree_map(ref, c.kwargs),
-                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random, c.writes))
-    return new_calls, new_layouts
 
 
 def capture(model: torch.nn.Module, optimizer, example_batch: Any,
@@ -708,7 +236,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     if dist is not None:
         dist.agree(graph)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
-    scaling = (scaler, _scaler.settings(scaler)) + gate if gate is not None else None
+    scaling = _scaler.Scaling(scaler, _scaler.settings(scaler), *gate) if gate is not None else None
     captured = Captured(graph=graph, calls=rec.calls, layouts=rec.layouts, device=rec.device, bound=inputs.bound,
                         sources=dict(rec.sources), batch_spec=inputs.spec, batch_layouts=inputs.batch_layouts,
                         loss=loss_index, norm=norm_index, updated=updated, optimizer_calls=optimizer_calls,

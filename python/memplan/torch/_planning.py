@@ -1,0 +1,197 @@
+"""What a :class:`memplan.torch.Step` runs: planning its graph, fitting it
+into a budget by recomputation, and the program of calls in the planned or
+the recorded order (:class:`Planning`).
+
+A step starts as captured; :meth:`Planning.fit` swaps in the fitted graph,
+its plan and its calls (:func:`_recomputed_program`), and fitting again
+starts from the captured step. With data parallelism every plan and fit is
+made on the group's first rank and sent to the others
+(:meth:`Planning._own_rank`), so every rank runs one order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+from torch.utils._pytree import tree_map
+
+import memplan
+
+from ._capture import Captured
+from ._record import Call, Ref
+from ._run import Gate, Program
+
+
+class Planning:
+    """The planning half of :class:`memplan.torch.Step`: it owns the graph
+    the step runs (the captured one, or the fitted one), its plan and its
+    programs. Reads the step's bound tensors, loss, norm, scaler gate and
+    data-parallel group, and refuses to fit once the arena is placed."""
+
+    def _start_planning(self, c: Captured) -> None:
+        self.graph = c.graph
+        self._calls = c.calls  # one per op of `graph`, in its order
+        self._layouts = c.layouts  # per tensor of `graph`
+        self._optimizer_calls = c.optimizer_calls
+        self.plan: Optional[Dict[str, Any]] = None
+        self.plan_seconds = 0.0
+        self._programs: Dict[str, Program] = {}
+        self._captured_plan: Optional[Dict[str, Any]] = None  # the plan of the captured graph, once made
+        self.fitted: Optional[Dict[str, Any]] = None
+
+    def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
+        """Plans the graph with memplan (checked by its independent checker)."""
+        t0 = time.perf_counter()
+        make = lambda: memplan.plan(self.graph, time_limit=time_limit)  # noqa: E731
+        if self._dist is None:
+            self.plan = make()
+        else:
+            self.plan = self._own_rank(self.graph, self._dist.from_first_rank(make, "planning the step"))
+        self.plan_seconds = time.perf_counter() - t0
+        self._programs.pop("planned", None)
+        if self.graph is self._captured.graph:
+            self._captured_plan = self.plan
+        return self.plan
+
+    def _own_rank(self, graph: Dict[str, Any], plan: Dict[str, Any]) -> Dict[str, Any]:
+        """The first rank's plan as this rank runs it: its order and places,
+        checked against this rank's graph (FSDP2's later shards may be
+        shorter, or empty: those own no bytes here), with this rank's max
+        live."""
+        if self._dist is None or self._dist.rank == 0:
+            return plan
+        empty = {t["id"] for t in graph["tensors"] if t["size"] == 0}
+        plan["tensors"] = [t for t in plan["tensors"] if t["id"] not in empty]
+        plan["reuse"] = [r for r in plan.get("reuse", []) if r["output"] not in empty and r["input"] not in empty]
+        plan["stats"]["max_live_bytes"] = memplan.check(graph, plan)["max_live_bytes"]
+        return plan
+
+    def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
+            *, max_added: Optional[float] = None) -> Dict[str, Any]:
+        """Fits the step into `budget` bytes by recomputation.
+
+        memplan chooses the forward ops to run again in the backward pass
+        (:func:`memplan.fit`), and from then on the step runs them: the
+        graph, the plan and the program become the fitted step's, so its
+        live bytes stay within `budget`. Returns what the fit reports
+        (`recomputed_ops`, `added_flops`, `arena_bytes`, ...); raises
+        :class:`memplan.MemplanError` with the bound when nothing fits.
+        Fitting again starts from the captured step. Where the step's own
+        plan (of the captured graph) is no larger than what the fit finds
+        and within `budget`, the step keeps it (no op recomputed;
+        ``kept_unfitted`` in the report).
+
+        With `max_added` instead of a budget, the step becomes the smallest
+        memplan finds whose recomputation adds at most that share of the
+        step's cost: ``step.fit(max_added=0.001, minimise="flops")`` is at
+        most 0.1% more FLOPs, recomputing cheap ops as ``torch.compile``
+        does by default.
+        """
+        if self._arena is not None:
+            raise ValueError("the step already runs in its arena; fit before the first arena run")
+        base = self._captured
+        t0 = time.perf_counter()
+        make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
+                                   max_added=max_added)
+        fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
+        self.plan_seconds = time.perf_counter() - t0
+        kept = self._captured_plan
+        if kept is not None and kept["arena_bytes"] <= fitted["plan"]["arena_bytes"] and (
+                budget is None or kept["arena_bytes"] <= budget):
+            # Never worse than the step's own plan: the fit plans each of
+            # its probes in a share of its time, and its plan without
+            # recomputation can come out larger than the one the step has.
+            fitted.update(arena_bytes=kept["arena_bytes"], max_live_bytes=kept["stats"]["max_live_bytes"],
+                          recomputed_ops=[], added_flops=0, added_seconds_estimate=0.0, kept_unfitted=True)
+            fitted["graph"], fitted["plan"] = base.graph, kept
+        self.graph = fitted.pop("graph")
+        self.plan = fitted.pop("plan")
+        self._calls, self._layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
+        self._optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
+        self._programs.clear()
+        self.fitted = fitted
+        return fitted
+
+    def program(self, order: str = "planned") -> Program:
+        """The program in the planned order or in the recorded (eager) one."""
+        if order not in self._programs:
+            if order == "eager":
+                seq = list(range(len(self._calls)))
+            elif order == "planned":
+                if self.plan is None:
+                    self.make_plan()
+                index = {op["id"]: k for k, op in enumerate(self.graph["ops"])}
+                seq = [index[op] for op in self.plan["order"]]
+            else:
+                raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
+            keep = list(self._bound) + [self._loss] + ([self._norm] if self._norm is not None else [])
+            takes = self._taken_reuses() if order == "planned" else None
+            self._programs[order] = Program(self._calls, seq, keep, takes, self._gate())
+        return self._programs[order]
+
+    def _gate(self) -> Optional[Gate]:
+        """The gradient scaler's gate over this graph's update calls."""
+        if self._scaling is None:
+            return None
+        return Gate(self._scaling.flags, [frozenset(k for k, op in enumerate(self.graph["ops"]) if op["id"] in gated)
+                                          for gated in self._scaling.gated])
+
+    def _taken_reuses(self) -> Dict[int, tuple]:
+        """The plan's taken reuses as call index -> (output, input) tensor
+        indices: the call that makes the output writes it over the input.
+        The plan names the input's root (the tensor owning the bytes); the
+        call reads the tensor its hint names, maybe a view of that root."""
+        index = {t["id"]: i for i, t in enumerate(self.graph["tensors"])}
+        hinted = {}
+        for k, op in enumerate(self.graph["ops"]):
+            for r in op.get("reuse", []):
+                hinted[r["output"]] = (k, index[r["output"]], index[r["input"]])
+        takes = {}
+        for r in self.plan.get("reuse", []):
+            k, o, i = hinted[r["output"]]
+            takes[k] = (o, i)
+        return takes
+
+
+_RECOMPUTE = "recompute."
+
+
+def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitted: Dict[str, Any]):
+    """The calls and tensor layouts of `fitted`, the step `graph` with
+    recomputed ops added by memplan (docs/fit.md): one call per op of
+    `fitted`, in its order. Tensors keep their indices (memplan appends the
+    copies after the captured tensors); a recomputed op is its original's
+    call on the copies of its inputs, writing the copies of its outputs,
+    and an op that now reads a copy has its arguments redirected."""
+    index = {t["id"]: i for i, t in enumerate(fitted["tensors"])}
+    original = {op["id"]: k for k, op in enumerate(graph["ops"])}
+    new_layouts = list(layouts) + [None] * (len(fitted["tensors"]) - len(layouts))
+    new_calls = []
+    for op in fitted["ops"]:
+        oid = op["id"]
+        if oid in original:
+            k = original[oid]
+        else:
+            at = oid.find(_RECOMPUTE)
+            k = original.get(oid[at + len(_RECOMPUTE):]) if at >= 0 else None
+            if k is None:
+                raise memplan.MemplanError(f"fitted step: op {oid!r} is neither captured nor a recomputation")
+        was = graph["ops"][k]
+        remap: Dict[int, int] = {}
+        for field in ("inputs", "outputs", "updates"):
+            old, new = was.get(field, []), op.get(field, [])
+            if len(old) != len(new):
+                raise memplan.MemplanError(f"fitted step: op {oid!r} has other {field} than {was['id']!r}")
+            for a, b in zip(old, new):
+                remap[index[a]] = index[b]
+                if new_layouts[index[b]] is None:
+                    new_layouts[index[b]] = layouts[index[a]]
+        c = calls[k]
+
+        def ref(x):
+            return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
+
+        new_calls.append(Call(c.func, tree_map(ref, c.args), tree_map(ref, c.kwargs),
+                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random, c.writes))
+    return new_calls, new_layouts
