@@ -1,0 +1,176 @@
+"""Issue 39's simulated targets on Hugging Face models too large for this
+machine: each step captured on the meta device (nothing runs), then
+`memplan compare` simulates the eager configurations on the captured graph
+(the caching allocator with and without expandable segments, the optimizer
+in the backward pass) and `memplan fit` fits it.
+
+    PYTHONPATH=python .venv/bin/python tools/simulated_baselines.py [--models gpt2-xl,llama-1b] [--json]
+
+Per model, three captured steps: plain, op-level selective activation
+checkpointing and full per-block checkpointing (as
+`memplan.torch.bench_baselines` configures them). The best eager
+configuration is the smallest simulated reserved peak over every eager key
+of the plain step and the caching allocator's (with and without expandable
+segments) on each checkpointed step. memplan's sides: the plan of the plain
+step, its fit at 0.1% more FLOPs, and its fit to each checkpointing side's
+simulated peak, whose added FLOPs are set beside the checkpointing side's
+(FLOPs counted on the captured graphs: matrix products and attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+EAGER_KEYS = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimizer-in-backward",
+              "eager-optimizer-in-backward-expandable-segments")
+CHECKPOINTED_KEYS = ("pytorch-reserved", "pytorch-expandable-segments")
+
+
+def models():
+    """name -> (make the model on the meta device, batch, loss function, description)."""
+    import transformers as T
+
+    def gpt2_xl():
+        cfg = T.GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        with torch.device("meta"):
+            return T.GPT2LMHeadModel(cfg).train()
+
+    def llama_1b():
+        cfg = T.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                            tie_word_embeddings=True)
+        with torch.device("meta"):
+            return T.LlamaForCausalLM(cfg).train()
+
+    def lm(m, b):
+        return m(input_ids=b, labels=b).loss
+
+    def lm_bf16(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(input_ids=b, labels=b).loss
+
+    def tiny(cls, cfg_cls, **cfg):  # for the tests
+        def make():
+            with torch.device("meta"):
+                return cls(cfg_cls(**cfg)).train()
+        return make
+
+    return {
+        "gpt2-tiny": (tiny(T.GPT2LMHeadModel, T.GPT2Config, n_layer=2, n_embd=64, n_head=4, vocab_size=512,
+                           n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                      torch.zeros((2, 64), dtype=torch.long), lm, "GPT-2, 2 layers, width 64, b2 × 64, f32"),
+        "gpt2-xl": (gpt2_xl, torch.zeros((1, 1024), dtype=torch.long), lm, "GPT-2 XL, b1 × 1024, f32"),
+        "llama-1b": (llama_1b, torch.zeros((1, 2048), dtype=torch.long), lm_bf16,
+                     "Llama 3.2 1B shape, b1 × 2048, bf16 autocast over f32 parameters"),
+    }
+
+
+def _capture(make, batch, loss_fn, side: str):
+    import memplan.torch as mt
+    from memplan.torch.bench_baselines import _selective_context
+
+    model = make()
+    if side == "full-ac":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif side == "selective-ac":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": _selective_context})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    return mt.capture(model, opt, batch, loss_fn, plan=False).graph
+
+
+def _memplan(binary: str, *args: str) -> dict:
+    out = subprocess.run([binary, *args, "--json"], capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"memplan {' '.join(args)}: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def _flops(graph) -> float:
+    return float(sum(float(op.get("flops", 0)) for op in graph["ops"]))
+
+
+def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
+    make, batch, loss_fn, what = models()[name]
+    r: dict = {"model": what, "sides": {}}
+    paths, flops = {}, {}
+    for side in ("plain", "selective-ac", "full-ac"):
+        t0 = time.perf_counter()
+        g = _capture(make, batch, loss_fn, side)
+        r.setdefault("capture_seconds", {})[side] = time.perf_counter() - t0
+        paths[side] = os.path.join(d, f"{name}-{side}.json")
+        with open(paths[side], "w") as f:
+            json.dump(g, f)
+        flops[side] = _flops(g)
+        c = _memplan(binary, "compare", paths[side], "--time-limit", str(time_limit))
+        keys = EAGER_KEYS if side == "plain" else CHECKPOINTED_KEYS
+        for k in keys:
+            row = {"peak_bytes": c["baselines"][k]["peak_bytes"]}
+            if side != "plain":
+                row["added_flops_share"] = flops[side] / flops["plain"] - 1
+            r["sides"][f"{side}/{k}"] = row
+        if side == "plain":
+            r["sides"]["memplan"] = {"peak_bytes": c["peak_bytes"], "lower_bound_bytes": c["lower_bound_bytes"]}
+        r.setdefault("ops", {})[side] = c["ops"]
+    best = min((k for k in r["sides"] if "/" in k), key=lambda k: r["sides"][k]["peak_bytes"])
+    r["best_eager"] = best
+    f = _memplan(binary, "fit", paths["plain"], "--max-added", "0.1%", "--minimise", "flops",
+                 "--time-limit", str(time_limit))
+    r["sides"]["memplan-fit-0.1%"] = {"peak_bytes": f["arena_bytes"], "added_flops_share": f["added_flops"] / f["step_flops"]}
+    for side in ("selective-ac", "full-ac"):
+        target = min(r["sides"][f"{side}/{k}"]["peak_bytes"] for k in CHECKPOINTED_KEYS)
+        try:
+            f = _memplan(binary, "fit", paths["plain"], "--budget", str(target), "--minimise", "flops",
+                         "--time-limit", str(time_limit))
+            r["sides"][f"memplan-fit@{side}"] = {"peak_bytes": f["arena_bytes"], "budget_bytes": target,
+                                                 "added_flops_share": f["added_flops"] / f["step_flops"]}
+        except RuntimeError as e:
+            r["sides"][f"memplan-fit@{side}"] = {"error": str(e), "budget_bytes": target}
+    return r
+
+
+def report(name: str, r: dict) -> str:
+    gib = 2 ** 30
+    best = r["sides"][r["best_eager"]]["peak_bytes"]
+    lines = [f"{name} ({r['model']}; {r['ops']['plain']:,} ops): simulated peaks, against the best eager "
+             f"configuration ({r['best_eager']})",
+             f"{'side':60} {'GiB':>8} {'vs best':>8} {'added FLOPs':>12}"]
+    for side, row in r["sides"].items():
+        if "error" in row:
+            lines.append(f"{side:60} {'':>8} {'':>8} {'':>12}  ({row['error'][:120]})")
+            continue
+        added = row.get("added_flops_share")
+        lines.append(f"{side:60} {row['peak_bytes'] / gib:8.3f} {100 * (row['peak_bytes'] / best - 1):+7.1f}% "
+                     f"{'' if added is None else f'{100 * added:.3f}%':>12}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="gpt2-xl,llama-1b")
+    ap.add_argument("--memplan", default="target/release/memplan", help="the memplan binary")
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name in args.models.split(","):
+            out[name] = measure(name, args.memplan, args.time_limit, d)
+            if not args.json:
+                print(report(name, out[name]), flush=True)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
