@@ -22,6 +22,7 @@
 //! nothing that is placed cost the same scan, which is cheap in practice.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use crate::problem::{Problem, Solution};
 use crate::units::{Unit, Units};
@@ -170,20 +171,75 @@ fn fit_offset(u: &Unit, placed: &Placed, fit: Fit) -> u64 {
 /// come in the order (put them first, as [`order`] does, so the others
 /// see them).
 pub fn place(units: &[Unit], order: &[usize], fit: Fit) -> (Vec<u64>, u64) {
+    let (offsets, height, _) =
+        place_until(units, order, fit, None, OnDeadline::GiveUp).expect("no deadline");
+    (offsets, height)
+}
+
+/// How many units [`place_until`] places between looks at the clock.
+const CLOCK_EVERY: usize = 64;
+
+/// What [`place_until`] does when its deadline passes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum OnDeadline {
+    /// Give the layout up (`None`).
+    GiveUp,
+    /// Finish it at once: every unit not yet placed goes on top of all
+    /// the others (above every pin too), one after another. Valid, and
+    /// the best layout a solve that has none yet can have in no time.
+    Stack,
+}
+
+/// [`place`] within `deadline`; what happens when it passes is `then`'s.
+/// The flag says whether it passed.
+pub fn place_until(
+    units: &[Unit],
+    order: &[usize],
+    fit: Fit,
+    deadline: Option<Instant>,
+    then: OnDeadline,
+) -> Option<(Vec<u64>, u64, bool)> {
     let mut offsets = vec![0u64; units.len()];
     let mut placed: Placed = BTreeMap::new();
     let mut height = 0;
-    for &i in order {
+    // Set once the deadline passed with `Stack`: the next free offset on top.
+    let mut top: Option<u64> = None;
+    for (k, &i) in order.iter().enumerate() {
+        if top.is_none() && k % CLOCK_EVERY == CLOCK_EVERY - 1 && past(deadline) {
+            match then {
+                OnDeadline::GiveUp => return None,
+                OnDeadline::Stack => {
+                    let pins = units
+                        .iter()
+                        .filter_map(|u| u.pin.map(|p| p + u.size))
+                        .max()
+                        .unwrap_or(0);
+                    top = Some(height.max(pins));
+                }
+            }
+        }
         let u = &units[i];
-        let off = match u.pin {
-            Some(p) => p,
-            None => fit_offset(u, &placed, fit),
+        let off = match (u.pin, top.as_mut()) {
+            (Some(p), _) => p,
+            (None, Some(t)) => {
+                let off = t.next_multiple_of(u.align);
+                *t = off + u.size;
+                off
+            }
+            (None, None) => fit_offset(u, &placed, fit),
         };
         offsets[i] = off;
         height = height.max(off + u.size);
-        placed.insert((off, i as u32), (off + u.size, u.lower, u.upper));
+        if top.is_none() {
+            placed.insert((off, i as u32), (off + u.size, u.lower, u.upper));
+        }
     }
-    (offsets, height)
+    Some((offsets, height, top.is_some()))
+}
+
+/// Whether `deadline` has passed (never without one).
+fn past(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
 }
 
 /// Runs one heuristic.
@@ -194,31 +250,62 @@ pub fn run(units: &[Unit], h: Heuristic) -> (Vec<u64>, u64) {
 /// Runs every heuristic in `hs` and keeps the lowest layout (the first of
 /// equals); stops early when one reaches `floor`. Returns the winner too.
 pub fn best_of(units: &[Unit], hs: &[Heuristic], floor: u64) -> (Heuristic, Vec<u64>, u64) {
+    best_of_until(units, hs, floor, None).0
+}
+
+/// [`best_of`] within `deadline`: once it has passed, the heuristic
+/// under way is given up, and the later ones skipped, except the first:
+/// a layout is always needed, so it is finished at once by stacking the
+/// units it has not placed yet ([`OnDeadline::Stack`]). The flag says
+/// whether the deadline cut anything short.
+pub fn best_of_until(
+    units: &[Unit],
+    hs: &[Heuristic],
+    floor: u64,
+    deadline: Option<Instant>,
+) -> ((Heuristic, Vec<u64>, u64), bool) {
     let mut best: Option<(Heuristic, Vec<u64>, u64)> = None;
+    let mut cut = false;
     for &h in hs {
-        let (offs, height) = run(units, h);
+        let then = if best.is_none() {
+            OnDeadline::Stack
+        } else {
+            OnDeadline::GiveUp
+        };
+        let ord = order(units, h.order);
+        let Some((offs, height, stacked)) = place_until(units, &ord, h.fit, deadline, then) else {
+            cut = true;
+            break;
+        };
+        cut |= stacked;
         if best.as_ref().is_none_or(|b| height < b.2) {
             best = Some((h, offs, height));
         }
-        if height <= floor {
+        if height <= floor || cut {
             break;
         }
     }
-    best.unwrap_or((Heuristic::ALL[0], vec![0; units.len()], 0))
+    let best = best.unwrap_or((Heuristic::ALL[0], vec![0; units.len()], 0));
+    (best, cut)
 }
 
 /// Greedy by size with best fit over a whole problem (TFLite's
 /// greedy-by-size; reuse groups move as one): the plain baseline layout.
 pub fn greedy_by_size(problem: &Problem) -> Solution {
+    greedy_by_size_until(problem, None).expect("no deadline")
+}
+
+/// [`greedy_by_size`], given up (`None`) once `deadline` passes.
+pub fn greedy_by_size_until(problem: &Problem, deadline: Option<Instant>) -> Option<Solution> {
     let u = Units::new(problem);
-    let (offs, _) = run(
+    let (offs, _, _) = place_until(
         &u.units,
-        Heuristic {
-            order: Order::Size,
-            fit: Fit::Best,
-        },
-    );
-    u.to_solution(problem, &offs)
+        &order(&u.units, Order::Size),
+        Fit::Best,
+        deadline,
+        OnDeadline::GiveUp,
+    )?;
+    Some(u.to_solution(problem, &offs))
 }
 
 #[cfg(test)]
@@ -296,6 +383,29 @@ mod tests {
         );
         assert_eq!(h, 8);
         assert_eq!(offs[2], offs[0]);
+    }
+
+    #[test]
+    fn a_past_deadline_keeps_the_first_heuristic_only() {
+        let us: Vec<Unit> = (0..300).map(|i| u(i, i + 7, 1 + i % 5)).collect();
+        let past = Some(Instant::now());
+        let ((h, offs, height), cut) = best_of_until(&us, &Heuristic::ALL, 0, past);
+        assert!(cut);
+        assert_eq!(h, Heuristic::ALL[0]);
+        check(&us, &offs);
+        // The first 63 units are placed by the heuristic, the rest stacked.
+        assert!(height >= max_live(&us));
+        let some: Vec<Unit> = (0..300).map(|i| u(i, i + 7, 1)).collect();
+        let mut pinned = some.clone();
+        pinned[299].pin = Some(5);
+        let ((_, offs, _), cut) = best_of_until(&pinned, &Heuristic::ALL, 0, past);
+        assert!(cut);
+        check(&pinned, &offs);
+        // Without a deadline every heuristic runs (the floor 0 is never met).
+        let (_, cut) = best_of_until(&us, &Heuristic::ALL, 0, None);
+        assert!(!cut);
+        let ord = order(&us, Order::Size);
+        assert!(place_until(&us, &ord, Fit::Best, past, OnDeadline::GiveUp).is_none());
     }
 
     #[test]

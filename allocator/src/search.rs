@@ -53,8 +53,6 @@
 //! decomposition, static preorders with restarts. The shuffled Luby
 //! restarts and the parallel batches are ours.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -281,7 +279,7 @@ struct Run<'m, 'a> {
     /// (`u32::MAX`: none yet).
     witness: Vec<u32>,
     /// Reusable candidate lists: (minimum offset << 32 | rank, position).
-    pool: Vec<Vec<Reverse<(u128, u32)>>>,
+    pool: Vec<Vec<(u128, u32)>>,
     /// Units placed now, and the most at once (shown by `MEMPLAN_TRACE`).
     depth: usize,
     deepest: usize,
@@ -412,7 +410,7 @@ impl<'m, 'a> Run<'m, 'a> {
         self.nodes += 1;
         if self.nodes > self.node_limit {
             self.aborted = true;
-        } else if self.nodes & 1023 == 0 {
+        } else if self.nodes % CLOCK_EVERY == 0 {
             if let Some(d) = self.deadline
                 && Instant::now() >= d
             {
@@ -477,6 +475,7 @@ impl<'m, 'a> Run<'m, 'a> {
         let mut bound = u64::MAX;
         let mut cands = self.pool.pop().unwrap_or_default();
         cands.clear();
+        let mut more = false;
         let mut fail = false;
         for (pos, &i) in items.iter().enumerate() {
             let iu = i as usize;
@@ -503,7 +502,7 @@ impl<'m, 'a> Run<'m, 'a> {
             {
                 continue;
             }
-            cands.push(Reverse(((mo as u128) << 32 | r as u128, pos as u32)));
+            more |= offer(&mut cands, ((mo as u128) << 32 | r as u128, pos as u32));
         }
         if fail
             || (dom && bound <= x_last)
@@ -512,14 +511,30 @@ impl<'m, 'a> Run<'m, 'a> {
             self.pool.push(cands);
             return Res::Fail;
         }
-        // A min-heap, not a sort: most nodes try one or two candidates
-        // (the first dives to a layout or the next fails fast), and with
-        // thousands of units sorting them all at every node dominated the
-        // search. Keys are unique (ranks are), so the order is the sort's.
-        let mut cands = BinaryHeap::from(cands);
+        // Candidates in increasing key, CHUNK at a time: most nodes try one
+        // or two (the first dives to a layout or the next fails fast), and
+        // with thousands of units sorting them all at every node dominated
+        // the search, while keeping them all at every level of a deep dive
+        // took memory quadratic in the units (gigabytes at 5,000). When a
+        // chunk runs out, the items are scanned again for the next keys
+        // above the last one tried: the children have restored every
+        // unit's minimum offset and placement, so the keys are the same.
+        // Keys are unique (ranks are), so the order is the sort's.
         let mut res = Res::Fail;
         let last = items.len() - 1;
-        while let Some(Reverse((key, pos))) = cands.pop() {
+        let mut tried = 0u128;
+        'tries: loop {
+            let Some((key, pos)) = cands.pop() else {
+                if !more {
+                    break;
+                }
+                more = self.rescan(items, x_last, r_last, tried, &mut cands);
+                if cands.is_empty() {
+                    break;
+                }
+                continue;
+            };
+            tried = key;
             let x = (key >> 32) as u64;
             if dom && x >= bound {
                 break;
@@ -546,12 +561,12 @@ impl<'m, 'a> Run<'m, 'a> {
             match r {
                 Res::Found => {
                     res = Res::Found;
-                    break;
+                    break 'tries;
                 }
                 Res::Abort => {
                     self.undo_to(mark);
                     res = Res::Abort;
-                    break;
+                    break 'tries;
                 }
                 Res::Fail => self.undo_to(mark),
             }
@@ -559,8 +574,41 @@ impl<'m, 'a> Run<'m, 'a> {
                 break;
             }
         }
-        self.pool.push(cands.into_vec());
+        self.pool.push(cands);
         res
+    }
+
+    /// The next [`CHUNK`] candidates of a node (as its first pass chose
+    /// them) with keys above `after`, into `cands`; true when more remain.
+    fn rescan(
+        &self,
+        items: &[u32],
+        x_last: u64,
+        r_last: u32,
+        after: u128,
+        cands: &mut Vec<(u128, u32)>,
+    ) -> bool {
+        let canon = self.p.canonical_only;
+        cands.clear();
+        let mut more = false;
+        for (pos, &i) in items.iter().enumerate() {
+            let iu = i as usize;
+            let mo = self.minoff[iu];
+            let r = self.rank[iu];
+            if canon && (mo, r) < (x_last, r_last) {
+                continue;
+            }
+            if let Some(t) = self.m.twin[iu]
+                && !self.placed[t as usize]
+            {
+                continue;
+            }
+            let key = (mo as u128) << 32 | r as u128;
+            if key > after {
+                more |= offer(cands, (key, pos as u32));
+            }
+        }
+        more
     }
 
     /// Whether some unplaced unit conflicting with `j` could still be
@@ -647,6 +695,33 @@ impl<'m, 'a> Run<'m, 'a> {
         parts.sort_by_key(|p| std::cmp::Reverse(p.2.len()));
         parts
     }
+}
+
+/// Nodes between looks at the clock (and at a parallel round's
+/// cancellation): a node costs up to a few hundred microseconds on
+/// thousands of units, so a thousand nodes could overrun a deadline by a
+/// fraction of a second; reading the clock costs tens of nanoseconds.
+const CLOCK_EVERY: u64 = 64;
+
+/// Candidates a search node keeps at once (see [`Run::dfs`]).
+const CHUNK: usize = 16;
+
+/// Offers candidate `c` to `cands`, the (at most [`CHUNK`]) smallest keys
+/// seen, largest first so that `pop` gives the smallest. Returns true when
+/// a candidate was left out (this one or one it pushed out).
+fn offer(cands: &mut Vec<(u128, u32)>, c: (u128, u32)) -> bool {
+    if cands.len() == CHUNK {
+        if c.0 > cands[0].0 {
+            return true;
+        }
+        cands.remove(0);
+        let at = cands.partition_point(|x| x.0 > c.0);
+        cands.insert(at, c);
+        return true;
+    }
+    let at = cands.partition_point(|x| x.0 > c.0);
+    cands.insert(at, c);
+    false
 }
 
 /// Decides whether `units` fit in `cap` bytes. Pinned units stay where

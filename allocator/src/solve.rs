@@ -85,6 +85,10 @@ pub struct SolveStats {
     /// bottom of their partition.
     pub units: usize,
     pub peeled: usize,
+    /// The time limit cut the solve short: a leaf kept fewer heuristics,
+    /// the search stopped, or the whole-problem baseline was skipped. The
+    /// layout is still valid; only the work spent on it was bounded.
+    pub time_limit_hit: bool,
 }
 
 /// The result of a solve.
@@ -209,7 +213,14 @@ pub fn solve(
         ..Default::default()
     };
     let peak = rg.peak;
-    let mut leaves = heuristic_leaves(all, std::mem::take(&mut rg.leaves), &rg.bases, params);
+    let (mut leaves, cut) = heuristic_leaves(
+        all,
+        std::mem::take(&mut rg.leaves),
+        &rg.bases,
+        params,
+        deadline,
+    );
+    stats.time_limit_hit = cut;
     stats.leaves = leaves.len();
     stats.heuristic_height = leaves
         .iter()
@@ -242,13 +253,20 @@ pub fn solve(
     let mut baseline_won = false;
     // Never worse than the plain baseline: greedy by size over the whole
     // problem, without partitions or peeling (one more O(u^2) pass, only
-    // when the layout is above the floor).
+    // when the layout is above the floor, and only within the time limit:
+    // past it, the pass is skipped or given up and the report says so).
     if solution.height > max_live && !all.is_empty() {
-        let g = heuristics::greedy_by_size(problem);
-        if g.height < solution.height {
-            solution = g;
-            baseline_won = true;
+        match heuristics::greedy_by_size_until(problem, deadline) {
+            Some(g) if g.height < solution.height => {
+                solution = g;
+                baseline_won = true;
+            }
+            Some(_) => {}
+            None => stats.time_limit_hit = true,
         }
+    }
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        stats.time_limit_hit = true;
     }
     // Bounds: the floor, and every leaf's proven bound on its base.
     let mut lower_bound = max_live;
@@ -293,25 +311,30 @@ fn status(mode: Mode, height: u64, lower_bound: u64, infeasible: bool) -> Status
     }
 }
 
-/// Every leaf with the best of the greedy heuristics' layouts.
+/// Every leaf with the best of the greedy heuristics' layouts; past
+/// `deadline`, each leaf keeps the first heuristic's layout only (the flag
+/// says whether that happened).
 fn heuristic_leaves(
     all: &[Unit],
     leaves: Vec<Vec<usize>>,
     bases: &[u64],
     params: &SolverParams,
-) -> Vec<Leaf> {
+    deadline: Option<Instant>,
+) -> (Vec<Leaf>, bool) {
+    let mut cut = false;
     let hs: Vec<Heuristic> = if params.heuristics.is_empty() {
         vec![Heuristic::ALL[0]]
     } else {
         params.heuristics.clone()
     };
-    leaves
+    let leaves = leaves
         .into_iter()
         .zip(bases)
         .map(|(idx, &base)| {
             let local: Vec<Unit> = idx.iter().map(|&i| all[i]).collect();
             let lower = units::aligned_floor(&local);
-            let (h, offs, height) = heuristics::best_of(&local, &hs, lower);
+            let ((h, offs, height), c) = heuristics::best_of_until(&local, &hs, lower, deadline);
+            cut |= c;
             Leaf {
                 units: idx,
                 base,
@@ -323,7 +346,8 @@ fn heuristic_leaves(
                 done: height <= lower,
             }
         })
-        .collect()
+        .collect();
+    (leaves, cut)
 }
 
 /// The exact search over the leaves above the target, sharing the time.

@@ -139,6 +139,7 @@ pub fn run(a: AllocArgs) -> Result<()> {
             "source": out.source,
             "seconds": out.stats.seconds,
             "search_nodes": out.stats.nodes,
+            "time_limit_hit": out.stats.time_limit_hit,
             "output": a.output.as_ref().filter(|_| fits).map(|p| p.display().to_string()),
         });
         sayln!("{}", serde_json::to_string_pretty(&v)?);
@@ -167,6 +168,12 @@ pub fn run(a: AllocArgs) -> Result<()> {
             out.source,
             out.stats.seconds
         );
+        if out.stats.time_limit_hit && out.status != Status::Optimal {
+            sayln!(
+                "stopped at the time limit ({} s): the best layout found by then (checked)",
+                a.time_limit
+            );
+        }
         if fits && let Some(path) = &a.output {
             sayln!("layout written to {}", super::shown(path));
         }
