@@ -117,7 +117,25 @@ pub fn plan(g: &Graph, opts: &Options) -> Result<Plan, Error> {
 /// [`plan`], with a report of where the time went and how close each part
 /// came to its bound.
 pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Error> {
+    plan_by(g, opts, Instant::now().checked_add(opts.time_limit))
+}
+
+/// [`plan_with_report`] with the time limit as a `deadline` (`None`: far
+/// beyond the clock). Every phase keeps to it: the ordering solver stops
+/// its heuristics and searches at its share, layouts after the first
+/// candidate's are skipped once it has passed, and the first candidate's
+/// layout finishes at once (its allocator stacks what it has not placed);
+/// the bound reports what it reached. A plan cut short says so in
+/// [`PlanStats::time_limit_hit`]; it is valid like any other.
+pub fn plan_by(
+    g: &Graph,
+    opts: &Options,
+    deadline: Option<Instant>,
+) -> Result<(Plan, Report), Error> {
     let start = Instant::now();
+    // What is left of the limit, and whether it has run out.
+    let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let past = || deadline.is_some_and(|d| Instant::now() >= d);
     let mut report = Report::default();
     let mut lap = Instant::now();
     let low = lower::lower(g, true);
@@ -138,7 +156,10 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
         .filter(|(s, _)| *s != "list-schedule")
         .map(|(s, o)| (s.to_string(), o.clone()))
         .collect();
-    let budget = solver::Budget::new(opts.time_limit.mul_f64(ORDER_SHARE));
+    let budget = match left() {
+        Some(l) => solver::Budget::new(l.mul_f64(ORDER_SHARE)),
+        None => solver::Budget::unlimited(),
+    };
     let sol = solver::solve(p, &given, &opts.solver, &budget, opts.progress.as_deref());
     orders.push(("memplan-solver", sol.order));
     report.solver = sol.report;
@@ -172,10 +193,21 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
     // Layouts are bounded by work, not time (see `layout_node_budget`), so
     // that a plan does not depend on the machine's load; the time limit
     // here is only a backstop for pathological inputs.
-    let layout_limit = LAYOUT_BACKSTOP;
+    // Past the deadline only the best candidate is laid out, with at least
+    // LAYOUT_SHARE of the limit (the allocator finishes a layout at once
+    // when even that runs out).
+    let mut cut = report.solver.time_limit_hit;
+    let floor_limit = opts.time_limit.mul_f64(LAYOUT_SHARE);
     for (i, c) in cands.iter().enumerate() {
-        let arena = if i < opts.layouts.max(1) {
-            let plan = layout_within(g, &low, &c.order, &c.eval, c.source, layout_limit);
+        let skip = i > 0 && past();
+        cut |= skip && i < opts.layouts.max(1);
+        let arena = if i < opts.layouts.max(1) && !skip {
+            let layout_limit = left().map_or(LAYOUT_BACKSTOP, |l| {
+                l.max(if i == 0 { floor_limit } else { Duration::ZERO })
+                    .min(LAYOUT_BACKSTOP)
+            });
+            let (plan, hit) = layout_within(g, &low, &c.order, &c.eval, c.source, layout_limit);
+            cut |= hit;
             let a = plan.arena_bytes;
             keep(&mut best, plan);
             Some(a)
@@ -186,16 +218,23 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
             .candidates
             .push((c.source.to_string(), c.eval.peak, arena));
     }
-    // The baseline: program order, no reuse, greedy by size.
-    keep(&mut best, crate::baselines::program_order_greedy(g));
+    // The baseline: program order, no reuse, greedy by size (skipped past
+    // the deadline: it costs as much as a layout).
+    if past() {
+        cut = true;
+    } else {
+        keep(&mut best, crate::baselines::program_order_greedy(g));
+    }
 
     let mut plan = best.expect("at least one candidate");
     let bound_start = Instant::now();
-    let (mut bound, mut kind, simple) = lower_bound(
-        p,
-        &cands,
-        bound_start + opts.time_limit.mul_f64(BOUND_SHARE),
-    );
+    // The bound's share, within the deadline (the simple bound, linear,
+    // is always computed).
+    let mut bound_deadline = bound_start + opts.time_limit.mul_f64(BOUND_SHARE);
+    if let Some(d) = deadline {
+        bound_deadline = bound_deadline.min(d);
+    }
+    let (mut bound, mut kind, simple) = lower_bound(p, &cands, bound_deadline);
     // The solver's part bounds hold for every order too (checked against
     // every order of small problems in the solver's tests and in
     // tests/properties.rs); where an exact search or the ILP proved a part's
@@ -214,12 +253,17 @@ pub fn plan_with_report(g: &Graph, opts: &Options) -> Result<(Plan, Report), Err
     );
     plan.stats.lower_bound_bytes = bound.min(plan.stats.max_live_bytes);
     plan.stats.lower_bound_kind = kind.into();
+    plan.stats.time_limit_hit = cut || past();
     plan.stats.solve_seconds = start.elapsed().as_secs_f64();
     report
         .phases
         .push(("layout".into(), lap.elapsed().as_secs_f64()));
     Ok((plan, report))
 }
+
+/// Share of the time limit the first candidate's layout always has, even
+/// when the ordering used up its own.
+const LAYOUT_SHARE: f64 = 0.1;
 
 /// Share of the time budget the min-cut floor may use (from the end of the
 /// ordering phase).
@@ -254,7 +298,7 @@ pub fn layout(
     ev: &solver::Evaluation,
     source: &str,
 ) -> Plan {
-    layout_within(g, low, order, ev, source, Duration::from_secs(1))
+    layout_within(g, low, order, ev, source, Duration::from_secs(1)).0
 }
 
 /// Largest layout problem the pipeline runs the exact search on.
@@ -303,7 +347,8 @@ pub fn layout_params(buffers: usize, limit: Duration) -> alloc::SolverParams {
     }
 }
 
-/// [`layout`] with the allocator's time limit given.
+/// [`layout`] with the allocator's time limit given; the flag says whether
+/// the allocator stopped at it.
 fn layout_within(
     g: &Graph,
     low: &Lowered,
@@ -311,14 +356,19 @@ fn layout_within(
     ev: &solver::Evaluation,
     source: &str,
     limit: Duration,
-) -> Plan {
+) -> (Plan, bool) {
     let lp = lower::layout_problem(g, low, ev);
     let params = layout_params(lp.problem.buffers.len(), limit);
-    let (sol, layout_source) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params) {
-        Ok(out) => (out.solution, out.source),
-        Err(_) => (alloc::greedy_by_size(&lp.problem), "size/best".into()),
+    let (sol, layout_source, hit) = match alloc::solve(&lp.problem, alloc::Mode::Minimize, &params)
+    {
+        Ok(out) => (out.solution, out.source, out.stats.time_limit_hit),
+        Err(_) => (
+            alloc::greedy_by_size(&lp.problem),
+            "size/best".into(),
+            false,
+        ),
     };
-    lower::assemble(
+    let plan = lower::assemble(
         g,
         low,
         order,
@@ -330,5 +380,6 @@ fn layout_within(
             layout_source,
             ..Default::default()
         },
-    )
+    );
+    (plan, hit)
 }

@@ -59,6 +59,11 @@ pub struct PlanStats {
     /// Which algorithm produced the layout.
     #[serde(default)]
     pub layout_source: String,
+    /// The time limit cut the planning short (a search, heuristics, a
+    /// layout or the bound stopped at it): the plan is the best found by
+    /// then, valid and checked like any other. Written only when true.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub time_limit_hit: bool,
 }
 
 impl PlanStats {

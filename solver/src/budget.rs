@@ -54,3 +54,34 @@ impl Budget {
             .map(|d| d.saturating_duration_since(Instant::now()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spent_budget_expires_and_records_it_across_clones() {
+        let b = Budget::new(Duration::ZERO);
+        let c = b.clone();
+        assert!(!c.was_hit(), "not hit until someone looks");
+        assert!(b.expired());
+        assert!(c.was_hit(), "clones share the flag");
+        assert!(c.expired());
+        assert_eq!(b.remaining(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn unlimited_and_distant_budgets_never_expire() {
+        let u = Budget::unlimited();
+        assert!(!u.expired() && !u.was_hit());
+        assert_eq!(u.remaining(), None);
+        let far = Budget::new(Duration::from_secs(3600));
+        assert!(!far.expired() && !far.was_hit());
+        assert!(
+            far.remaining()
+                .is_some_and(|r| r > Duration::from_secs(3500))
+        );
+        // Too far for the clock: no deadline.
+        assert!(!Budget::new(Duration::MAX).expired());
+    }
+}

@@ -113,7 +113,7 @@ pub fn solve(
     let mut phases = Phases::new();
     let part = partition(p, params.key_points);
     phases.done("partition");
-    let states = heuristics(p, &part, given, params, progress);
+    let states = heuristics(p, &part, given, params, budget, progress);
     phases.done("heuristics");
     let mut states = improve_needy(states, params, budget, progress);
     polish(&mut states, params, budget);
@@ -147,6 +147,7 @@ fn heuristics(
     part: &Partition,
     given: &[(String, Vec<OpIdx>)],
     params: &SolverParams,
+    budget: &Budget,
     progress: Option<&Progress>,
 ) -> Vec<PartState> {
     // Index of every op inside its part, to restrict given orders.
@@ -173,7 +174,7 @@ fn heuristics(
                 (name.clone(), o)
             })
             .collect();
-        let st = heuristic_part(&sub, part.parts[j].kind, &given_local, params);
+        let st = heuristic_part(&sub, part.parts[j].kind, &given_local, params, budget);
         if let Some(pr) = progress {
             pr.part_done();
         }
@@ -235,7 +236,7 @@ fn improve_needy(
 /// Last passes over every part's best order, kept only where the part's
 /// peak does not rise (`tidy`) or falls (`chain_hoist`).
 fn polish(states: &mut [PartState], params: &SolverParams, budget: &Budget) {
-    if params.tidy {
+    if params.tidy && !budget.expired() {
         // Off-peak ops may sit anywhere that keeps the peak; move
         // allocators next to their consumers so values such as recomputed
         // activations are made just before their use. `tidy` never returns
@@ -363,35 +364,42 @@ impl PartState {
     }
 }
 
-/// Heuristic orders of one part; the best is its incumbent.
+/// Heuristic orders of one part; the best is its incumbent. Past the
+/// budget's deadline, the heuristics not yet run are skipped (the caller's
+/// orders, restricted to the part, or the topological order, always stay).
 fn heuristic_part(
     sub: &SubProblem,
     kind: PartKind,
     given: &[(String, Vec<OpIdx>)],
     params: &SolverParams,
+    budget: &Budget,
 ) -> PartState {
     let q = &sub.problem;
     let n = q.num_ops();
     let bound = part_bound(q);
     let mut raw: Vec<(String, Vec<OpIdx>)> = given.to_vec();
+    // Each heuristic, in turn, run only while the budget lasts.
+    let mut run = |name: String, f: &dyn Fn() -> Vec<OpIdx>| {
+        if !budget.expired() {
+            raw.push((name, f()));
+        }
+    };
     if n > 1 {
         for rule in Rule::ALL {
             if params.forward_greedy {
-                raw.push((
-                    format!("greedy-{}", rule.name()),
-                    greedy(q, rule, Direction::Forward),
-                ));
+                run(format!("greedy-{}", rule.name()), &|| {
+                    greedy(q, rule, Direction::Forward)
+                });
             }
             if params.reverse_greedy {
-                raw.push((
-                    format!("reverse-{}", rule.name()),
-                    greedy(q, rule, Direction::Reverse),
-                ));
+                run(format!("reverse-{}", rule.name()), &|| {
+                    greedy(q, rule, Direction::Reverse)
+                });
             }
         }
         if params.dfs {
             for v in [DfsVariant::Weighted, DfsVariant::Plain] {
-                raw.push((v.name().to_string(), dfs_order(q, v)));
+                run(v.name().to_string(), &|| dfs_order(q, v));
             }
         }
     }
@@ -402,7 +410,7 @@ fn heuristic_part(
     for (name, o) in raw {
         debug_assert!(q.is_valid_order(&o), "{name}");
         let peak = evaluate(q, &o).peak;
-        if params.sink_hoist && n > 2 && peak > bound {
+        if params.sink_hoist && n > 2 && peak > bound && !budget.expired() {
             let s = local::sink_hoist(q, &o, params.sink_hoist_passes);
             let sp = evaluate(q, &s).peak;
             if sp < peak {
@@ -614,6 +622,29 @@ mod tests {
             prop_assert!(s.report.lower_bound <= s.peak);
         }
 
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+        /// A budget already spent: every part keeps the caller's order
+        /// (or the topological one) without heuristics or search, the
+        /// order is valid, never worse than the caller's, and the report
+        /// says the limit cut the solve short.
+        #[test]
+        fn a_spent_budget_still_gives_a_valid_order(seed in any::<u64>(), n in 2usize..60) {
+            let p = random_problem(seed, n, 0.1);
+            let given = random_order(&p, seed);
+            let gp = evaluate(&p, &given).peak;
+            let budget = Budget::new(std::time::Duration::ZERO);
+            let s = solve(&p, &[("given".into(), given)], &SolverParams::default(), &budget, None);
+            prop_assert!(p.is_valid_order(&s.order));
+            prop_assert!(s.peak <= gp);
+            prop_assert!(s.report.lower_bound <= s.peak);
+            prop_assert!(s.report.time_limit_hit || s.report.proven);
+            for r in &s.report.parts {
+                prop_assert!(!r.method.starts_with("greedy") && !r.method.starts_with("reverse"), "{}", r.method);
+            }
+        }
     }
 
     /// An empty problem has no parts; its one step still holds its unused

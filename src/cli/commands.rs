@@ -234,6 +234,7 @@ fn plan(
             "solve_seconds": s.solve_seconds,
             "order_source": s.order_source,
             "layout_source": s.layout_source,
+            "time_limit_hit": s.time_limit_hit,
             "plan_file": output.as_ref().map(|p| p.display().to_string()),
         });
         let mut v = v;
@@ -271,6 +272,11 @@ fn plan(
             100.0 * s.gap(),
             s.solve_seconds
         );
+        if s.time_limit_hit {
+            sayln!(
+                "stopped at the time limit ({time_limit} s): this is the best plan found by then (checked); a longer --time-limit may find a smaller one"
+            );
+        }
         if let Some(e) = &xla {
             sayln!(
                 "XLA's Total bytes for this order, estimated: {} ({} bytes; {} put into dead parameters' allocations; order from the {})",
