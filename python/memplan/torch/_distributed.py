@@ -221,8 +221,15 @@ class RankGroup:
         single-process recording is right (the gradients are whole)."""
         return None
 
-    # Whether the step may run in an arena (parameters moved into it).
+    # Whether the step may run in an arena (parameters moved into it), and
+    # launched as one CUDA graph.
     supports_arena = True
+    supports_graph = True
+
+    def placed(self) -> None:
+        """Called once the parameters and optimizer state have moved into
+        the arena (their ``.data`` re-pointed), for what the wrapper keeps
+        over their old bytes."""
 
     # ---- agreeing ------------------------------------------------------
 

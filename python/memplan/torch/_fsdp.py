@@ -63,9 +63,17 @@ the reduced chunk cast back to the shard's dtype for the update. With a
 16-bit ``reduce_dtype`` FSDP2 divides before and after a sum where memplan
 averages in one collective: equal up to rounding.
 
+In the arena (``step(batch, arena=True)``) each rank's padded shards and
+optimizer state move into the rank's arena like any step input: the
+DTensor's local tensor is re-pointed there, and so is FSDP2's flat padded
+view of it (``FSDPParam._sharded_param_data``, what FSDP2's own all-gather
+reads), so the parameters stay the user's DTensors and FSDP2 eager steps,
+``state_dict()`` and ``torch.distributed.checkpoint`` keep working after
+memplan's steps.
+
 Not yet captured (refused by name): CPU offload, HSDP and other meshes of more than one dimension, sharding on a
 dim other than 0, a root that is not sharded, gradient scaling, optimizers whose update is not elementwise (Adafactor, Muon), and
-the arena (``arena=True``/``graph=True``).
+the step as one CUDA graph (``graph=True``: collectives inside a captured graph are not run yet).
 """
 
 from __future__ import annotations
@@ -127,7 +135,7 @@ class FullySharded(RankGroup):
     ``fully_shard``: every parameter's ``FSDPParam`` by name, each unit's
     resharding, the process group of the (1-D) mesh."""
 
-    supports_arena = False
+    supports_graph = False
 
     def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, timeout: float,
                  policies=(), resharded=()) -> None:
@@ -205,6 +213,22 @@ class FullySharded(RankGroup):
             if type(p).__name__ != "DTensor":
                 raise UnsupportedStep(f"parameter {n}: not a DTensor; capture before changing FSDP2's parameters")
         return FullySharded(model, params, group, timeout, policies, list(resharded.values()))
+
+    def placed(self) -> None:
+        """FSDP2 keeps a flat view of each padded shard
+        (``_sharded_param_data``: what its own all-gather reads): re-point
+        it at the bytes the local shard now lives in (the arena's), so that
+        FSDP2 eager steps read the values memplan's steps wrote."""
+        for p in self.params.values():
+            fp = p.fp
+            local, old = fp.sharded_param._local_tensor, fp._sharded_param_data
+            if local.untyped_storage().data_ptr() == old.untyped_storage().data_ptr():
+                continue
+            if local.untyped_storage().nbytes() < (old.storage_offset() + old.numel()) * old.element_size():
+                raise UnsupportedStep(f"parameter {p.name}: its shard moved into fewer bytes than FSDP2's padded "
+                                      "shard holds")
+            fp._sharded_param_data = torch.empty(0, dtype=old.dtype, device=old.device).set_(
+                local.untyped_storage(), old.storage_offset(), old.shape, old.stride())
 
     # ---- what capture asks -------------------------------------------------
 

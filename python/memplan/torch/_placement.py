@@ -82,6 +82,8 @@ class Placement:
         self._batch_slots = {b.tensor: placed.pop(b.tensor) for b in self._batch_layouts if b.tensor in placed}
         self._placed = placed
         self._arena = arena
+        if self._dist is not None:
+            self._dist.placed()
         return arena
 
     def _place_bound_views(self, device: torch.device) -> None:

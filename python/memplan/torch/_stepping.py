@@ -65,12 +65,14 @@ class Running:
         prog = self.program(order)
         env: Dict[int, torch.Tensor] = dict(self._bound)
         self._bind_batch(batch, env)
+        if graph and self._dist is not None and not self._dist.supports_graph:
+            raise UnsupportedStep("a step sharded with FSDP2 is not launched as one CUDA graph yet (its "
+                                  "collectives run outside graphs): run it with arena=True and graph=False")
         if graph:
             self._graph_checks(order, track)
             arena = True
         if arena and self._dist is not None and not self._dist.supports_arena:
-            raise UnsupportedStep("a step sharded with FSDP2 runs outside the arena for now (arena=True and "
-                                  "graph=True move the parameters into the arena, where FSDP2 owns their storage)")
+            raise UnsupportedStep("this sharded step runs outside the arena")
         if arena:
             if order != "planned":
                 raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
