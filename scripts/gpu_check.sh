@@ -286,9 +286,9 @@ fsdp_nccl() {
   torch_ready || return
   local l1b="--layers 16 --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --vocab 128256 --tied --seq 2048"
   for conf in "" "expandable_segments:True"; do
-    echo "== PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m memplan.torch.bench_distributed --device cuda --world 1 --fsdp --mixed-precision $l1b"
+    echo "== PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m memplan.torch.bench_distributed --device cuda --world 1 --fsdp --mixed-precision --arena $l1b"
     PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH=python timeout 240 python3 -m memplan.torch.bench_distributed --device cuda \
-      --world 1 --fsdp --mixed-precision $l1b --batch 1 --time-limit 5 --timeout 230 2>&1 \
+      --world 1 --fsdp --mixed-precision --arena $l1b --batch 1 --time-limit 5 --timeout 230 2>&1 \
       | grep -v "^USDT\|gpuGetDeviceCount" | tee -a "$OUT/fsdp_nccl.out"
   done
   local v

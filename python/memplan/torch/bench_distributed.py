@@ -175,12 +175,18 @@ def _rank(args) -> Dict[str, Any]:
             out[side] = row
 
             def step(b, s=s):
-                s(b)
+                s(b, arena=args.arena)
+            if args.arena:
+                row["arena_bytes"] = s.plan["arena_bytes"]
         step(batches[0])
         dist.barrier()
         resident = [local_tensor(x) for x in list(ddp.parameters()) + _state(opt)] + [batches[1]]
         if not "eager" in side:
             resident += list(s._bound.values())  # the step's constants (held between steps) too
+            if args.arena:  # the arena once, not again the tensors living in it
+                buf = s.place().buffer
+                lo, hi = buf.data_ptr(), buf.data_ptr() + buf.untyped_storage().nbytes()
+                resident = [x for x in resident if not lo <= x.untyped_storage().data_ptr() < hi] + [buf]
         buckets = 0 if args.fsdp else _bucket_bytes(ddp)
         row = out.setdefault(side, {})
         if cuda:  # the caching allocator's own figures (buckets are allocated on the device: counted)
@@ -227,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, help="MLP width (default 8/3 of --hidden)")
     ap.add_argument("--heads", type=int, help="attention heads (default hidden/64)")
     ap.add_argument("--kv-heads", type=int, help="key-value heads (default half the heads)")
+    ap.add_argument("--arena", action="store_true",
+                    help="memplan's steps in their arena (each rank's tensors at their planned offsets in one buffer)")
     ap.add_argument("--tied", action="store_true", help="the output head shares the embedding's weight")
     ap.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
     ap.add_argument("--checkpoint", action="store_true",
@@ -329,7 +337,8 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         for side in sides:
             r = rows[side]
-            print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, second step {1000 * r['step_seconds']:.1f} ms")
+            print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, second step {1000 * r['step_seconds']:.1f} ms"
+                  + (f", arena {r['arena_bytes'] / mib:.1f}M" if "arena_bytes" in r else ""))
     if "added_flops_share" in rows["memplan-fit-0.1%"]:
         print(f"memplan-fit-0.1% adds {100 * rows['memplan-fit-0.1%']['added_flops_share']:.3f}% FLOPs")
     return 0
