@@ -45,7 +45,9 @@ pub struct PlanStats {
     pub lower_bound_kind: String,
     /// The simple bound over every valid order (bytes made live by
     /// ancestry alone), never above `lower_bound_bytes`; kept to show how
-    /// much the min-cut floor adds.
+    /// much the min-cut floor adds. When the time limit left no time for
+    /// it, the solver's part bound stands in (`lower_bound_kind`
+    /// `part-bound`, `time_limit_hit`).
     #[serde(default)]
     pub simple_bound_bytes: u64,
     /// Seconds spent computing the bounds (part of `solve_seconds`).

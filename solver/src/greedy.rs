@@ -27,6 +27,7 @@
 //! `O(n · r + m)` for `r` the largest ready set: the ready set is scanned at
 //! each step, which keeps the rules simple and exact.
 
+use crate::budget::Budget;
 use crate::problem::{OpIdx, Problem};
 
 /// A priority rule for the greedy orders.
@@ -91,13 +92,33 @@ fn pick(rule: Rule, peak: u64, cands: &[(u32, u64, u64, u64)]) -> usize {
 
 /// A greedy order of `p` built in direction `dir` with `rule`.
 pub fn greedy(p: &Problem, rule: Rule, dir: Direction) -> Vec<OpIdx> {
+    greedy_within(p, rule, dir, &Budget::unlimited()).expect("no deadline")
+}
+
+/// [`greedy`], given up (`None`) once `budget` expires: on a part of tens
+/// of thousands of ops with a wide ready set one order takes seconds.
+pub fn greedy_within(
+    p: &Problem,
+    rule: Rule,
+    dir: Direction,
+    budget: &Budget,
+) -> Option<Vec<OpIdx>> {
     match dir {
-        Direction::Forward => forward(p, rule),
-        Direction::Reverse => reverse(p, rule),
+        Direction::Forward => forward(p, rule, budget),
+        Direction::Reverse => reverse(p, rule, budget),
     }
 }
 
-fn forward(p: &Problem, rule: Rule) -> Vec<OpIdx> {
+/// Steps between looks at the budget's clock.
+const CLOCK_EVERY: usize = 64;
+
+/// Adds `v` to `ready`, kept sorted by index (so ties scan stably).
+fn push_sorted(ready: &mut Vec<OpIdx>, v: OpIdx) {
+    let at = ready.partition_point(|&x| x < v);
+    ready.insert(at, v);
+}
+
+fn forward(p: &Problem, rule: Rule, budget: &Budget) -> Option<Vec<OpIdx>> {
     let n = p.num_ops();
     let mut remaining: Vec<u32> = p.buf_ids().map(|b| p.num_users(b) as u32).collect();
     let mut indeg: Vec<u32> = p.ops().map(|v| p.num_preds(v) as u32).collect();
@@ -114,6 +135,9 @@ fn forward(p: &Problem, rule: Rule) -> Vec<OpIdx> {
     let mut order = Vec::with_capacity(n);
     let mut cands = Vec::new();
     while !ready.is_empty() {
+        if order.len() % CLOCK_EVERY == CLOCK_EVERY - 1 && budget.expired() {
+            return None;
+        }
         cands.clear();
         for &v in &ready {
             let mut freed = 0;
@@ -136,12 +160,9 @@ fn forward(p: &Problem, rule: Rule) -> Vec<OpIdx> {
         let k = pick(rule, peak, &cands);
         let (op, step, _, _) = cands[k];
         let v = OpIdx(op);
-        ready.swap_remove(
-            ready
-                .iter()
-                .position(|&x| x == v)
-                .expect("picked a ready op"),
-        );
+        // `ready` stays sorted by index (ties scan stably): remove and
+        // insert in place rather than sort it at every step.
+        ready.remove(ready.binary_search(&v).expect("picked a ready op"));
         peak = peak.max(step);
         order.push(v);
         for b in p.uses(v) {
@@ -158,13 +179,11 @@ fn forward(p: &Problem, rule: Rule) -> Vec<OpIdx> {
         for s in p.succs(v) {
             indeg[s.index()] -= 1;
             if indeg[s.index()] == 0 {
-                ready.push(s);
+                push_sorted(&mut ready, s);
             }
         }
-        // Keep the scan order by index, so ties are stable.
-        ready.sort_unstable();
     }
-    order
+    Some(order)
 }
 
 /// Bytes the reuse hints of `v` save at its step, taken greedily as the
@@ -188,7 +207,7 @@ fn reuse_now(p: &Problem, v: OpIdx, last: impl Fn(crate::BufIdx) -> bool) -> u64
     saved
 }
 
-fn reverse(p: &Problem, rule: Rule) -> Vec<OpIdx> {
+fn reverse(p: &Problem, rule: Rule, budget: &Budget) -> Option<Vec<OpIdx>> {
     let n = p.num_ops();
     // placed_users[b]: users of b already placed (they run after the front).
     let mut placed_users: Vec<u32> = vec![0; p.num_bufs()];
@@ -207,6 +226,9 @@ fn reverse(p: &Problem, rule: Rule) -> Vec<OpIdx> {
     let mut order = Vec::with_capacity(n);
     let mut cands = Vec::new();
     while !ready.is_empty() {
+        if order.len() % CLOCK_EVERY == CLOCK_EVERY - 1 && budget.expired() {
+            return None;
+        }
         cands.clear();
         for &v in &ready {
             // Inputs nobody after v reads start being live here.
@@ -232,12 +254,9 @@ fn reverse(p: &Problem, rule: Rule) -> Vec<OpIdx> {
         let k = pick(rule, peak, &cands);
         let (op, step, closing, newly) = cands[k];
         let v = OpIdx(op);
-        ready.swap_remove(
-            ready
-                .iter()
-                .position(|&x| x == v)
-                .expect("picked a ready op"),
-        );
+        // `ready` stays sorted by index (ties scan stably): remove and
+        // insert in place rather than sort it at every step.
+        ready.remove(ready.binary_search(&v).expect("picked a ready op"));
         peak = peak.max(step);
         order.push(v);
         live = live + newly - closing;
@@ -247,13 +266,12 @@ fn reverse(p: &Problem, rule: Rule) -> Vec<OpIdx> {
         for u in p.preds(v) {
             outdeg[u.index()] -= 1;
             if outdeg[u.index()] == 0 {
-                ready.push(u);
+                push_sorted(&mut ready, u);
             }
         }
-        ready.sort_unstable();
     }
     order.reverse();
-    order
+    Some(order)
 }
 
 #[cfg(test)]

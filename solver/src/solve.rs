@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use crate::budget::Budget;
 use crate::dfs::{DfsVariant, dfs_order};
 use crate::exact::{self, ExactLimits};
-use crate::greedy::{Direction, Rule, greedy};
+use crate::greedy::{Direction, Rule, greedy_within};
 #[cfg(feature = "ilp")]
 use crate::ilp;
 use crate::params::SolverParams;
@@ -378,28 +378,31 @@ fn heuristic_part(
     let n = q.num_ops();
     let bound = part_bound(q);
     let mut raw: Vec<(String, Vec<OpIdx>)> = given.to_vec();
-    // Each heuristic, in turn, run only while the budget lasts.
-    let mut run = |name: String, f: &dyn Fn() -> Vec<OpIdx>| {
-        if !budget.expired() {
-            raw.push((name, f()));
+    // Each heuristic, in turn, run only while the budget lasts (a greedy
+    // order is given up half way when it runs out).
+    let mut run = |name: String, f: &dyn Fn() -> Option<Vec<OpIdx>>| {
+        if !budget.expired()
+            && let Some(o) = f()
+        {
+            raw.push((name, o));
         }
     };
     if n > 1 {
         for rule in Rule::ALL {
             if params.forward_greedy {
                 run(format!("greedy-{}", rule.name()), &|| {
-                    greedy(q, rule, Direction::Forward)
+                    greedy_within(q, rule, Direction::Forward, budget)
                 });
             }
             if params.reverse_greedy {
                 run(format!("reverse-{}", rule.name()), &|| {
-                    greedy(q, rule, Direction::Reverse)
+                    greedy_within(q, rule, Direction::Reverse, budget)
                 });
             }
         }
         if params.dfs {
             for v in [DfsVariant::Weighted, DfsVariant::Plain] {
-                run(v.name().to_string(), &|| dfs_order(q, v));
+                run(v.name().to_string(), &|| Some(dfs_order(q, v)));
             }
         }
     }
