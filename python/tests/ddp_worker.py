@@ -417,6 +417,16 @@ def fsdp_more(rank, world, port):
     qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2))
     found["hf-qwen2-clipped"] = against_fsdp2_eager("hf-qwen2-clipped", rank, qwen, blocks_then_root(), tokens_of,
                                                     lm, clip=0.5, arena=False)
+    # HSDP: shards replicated over the other dimension of a 2-D mesh (at
+    # W=2, two replicas of one shard, then one replica of two shards).
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for shape in ((world, 1), (1, world)) + (((2, world // 2),) if world >= 4 and world % 2 == 0 else ()):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        hsdp = T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2))
+        name = f"hf-llama-hsdp-{shape[0]}x{shape[1]}"
+        found[name] = against_fsdp2_eager(name, rank, hsdp, blocks_then_root(mesh=mesh), tokens_of, lm)
     # Random models at random unit boundaries.
     for seed in range(4):
         desc, model, shard, make, loss_fn = random_wrapped(seed)

@@ -155,7 +155,7 @@ class RanksThatDisagreeOrFail(unittest.TestCase):
             self.assertTrue(rep["ok"], rep["result"].get("traceback"))
             got = rep["result"]
             self.assertRegex(got["fsdp2-partly"], r"^0 is sharded with fully_shard but the model's root is not")
-            self.assertRegex(got["fsdp2-hsdp"], r"^the root: a 2-D device mesh .*HSDP is not captured yet")
+            self.assertIsNone(got["fsdp2-hsdp"])  # HSDP on a 2-D mesh is captured
             self.assertRegex(got["fsdp2-cpu-offload"], r"CPUOffloadPolicy")
             self.assertRegex(got["fsdp2-inf-norm"], r"norm_type=inf and FSDP2")
             self.assertRegex(got["fsdp2-adafactor"], r"^adafactor: its update is not elementwise")
@@ -235,12 +235,23 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
                         # norm is summed in another order than DTensor's.
                         self.assertEqual(one["all_reduces"], 1)
                         self.assertLess(one["worst"], 1e-6)
+                    elif name.startswith("hf-llama-hsdp-"):
+                        # Each gradient chunk reduce-scattered over the shard
+                        # group, then averaged over the replicas (FSDP2 divides
+                        # in another order); two arena steps and an eager one
+                        # after them matched too.
+                        self.assertEqual(one["reduce_scatters"], one["parameters"])
+                        self.assertEqual(one["all_reduces"], one["parameters"])
+                        self.assertLess(one["worst"], 1e-6)
+                        self.assertEqual(one["arena"], "ran")
                     else:
                         # Mixed precision: the same bf16 kernels on the same
                         # bf16 values, gradients upcast and reduced as FSDP2
                         # does; random units: the float32 bits of eager.
                         self.assertEqual(one["worst"], 0.0)
             self.assertEqual({k for k in got if k.startswith("random-")}, {f"random-{i}" for i in range(4)})
+            self.assertEqual({k for k in got if k.startswith("hf-llama-hsdp-")},
+                             {"hf-llama-hsdp-2x1", "hf-llama-hsdp-1x2"})
             # Saved by torch.distributed.checkpoint after memplan's steps and
             # loaded into a freshly sharded model: the same parameters.
             self.assertEqual(got["dcp"], 0.0)

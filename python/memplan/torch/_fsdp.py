@@ -71,7 +71,13 @@ reads), so the parameters stay the user's DTensors and FSDP2 eager steps,
 ``state_dict()`` and ``torch.distributed.checkpoint`` keep working after
 memplan's steps.
 
-Not yet captured (refused by name): CPU offload, HSDP and other meshes of more than one dimension, sharding on a
+HSDP (``fully_shard(..., mesh=init_device_mesh(..., (R, S)))``, a 2-D mesh
+of replicas of sharded groups) is recorded the same way over the shard
+group, and each reduced gradient chunk is then summed over the replicate
+group and divided by its size: every replica updates its shards with the
+mean over all ranks, as FSDP2's reduce-scatter followed by its all-reduce.
+
+Not yet captured (refused by name): CPU offload, other meshes of more than one dimension, sharding on a
 dim other than 0, a root that is not sharded, gradient scaling, optimizers whose update is not elementwise (Adafactor, Muon), and
 the step as one CUDA graph (``graph=True``: collectives inside a captured graph are not run yet).
 """
@@ -138,10 +144,13 @@ class FullySharded(RankGroup):
     supports_graph = False
 
     def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, timeout: float,
-                 policies=(), resharded=()) -> None:
+                 policies=(), resharded=(), replicate=None) -> None:
         super().__init__(group, timeout)
         self.model = model
         self.params = params
+        # HSDP: the process group over which the shards are replicated
+        # (each reduced gradient chunk is then averaged over it).
+        self.replicate = replicate
         # Each unit's module and MixedPrecisionPolicy, for the casts of
         # its forward's inputs and output.
         self.policies = list(policies)
@@ -169,7 +178,7 @@ class FullySharded(RankGroup):
         policies = []
         resharded: Dict[int, Tuple[torch.nn.Module, List[str]]] = {}
         owner = {id(p): n for n, p in model.named_parameters()}
-        group = None
+        group = replicate = None
         for uname, m in units:
             where = uname or "the root"
             state = m._get_fsdp_state()
@@ -179,9 +188,13 @@ class FullySharded(RankGroup):
             if pg is None:
                 continue
             mesh_info = pg.mesh_info
-            if type(mesh_info).__name__ != "FSDPMeshInfo" or mesh_info.mesh.ndim != 1:
-                raise UnsupportedStep(f"{where}: a {mesh_info.mesh.ndim}-D device mesh ({type(mesh_info).__name__}); "
-                                      "memplan.torch captures FSDP2 on a 1-D mesh only (HSDP is not captured yet)")
+            kind = type(mesh_info).__name__
+            if not ((kind == "FSDPMeshInfo" and mesh_info.mesh.ndim == 1)
+                    or (kind == "HSDPMeshInfo" and mesh_info.mesh.ndim == 2)):
+                raise UnsupportedStep(f"{where}: a {mesh_info.mesh.ndim}-D device mesh ({kind}); memplan.torch "
+                                      "captures FSDP2 on a 1-D mesh and HSDP on a 2-D (replicate, shard) mesh")
+            if getattr(mesh_info, "reduce_scatter_process_group", None) is not None:
+                raise UnsupportedStep(f"{where}: a reduce-scatter process group of its own is not captured")
             reshard = pg.post_forward_mesh_info is not None
             if m is model and state._auto_reshard_after_forward:
                 reshard = False  # FSDP2's root keeps its parameters into the backward (its _lazy_init)
@@ -203,16 +216,17 @@ class FullySharded(RankGroup):
                 params[name] = _Param(name, fp, reshard, policy)
                 if reshard:
                     resharded.setdefault(id(m), (m, []))[1].append(name)
-            g = mesh_info.mesh.get_group()
-            if group is not None and g is not group:
-                raise UnsupportedStep(f"{where}: sharded over another process group than the other units")
-            group = g
+            g = mesh_info.shard_process_group
+            r = getattr(mesh_info, "replicate_process_group", None) if kind == "HSDPMeshInfo" else None
+            if group is not None and (g is not group or r is not replicate):
+                raise UnsupportedStep(f"{where}: sharded over another device mesh than the other units")
+            group, replicate = g, r
         for n, p in model.named_parameters():
             if n not in params:
                 raise UnsupportedStep(f"parameter {n} is not sharded by any fully_shard unit")
             if type(p).__name__ != "DTensor":
                 raise UnsupportedStep(f"parameter {n}: not a DTensor; capture before changing FSDP2's parameters")
-        return FullySharded(model, params, group, timeout, policies, list(resharded.values()))
+        return FullySharded(model, params, group, timeout, policies, list(resharded.values()), replicate)
 
     def placed(self) -> None:
         """FSDP2 keeps a flat view of each padded shard
@@ -368,12 +382,23 @@ class FullySharded(RankGroup):
                 # place (it dies here either way).
                 rec.collective("reduce_scatter", self._collective("reduce_scatter", f"the gradient of {n}"),
                                [chunk, padded])
+                if self.replicate is not None:  # HSDP: the chunk's mean over the replicas too
+                    rec.collective("all_reduce", Collective("all_reduce", self.replicate,
+                                                            f"the gradient chunk of {n} over the replicas",
+                                                            self.timeout), [chunk])
+                    chunk.div_(_replicas(self.replicate))
                 if chunk.dtype != p.orig:  # reduced in another dtype: the shard's gradient is in its own
                     chunk = chunk.to(p.orig)
                 out[n] = chunk.narrow(0, 0, tuple(p.fp.sharded_size)[0])  # on every rank, as above
         self._forward_storage.clear()
         self._regathered.clear()
         return out
+
+
+def _replicas(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 def _cast_floats(dtype: torch.dtype, tree):
