@@ -184,9 +184,10 @@ const CLOCK_EVERY: usize = 64;
 pub enum OnDeadline {
     /// Give the layout up (`None`).
     GiveUp,
-    /// Finish it at once: every unit not yet placed goes on top of all
-    /// the others (above every pin too), one after another. Valid, and
-    /// the best layout a solve that has none yet can have in no time.
+    /// Finish it at once: the units not yet placed go on top of all the
+    /// others (above every pin too), laid out as a runtime allocator would
+    /// ([`stack_rest`]). Valid, and the best layout a solve that has none
+    /// yet can have in no time.
     Stack,
 }
 
@@ -202,39 +203,90 @@ pub fn place_until(
     let mut offsets = vec![0u64; units.len()];
     let mut placed: Placed = BTreeMap::new();
     let mut height = 0;
-    // Set once the deadline passed with `Stack`: the next free offset on top.
-    let mut top: Option<u64> = None;
     for (k, &i) in order.iter().enumerate() {
-        if top.is_none() && k % CLOCK_EVERY == CLOCK_EVERY - 1 && past(deadline) {
+        if k % CLOCK_EVERY == CLOCK_EVERY - 1 && past(deadline) {
             match then {
                 OnDeadline::GiveUp => return None,
                 OnDeadline::Stack => {
-                    let pins = units
-                        .iter()
-                        .filter_map(|u| u.pin.map(|p| p + u.size))
-                        .max()
-                        .unwrap_or(0);
-                    top = Some(height.max(pins));
+                    let h = stack_rest(units, &order[k..], height, &mut offsets);
+                    return Some((offsets, height.max(h), true));
                 }
             }
         }
         let u = &units[i];
-        let off = match (u.pin, top.as_mut()) {
-            (Some(p), _) => p,
-            (None, Some(t)) => {
-                let off = t.next_multiple_of(u.align);
-                *t = off + u.size;
-                off
-            }
-            (None, None) => fit_offset(u, &placed, fit),
+        let off = match u.pin {
+            Some(p) => p,
+            None => fit_offset(u, &placed, fit),
         };
         offsets[i] = off;
         height = height.max(off + u.size);
-        if top.is_none() {
-            placed.insert((off, i as u32), (off + u.size, u.lower, u.upper));
-        }
+        placed.insert((off, i as u32), (off + u.size, u.lower, u.upper));
     }
-    Some((offsets, height, top.is_some()))
+    Some((offsets, height, false))
+}
+
+/// Lays out `rest` (units not placed yet) at once, above `height` and
+/// every pin, in `O(r log r)`: by start time, each takes the smallest
+/// free slot that holds it (a slot is free once its last unit has ended),
+/// or a new slot on top. Units in the region only meet each other, and
+/// never two live at once in one slot, so the layout is valid; it is a
+/// runtime allocator's, not a heuristic's. Returns the new height.
+fn stack_rest(units: &[Unit], rest: &[usize], height: u64, offsets: &mut [u64]) -> u64 {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let pins = units
+        .iter()
+        .filter_map(|u| u.pin.map(|p| p + u.size))
+        .max()
+        .unwrap_or(0);
+    let mut top = height.max(pins);
+    let mut free_units: Vec<usize> = rest
+        .iter()
+        .copied()
+        .filter(|&i| {
+            if let Some(p) = units[i].pin {
+                offsets[i] = p;
+                false
+            } else {
+                true
+            }
+        })
+        .collect();
+    free_units.sort_by_key(|&i| (units[i].lower, i));
+    // Slots: (offset, size); busy ones by the time they end, free ones by
+    // (size, offset).
+    let mut busy: BinaryHeap<Reverse<(u64, u64, u64)>> = BinaryHeap::new();
+    let mut free: BTreeMap<(u64, u64), ()> = BTreeMap::new();
+    for i in free_units {
+        let u = &units[i];
+        while let Some(&Reverse((end, off, size))) = busy.peek() {
+            if end > u.lower {
+                break;
+            }
+            busy.pop();
+            free.insert((size, off), ());
+        }
+        // The smallest free slot that holds it, aligned (a few tries).
+        let slot = free
+            .range((u.size, 0)..)
+            .take(8)
+            .map(|(&k, _)| k)
+            .find(|&(_, off)| off % u.align == 0);
+        let (size, off) = match slot {
+            Some(k) => {
+                free.remove(&k);
+                k
+            }
+            None => {
+                let off = top.next_multiple_of(u.align);
+                top = off + u.size;
+                (u.size, off)
+            }
+        };
+        offsets[i] = off;
+        busy.push(Reverse((u.upper.max(u.lower), off, size)));
+    }
+    top
 }
 
 /// Whether `deadline` has passed (never without one).
@@ -393,7 +445,7 @@ mod tests {
         assert!(cut);
         assert_eq!(h, Heuristic::ALL[0]);
         check(&us, &offs);
-        // The first 63 units are placed by the heuristic, the rest stacked.
+        // The first 63 units are placed by the heuristic, the rest on top.
         assert!(height >= max_live(&us));
         let some: Vec<Unit> = (0..300).map(|i| u(i, i + 7, 1)).collect();
         let mut pinned = some.clone();
@@ -404,6 +456,25 @@ mod tests {
         // Without a deadline every heuristic runs (the floor 0 is never met).
         let (_, cut) = best_of_until(&us, &Heuristic::ALL, 0, None);
         assert!(!cut);
+        // The units placed after the deadline: valid with alignments and
+        // pins, and reusing bytes (far below the sum of sizes).
+        let mut mixed: Vec<Unit> = (0..500)
+            .map(|i| u(i % 97, i % 97 + 1 + (i * 7) % 13, 1 + (i * 31) % 17))
+            .collect();
+        for (i, x) in mixed.iter_mut().enumerate() {
+            x.align = [1, 2, 4, 8][i % 4];
+        }
+        mixed[3].pin = Some(40);
+        let ord: Vec<usize> = (0..mixed.len()).collect();
+        let mut offs = vec![0; mixed.len()];
+        let h = stack_rest(&mixed, &ord, 10, &mut offs);
+        check(&mixed, &offs);
+        assert!(
+            offs.iter()
+                .zip(&mixed)
+                .all(|(&o, x)| x.pin.is_some() || o >= 41)
+        );
+        assert!(h < mixed.iter().map(|x| x.size).sum::<u64>() / 2, "{h}");
         let ord = order(&us, Order::Size);
         assert!(place_until(&us, &ord, Fit::Best, past, OnDeadline::GiveUp).is_none());
     }
