@@ -6,6 +6,12 @@
 //! evaluating an order), `bounds/*` (lower bounds), `layout/*` (offsets for
 //! the list-scheduled order) and `pipeline/plan` (all of `memplan::plan`).
 //!
+//! `time_limited/*` (issue 41): the whole plan of GPT-2 tiny at 400 and
+//! 1,000 layers (16,000 and 40,000 ops) and the allocator on a 50,000-row
+//! MiniMalloc-style problem, each with a 2 s time limit: the time a
+//! sample takes is the limit plus what overruns it (lowering, a layout
+//! finished at once, the bound); it should stay near 2 s.
+//!
 //! Run all with `cargo bench --bench pipeline`, a subset with a filter
 //! (`cargo bench --bench pipeline -- layout/xl`); compare two commits with
 //! criterion baselines (`--save-baseline before`, then `--baseline before`),
@@ -120,5 +126,61 @@ fn stages(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, stages);
+/// A MiniMalloc-style problem of `n` buffers: lifetimes and sizes spread
+/// by a fixed hash, so every run sees the same problem.
+fn crowded(n: u64) -> alloc::Problem {
+    let mix = |i: u64, k: u64| {
+        let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k;
+        x ^= x >> 31;
+        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x ^ (x >> 29)
+    };
+    let span = 2 * n;
+    alloc::Problem::new(
+        (0..n)
+            .map(|i| {
+                let lower = mix(i, 1) % span;
+                let len = 1 + mix(i, 2) % (span / 25);
+                let size = 64 * (1 + mix(i, 3) % 256);
+                alloc::Buffer::new(format!("b{i}"), lower, (lower + len).min(span), size)
+            })
+            .collect(),
+    )
+}
+
+fn time_limited(c: &mut Criterion) {
+    let limit = Duration::from_secs(2);
+    let mut g = c.benchmark_group("time_limited");
+    g.warm_up_time(Duration::from_millis(1))
+        .measurement_time(Duration::from_secs(20))
+        .sample_size(10);
+    for layers in [400u64, 1000] {
+        let graph = example(
+            "gpt2-tiny",
+            &ExampleOptions {
+                layers: Some(layers),
+                ..Default::default()
+            },
+        )
+        .expect("built-in example");
+        let opts = memplan::Options {
+            time_limit: limit,
+            ..Default::default()
+        };
+        g.bench_with_input(BenchmarkId::new("plan_2s", layers), &graph, |b, graph| {
+            b.iter(|| memplan::plan(black_box(graph), &opts).expect("plans"))
+        });
+    }
+    let p = crowded(50_000);
+    let params = alloc::SolverParams {
+        time_limit: Some(limit),
+        ..Default::default()
+    };
+    g.bench_with_input(BenchmarkId::new("alloc_2s", 50_000), &p, |b, p| {
+        b.iter(|| alloc::solve(black_box(p), alloc::Mode::Minimize, &params).expect("solves"))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, stages, time_limited);
 criterion_main!(benches);
