@@ -417,16 +417,7 @@ def fsdp_more(rank, world, port):
     qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2))
     found["hf-qwen2-clipped"] = against_fsdp2_eager("hf-qwen2-clipped", rank, qwen, blocks_then_root(), tokens_of,
                                                     lm, clip=0.5, arena=False)
-    # HSDP: shards replicated over the other dimension of a 2-D mesh (at
-    # W=2, two replicas of one shard, then one replica of two shards).
-    from torch.distributed.device_mesh import init_device_mesh
-
-    for shape in ((world, 1), (1, world)) + (((2, world // 2),) if world >= 4 and world % 2 == 0 else ()):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        torch.manual_seed(0)
-        hsdp = T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2))
-        name = f"hf-llama-hsdp-{shape[0]}x{shape[1]}"
-        found[name] = against_fsdp2_eager(name, rank, hsdp, blocks_then_root(mesh=mesh), tokens_of, lm)
+    found.update(hsdp(rank, world))
     # Random models at random unit boundaries.
     for seed in range(4):
         desc, model, shard, make, loss_fn = random_wrapped(seed)
@@ -454,6 +445,39 @@ def fsdp_more(rank, world, port):
     for got in found.values():
         if isinstance(got, dict):
             got.pop("model", None)
+    return found
+
+
+def hsdp(rank, world):
+    """HSDP: shards replicated over the other dimension of a 2-D mesh (at
+    W=2, two replicas of one shard, then one replica of two shards; at W=4
+    also two replicas of two shards), against FSDP2 eager's HSDP."""
+    import transformers as T
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(mesh):
+        def go(m):
+            for block in m.model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+        return go
+
+    found = {}
+    for shape in ((world, 1), (1, world)) + (((2, world // 2),) if world >= 4 and world % 2 == 0 else ()):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64))
+        # At W=4 the replicas' sums are rounded in another order than FSDP2
+        # eager's, and Adam makes a gradient of pure noise a difference of up
+        # to the learning rate: float64 there, as the W=4 FSDP2 test.
+        dtype = torch.float32 if world <= 2 else torch.float64
+        name = f"hf-llama-hsdp-{shape[0]}x{shape[1]}"
+        found[name] = against_fsdp2_eager(name, rank, model.to(dtype), shard(mesh),
+                                          lambda g: torch.randint(0, 256, (2, 16), generator=g), lm, dtype)
+        found[name].pop("model")
     return found
 
 
@@ -561,6 +585,8 @@ def main():
             result = fsdp(rank, world, only, dtype)
         elif case == "fsdp-more":
             result = fsdp_more(rank, world, port)
+        elif case == "hsdp":
+            result = hsdp(rank, world)
         elif case == "options":
             result = options(rank, world)
         elif case == "mismatch":

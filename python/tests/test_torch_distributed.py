@@ -263,6 +263,22 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
         # DataParallelStepsMatchEagerDDP.test_four_ranks_in_float64).
         self.check(4, 400, only=["mlp", "hf-llama"], dtype="float64")
 
+    def test_hsdp_on_four_ranks(self):
+        # HSDP on meshes 4×1, 1×4 and 2×2 (float64: the replicas' sums are
+        # rounded in another order than FSDP2 eager's, see above): each
+        # gradient chunk reduce-scattered over its shard group, then averaged
+        # over the replicas; two arena steps, then an FSDP2 eager step.
+        for r, rep in enumerate(self.reports(400, "hsdp", 4)):
+            got = rep["result"]
+            self.assertEqual(set(got), {"hf-llama-hsdp-4x1", "hf-llama-hsdp-1x4", "hf-llama-hsdp-2x2"})
+            for name, one in got.items():
+                with self.subTest(rank=r, mesh=name):
+                    self.check_step(one)
+                    self.assertEqual(one["reduce_scatters"], one["parameters"])
+                    self.assertEqual(one["all_reduces"], one["parameters"])
+                    self.assertLess(one["worst"], 1e-12)
+                    self.assertEqual(one["arena"], "ran")
+
 
 if __name__ == "__main__":
     unittest.main()
