@@ -76,14 +76,9 @@ def models():
 
 def _capture(make, batch, loss_fn, side: str):
     import memplan.torch as mt
-    from memplan.torch.bench_baselines import _selective_context
+    from memplan.torch.bench_baselines import configured
 
-    model = make()
-    if side == "full-ac":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif side == "selective-ac":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                           "context_fn": _selective_context})
+    model = configured(make, "eager-" + side)  # (plain: "eager-plain", no checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     return mt.capture(model, opt, batch, loss_fn, plan=False).graph
 

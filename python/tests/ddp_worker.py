@@ -269,16 +269,21 @@ def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.flo
     if clip is not None:
         kw["clip_grad_norm"] = clip
     step = mt.capture(model, opt, batches[0], loss_fn, time_limit=2, **kw)
+
+    def eager(m, o, batch):  # one FSDP2 eager step; its loss
+        loss = loss_fn(m, batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        o.step()
+        o.zero_grad(set_to_none=True)
+        return loss
+
     tracked = []
     for k, batch in enumerate(batches):
         loss = step(batch, track=True)
         tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"]))
-        want = loss_fn(ref, batch)
-        want.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        want = eager(ref, ref_opt, batch)
         torch.testing.assert_close(loss.detach(), want.detach(), **tol, msg=lambda m: f"{name} loss {k}: {m}")
     worst = 0.0
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -304,19 +309,10 @@ def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.flo
             loss = step(batch, track=True, arena=True)
             found["arena_tracked"].append((step.tracked_peak_bytes, step.plan["arena_bytes"],
                                            step.place().outside_peak_bytes))
-            want = loss_fn(ref, batch)
-            want.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
+            want = eager(ref, ref_opt, batch)
             torch.testing.assert_close(loss.detach(), want.detach(), **tol, msg=lambda m: f"{name} arena loss {k}: {m}")
         for m, o in ((model, opt), (ref, ref_opt)):
-            loss_fn(m, batches[2]).backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-            o.step()
-            o.zero_grad(set_to_none=True)
+            eager(m, o, batches[2])
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **tol,
                                        msg=lambda m: f"{name} {n} after arena steps and an eager one: {m}")

@@ -89,7 +89,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._distributed import Collective, RankGroup
+from ._distributed import Collective, RankGroup, dist_world_rank
 from ._record import Recorder, UnsupportedStep, storage_key
 
 # Optimizers whose update is elementwise on a parameter, its gradient and
@@ -386,19 +386,13 @@ class FullySharded(RankGroup):
                     rec.collective("all_reduce", Collective("all_reduce", self.replicate,
                                                             f"the gradient chunk of {n} over the replicas",
                                                             self.timeout), [chunk])
-                    chunk.div_(_replicas(self.replicate))
+                    chunk.div_(dist_world_rank(self.replicate)[0])
                 if chunk.dtype != p.orig:  # reduced in another dtype: the shard's gradient is in its own
                     chunk = chunk.to(p.orig)
                 out[n] = chunk.narrow(0, 0, tuple(p.fp.sharded_size)[0])  # on every rank, as above
         self._forward_storage.clear()
         self._regathered.clear()
         return out
-
-
-def _replicas(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
 
 
 def _cast_floats(dtype: torch.dtype, tree):

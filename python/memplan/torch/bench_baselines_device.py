@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 EXPANDABLE = "expandable_segments:True"
 MEMPLAN_SIDES = ("memplan", "memplan-fit-0.1%", "memplan-fit@eager-selective-ac", "memplan-fit@eager-full-ac")
@@ -73,24 +73,20 @@ def _eager(spec, make, device):
     return model, step
 
 
-def _memplan(spec, make, device, batch, budget: Optional[int] = None):
+def _memplan(spec, make, device, batch):
     """(model, planned step in its arena, step object, fit figures) at `batch`."""
-    import torch  # noqa: F401
-
     from . import capture
     from .bench_baselines import _adamw, _lm
 
     model = make().to(device)
     opt = _adamw(model.parameters())
     s = capture(model, opt, batch, _lm, time_limit=spec["time_limit"])
-    fit: Dict[str, Any] = {}
-    side = spec["side"]
+    side, f = spec["side"], None
     if side == "memplan-fit-0.1%":
         f = s.fit(max_added=0.001, minimise="flops", time_limit=spec["time_limit"])
-        fit = {"added_flops_share": f["added_flops"] / f["step_flops"]}
     elif side.startswith("memplan-fit@"):
-        f = s.fit(budget if budget is not None else spec["budget"], minimise="flops", time_limit=spec["time_limit"])
-        fit = {"added_flops_share": f["added_flops"] / f["step_flops"]}
+        f = s.fit(spec["budget"], minimise="flops", time_limit=spec["time_limit"])
+    fit: Dict[str, Any] = {} if f is None else {"added_flops_share": f["added_flops"] / f["step_flops"]}
     fit.update(planned_arena_bytes=s.plan["arena_bytes"], max_live_bytes=s.plan["stats"]["max_live_bytes"],
                lower_bound_bytes=s.plan["stats"]["lower_bound_bytes"])
     return model, (lambda b: s(b, arena=True).detach()), s, fit
@@ -140,8 +136,8 @@ def _largest_eager(spec, make, device, vocab) -> Dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - out of memory is the answer; anything else is raised
             if not _oom(e):
                 raise
-            _release(model)
-            return False
+        _release(model)  # (after the except clause, whose traceback held the failed step's frames)
+        return False
 
     good, bad = 0, None
     b = 1
@@ -201,22 +197,26 @@ def _largest_memplan(spec, make, device, vocab) -> Dict[str, Any]:
                 bad = mid
     out: Dict[str, Any] = {"planned_batch": good, "outside_arena_bytes": outside,
                            "planned_arena_bytes": plans.get(good)}
+    def attempt(b: int):  # (fit figures, timing) of memplan's step at batch b; its tensors die on return
+        _, step, _, fit = _memplan(spec, make, device, _batch(vocab, b, seq, device, 0))
+        return fit, _run_timed(step, [_batch(vocab, b, seq, device, 10 + i) for i in range(2)], spec["steps"], device)
+
     while good:
+        ran = None
         try:
-            model, step, s, fit = _memplan(spec, make, device, _batch(vocab, good, seq, device, 0))
-            batches = [_batch(vocab, good, seq, device, 10 + i) for i in range(2)]
-            r = _run_timed(step, batches, spec["steps"], device)
+            ran = attempt(good)
+        except Exception as e:  # noqa: BLE001 - out of memory: the next smaller batch; anything else is raised
+            if not _oom(e):
+                raise
+        if ran is not None:
+            fit, r = ran
             out.update(fit)
             out.update(largest_batch=good, allocated_bytes=r["allocated_bytes"], reserved_bytes=r["reserved_bytes"],
                        step_seconds=r["step_seconds"], tokens_per_second=good * seq / r["step_seconds"])
             return out
-        except Exception as e:  # noqa: BLE001
-            if not _oom(e):
-                raise
-            out.setdefault("out_of_memory_at", []).append(good)
-            model = step = s = None
-            _release()
-            good -= 1
+        out.setdefault("out_of_memory_at", []).append(good)
+        _release()  # (after the except clause, whose traceback held the failed attempt's frames)
+        good -= 1
     out["largest_batch"] = 0
     return out
 
@@ -281,7 +281,7 @@ def measure(model: str, size: str, batch: int, seq: int, steps: int, time_limit:
     """Every side at `batch`: eager sides with expandable segments off and
     on, memplan's (one arena allocation: the default allocator), each fit
     to a checkpointing side's allocated peak with expandable segments."""
-    from .bench_baselines import CHECKPOINTING, EAGER_SIDES
+    from .bench_baselines import EAGER_SIDES
 
     base = dict(model=model, size=size, batch=batch, seq=seq, steps=steps, time_limit=time_limit, device=device)
     rows: Dict[str, Dict[str, Any]] = {}

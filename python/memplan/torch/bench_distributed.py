@@ -96,8 +96,6 @@ def _bf16_loss(m, b):
 def _without_ranks(args) -> Dict[str, Any]:
     """One rank's FSDP2 step planned in this process alone: the model on
     the meta device, PyTorch's fake process group of `--world` ranks."""
-    import time
-
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
