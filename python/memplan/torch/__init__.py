@@ -117,7 +117,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             meta_device: str = "cpu", budget: Optional[int] = None,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
             norm_type: float = 2.0, accumulate: int = 1, scaler=None,
-            clip_grad_value: Optional[float] = None, collective_timeout: float = 300.0) -> Step:
+            clip_grad_value: Optional[float] = None, collective_timeout: float = 300.0,
+            split: Any = None) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -144,6 +145,12 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     first rank. A collective that fails raises :class:`RankFailure`, one
     that does not complete within `collective_timeout` seconds (gloo)
     :class:`CollectiveTimeout`.
+
+    With `split` (``"auto"`` or a number of chunks), the loss chain (the LM
+    head's product, the log-softmax and the loss, and their backward ops)
+    runs on chunks of the tokens in turn where that lowers the planned
+    arena, the same math (:meth:`Step.split_loss`, docs/splitting.md);
+    later fits start from the split step.
 
     With `clip_grad_norm` (``max_norm``), the gradients are clipped between
     the backward pass and the update as ``loss.backward();
@@ -244,11 +251,13 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
                         group_slots=tuple(inputs.group_slots), seconds=time.perf_counter() - t0,
                         meta=traced is not None)
     step = Step(model, optimizer, hyper, captured, scaling=scaling, dist=dist)
+    if split not in (None, "off", 1):
+        step.split_loss(split, time_limit=time_limit)
     if budget is not None:
         step.fit(budget, time_limit=time_limit)
     elif max_added is not None:
         step.fit(max_added=max_added, minimise="flops", time_limit=time_limit)
-    elif plan:
+    elif plan and step.plan is None:
         step.make_plan(time_limit)
     return step
 

@@ -11,6 +11,7 @@ made on the group's first rank and sent to the others
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Dict, List, Optional
 
@@ -18,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 import memplan
 
+from . import _split
 from ._capture import Captured
 from ._record import Call, Ref
 from ._run import Gate, Program
@@ -39,6 +41,7 @@ class Planning:
         self._programs: Dict[str, Program] = {}
         self._captured_plan: Optional[Dict[str, Any]] = None  # the plan of the captured graph, once made
         self.fitted: Optional[Dict[str, Any]] = None
+        self.split: Optional[Dict[str, Any]] = None  # what split_loss chose and tried
 
     def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
         """Plans the graph with memplan (checked by its independent checker)."""
@@ -53,6 +56,65 @@ class Planning:
         if self.graph is self._captured.graph:
             self._captured_plan = self.plan
         return self.plan
+
+    def split_loss(self, split: Any = "auto", time_limit: float = 10.0) -> Dict[str, Any]:
+        """Splits the step's loss chain into chunks of rows where that lowers
+        the planned arena (:mod:`memplan.torch._split`; docs/splitting.md),
+        and plans the step. `split` is ``"auto"`` (2, 4, 8, 16 and 32
+        chunks in turn, stopping once doubling no longer lowers the arena)
+        or a number of chunks. Without a gain the step stays as captured.
+        The step becomes the split one: later plans and fits start from it.
+        Returns (and keeps in :attr:`split`) ``{"chunks", "chains",
+        "tried", "arena_bytes", "unsplit_arena_bytes", "added_flops"}``,
+        `chains` the chains split (or, when none is, why each candidate
+        was refused)."""
+        if self._arena is not None or self.fitted is not None:
+            raise ValueError("split the step before fitting it or running it in its arena")
+        if split == "auto":
+            counts = _split.AUTO_CHUNKS
+        elif isinstance(split, int) and not isinstance(split, bool) and split >= 2:
+            counts = (split,)
+        else:
+            raise ValueError(f"split takes 'auto' or a number of chunks (2 or more), not {split!r}")
+        base = self._captured
+        share = time_limit / (len(counts) + 1)
+        t0 = time.perf_counter()
+
+        def make():
+            best = memplan.plan(base.graph, time_limit=share)
+            report = {"chunks": 1, "tried": [{"chunks": 1, "arena_bytes": best["arena_bytes"]}],
+                      "unsplit_arena_bytes": best["arena_bytes"], "chains": [], "added_flops": 0}
+            for k in counts:
+                graph, _, _, chains = _split.split_step(base.graph, base.calls, base.layouts, k)
+                if not chains:
+                    report["chains"] = _split.find_chains(base.graph, base.calls, base.layouts)
+                    break
+                plan = memplan.plan(graph, time_limit=share)
+                report["tried"].append({"chunks": k, "arena_bytes": plan["arena_bytes"]})
+                if plan["arena_bytes"] < best["arena_bytes"]:
+                    best = plan
+                    report.update(chunks=k, chains=chains, added_flops=sum(c["added_flops"] for c in chains))
+                elif split == "auto":
+                    break
+            report["plan"] = best
+            report["arena_bytes"] = best["arena_bytes"]
+            return report
+
+        report = make() if self._dist is None else self._dist.from_first_rank(make, "splitting the step")
+        plan = report.pop("plan")
+        if report["chunks"] > 1:
+            graph, calls, layouts, _ = _split.split_step(base.graph, base.calls, base.layouts, report["chunks"])
+            base = dataclasses.replace(base, graph=graph, calls=calls, layouts=layouts,
+                                       optimizer_calls=[op["kind"] == "optimizer" for op in graph["ops"]])
+            self._captured = base
+            self.graph, self._calls, self._layouts = graph, calls, layouts
+            self._optimizer_calls = base.optimizer_calls
+        self.plan = self._own_rank(self.graph, plan)
+        self._captured_plan = self.plan
+        self._programs.clear()
+        self.plan_seconds = time.perf_counter() - t0
+        self.split = report
+        return report
 
     def _own_rank(self, graph: Dict[str, Any], plan: Dict[str, Any]) -> Dict[str, Any]:
         """The first rank's plan as this rank runs it: its order and places,
