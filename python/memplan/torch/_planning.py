@@ -57,7 +57,8 @@ class Planning:
             self._captured_plan = self.plan
         return self.plan
 
-    def split_loss(self, split: Any = "auto", time_limit: float = 10.0) -> Dict[str, Any]:
+    def split_loss(self, split: Any = "auto", time_limit: float = 10.0, *,
+                   only_if_lower: bool = True) -> Dict[str, Any]:
         """Splits the step's loss chain into chunks of rows where that lowers
         the planned arena (:mod:`memplan.torch._split`; docs/splitting.md),
         and plans the step. `split` is ``"auto"`` (2, 4, 8, 16 and 32
@@ -67,7 +68,9 @@ class Planning:
         Returns (and keeps in :attr:`split`) ``{"chunks", "chains",
         "tried", "arena_bytes", "unsplit_arena_bytes", "added_flops"}``,
         `chains` the chains split (or, when none is, why each candidate
-        was refused)."""
+        was refused). With ``only_if_lower=False`` a number of chunks is
+        kept even where it does not lower the arena (to measure or test
+        the split itself)."""
         if self._arena is not None or self.fitted is not None:
             raise ValueError("split the step before fitting it or running it in its arena")
         if split == "auto":
@@ -91,7 +94,7 @@ class Planning:
                     break
                 plan = memplan.plan(graph, time_limit=share)
                 report["tried"].append({"chunks": k, "arena_bytes": plan["arena_bytes"]})
-                if plan["arena_bytes"] < best["arena_bytes"]:
+                if plan["arena_bytes"] < best["arena_bytes"] or not only_if_lower:
                     best = plan
                     report.update(chunks=k, chains=chains, added_flops=sum(c["added_flops"] for c in chains))
                 elif split == "auto":
