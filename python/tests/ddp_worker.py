@@ -299,6 +299,7 @@ def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.flo
         all_reduces=sum(op["type"] == "memplan.all_reduce" for op in graph["ops"]),
         parameters=len(list(model.parameters())),
         checked_max_live=memplan.check(graph, step.plan)["max_live_bytes"],
+        split_chunks=step.split["chunks"] if step.split is not None else None,
     )
     if arena:
         # Two more steps in the arena (the shards and optimizer state moved
@@ -413,6 +414,13 @@ def fsdp_more(rank, world, port):
     qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2))
     found["hf-qwen2-clipped"] = against_fsdp2_eager("hf-qwen2-clipped", rank, qwen, blocks_then_root(), tokens_of,
                                                     lm, clip=0.5, arena=False)
+    # The loss chain split into 3 chunks of tokens (capture(split=3)): the
+    # head's gathered weight read by every chunk, its gradient accumulated
+    # over the chunks and then reduce-scattered; in the arena too.
+    torch.manual_seed(0)
+    split = T.LlamaForCausalLM(T.LlamaConfig(**tokens, num_key_value_heads=2))
+    found["hf-llama-split"] = against_fsdp2_eager("hf-llama-split", rank, split, blocks_then_root(), tokens_of, lm,
+                                                  capture_kw={"split": 3}, tol=dict(rtol=1e-5, atol=1e-6))
     found.update(hsdp(rank, world))
     # Random models at random unit boundaries.
     for seed in range(4):

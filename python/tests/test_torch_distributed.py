@@ -235,6 +235,12 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
                         # norm is summed in another order than DTensor's.
                         self.assertEqual(one["all_reduces"], 1)
                         self.assertLess(one["worst"], 1e-6)
+                    elif name == "hf-llama-split":
+                        # The loss chain in 3 chunks: the loss and the head's
+                        # gradient summed in another order than eager's.
+                        self.assertEqual(one["split_chunks"], 3)
+                        self.assertLess(one["worst"], 1e-5)
+                        self.assertEqual(one["arena"], "ran")
                     elif name.startswith("hf-llama-hsdp-"):
                         # Each gradient chunk reduce-scattered over the shard
                         # group, then averaged over the replicas (FSDP2 divides

@@ -26,6 +26,15 @@ and dtype only; it reads chunk 0's partial loss instead, so a chunk's
 backward need not wait for every chunk's forward (else the logits of all
 chunks would be alive at once and nothing would be gained).
 
+Two control edges (``after``) keep each chunk together where nothing in
+the data does: a chunk's ``nll_loss_backward`` runs after its
+``nll_loss_forward`` (whose partial loss nothing reads until the join, so
+a planner could leave it to the end, holding the chunk's
+log-probabilities), and its accumulation into the head's gradient after
+its product for the gradient of ``y`` (so the head's weight, which that
+product reads, is not held past the gradient's completion: under FSDP2
+that is a gathered weight).
+
 What does not match is left as it was: a reader of a chunked tensor that
 no rule covers (anything that might mix rows), a weighted loss, a loss
 without reduction, an in-place write to a chunked tensor. The chunked
@@ -144,6 +153,10 @@ class _Chain:
         self.joins: Dict[int, str] = {}  # tensor made by a join -> how
         self.nll: Optional[int] = None
         self._follow()
+        mine = {g.ops[o]["id"] for o in self.ops}
+        for op in g.ops:
+            if mine.intersection(op.get("after", ())):
+                raise NotSplit(f"{op['id']} must run after an op of the chain (a control edge)")
 
     def _base(self, i: int) -> int:
         while i in self.alias:
@@ -307,7 +320,8 @@ class _Builder:
         return len(self.tensors) - 1
 
     def op(self, priority: tuple, id: str, kind: str, type: str, call: Call, *, inputs=(), outputs=(),
-           updates=(), flops: Optional[int] = None, reuse=None, split=None, place: Optional[tuple] = None) -> None:
+           updates=(), flops: Optional[int] = None, reuse=None, split=None, place: Optional[tuple] = None,
+           after: Sequence[str] = ()) -> None:
         op: Dict[str, Any] = {"id": id, "kind": kind, "type": type}
         if flops is not None:
             op["flops"] = int(flops)
@@ -318,6 +332,8 @@ class _Builder:
                 op[field] = ids(xs)
         if reuse is not None:
             op["reuse"] = [{"output": self.tensors[reuse[0]]["id"], "input": self.tensors[reuse[1]]["id"]}]
+        if after:
+            op["after"] = list(after)
         if split is not None:
             op["attrs"] = {"split_of": split["of"], "chunk": split["chunk"], "rows": split["rows"]}
         if place is None:
@@ -371,11 +387,17 @@ def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
     added = 0
     partial: List[int] = []  # each chunk's partial loss
     exits: Dict[int, List[int]] = {}  # a tensor joined by `cat` -> its chunks
-    chunk_of: List[Dict[int, int]] = []
     for c, (r0, r1) in enumerate(slices):
         n = r1 - r0
         mine: Dict[int, int] = {}
-        chunk_of.append(mine)
+        # A chunk's backward waits for its loss (a control edge): nothing
+        # else reads the partial loss until the join, and a loss left for
+        # later would hold the chunk's log-probabilities until then.
+        nll_fwd: List[str] = []
+        # The chunk's products for the gradient of `y`: its accumulation
+        # into the head's gradient waits for them (control edges), so the
+        # head's weight is not held past its gradient's completion.
+        exit_ids = [f"{g.ops[o]['id']}.{tag}c{c}" for o in sorted(ch.ops) if ch.ops[o] == "exit"]
         split_attr = lambda o, c=c, r0=r0, r1=r1: {"of": g.ops[o]["id"], "chunk": c, "rows": [r0, r1]}  # noqa: E731
 
         def narrowed(x: int, c=c, r0=r0, n=n, mine=mine) -> int:
@@ -441,12 +463,14 @@ def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
                         reuse = (mine[y], chunk(ri))
                 b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
                      Call(call.func, tuple(new_args), call.kwargs, [(call.outputs[0][0], mine[y])]),
-                     inputs=ins, outputs=[mine[y]], flops=chunk_flops, reuse=reuse, split=split_attr(o))
+                     inputs=ins, outputs=[mine[y]], flops=chunk_flops, reuse=reuse, split=split_attr(o),
+                     after=nll_fwd if op["type"] == "aten.nll_loss_backward.default" else ())
             elif what == "nll":
                 new_args[3] = 2  # sum: the chunks' sums are joined below
                 s = b.tensor(loss_t, f"{g.tensors[loss_t]['id']}.{tag}c{c}", g.shape(loss_t))
                 w = b.tensor(weight_t, f"{g.tensors[weight_t]['id']}.{tag}c{c}", g.shape(weight_t))
                 partial.append(s)
+                nll_fwd.append(f"{op['id']}.{tag}c{c}")
                 b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
                      Call(call.func, tuple(new_args), call.kwargs, [(0, s), (1, w)]),
                      inputs=ins, outputs=[s, w], flops=chunk_flops, split=split_attr(o))
@@ -462,13 +486,14 @@ def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
                 if c == 0:
                     b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
                          Call(call.func, tuple(new_args), call.kwargs, [(0, y)]),
-                         inputs=ins, outputs=[y], flops=chunk_flops, split=split_attr(o))
+                         inputs=ins, outputs=[y], flops=chunk_flops, split=split_attr(o), after=exit_ids)
                 else:
                     added += _numel(g.shape(y))
                     b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], "aten.addmm_.default",
                          Call(aten.addmm_.default, (Ref(y),) + tuple(new_args), {}, [],
                               writes=frozenset({0, "self"})),
-                         inputs=ins, updates=[y], flops=(chunk_flops or 0) + _numel(g.shape(y)), split=split_attr(o))
+                         inputs=ins, updates=[y], flops=(chunk_flops or 0) + _numel(g.shape(y)), split=split_attr(o),
+                         after=exit_ids)
 
     # Joins: the loss, and the chunks of each tensor read past the chain.
     last = k
@@ -547,8 +572,10 @@ def _assemble(g: _Graph, ch: _Chain, b: _Builder, first_partial: int, loss_t: in
         for t in op.get("outputs", []):
             producer[index[t]] = n
     deps: List[set] = [set() for _ in items]
-    # Data: each op after what makes its operands.
+    named = {op["id"]: n for n, (_, _, op, _) in enumerate(items)}
+    # Data: each op after what makes its operands (and its control edges).
     for n, (_, _, op, _) in enumerate(items):
+        deps[n].update(named[a] for a in op.get("after", []))
         for t in op.get("inputs", []) + op.get("updates", []):
             p = producer.get(index[t])
             if p is not None and p != n:

@@ -111,12 +111,18 @@ def _without_ranks(args) -> Dict[str, Any]:
     step = mt.capture(model, opt, torch.zeros((args.batch, args.seq), dtype=torch.long),
                       _bf16_loss if args.autocast else _loss, plan=False)
     t1 = time.perf_counter()
-    step.make_plan(time_limit=args.time_limit)
+    if args.split is not None:
+        step.split_loss(args.split if args.split == "auto" else int(args.split), time_limit=args.time_limit)
+    else:
+        step.make_plan(time_limit=args.time_limit)
     t2 = time.perf_counter()
     st = step.stats
-    return {"ops": st["ops"], "capture_seconds": t1 - t0, "plan_seconds": t2 - t1,
-            "max_live_bytes": st["max_live_bytes"], "lower_bound_bytes": st["lower_bound_bytes"],
-            "arena_bytes": st["arena_bytes"]}
+    out = {"ops": st["ops"], "capture_seconds": t1 - t0, "plan_seconds": t2 - t1,
+           "max_live_bytes": st["max_live_bytes"], "lower_bound_bytes": st["lower_bound_bytes"],
+           "arena_bytes": st["arena_bytes"]}
+    if step.split is not None:
+        out["split"] = {k: step.split[k] for k in ("chunks", "tried", "added_flops")}
+    return out
 
 
 def _bucket_bytes(ddp) -> int:
@@ -228,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=10.0, help="seconds for the plan and the fit, each")
+    ap.add_argument("--split", default=None, help="with --without-ranks: split the loss chain (auto or a number "
+                    "of chunks; capture(split=...))")
     ap.add_argument("--intermediate", type=int, help="MLP width (default 8/3 of --hidden)")
     ap.add_argument("--heads", type=int, help="attention heads (default hidden/64)")
     ap.add_argument("--kv-heads", type=int, help="key-value heads (default half the heads)")
