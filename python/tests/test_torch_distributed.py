@@ -239,7 +239,7 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
                         # The loss chain in 3 chunks: the loss and the head's
                         # gradient summed in another order than eager's.
                         self.assertEqual(one["split_chunks"], 3)
-                        self.assertLess(one["worst"], 1e-5)
+                        self.assertLess(one["worst"], 5e-5)
                         self.assertEqual(one["arena"], "ran")
                     elif name.startswith("hf-llama-hsdp-"):
                         # Each gradient chunk reduce-scattered over the shard
