@@ -496,11 +496,26 @@ def mismatch(rank, world):
     ddp = DDP(model)
     rows = 8 if rank == 0 else 4
     batch = (torch.randn(rows, 6), torch.randint(0, 3, (rows,)))
+    out = {"refused": None}
     try:
         mt.capture(ddp, adamw(ddp.parameters()), batch, classify, time_limit=1, collective_timeout=30)
     except mt.UnsupportedStep as e:
-        return {"refused": str(e), "is_memplan_error": isinstance(e, memplan.MemplanError)}
-    return {"refused": None}
+        out = {"refused": str(e), "is_memplan_error": isinstance(e, memplan.MemplanError)}
+    # HSDP on a (2, 1) mesh: each shard group is one rank, so only the
+    # replicate group can see that the ranks captured different steps.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    hsdp_model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    fully_shard(hsdp_model, mesh=mesh)
+    out["hsdp_refused"] = None
+    try:
+        mt.capture(hsdp_model, adamw(hsdp_model.parameters()), batch, classify, time_limit=1, collective_timeout=30)
+    except mt.UnsupportedStep as e:
+        out["hsdp_refused"] = str(e)
+    return out
 
 
 def fault(rank, world, how):

@@ -129,6 +129,11 @@ class RanksThatDisagreeOrFail(unittest.TestCase):
             self.assertIn("rank 1", msg)
             self.assertIn("input:[0]", msg)  # the batch element whose shape differs
             self.assertTrue(rep["result"]["is_memplan_error"])
+            # HSDP with one rank per shard group: refused by the replicate group.
+            msg = rep["result"]["hsdp_refused"]
+            self.assertIsNotNone(msg, f"rank {r}: HSDP replicas captured different steps unrefused")
+            self.assertIn("of the replicate group", msg)
+            self.assertIn("(global rank 1)", msg)
 
     def test_a_rank_that_dies_fails_its_peers_collectives_by_name(self):
         reports, seconds, logs = launch("dies", 2, 180)

@@ -257,21 +257,11 @@ class RankGroup:
         self._barrier("comparing the captured steps")
         sig = _signature(graph)
         digest = hashlib.sha256("\n".join(sig).encode()).hexdigest()
-        digests: List[Any] = [None] * self.world
-        dist.all_gather_object(digests, digest, group=self.group)
-        if len(set(digests)) == 1:
-            return
-        sigs: List[Any] = [None] * self.world
-        dist.all_gather_object(sigs, sig, group=self.group)
-        other = next(r for r in range(self.world) if digests[r] != digests[0])
-        a, b = sigs[0], sigs[other]
-        k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-        first = a[k] if k < len(a) else "(no more ops)"
-        theirs = b[k] if k < len(b) else "(no more ops)"
-        raise UnsupportedStep(
-            f"the ranks captured different steps: entry {k} of the graph is {first} on rank 0 of the group "
-            f"but {theirs} on rank {other} (every rank must capture the same model, optimizer and batch shapes)"
-        )
+        _same_on_every_rank(sig, digest, self.group, self.world, "of the group")
+        replicate = getattr(self, "replicate", None)
+        if replicate is not None:  # HSDP: the replicas of one shard hold the same shards, so the same step
+            _same_on_every_rank(sig, digest, replicate, dist.get_world_size(group=replicate),
+                                "of the replicate group")
 
     def from_first_rank(self, make: Callable[[], Any], what: str) -> Any:
         """`make()` run on the group's first rank only, its result (or its
@@ -394,3 +384,31 @@ def _signature(graph: Dict[str, Any]) -> List[str]:
         lines.append(f"op {op['id']} {op['type']} {op['kind']} in={op.get('inputs', [])} "
                      f"out={op.get('outputs', [])} upd={op.get('updates', [])}")
     return lines
+
+
+def _same_on_every_rank(sig: List[str], digest: str, group: Any, world: int, which: str) -> None:
+    """Refuses, on every rank of `group`, a step whose signature is not the
+    same on every rank of it; names the first rank and entry that differ
+    (ranks counted in `group`, global ranks in parentheses)."""
+    dist = _dist()
+    digests: List[Any] = [None] * world
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    sigs: List[Any] = [None] * world
+    dist.all_gather_object(sigs, sig, group=group)
+    other = next(r for r in range(world) if digests[r] != digests[0])
+    a, b = sigs[0], sigs[other]
+    k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    first = a[k] if k < len(a) else "(no more ops)"
+    theirs = b[k] if k < len(b) else "(no more ops)"
+    try:
+        ranks = dist.get_process_group_ranks(group)
+        where = f" (global rank {ranks[other]})"
+    except Exception:  # a group PyTorch cannot list
+        where = ""
+    raise UnsupportedStep(
+        f"the ranks captured different steps: entry {k} of the graph is {first} on rank 0 {which} "
+        f"but {theirs} on rank {other} {which}{where} (every rank must capture the same model, optimizer and "
+        "batch shapes)"
+    )

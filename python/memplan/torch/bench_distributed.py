@@ -284,6 +284,11 @@ def main(argv=None) -> int:
                   f"{r['capture_seconds']:.1f} s, plan {r['plan_seconds']:.1f} s; per rank: max live "
                   f"{r['max_live_bytes'] / gib:.2f} GiB, lower bound {r['lower_bound_bytes'] / gib:.2f} GiB, arena "
                   f"{r['arena_bytes'] / gib:.2f} GiB")
+            if "split" in r:
+                sp = r["split"]
+                print(f"loss chain split in {sp['chunks']} chunks (tried: "
+                      + ", ".join(f"{t['chunks']}: {t['arena_bytes'] / gib:.2f} GiB" for t in sp["tried"])
+                      + f"), {sp['added_flops']:,} FLOPs added")
         return 0
     if args.rank is not None:
         import datetime
