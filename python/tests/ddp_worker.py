@@ -248,6 +248,18 @@ def fsdp(rank, world, only=None, dtype=torch.float32):
         model.to(dtype)
         found[name] = against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype)
         found[name].pop("model")
+        if name == "mlp" and only is not None and "mlp-fitted" in only:
+            # Fitted (recomputation chosen on the group's first rank): each
+            # rank runs the fitted order with its own shards' sizes, so its
+            # tracked bytes equal its own max live (the last of four ranks
+            # holds an empty shard of the head).
+            _, model, shard, _, loss_fn = fsdp_models()[0]
+            model.to(dtype)
+            rows = lambda g: (torch.randn(256, 6, generator=g), torch.randint(0, 3, (256,), generator=g))  # noqa: E731
+            got = against_fsdp2_eager("mlp-fitted", rank, model, shard, rows, loss_fn, dtype,
+                                      capture_kw={"max_added": 1.0})
+            got.pop("model")
+            found["mlp-fitted"] = got
     return found
 
 
@@ -300,6 +312,7 @@ def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.flo
         parameters=len(list(model.parameters())),
         checked_max_live=memplan.check(graph, step.plan)["max_live_bytes"],
         split_chunks=step.split["chunks"] if step.split is not None else None,
+        recomputed=len(step.fitted["recomputed_ops"]) if step.fitted is not None else None,
     )
     if arena:
         # Two more steps in the arena (the shards and optimizer state moved

@@ -272,7 +272,12 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
         # Uneven shards (the MLP's 3-row head over 4 ranks: the last rank's
         # shard is empty), and gloo's sums over four ranks in float64 (see
         # DataParallelStepsMatchEagerDDP.test_four_ranks_in_float64).
-        self.check(4, 400, only=["mlp", "hf-llama"], dtype="float64")
+        reports = self.check(4, 400, only=["mlp", "mlp-fitted", "hf-llama"], dtype="float64")
+        # The fit (made on rank 0) recomputes; each rank's max live is its
+        # own: the last rank, with an empty shard of the head, holds less.
+        fitted = [rep["result"]["mlp-fitted"] for rep in reports]
+        self.assertGreater(fitted[0]["recomputed"], 0)
+        self.assertLess(fitted[3]["tracked"][0][1], fitted[0]["tracked"][0][1])
 
     def test_hsdp_on_four_ranks(self):
         # HSDP on meshes 4×1, 1×4 and 2×2 (float64: the replicas' sums are

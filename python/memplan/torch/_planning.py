@@ -170,8 +170,9 @@ class Planning:
             fitted.update(arena_bytes=kept["arena_bytes"], max_live_bytes=kept["stats"]["max_live_bytes"],
                           recomputed_ops=[], added_flops=0, added_seconds_estimate=0.0, kept_unfitted=True)
             fitted["graph"], fitted["plan"] = base.graph, kept
-        self.graph = fitted.pop("graph")
-        self.plan = fitted.pop("plan")
+        self.graph = _with_sizes_of(base.graph, fitted.pop("graph"))
+        self.plan = self._own_rank(self.graph, fitted.pop("plan"))
+        fitted["max_live_bytes"] = self.plan["stats"]["max_live_bytes"]  # this rank's
         self._calls, self._layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
         self._optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
         self._programs.clear()
@@ -220,6 +221,26 @@ class Planning:
 
 
 _RECOMPUTE = "recompute."
+
+
+def _with_sizes_of(graph: Dict[str, Any], fitted: Dict[str, Any]) -> Dict[str, Any]:
+    """`fitted` (made from the group's first rank's graph) with this rank's
+    tensor sizes, from `graph`, this rank's captured step: FSDP2's later
+    shards may be shorter or empty. A recomputed op's outputs are copies of
+    its original's, so they take those sizes. Without data parallelism the
+    two agree and `fitted` comes back as it is."""
+    size = {t["id"]: t["size"] for t in graph["tensors"]}
+    ops = {op["id"]: op for op in graph["ops"]}
+    for op in fitted["ops"]:
+        at = op["id"].find(_RECOMPUTE)
+        was = ops.get(op["id"][at + len(_RECOMPUTE):]) if at >= 0 else None
+        if was is not None:
+            for a, b in zip(was.get("outputs", []), op.get("outputs", [])):
+                size.setdefault(b, size.get(a))
+    if all(size.get(t["id"]) in (None, t["size"]) for t in fitted["tensors"]):
+        return fitted
+    tensors = [dict(t, size=size[t["id"]]) if size.get(t["id"]) is not None else t for t in fitted["tensors"]]
+    return dict(fitted, tensors=tensors)
 
 
 def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitted: Dict[str, Any]):
