@@ -107,6 +107,28 @@ class HuggingFaceSplitSteps(unittest.TestCase):
         _checked(step)
 
 
+    def test_split_then_fitted(self):
+        """``capture(split=..., max_added=...)``: the fit starts from the
+        split step (recomputing its chunks' ops too) and goes below both."""
+        torch.manual_seed(0)
+        m0 = _hf_models()[1][1]()
+        b = torch.randint(0, 1000, (2, 32))
+        arena, losses = {}, {}
+        for key, kw in (("split", {"split": 4}), ("fit", {"max_added": 0.001}),
+                        ("both", {"split": 4, "max_added": 0.001})):
+            m = copy.deepcopy(m0)
+            step = mt.capture(m, torch.optim.AdamW(m.parameters()), b, _hf_loss, **kw)
+            losses[key] = float(step.run(b, track=True))
+            self.assertEqual(step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"])
+            _checked(step)
+            arena[key] = step.plan["arena_bytes"]
+            if key == "both":
+                self.assertEqual(step.split["chunks"], 4)
+                self.assertGreater(len(step.fitted["recomputed_ops"]), 0)
+        self.assertLess(arena["both"], min(arena["split"], arena["fit"]))
+        self.assertAlmostEqual(losses["both"], losses["fit"], delta=1e-5 * abs(losses["fit"]))
+
+
 class NotSeparable(unittest.TestCase):
     def test_soft_capped_logits_are_not_split(self):
         """A pointwise op between the logits and the loss has no rule
