@@ -94,6 +94,17 @@ class HuggingFaceSplitSteps(unittest.TestCase):
     def test_in_the_arena(self):
         self._compare(_hf_models()[2][1], _hf_loss, 3, LOSS_RTOL_F32, PARAM_RTOL_F32, arena=True)
 
+    def test_soft_capped_logits(self):
+        """Pointwise ops between the logits and the loss (Gemma 2's
+        soft-capping: divide, tanh, multiply; and their backward ops) are
+        split with the chain."""
+        def capped(model, b):
+            logits = 30.0 * torch.tanh(model(input_ids=b).logits / 30.0)
+            labels = F.pad(b, (0, 1), value=-100)[:, 1:]  # shifted as Hugging Face's loss shifts them
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+        self._compare(_hf_models()[1][1], capped, 3, LOSS_RTOL_F32, PARAM_RTOL_F32)
+
     def test_auto_picks_a_count_that_lowers_the_arena(self):
         torch.manual_seed(0)
         m = _hf_models()[1][1]()
@@ -130,24 +141,25 @@ class HuggingFaceSplitSteps(unittest.TestCase):
 
 
 class NotSeparable(unittest.TestCase):
-    def test_soft_capped_logits_are_not_split(self):
-        """A pointwise op between the logits and the loss has no rule
-        here: the chain is refused by name and the step runs as captured."""
+    def test_a_reduction_over_the_logits_is_not_split(self):
+        """An op that sums over rows has no rule: the chain is refused by
+        name and the step runs as captured."""
         torch.manual_seed(0)
         m = _hf_models()[1][1]()
         eager = copy.deepcopy(m)
 
-        def capped(model, b):
-            logits = 30.0 * torch.tanh(model(input_ids=b).logits / 30.0)
-            return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+        def with_z_loss(model, b):
+            logits = model(input_ids=b).logits
+            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+            return ce + 1e-4 * logits.pow(2).mean()
 
         b = torch.randint(0, 1000, (2, 16))
-        step = mt.capture(m, torch.optim.SGD(m.parameters(), lr=0.1), b, capped, split="auto")
+        step = mt.capture(m, torch.optim.SGD(m.parameters(), lr=0.1), b, with_z_loss, split="auto")
         self.assertEqual(step.split["chunks"], 1)
         self.assertFalse(any("split_of" in op.get("attrs", {}) for op in step.graph["ops"]))
         self.assertTrue(any("no rule" in c.get("refused", "") for c in step.split["chains"]), step.split)
         eopt = torch.optim.SGD(eager.parameters(), lr=0.1)
-        le = capped(eager, b)
+        le = with_z_loss(eager, b)
         le.backward()
         eopt.step()
         self.assertLessEqual(abs(float(step(b)) - float(le)), 1e-5 * abs(float(le)))

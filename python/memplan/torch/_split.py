@@ -14,7 +14,7 @@ rows are joined), written per aten op:
 |---|---|
 | ``mm(y, H)`` (the seed: ``y [R, C]``, output ``[R, V]``, ``V > C``) | ``mm(y[r0:r1], H)`` |
 | ``view``, ``_unsafe_view``, ``reshape``, ``alias``, ``detach`` keeping the last dimension | nothing: the chunk is the same tensor |
-| ``_to_copy`` | on the chunk |
+| ``_to_copy``; any op tagged ``pointwise`` whose other operands are scalars or chunks (a soft-capping's ``div``, ``tanh``, ``mul``, and their backward ops) | on the chunk |
 | ``_log_softmax``, ``_softmax`` over the last dimension, and their backward ops | on the chunk, over its dimension 1 |
 | ``nll_loss_forward(p, target, None, mean or sum, ignore)`` | ``reduction=sum`` on the chunk's rows of ``target``; joins: the total weight is counted once, before the chunks, from ``target`` (``target != ignore``), the loss is the sum of the chunks' (divided by that count for ``mean``) |
 | ``nll_loss_backward(g, p, target, None, r, ignore, total_weight)`` | on the chunk, with the whole step's total weight |
@@ -36,7 +36,8 @@ product reads, is not held past the gradient's completion: under FSDP2
 that is a gathered weight).
 
 What does not match is left as it was: a reader of a chunked tensor that
-no rule covers (anything that might mix rows), a weighted loss, a loss
+no rule covers (anything that might mix rows: a reduction, an operand
+that is not a scalar and could broadcast along the rows), a weighted loss, a loss
 without reduction, an in-place write to a chunked tensor. The chunked
 tensors of the original keep their place in the tensor list with zero
 bytes (every other tensor keeps its index: the step's bound tensors, loss
@@ -55,7 +56,7 @@ import heapq
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._record import Call, Layout, Ref
 
@@ -245,7 +246,29 @@ class _Chain:
                 self.joins[outs[0]] = "sum"
                 return "reduce"
             raise NotSplit(f"{why} mixes rows")
+        if self._pointwise(c, chunked, outs):
+            self.state[outs[0]] = ROWS
+            return "rows"
         raise NotSplit(f"{why} reads a chunked tensor and has no rule")
+
+    def _pointwise(self, c: Call, chunked: List[int], outs: List[int]) -> bool:
+        """An elementwise op (PyTorch's ``pointwise`` tag: a soft-capping's
+        ``div``, ``tanh``, ``mul``; ``tanh_backward``) whose tensor operands
+        are chunks of the same rows or scalars (0-d), making one tensor of
+        the chunks' shape: row ``r`` of it reads row ``r`` of each operand."""
+        func = c.func
+        if not isinstance(func, torch._ops.OpOverload) or torch.Tag.pointwise not in func.tags:
+            return False
+        if len(outs) != 1 or any(self.state.get(i) != ROWS for i in chunked):
+            return False
+        g = self.g
+        if any(isinstance(x, Ref) and x.index in self.state for x in tree_flatten(c.kwargs)[0]):
+            return False  # (a chunk is passed by position only, below)
+        for x in tree_flatten((c.args, c.kwargs))[0]:
+            if isinstance(x, Ref) and x.index not in self.state and g.shape(x.index) != []:
+                return False  # an operand that is not a scalar could broadcast along the rows
+        shape = g.shape(outs[0])
+        return _width(shape) == self.width and _numel(shape) == self.rows * self.width
 
 
 def find_seeds(graph: Dict[str, Any], calls: Sequence[Call], layouts: Sequence[Layout]) -> List[int]:
