@@ -26,65 +26,11 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
 use std::fmt;
 
+// The error type lives with the crate's other errors (`crate::error`), so
+// `Error` wraps it without depending on the checker.
+pub use crate::error::CheckError;
 use crate::graph::{Graph, Lifetime, OpId, TensorId};
 use crate::plan::Plan;
-
-/// What is wrong with a plan.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CheckError {
-    #[error("the order has {got} ops, the graph {want}")]
-    OrderLength { got: usize, want: usize },
-    #[error("the order names op index {0} which the graph does not have")]
-    UnknownOp(u32),
-    #[error("op {0:?} appears twice in the order")]
-    DuplicateOp(String),
-    #[error(
-        "op {op:?} runs at step {op_step} but depends on {dep:?}, which runs at step {dep_step}"
-    )]
-    Dependency {
-        op: String,
-        dep: String,
-        op_step: usize,
-        dep_step: usize,
-    },
-    #[error("the plan has {got} offsets, the graph {want} tensors")]
-    OffsetsLength { got: usize, want: usize },
-    #[error("tensor {0:?} occupies memory but has no offset")]
-    MissingOffset(String),
-    #[error("tensor {0:?} owns no bytes (a view or zero-sized) but has an offset")]
-    NeedlessOffset(String),
-    #[error("tensor {tensor:?}: offset {offset} is not a multiple of its alignment {align}")]
-    Misaligned {
-        tensor: String,
-        offset: u64,
-        align: u64,
-    },
-    #[error("tensor {tensor:?}: bytes [{offset}, {end}) pass the end of the arena ({arena} bytes)")]
-    OutsideArena {
-        tensor: String,
-        offset: u64,
-        end: u128,
-        arena: u64,
-    },
-    #[error("reuse {output:?} <- {input:?}: {why}")]
-    BadReuse {
-        output: String,
-        input: String,
-        why: String,
-    },
-    #[error(
-        "tensors {a:?} [{a_off}, {a_end}) and {b:?} [{b_off}, {b_end}) share bytes while both live at step {step}"
-    )]
-    Overlap {
-        a: String,
-        a_off: u64,
-        a_end: u64,
-        b: String,
-        b_off: u64,
-        b_end: u64,
-        step: usize,
-    },
-}
 
 /// A summary of a plan that passed.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -108,7 +108,7 @@ pub enum Error {
         source: PlanFormatError,
     },
     #[error("the plan is invalid: {0}")]
-    Check(#[from] crate::checker::CheckError),
+    Check(#[from] CheckError),
     #[error("unknown example {name:?}; known examples: {known}")]
     UnknownExample { name: String, known: String },
     #[error("{0}")]
@@ -152,3 +152,61 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What is wrong with a plan, as the plan checker finds it. Every variant
+/// names the op or tensor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckError {
+    #[error("the order has {got} ops, the graph {want}")]
+    OrderLength { got: usize, want: usize },
+    #[error("the order names op index {0} which the graph does not have")]
+    UnknownOp(u32),
+    #[error("op {0:?} appears twice in the order")]
+    DuplicateOp(String),
+    #[error(
+        "op {op:?} runs at step {op_step} but depends on {dep:?}, which runs at step {dep_step}"
+    )]
+    Dependency {
+        op: String,
+        dep: String,
+        op_step: usize,
+        dep_step: usize,
+    },
+    #[error("the plan has {got} offsets, the graph {want} tensors")]
+    OffsetsLength { got: usize, want: usize },
+    #[error("tensor {0:?} occupies memory but has no offset")]
+    MissingOffset(String),
+    #[error("tensor {0:?} owns no bytes (a view or zero-sized) but has an offset")]
+    NeedlessOffset(String),
+    #[error("tensor {tensor:?}: offset {offset} is not a multiple of its alignment {align}")]
+    Misaligned {
+        tensor: String,
+        offset: u64,
+        align: u64,
+    },
+    #[error("tensor {tensor:?}: bytes [{offset}, {end}) pass the end of the arena ({arena} bytes)")]
+    OutsideArena {
+        tensor: String,
+        offset: u64,
+        end: u128,
+        arena: u64,
+    },
+    #[error("reuse {output:?} <- {input:?}: {why}")]
+    BadReuse {
+        output: String,
+        input: String,
+        why: String,
+    },
+    #[error(
+        "tensors {a:?} [{a_off}, {a_end}) and {b:?} [{b_off}, {b_end}) share bytes while both live at step {step}"
+    )]
+    Overlap {
+        a: String,
+        a_off: u64,
+        a_end: u64,
+        b: String,
+        b_off: u64,
+        b_end: u64,
+        step: usize,
+    },
+}

@@ -6,8 +6,8 @@
 //! # Crate map
 //! - [`graph`]: the graph model (ops, tensors, views, in-place updates, reuse
 //!   hints) and [`graph::GraphBuilder`] to make one in code.
-//! - [`io`]: graph files (memplan JSON, gzip); [`plan`]: the plan and its
-//!   JSON form.
+//! - [`io`]: graph and plan files (memplan JSON, gzip; the plan's JSON form
+//!   in [`io::plan_json`]); [`plan`]: the plan.
 //! - [`checker`]: the independent plan checker.
 //! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
 //!   the allocator (`memplan-allocator`, offsets).

@@ -8,6 +8,7 @@
 pub mod hlo;
 pub mod json;
 pub mod nx;
+pub mod plan_json;
 
 use std::io::Read;
 use std::path::Path;
