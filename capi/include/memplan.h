@@ -46,6 +46,36 @@ int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double 
 int memplan_fit_within(const char *graph_json, double max_added, double time_limit_seconds,
                        const char *minimise, char **out);
 
+/* The step at batch size `batch`, from the same step captured at two batch
+ * sizes: `graph1_json` at `batch1` and `graph2_json` at `batch2` (0: the
+ * batch that graph's metadata records as "batch", as memplan export and
+ * memplan.torch.capture write it). Sizes, shapes, FLOPs, costs and numeric
+ * op attributes follow the line through the two captures (docs/fit.md,
+ * "Largest batch"); `batch` 0 gives the line's intercept. On success *out
+ * is the graph document at `batch`, its metadata recording "batch" and
+ * "extrapolated_from_batches". Errors: a
+ * negative batch; two equal batch sizes (or a 0 whose graph records none);
+ * captures that differ in structure, or a size that shrinks with the batch
+ * or grows by a fraction of a byte per sample (the tensor is named); a
+ * size below 0 or above 2^64 - 1 bytes at `batch`. Capture at two sizes
+ * above 1: PyTorch can trace batch 1 differently. */
+int memplan_at_batch(const char *graph1_json, long long batch1, const char *graph2_json,
+                     long long batch2, long long batch, char **out);
+
+/* The largest batch whose step fits `budget_bytes`, from two captures as
+ * for memplan_at_batch, three ways: PyTorch eager (its caching allocator
+ * simulated over program order), memplan's plan without recomputation, and
+ * memplan_fit's recomputation. On success *out is {"eager", "planned",
+ * "fitted", "cap", "budget_bytes"}: each a batch size, 0 where not even
+ * batch 1 fits (not an error); one equal to "cap" (65536) means "at least".
+ * Each trial plan or fit gets `probe_time_seconds` (a time limit as for
+ * memplan_plan; plans without recomputation at most 5 s), and a search
+ * makes a few dozen of them. The batch arguments' errors are
+ * memplan_at_batch's. */
+int memplan_max_batch(const char *graph1_json, long long batch1, const char *graph2_json,
+                      long long batch2, unsigned long long budget_bytes,
+                      double probe_time_seconds, char **out);
+
 /* A built-in example step as a graph document, `spec` written as for
  * `memplan bench`: "NAME[,batch=N,seq=N,layers=N,dtype=T,clip=X,world=N,
  * prefetch=N,noreshard,flat,reduce=bf16,checkpoint,fused,mixed]", e.g.

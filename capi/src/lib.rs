@@ -164,6 +164,65 @@ pub unsafe extern "C" fn memplan_fit_within(
     }
 }
 
+/// A batch size argument: 0 or more (0: the batch the graph's metadata
+/// records, where the function allows it), never negative.
+fn batch_size(n: i64, what: &str) -> Result<u64, String> {
+    u64::try_from(n).map_err(|_| format!("{what} must be 0 or more, got {n}"))
+}
+
+/// The step at `batch` from two captures at `batch1` and `batch2`; see
+/// `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_at_batch(
+    graph1_json: *const c_char,
+    batch1: i64,
+    graph2_json: *const c_char,
+    batch2: i64,
+    batch: i64,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g1 = text(graph1_json, "graph1_json")?;
+            let g2 = text(graph2_json, "graph2_json")?;
+            let (b1, b2) = (batch_size(batch1, "batch1")?, batch_size(batch2, "batch2")?);
+            let b = batch_size(batch, "batch")?;
+            memplan::api::graph_at_batch_json(g1, b1, g2, b2, b).map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// The largest batch that fits `budget_bytes`, from two captures; see
+/// `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_max_batch(
+    graph1_json: *const c_char,
+    batch1: i64,
+    graph2_json: *const c_char,
+    batch2: i64,
+    budget_bytes: u64,
+    probe_time_seconds: f64,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g1 = text(graph1_json, "graph1_json")?;
+            let g2 = text(graph2_json, "graph2_json")?;
+            let (b1, b2) = (batch_size(batch1, "batch1")?, batch_size(batch2, "batch2")?);
+            memplan::api::max_batch_json(g1, b1, g2, b2, budget_bytes, probe_time_seconds)
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
 /// Frees a string returned by this library.
 ///
 /// # Safety
