@@ -6,8 +6,8 @@ use std::ffi::{CStr, CString, c_char};
 use std::ptr;
 
 use memplan_capi::{
-    memplan_check, memplan_example, memplan_fit, memplan_fit_within, memplan_plan,
-    memplan_string_free, memplan_version,
+    memplan_at_batch, memplan_check, memplan_example, memplan_fit, memplan_fit_within,
+    memplan_max_batch, memplan_plan, memplan_string_free, memplan_version,
 };
 
 fn take(p: *mut c_char) -> String {
@@ -138,6 +138,286 @@ fn fits_through_the_c_abi() {
     assert!(take(out).contains("share of the step's cost"));
 }
 
+/// `REMAT` at batch `b`: every size `b` times its own, the batch recorded
+/// in the metadata. Planned, its arena is 14,336·b bytes (`x`, `h`, `y`
+/// and `s` at `g2`); recomputing `f` lowers it to 13,312·b (`x`, `h` and
+/// `y` at `g`).
+fn remat_at(b: u64) -> String {
+    let mut v: serde_json::Value = serde_json::from_str(REMAT).unwrap();
+    for t in v["tensors"].as_array_mut().unwrap() {
+        t["size"] = (t["size"].as_u64().unwrap() * b).into();
+    }
+    v["metadata"] = serde_json::json!({ "batch": b });
+    v.to_string()
+}
+
+fn json(rc: i32, out: *mut c_char) -> serde_json::Value {
+    let text = take(out);
+    assert_eq!(rc, 0, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn error(rc: i32, out: *mut c_char) -> String {
+    let text = take(out);
+    assert_eq!(rc, 1, "expected an error, got {text}");
+    text
+}
+
+/// Two captures make the step at any batch (the batch sizes given or read
+/// from the metadata), and the largest batch that fits a budget three ways.
+#[test]
+fn batches_through_the_c_abi() {
+    let (g2, g3) = (
+        CString::new(remat_at(2)).unwrap(),
+        CString::new(remat_at(3)).unwrap(),
+    );
+    let mut out = ptr::null_mut();
+    // SAFETY: valid strings and out pointer.
+    let at = json(
+        unsafe { memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 16, &mut out) },
+        out,
+    );
+    let want: serde_json::Value = serde_json::from_str(&remat_at(16)).unwrap();
+    for (t, w) in at["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(want["tensors"].as_array().unwrap())
+    {
+        assert_eq!((&t["id"], &t["size"]), (&w["id"], &w["size"]), "{at}");
+    }
+    assert_eq!(at["metadata"]["batch"], 16);
+    assert_eq!(
+        at["metadata"]["extrapolated_from_batches"],
+        serde_json::json!([2, 3])
+    );
+    // 0: the batch each graph records; the same step.
+    let at0 = json(
+        unsafe { memplan_at_batch(g2.as_ptr(), 0, g3.as_ptr(), 0, 16, &mut out) },
+        out,
+    );
+    assert_eq!(at0, at);
+    // Batch 0 is the line's intercept, as in the Rust and Python APIs:
+    // here every size is per sample, so every tensor has 0 bytes.
+    let zero = json(
+        unsafe { memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 0, &mut out) },
+        out,
+    );
+    assert!(
+        zero["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["size"] == 0),
+        "{zero}"
+    );
+    assert_eq!(zero["metadata"]["batch"], 0);
+    // The extrapolated step plans as the one built at that batch would.
+    let atc = CString::new(at.to_string()).unwrap();
+    let plan = json(unsafe { memplan_plan(atc.as_ptr(), 1.0, &mut out) }, out);
+    let wc = CString::new(remat_at(16)).unwrap();
+    let direct = json(unsafe { memplan_plan(wc.as_ptr(), 1.0, &mut out) }, out);
+    assert_eq!(plan["arena_bytes"], direct["arena_bytes"]);
+
+    // The largest batch: 10.5 batches' arenas fit batch 10 planned, and
+    // 11 with recomputation (11 · 13,312 bytes); the budget is far below
+    // the caching allocator's first 2 MiB segment, so eager fits none.
+    let b1 = CString::new(remat_at(1)).unwrap();
+    let one = json(unsafe { memplan_plan(b1.as_ptr(), 1.0, &mut out) }, out);
+    let per = one["arena_bytes"].as_u64().unwrap();
+    assert_eq!(per, 14336);
+    let budget = 10 * per + per / 2;
+    let r = json(
+        unsafe { memplan_max_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, budget, 1.0, &mut out) },
+        out,
+    );
+    assert_eq!(r["planned"], 10, "{r}");
+    assert_eq!(r["fitted"], 11, "{r}");
+    assert_eq!(r["eager"], 0, "{r}");
+    assert_eq!(r["budget_bytes"], budget);
+    assert_eq!(r["cap"], 65536);
+    // Batch sizes from the metadata give the same answer.
+    let r0 = json(
+        unsafe { memplan_max_batch(g2.as_ptr(), 0, g3.as_ptr(), 0, budget, 1.0, &mut out) },
+        out,
+    );
+    assert_eq!(r0, r);
+    // 4 MiB: the caching allocator's segments fit some batches too.
+    let r = json(
+        unsafe { memplan_max_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 4 << 20, 1.0, &mut out) },
+        out,
+    );
+    assert_eq!(r["planned"], (4 << 20) / per, "{r}");
+    assert!(r["eager"].as_u64().unwrap() >= 1, "{r}");
+    assert!(r["fitted"].as_u64() > r["planned"].as_u64(), "{r}");
+    // A budget below anything: batch 0 every way, not an error.
+    let r = json(
+        unsafe { memplan_max_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 16, 1.0, &mut out) },
+        out,
+    );
+    assert_eq!(
+        (&r["eager"], &r["planned"], &r["fitted"]),
+        (
+            &serde_json::json!(0),
+            &serde_json::json!(0),
+            &serde_json::json!(0)
+        ),
+        "{r}"
+    );
+}
+
+#[test]
+fn bad_batch_input_is_a_message_never_a_crash() {
+    let (g2, g3) = (
+        CString::new(remat_at(2)).unwrap(),
+        CString::new(remat_at(3)).unwrap(),
+    );
+    let mut out = ptr::null_mut();
+    // SAFETY: valid pointers; null arguments and bytes that are not UTF-8
+    // are part of what is tested.
+    unsafe {
+        let e = error(
+            memplan_at_batch(ptr::null(), 2, g3.as_ptr(), 3, 8, &mut out),
+            out,
+        );
+        assert_eq!(e, "graph1_json is NULL");
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, ptr::null(), 3, 8, &mut out),
+            out,
+        );
+        assert_eq!(e, "graph2_json is NULL");
+        let e = error(
+            memplan_max_batch(ptr::null(), 2, g3.as_ptr(), 3, 1 << 20, 1.0, &mut out),
+            out,
+        );
+        assert_eq!(e, "graph1_json is NULL");
+        let e = error(
+            memplan_max_batch(g2.as_ptr(), 2, ptr::null(), 3, 1 << 20, 1.0, &mut out),
+            out,
+        );
+        assert_eq!(e, "graph2_json is NULL");
+        assert_eq!(
+            memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 8, ptr::null_mut()),
+            1
+        );
+        assert_eq!(
+            memplan_max_batch(
+                g2.as_ptr(),
+                2,
+                g3.as_ptr(),
+                3,
+                1 << 20,
+                1.0,
+                ptr::null_mut()
+            ),
+            1
+        );
+        let latin1 = CString::new(vec![b'{', 0xe9, b'}']).unwrap();
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, latin1.as_ptr(), 3, 8, &mut out),
+            out,
+        );
+        assert!(e.starts_with("graph2_json is not UTF-8"), "{e}");
+        let e = error(
+            memplan_max_batch(latin1.as_ptr(), 2, g3.as_ptr(), 3, 1 << 20, 1.0, &mut out),
+            out,
+        );
+        assert!(e.starts_with("graph1_json is not UTF-8"), "{e}");
+
+        // Invalid JSON: the document is named.
+        let bad = CString::new("{\"format\": \"memplan-graph\"").unwrap();
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, bad.as_ptr(), 3, 8, &mut out),
+            out,
+        );
+        assert!(e.contains("<graph at the second batch>"), "{e}");
+        let e = error(
+            memplan_max_batch(bad.as_ptr(), 2, g3.as_ptr(), 3, 1 << 20, 1.0, &mut out),
+            out,
+        );
+        assert!(e.contains("<graph at the first batch>"), "{e}");
+
+        // Equal, negative and unrecorded batch sizes.
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 2, 8, &mut out),
+            out,
+        );
+        assert!(
+            e.contains("two different positive batch sizes, got 2 and 2"),
+            "{e}"
+        );
+        let e = error(
+            memplan_max_batch(g2.as_ptr(), 3, g3.as_ptr(), 3, 1 << 20, 1.0, &mut out),
+            out,
+        );
+        assert!(
+            e.contains("two different positive batch sizes, got 3 and 3"),
+            "{e}"
+        );
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 0, g2.as_ptr(), 0, 8, &mut out),
+            out,
+        );
+        assert!(
+            e.contains("two different positive batch sizes, got 2 and 2"),
+            "{e}"
+        );
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), -2, g3.as_ptr(), 3, 8, &mut out),
+            out,
+        );
+        assert_eq!(e, "batch1 must be 0 or more, got -2");
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), -3, 8, &mut out),
+            out,
+        );
+        assert_eq!(e, "batch2 must be 0 or more, got -3");
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, -1, &mut out),
+            out,
+        );
+        assert_eq!(e, "batch must be 0 or more, got -1");
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, i64::MIN, &mut out),
+            out,
+        );
+        assert!(e.starts_with("batch must be 0 or more"), "{e}");
+        let e = error(
+            memplan_max_batch(g2.as_ptr(), -1, g3.as_ptr(), 3, 1 << 20, 1.0, &mut out),
+            out,
+        );
+        assert_eq!(e, "batch1 must be 0 or more, got -1");
+        let bare = CString::new(GRAPH).unwrap();
+        let e = error(
+            memplan_at_batch(bare.as_ptr(), 0, g3.as_ptr(), 3, 8, &mut out),
+            out,
+        );
+        assert!(e.contains("records no \"batch\""), "{e}");
+        // Different steps, by the element where they differ.
+        let e = error(
+            memplan_at_batch(bare.as_ptr(), 2, g3.as_ptr(), 3, 8, &mut out),
+            out,
+        );
+        assert!(e.contains("differ"), "{e}");
+
+        // A size that would pass 2^64 - 1 bytes at a huge batch.
+        let e = error(
+            memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, i64::MAX, &mut out),
+            out,
+        );
+        assert!(e.contains("bytes at batch 9223372036854775807"), "{e}");
+
+        // The probe time follows the one time-limit rule.
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let e = error(
+                memplan_max_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 1 << 20, bad, &mut out),
+                out,
+            );
+            assert!(e.contains("probe time"), "{bad}: {e}");
+        }
+    }
+}
+
 #[test]
 fn bad_input_is_a_message_never_a_crash() {
     let mut out = ptr::null_mut();
@@ -213,7 +493,13 @@ fn a_c_program_plans_and_checks() {
         .status()
         .unwrap_or_else(|e| panic!("cannot run the C compiler {cc:?}: {e}"));
     assert!(status.success(), "smoke.c did not compile");
-    let out = Command::new(&exe).output().unwrap();
+    // cargo's LD_LIBRARY_PATH lists target/<profile> too, where an older
+    // `cargo build -p memplan-capi` may have left a stale library that
+    // would win over the rpath: the one built for this test goes first.
+    let out = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", &deps)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -221,4 +507,5 @@ fn a_c_program_plans_and_checks() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("plan ok"), "{text}");
+    assert!(text.contains("at_batch ok"), "{text}");
 }
