@@ -46,8 +46,15 @@ def _text(doc, what):
     if isinstance(doc, dict):
         try:
             return json.dumps(doc, allow_nan=False)
+        except RecursionError:
+            raise MemplanError(f"{what} is nested too deeply to be a JSON document") from None
         except ValueError:
-            raise MemplanError(f"{_first_non_finite(doc, what)}: sizes, costs and attributes must be finite "
+            where = _first_non_finite(doc, what)
+            if where is None:
+                # json.dumps' other ValueError: a dict or list inside itself.
+                raise MemplanError(f"{what} contains itself (a circular reference): "
+                                   "it cannot be written as JSON") from None
+            raise MemplanError(f"{where}: sizes, costs and attributes must be finite "
                                "numbers (JSON has no NaN or infinity)") from None
     if isinstance(doc, (str, os.PathLike)):
         path = os.fspath(doc)
@@ -103,25 +110,47 @@ def _budget(budget, what="budget"):
         raise MemplanError(f"{what} must be a number of bytes (an int, or a string such as '24GiB'), "
                            f"not {budget!r}")
     if not 0 <= budget < 2 ** 64:
-        raise MemplanError(f"{what} must be between 0 and 2**64 - 1 bytes, not {budget}")
+        raise MemplanError(f"{what} must be between 0 and 2**64 - 1 bytes, not {_shown(budget)}")
     return budget
 
 
-def _seconds(time_limit):
+def _shown(x):
+    """`repr(x)` for a message; a huge int by its size (`str` refuses ints
+    of more than 4300 digits, and a message need not hold them)."""
+    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 128:
+        return f"{'a negative' if x < 0 else 'an'} int of {x.bit_length()} bits"
+    return repr(x)
+
+
+def _seconds(time_limit, what="time_limit"):
     """A time limit as a float; memplan's core checks its range."""
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)):
-        raise MemplanError(f"time_limit must be a number of seconds, not {time_limit!r}")
-    return float(time_limit)
+        raise MemplanError(f"{what} must be a number of seconds, not {time_limit!r}")
+    try:
+        return float(time_limit)
+    except OverflowError:
+        # An int beyond any float: beyond the core's limit too.
+        raise MemplanError(f"{what} must be at most 1e9 seconds (about 31 years), "
+                           f"got {_shown(time_limit)}") from None
 
 
 def _first_non_finite(doc, path="graph"):
-    """The path of the first NaN or infinite number in `doc`, or None."""
+    """The path of the first NaN or infinite number in `doc`, or None.
+    Each dict and list is visited once (a document may contain itself)."""
     stack = [(path, doc)]
+    seen = set()
     while stack:
         where, x = stack.pop()
         if isinstance(x, float) and not math.isfinite(x):
             return f"{where} is {x}"
+        if isinstance(x, (dict, list, tuple)):
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
         if isinstance(x, dict):
+            for k in x:
+                if isinstance(k, float) and not math.isfinite(k):
+                    return f"{where} has the key {k}"
             stack.extend((f"{where}.{k}", v) for k, v in reversed(list(x.items())))
         elif isinstance(x, (list, tuple)):
             stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(x))))
@@ -131,10 +160,20 @@ def _first_non_finite(doc, path="graph"):
 def _share(max_added):
     if isinstance(max_added, bool) or not isinstance(max_added, (int, float)):
         raise MemplanError(f"max_added must be a number (0.001 for 0.1%), not {max_added!r}")
-    if not math.isfinite(max_added) or max_added < 0:
+    try:
+        share = float(max_added)
+    except OverflowError:
+        share = math.inf
+    if not math.isfinite(share) or share < 0:
         raise MemplanError("max_added must be a share of the step's cost, 0 or more "
-                         f"(0.001 for 0.1%), not {max_added!r}")
-    return float(max_added)
+                         f"(0.001 for 0.1%), not {_shown(max_added)}")
+    return share
+
+
+def _objective(minimise):
+    if not isinstance(minimise, str):
+        raise MemplanError(f"minimise must be 'time' or 'flops', not {_shown(minimise)}")
+    return minimise
 
 
 def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None):
@@ -161,9 +200,9 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None)
         raise TypeError("give either budget (bytes) or max_added (a share of the step's cost)")
     if max_added is not None:
         return _call(_memplan.fit_within_json, _text(graph, "graph"), _share(max_added),
-                     _seconds(time_limit), str(minimise))
+                     _seconds(time_limit), _objective(minimise))
     return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), _seconds(time_limit),
-                 str(minimise))
+                 _objective(minimise))
 
 
 def example(spec):
@@ -174,7 +213,9 @@ def example(spec):
     rank's step of Llama 3 8B under FSDP2 (per-parameter shards) with mixed
     precision and activation checkpointing; ``flat`` shards FSDP1-style.
     """
-    return _call(_memplan.example_json, str(spec))
+    if not isinstance(spec, str):
+        raise MemplanError(f"spec must be a string such as 'gpt2-tiny,batch=2', not {_shown(spec)}")
+    return _call(_memplan.example_json, spec)
 
 
 def _count(n, what):
@@ -182,7 +223,7 @@ def _count(n, what):
     if isinstance(n, bool) or not isinstance(n, int):
         raise MemplanError(f"{what} must be a whole number, not {n!r}")
     if not 0 <= n < 2 ** 64:
-        raise MemplanError(f"{what} must be between 0 and 2**64 - 1, not {n}")
+        raise MemplanError(f"{what} must be between 0 and 2**64 - 1, not {_shown(n)}")
     return n
 
 
@@ -220,4 +261,4 @@ def max_batch(graph1, graph2, budget, batches=None, probe_time=5.0):
     """
     b1, b2 = _batches(batches)
     return _call(_memplan.max_batch_json, _text(graph1, "graph1"), b1, _text(graph2, "graph2"),
-                 b2, _budget(budget), _seconds(probe_time))
+                 b2, _budget(budget), _seconds(probe_time, "probe_time"))
