@@ -288,15 +288,28 @@ where
         ));
     }
     let comms = ThreadComm::group(world);
+    let mut unstarted = None;
     let results: Vec<Result<R>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                let f = &f;
-                s.spawn(move || f(rank, comm))
-            })
-            .collect();
+        // A rank whose thread cannot start (the system's limit on threads
+        // or memory for their stacks) is an error, not a panic: its
+        // endpoint and the later ones are dropped, which ends the started
+        // ranks' collectives with PEER_FAILED.
+        let mut handles = Vec::new();
+        for (rank, comm) in comms.into_iter().enumerate() {
+            let f = &f;
+            match std::thread::Builder::new().spawn_scoped(s, move || f(rank, comm)) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    unstarted = Some(RuntimeError::Unavailable(
+                        "a thread for each rank",
+                        format!(
+                            "rank {rank} of a world of {world} could not start its thread: {e}"
+                        ),
+                    ));
+                    break;
+                }
+            }
+        }
         handles
             .into_iter()
             .enumerate()
@@ -314,6 +327,9 @@ where
             })
             .collect()
     });
+    if let Some(e) = unstarted {
+        return Err(e);
+    }
     let mut first_err = None;
     let mut out = Vec::with_capacity(world);
     for r in results {

@@ -243,7 +243,9 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
         ex.initialize(cfg.init_seed)?;
         ex.set_profiling(cfg.profile && rank == 0);
         let batch = synthetic_batch(p, cfg.data_seed, rank)?;
-        let mut steps = Vec::with_capacity(cfg.steps);
+        // Not `with_capacity(cfg.steps)`: the count is the user's (`--steps`)
+        // and may be beyond any allocation.
+        let mut steps = Vec::new();
         let mut profile = Profile::default();
         for s in 0..cfg.steps {
             for (t, d) in &batch {

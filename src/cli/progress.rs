@@ -43,7 +43,9 @@ fn watch_with(
 ) -> ProgressGuard {
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
-    let handle = std::thread::spawn(move || {
+    // The bar is a nicety: where no thread can start (the system's limit
+    // on threads, or on memory for their stacks) the solve runs without it.
+    let handle = std::thread::Builder::new().spawn(move || {
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(1) {
             if flag.load(Ordering::Relaxed) {
@@ -75,7 +77,7 @@ fn watch_with(
     });
     ProgressGuard {
         stop,
-        handle: Some(handle),
+        handle: handle.ok(),
     }
 }
 

@@ -842,7 +842,8 @@ fn one_rank(
     ex.set_profiling(cfg.profile && rank == 0)?;
     let batch = synthetic_batch(p, cfg.data_seed, rank)?;
     let losses = loss_tensors(p);
-    let mut steps = Vec::with_capacity(cfg.steps);
+    // Not `with_capacity(cfg.steps)`: the count is the user's (`--steps`).
+    let mut steps = Vec::new();
     let mut profile = Profile::default();
     for s in 0..cfg.steps {
         for (t, d) in &batch {
