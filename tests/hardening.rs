@@ -387,3 +387,31 @@ fn compare_on_an_xla_module_names_xla_as_the_baseline() {
         "{out}"
     );
 }
+
+#[test]
+fn a_cpu_world_size_beyond_the_thread_limit_is_refused_up_front() {
+    // One thread per rank: 65,536 ranks used to take seconds and gigabytes
+    // before the system refused a thread (a panic before that was fixed).
+    let t0 = std::time::Instant::now();
+    let (_, err) = exits(
+        1,
+        &[
+            "run",
+            "--example",
+            "mlp",
+            "--world-size",
+            "65536",
+            "--steps",
+            "1",
+        ],
+    );
+    assert!(
+        err.contains("more ranks than the CPU executor runs (1024)"),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(60),
+        "{:?}",
+        t0.elapsed()
+    );
+}

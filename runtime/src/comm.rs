@@ -274,6 +274,11 @@ impl Communicator<[f32]> for ThreadComm {
     }
 }
 
+/// The most ranks [`run_ranks`] starts: one thread each, so a world size
+/// of tens of thousands would exhaust memory or the system's thread limit
+/// before failing.
+pub const MAX_THREAD_RANKS: usize = 1024;
+
 /// Runs `f(rank, comm)` on `world` threads, one per rank, and returns their
 /// results in rank order. If ranks fail, returns the error of the first
 /// rank that failed on its own (not because another rank did).
@@ -286,6 +291,12 @@ where
         return Err(RuntimeError::InvalidProgram(
             "world size must be at least 1".into(),
         ));
+    }
+    if world > MAX_THREAD_RANKS {
+        return Err(RuntimeError::InvalidProgram(format!(
+            "world size {world} is more ranks than the CPU executor runs ({MAX_THREAD_RANKS}): it starts one \
+             thread per rank, each with its own copy of the step's tensors"
+        )));
     }
     let comms = ThreadComm::group(world);
     let mut unstarted = None;
