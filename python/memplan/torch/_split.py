@@ -56,7 +56,7 @@ import heapq
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from ._record import Call, Layout, Ref
 
@@ -100,14 +100,8 @@ class _Graph:
         self.ops = graph["ops"]
         self.index = {t["id"]: i for i, t in enumerate(self.tensors)}
         self.index_of_op = {op["id"]: k for k, op in enumerate(self.ops)}
-        self.readers: Dict[int, List[int]] = {}
-        self.writers: Dict[int, List[int]] = {}
         self.producer: Dict[int, int] = {}
         for k, op in enumerate(self.ops):
-            for tid in op.get("inputs", []):
-                self.readers.setdefault(self.index[tid], []).append(k)
-            for tid in op.get("updates", []):
-                self.writers.setdefault(self.root(self.index[tid]), []).append(k)
             for tid in op.get("outputs", []):
                 self.producer[self.index[tid]] = k
 
@@ -118,13 +112,6 @@ class _Graph:
 
     def shape(self, i: int) -> List[int]:
         return list(self.tensors[i].get("shape") or self.layouts[i].shape)
-
-    def refs(self, k: int) -> List[int]:
-        """The tensor indices call `k` reads, in argument order."""
-        c = self.calls[k]
-        found: List[int] = []
-        tree_map(lambda x: found.append(x.index) if isinstance(x, Ref) else None, (c.args, c.kwargs))
-        return found
 
 
 def _width(shape: Sequence[int]) -> int:
@@ -308,8 +295,8 @@ def find_chains(graph: Dict[str, Any], calls: Sequence[Call], layouts: Sequence[
 class _Builder:
     """The split graph: new tensors and ops, and their calls and layouts."""
 
-    def __init__(self, g: _Graph, chain: _Chain, k: int, tag: str) -> None:
-        self.g, self.chain, self.k, self.tag = g, chain, k, tag
+    def __init__(self, g: _Graph) -> None:
+        self.g = g
         self.tensors = [dict(t) for t in g.tensors]
         self.layouts = list(g.layouts)
         # (priority, place, op, call): the priority schedules, the place
@@ -388,7 +375,7 @@ def split_step(graph: Dict[str, Any], calls: List[Call], layouts: List[Layout], 
 
 
 def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
-    b = _Builder(g, ch, k, tag)
+    b = _Builder(g)
     seed_pos = ch.seed
     slices = chunk_rows(ch.rows, k)
     nll_call = g.calls[ch.nll]
