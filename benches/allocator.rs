@@ -6,7 +6,7 @@
 //!   problem MiniMalloc solves;
 //! - `alloc/training/<graph>`: the layout of a training step in the
 //!   list-scheduled order, minimise mode with the pipeline's own settings
-//!   (`memplan::pipeline::layout_params`): built-in GPT-2 presets and the
+//!   (`memplan::layout::layout_params`): built-in GPT-2 presets and the
 //!   JAX HLO fixtures (fixtures/hlo), the PyTorch exports (fixtures/torch)
 //!   and, when ../shared/fixtures/hlo is there, XLA's optimized modules.
 //!
@@ -21,9 +21,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use memplan::layout::{LAYOUT_BACKSTOP, layout_params};
 use memplan::lower;
 use memplan::models::{ExampleOptions, example};
-use memplan::pipeline::{LAYOUT_BACKSTOP, layout_params};
 use memplan_allocator::{self as alloc, Mode, Problem, SolverParams, Status};
 use memplan_solver as solver;
 

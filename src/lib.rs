@@ -10,7 +10,8 @@
 //!   in [`io::plan_json`]); [`plan`]: the plan.
 //! - [`checker`]: the independent plan checker.
 //! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
-//!   the allocator (`memplan-allocator`, offsets).
+//!   the allocator (`memplan-allocator`, offsets); [`layout`]: one order
+//!   laid out by the allocator.
 //! - [`exec`]: a graph and its plan lowered to the executor's program
 //!   (`memplan-runtime`), and the unplanned reference.
 //! - [`fit`]: fitting a step into a memory budget by recomputation
@@ -60,6 +61,7 @@ pub mod exec;
 pub mod fit;
 pub mod graph;
 pub mod io;
+pub mod layout;
 pub mod lower;
 pub mod models;
 pub mod pipeline;

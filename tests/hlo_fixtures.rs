@@ -496,7 +496,8 @@ fn the_bound_is_never_above_what_xla_realised() {
 /// listed order, XLA's reported total) for every module in `dir` with a
 /// memory report and a schedule.
 fn estimates_of_xlas_order(dir: &Path) -> Vec<(PathBuf, u64, u64)> {
-    use memplan::io::hlo::{self, xla_estimate};
+    use memplan::baselines::xla_estimate;
+    use memplan::io::hlo;
     let mut out = Vec::new();
     for case in case_dirs(dir) {
         let path = case.join("cpu_after_optimizations.txt.gz");

@@ -142,7 +142,7 @@ ENTRY %e {
         true,
     );
     let order = g.program_order();
-    let e = memplan::io::hlo::xla_estimate::estimate(&g, order).unwrap();
+    let e = memplan::baselines::xla_estimate::estimate(&g, order).unwrap();
     // Held all step: g and w (512); then wc, t and b at b's step.
     assert_eq!(e.ceiling, 512 + 256 + 64 + 256);
     assert_eq!((e.hosted, e.hosted_bytes), (1, 64));
@@ -150,7 +150,7 @@ ENTRY %e {
     // Without the import's list of aliased parameters there is no estimate.
     let one_arena = import_with(DONATED, false);
     let order = one_arena.program_order();
-    assert!(memplan::io::hlo::xla_estimate::estimate(&one_arena, order).is_none());
+    assert!(memplan::baselines::xla_estimate::estimate(&one_arena, order).is_none());
 }
 
 #[test]

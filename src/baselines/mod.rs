@@ -22,6 +22,7 @@
 //! - every peak another tool reported for the step (e.g. `xla`), as is.
 
 pub mod caching;
+pub mod xla_estimate;
 
 use memplan_allocator as alloc;
 use memplan_solver as solver;
@@ -270,7 +271,7 @@ pub fn all(g: &Graph) -> Vec<Baseline> {
         });
         // An HLO module imported with XLA's allocations: what XLA's buffer
         // assignment is estimated to need for that order.
-        if let Some(e) = crate::io::hlo::xla_estimate::estimate(g, order) {
+        if let Some(e) = xla_estimate::estimate(g, order) {
             out.push(Baseline {
                 name: format!("{name}, xla-estimate"),
                 peak_bytes: e.total,
@@ -295,5 +296,5 @@ pub fn order_with_layout(g: &Graph, order: &[OpId], source: &str) -> Plan {
     let low = lower::lower(g, true);
     let order = Lowered::from_op_ids(order);
     let ev = solver::evaluate(&low.problem, &order);
-    crate::pipeline::layout(g, &low, &order, &ev, source)
+    crate::layout::layout(g, &low, &order, &ev, source)
 }

@@ -1,6 +1,6 @@
 //! What XLA's buffer assignment will need for an order: an estimate of its
 //! `Total bytes`, for a module imported with
-//! [`ImportOptions::xla_allocations`](super::ImportOptions).
+//! [`ImportOptions::xla_allocations`](crate::io::hlo::ImportOptions).
 //!
 //! That import holds every aliased entry parameter's bytes for the whole
 //! step, with its output written into them, so the plan's peak is a ceiling.
@@ -29,8 +29,8 @@ use memplan_allocator as alloc;
 use memplan_solver as solver;
 
 use crate::graph::{Graph, OpId};
+use crate::layout::{LAYOUT_BACKSTOP, layout_params};
 use crate::lower::{self, Lowered};
-use crate::pipeline;
 
 /// The estimate and what went into it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -108,7 +108,7 @@ pub fn estimate(g: &Graph, order: &[OpId]) -> Option<XlaEstimate> {
             problem.buffers[i].size = 0;
         }
     }
-    let params = pipeline::layout_params(problem.buffers.len(), pipeline::LAYOUT_BACKSTOP);
+    let params = layout_params(problem.buffers.len(), LAYOUT_BACKSTOP);
     let total = match alloc::solve(&problem, alloc::Mode::Minimize, &params) {
         Ok(out) => out.solution.height,
         Err(_) => alloc::greedy_by_size(&problem).height,
