@@ -49,7 +49,7 @@
 
 use std::time::Instant;
 
-use crate::bounds::CutSolver;
+use crate::cut::CutSolver;
 use crate::problem::{OpIdx, Problem};
 
 /// Which end of its group an op is assumed to hold.

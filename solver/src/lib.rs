@@ -56,7 +56,8 @@
 //!    global bound are not worked on, since they cannot set the peak. The
 //!    caller's bound for the whole step is the min-cut floor
 //!    ([`bounds::min_cut_floor`]: at each op, the fewest live bytes over
-//!    every set of ops that can run before it), raised by group floors
+//!    every set of ops that can run before it, a minimum cut ([`cut`])),
+//!    raised by group floors
 //!    ([`group_bound`]: of a group of big allocators or freers one runs
 //!    first and one last, which the per-op cuts cannot see).
 //!
@@ -95,6 +96,7 @@
 
 pub mod bounds;
 pub mod budget;
+pub mod cut;
 pub mod dfs;
 pub mod exact;
 pub mod greedy;
