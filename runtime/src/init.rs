@@ -5,8 +5,9 @@
 //! parameter gets the same values whether it is one tensor on one device or
 //! a segment of a flat buffer sharded over several ranks. That is what lets
 //! a sharded run be compared with a single-device run element by element.
-
-use crate::program::TensorDesc;
+//!
+//! This module sits below [`crate::program`]: a tensor's description holds
+//! its [`Init`], and the init knows only the tensor's element count.
 
 /// How a segment of a tensor is filled.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -55,8 +56,8 @@ impl Init {
     }
 
     /// Checks the segments are sorted, disjoint and, unless sharded, inside
-    /// the tensor.
-    pub fn validate(&self, t: &TensorDesc) -> Result<(), String> {
+    /// a tensor of `elements` elements.
+    pub fn validate(&self, elements: u64) -> Result<(), String> {
         let mut end = 0u64;
         for s in &self.segments {
             if s.offset < end {
@@ -69,11 +70,10 @@ impl Init {
                 .offset
                 .checked_add(s.elements)
                 .ok_or_else(|| format!("init segment {:?} overflows", s.key))?;
-            if !self.sharded && end > t.elements() {
+            if !self.sharded && end > elements {
                 return Err(format!(
-                    "init segment {:?} ends at element {end}, past the tensor's {}",
-                    s.key,
-                    t.elements()
+                    "init segment {:?} ends at element {end}, past the tensor's {elements}",
+                    s.key
                 ));
             }
             if let Fill::Normal { std } = s.fill
@@ -148,7 +148,6 @@ pub fn integer(key: u64, i: u64, range: u64) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::program::DType;
 
     #[test]
     fn shards_concatenate_to_the_whole() {
@@ -192,7 +191,7 @@ mod tests {
 
     #[test]
     fn rejects_overlapping_segments() {
-        let t = TensorDesc::new("x", DType::F32, vec![10], 0);
+        let t = 10;
         let init = Init {
             segments: vec![
                 InitSegment {
@@ -211,11 +210,11 @@ mod tests {
             sharded: false,
         };
         assert!(
-            init.validate(&t)
+            init.validate(t)
                 .unwrap_err()
                 .contains("inside the previous")
         );
         let past = Init::whole("a", 11, Fill::Ones);
-        assert!(past.validate(&t).unwrap_err().contains("past the tensor"));
+        assert!(past.validate(t).unwrap_err().contains("past the tensor"));
     }
 }

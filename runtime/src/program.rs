@@ -315,7 +315,7 @@ impl Program {
                 }
             }
             if let Some(init) = &t.init {
-                init.validate(t).map_err(bad)?;
+                init.validate(t.elements()).map_err(bad)?;
             }
         }
         for (i, ins) in self.instrs.iter().enumerate() {
