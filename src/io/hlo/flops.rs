@@ -20,7 +20,7 @@
 //!
 //! Nesting is followed to a fixed depth; deeper calls count zero.
 
-use super::parser::{CompIdx, Computation, Instr, Module};
+use super::parser::{CompIdx, Computation, Instr, Module, is_collective};
 use super::shape::Shape;
 
 const MAX_DEPTH: usize = 16;
@@ -144,7 +144,7 @@ pub fn instruction(m: &Module, comp: &Computation, ins: &Instr, depth: usize) ->
         | "infeed"
         | "outfeed"
         | "rng-get-and-update-state" => 0.0,
-        op if super::import::is_collective(op) => 0.0,
+        op if is_collective(op) => 0.0,
         _ => elements(&ins.shape),
     }
 }

@@ -19,7 +19,7 @@ use memplan_solver as solver;
 use serde_json::json;
 
 use super::HloError;
-use super::parser::{CompIdx, Computation, Instr, InstrIdx, Module, ShapeIndex};
+use super::parser::{CompIdx, Computation, Instr, InstrIdx, Module, ShapeIndex, is_collective};
 use super::shape::{ArrayShape, Shape};
 use crate::error::Error;
 use crate::graph::{
@@ -475,27 +475,6 @@ pub fn tensor_name(instr: &str, path: &[u32]) -> String {
         let p: Vec<String> = path.iter().map(|i| i.to_string()).collect();
         format!("{instr}{{{}}}", p.join(","))
     }
-}
-
-/// Whether `opcode` moves data between devices: the collectives and their
-/// asynchronous start/done halves.
-pub fn is_collective(opcode: &str) -> bool {
-    let base = opcode
-        .strip_suffix("-start")
-        .or_else(|| opcode.strip_suffix("-done"))
-        .unwrap_or(opcode);
-    matches!(
-        base,
-        "all-gather"
-            | "all-reduce"
-            | "reduce-scatter"
-            | "all-to-all"
-            | "ragged-all-to-all"
-            | "collective-permute"
-            | "collective-broadcast"
-            | "send"
-            | "recv"
-    )
 }
 
 /// Whether an `async-start`/`-update`/`-done` wraps a collective: its

@@ -145,6 +145,27 @@ impl Instr {
     }
 }
 
+/// Whether `opcode` moves data between devices: the collectives and their
+/// asynchronous start/done halves.
+pub fn is_collective(opcode: &str) -> bool {
+    let base = opcode
+        .strip_suffix("-start")
+        .or_else(|| opcode.strip_suffix("-done"))
+        .unwrap_or(opcode);
+    matches!(
+        base,
+        "all-gather"
+            | "all-reduce"
+            | "reduce-scatter"
+            | "all-to-all"
+            | "ragged-all-to-all"
+            | "collective-permute"
+            | "collective-broadcast"
+            | "send"
+            | "recv"
+    )
+}
+
 /// Parses a whole HLO module.
 pub fn parse_module(text: &str) -> Result<Module, HloError> {
     Parser {
