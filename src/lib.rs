@@ -7,7 +7,7 @@
 //! - [`graph`]: the graph model (ops, tensors, views, in-place updates, reuse
 //!   hints) and [`graph::GraphBuilder`] to make one in code.
 //! - [`io`]: graph and plan files (memplan JSON, gzip; the plan's JSON form
-//!   in [`io::plan_json`]); [`plan`]: the plan.
+//!   in [`io::plan_json`]); [`mod@plan`]: the plan.
 //! - [`checker`]: the independent plan checker.
 //! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
 //!   the allocator (`memplan-allocator`, offsets); [`layout`]: one order

@@ -1,0 +1,102 @@
+//! Guards against import rings coming back (issue 38, "Layering"): each
+//! check names a ring that was broken and the one-way direction that
+//! replaced it. Only code counts: comments (doc links included) and
+//! `#[cfg(test)]` modules at the end of a file are skipped.
+
+use std::path::Path;
+
+/// The code of `path` (from the repository root): comments dropped, and
+/// everything from the first `#[cfg(test)]` on.
+fn code(path: &str) -> String {
+    let full = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    let text = std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let text = text.split("#[cfg(test)]").next().unwrap_or("");
+    text.lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Fails, naming `ring`, when `path`'s code mentions any of `forbidden`.
+fn refuses(ring: &str, path: &str, forbidden: &[&str]) {
+    let c = code(path);
+    for f in forbidden {
+        assert!(
+            !c.contains(f),
+            "{path} uses `{f}`: that brings back the ring {ring} (issue 38)"
+        );
+    }
+}
+
+#[test]
+fn plan_model_does_not_depend_on_io_or_checker() {
+    let ring = "error -> checker -> plan -> io/json";
+    refuses(ring, "src/plan.rs", &["crate::io", "crate::checker"]);
+    refuses(
+        ring,
+        "src/error.rs",
+        &["crate::checker", "crate::plan", "crate::io"],
+    );
+    refuses(ring, "src/checker.rs", &["crate::io"]);
+}
+
+#[test]
+fn baselines_and_layout_do_not_depend_on_the_pipeline() {
+    let ring = "pipeline -> baselines -> io/hlo/xla_estimate -> pipeline";
+    refuses(
+        ring,
+        "src/layout.rs",
+        &["crate::pipeline", "crate::baselines"],
+    );
+    refuses(
+        ring,
+        "src/baselines/mod.rs",
+        &["crate::pipeline", "crate::io"],
+    );
+    refuses(
+        ring,
+        "src/baselines/xla_estimate.rs",
+        &["crate::pipeline", "crate::io"],
+    );
+    refuses(ring, "src/baselines/caching.rs", &["crate::pipeline"]);
+    assert!(
+        !Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("src/io/hlo/xla_estimate.rs")
+            .exists(),
+        "the XLA estimate is a baseline: it lives in src/baselines/"
+    );
+}
+
+#[test]
+fn cut_solver_is_below_both_floors() {
+    let ring = "solver bounds <-> group_bound";
+    refuses(ring, "solver/src/group_bound.rs", &["crate::bounds"]);
+    refuses(
+        ring,
+        "solver/src/cut.rs",
+        &["crate::bounds", "crate::group_bound"],
+    );
+}
+
+#[test]
+fn init_is_below_program() {
+    refuses(
+        "runtime init <-> program",
+        "runtime/src/init.rs",
+        &["crate::program", "super::program"],
+    );
+}
+
+#[test]
+fn flops_do_not_depend_on_the_importer() {
+    refuses(
+        "io/hlo flops <-> import",
+        "src/io/hlo/flops.rs",
+        &["super::import", "hlo::import"],
+    );
+    refuses(
+        "io/hlo flops <-> import",
+        "src/io/hlo/parser.rs",
+        &["super::import", "super::flops", "hlo::import", "hlo::flops"],
+    );
+}
