@@ -35,7 +35,37 @@ pub struct Options {
     pub progress: Option<Arc<solver::Progress>>,
     /// Split token-wise chains first ([`crate::split::plan`] reads it; a
     /// plain [`plan`] plans the graph as given).
-    pub split: crate::split::Split,
+    pub split: Split,
+}
+
+/// What `--split` asks for.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Split {
+    /// Never split.
+    #[default]
+    Off,
+    /// Try each of [`crate::split::AUTO_CHUNKS`]; keep the best if it lowers the peak.
+    Auto,
+    /// Split every separable chain into this many chunks (at least 2), if
+    /// that lowers the peak.
+    Chunks(u64),
+}
+
+impl std::str::FromStr for Split {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" | "none" | "no" => Ok(Split::Off),
+            "auto" => Ok(Split::Auto),
+            n => match n.parse::<u64>() {
+                Ok(k) if k >= 2 => Ok(Split::Chunks(k)),
+                Ok(1) => Ok(Split::Off),
+                _ => Err(format!(
+                    "--split takes auto, off or a number of chunks (2 or more), got {s:?}"
+                )),
+            },
+        }
+    }
 }
 
 impl Default for Options {
@@ -45,7 +75,7 @@ impl Default for Options {
             layouts: 3,
             solver: solver::SolverParams::default(),
             progress: None,
-            split: crate::split::Split::Off,
+            split: Split::Off,
         }
     }
 }

@@ -82,35 +82,9 @@ use crate::graph::{
 use crate::pipeline::{self, Options};
 use crate::plan::Plan;
 
-/// What `--split` asks for.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub enum Split {
-    /// Never split.
-    #[default]
-    Off,
-    /// Try each of [`AUTO_CHUNKS`]; keep the best if it lowers the peak.
-    Auto,
-    /// Split every separable chain into this many chunks (at least 2), if
-    /// that lowers the peak.
-    Chunks(u64),
-}
-
-impl std::str::FromStr for Split {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "off" | "none" | "no" => Ok(Split::Off),
-            "auto" => Ok(Split::Auto),
-            n => match n.parse::<u64>() {
-                Ok(k) if k >= 2 => Ok(Split::Chunks(k)),
-                Ok(1) => Ok(Split::Off),
-                _ => Err(format!(
-                    "--split takes auto, off or a number of chunks (2 or more), got {s:?}"
-                )),
-            },
-        }
-    }
-}
+// What `--split` asks for lives with the pipeline's options (so the
+// pipeline does not depend on this pass, which plans through it).
+pub use crate::pipeline::Split;
 
 /// The chunk counts `auto` tries.
 pub const AUTO_CHUNKS: [u64; 5] = [2, 4, 8, 16, 32];

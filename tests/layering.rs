@@ -100,3 +100,14 @@ fn flops_do_not_depend_on_the_importer() {
         &["super::import", "super::flops", "hlo::import", "hlo::flops"],
     );
 }
+
+#[test]
+fn the_pipeline_does_not_depend_on_the_split_pass() {
+    // The split pass plans its candidates through the pipeline; the
+    // pipeline's `Split` option lives with its other options.
+    refuses(
+        "pipeline <-> split",
+        "src/pipeline.rs",
+        &["crate::split::Split", "split::plan"],
+    );
+}
