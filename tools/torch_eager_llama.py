@@ -214,12 +214,8 @@ def main(argv=None):
         return report_peaks(a, peaks(a))
     torch.manual_seed(a.seed)
     model = build(a, torch)
-    autocast = None
-    if a.mixed_precision:
-        kind = "cuda" if a.device.startswith("cuda") else "cpu"
-
-        def autocast():
-            return torch.autocast(kind, dtype=torch.bfloat16)
+    kind = "cuda" if a.device.startswith("cuda") else "cpu"
+    autocast = (lambda: torch.autocast(kind, dtype=torch.bfloat16)) if a.mixed_precision else None  # noqa: E731
 
     extra = {"kv_heads": a.kv_heads, "ffn": a.ffn, "mixed_precision": a.mixed_precision,
              "attention": "sdpa", "graph_kernels": a.graph_kernels}
