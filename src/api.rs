@@ -74,6 +74,30 @@ pub fn plan_split_json(graph_json: &str, time_limit_s: f64, split: &str) -> Resu
     .to_string())
 }
 
+/// What a user gets without memplan on the graph in `graph_json`
+/// ([`crate::baselines::all`], the figures of `memplan compare`): returns
+/// `{"baselines": [{"name", "peak_bytes", "description"}, ...],
+/// "best_eager": name or null}`, the last the eager configuration that
+/// needs the least ([`crate::baselines::best_eager`]). `device` (`cuda`
+/// or `cpu`) says how FSDP2 eager issues a captured sharded step's
+/// all-gathers ([`crate::baselines::fsdp_eager::Prefetch`]).
+pub fn baselines_json(graph_json: &str, device: &str) -> Result<String, Error> {
+    use crate::baselines::fsdp_eager::Prefetch;
+    let prefetch = match device {
+        "cuda" => Prefetch::CUDA,
+        "cpu" => Prefetch::CPU,
+        _ => {
+            return Err(Error::Invalid(format!(
+                "device {device:?}: the baselines model \"cuda\" or \"cpu\""
+            )));
+        }
+    };
+    let g = graph(graph_json)?;
+    let base = crate::baselines::all_with(&g, prefetch);
+    let best = crate::baselines::best_eager(&base).map(|b| b.name.clone());
+    Ok(json!({ "baselines": base, "best_eager": best }).to_string())
+}
+
 /// Checks the plan document `plan_json` against the graph in `graph_json`
 /// with the independent checker; returns its report as JSON
 /// (`max_live_bytes`, `used_bytes`, `ops`, `tensors_placed`).

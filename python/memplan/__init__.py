@@ -33,7 +33,7 @@ import os
 
 from . import _memplan
 
-__all__ = ["MemplanError", "plan", "check", "fit", "at_batch", "max_batch", "example", "__version__"]
+__all__ = ["MemplanError", "plan", "check", "baselines", "fit", "at_batch", "max_batch", "example", "__version__"]
 __version__ = _memplan.__version__
 
 
@@ -85,6 +85,29 @@ def plan(graph, time_limit=10.0):
     and `peak_bytes`). The plan has passed memplan's independent checker.
     """
     return _call(_memplan.plan_json, _text(graph, "graph"), _seconds(time_limit))
+
+
+def baselines(graph, device="cuda"):
+    """What `graph` needs without memplan, simulated on the graph itself
+    (the baselines of ``memplan compare``): PyTorch eager's order through
+    a simulation of its caching allocator, with and without expandable
+    segments and optimizer-in-backward, the order's max live bytes, and
+    any peaks the graph records from other tools. A sharded step captured
+    by ``memplan.torch`` runs FSDP2 eager's order, not the order capture
+    recorded (docs/benchmarks.md), issuing its all-gathers as FSDP2 does
+    on `device`: ``"cuda"`` one unit ahead in both passes, ``"cpu"`` one
+    ahead in the backward only.
+
+    Returns ``{"baselines": {name: {"peak_bytes", "description"}},
+    "best_eager": name}``, the last the eager configuration that needs the
+    least (None if the graph has none).
+    """
+    if device not in ("cuda", "cpu"):
+        raise MemplanError(f"device {device!r}: the baselines model 'cuda' or 'cpu'")
+    out = _call(_memplan.baselines_json, _text(graph, "graph"), device)
+    return {"baselines": {b["name"]: {"peak_bytes": b["peak_bytes"], "description": b["description"]}
+                          for b in out["baselines"]},
+            "best_eager": out["best_eager"]}
 
 
 def check(graph, plan):

@@ -19,6 +19,14 @@ fn plan_json(py: Python<'_>, graph_json: &str, time_limit: f64) -> PyResult<Stri
         .map_err(err)
 }
 
+/// The baselines of the graph document (`memplan compare`'s), as JSON.
+#[pyfunction]
+fn baselines_json(py: Python<'_>, graph_json: &str, device: &str) -> PyResult<String> {
+    let (g, d) = (graph_json.to_string(), device.to_string());
+    py.detach(move || memplan::api::baselines_json(&g, &d))
+        .map_err(err)
+}
+
 /// Checks the plan document against the graph document; returns the
 /// checker's report as JSON.
 #[pyfunction]
@@ -103,6 +111,7 @@ fn parse_bytes(text: &str) -> PyResult<u64> {
 fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
+    m.add_function(wrap_pyfunction!(baselines_json, m)?)?;
     m.add_function(wrap_pyfunction!(read_text, m)?)?;
     m.add_function(wrap_pyfunction!(fit_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_within_json, m)?)?;

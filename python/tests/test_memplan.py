@@ -54,6 +54,19 @@ class PlanAndCheck(unittest.TestCase):
                 f.write(text)
             self.assertEqual(memplan.check(path, p), memplan.check(text, json.dumps(p)))
 
+    def test_baselines_of_a_graph(self):
+        # Program order f, g: x 1024 + h 4096 at f, then h + y at g.
+        b = memplan.baselines(TWO_OPS)
+        self.assertEqual(b["baselines"]["program-order"]["peak_bytes"], 6144)
+        self.assertTrue(b["baselines"]["program-order"]["description"].startswith("program order"))
+        self.assertIn(b["best_eager"], b["baselines"])
+        self.assertGreaterEqual(b["baselines"][b["best_eager"]]["peak_bytes"], 6144)
+        self.assertEqual(memplan.baselines(TWO_OPS, "cpu")["baselines"]["program-order"]["peak_bytes"], 6144)
+        with self.assertRaisesRegex(memplan.MemplanError, "device 'tpu'"):
+            memplan.baselines(TWO_OPS, "tpu")
+        with self.assertRaisesRegex(memplan.MemplanError, "unknown"):
+            memplan.baselines({**TWO_OPS, "ops": [{"id": "f", "inputs": ["nope"], "outputs": ["h"]}]})
+
     def test_a_broken_plan_is_refused_with_the_reason(self):
         p = memplan.plan(TWO_OPS, time_limit=1)
         swapped = copy.deepcopy(p)

@@ -20,8 +20,14 @@
 //! - for every extra order the graph carries (e.g. `xla-order`): that order
 //!   with reuses and memplan's layout, named `<order>+memplan-layout`;
 //! - every peak another tool reported for the step (e.g. `xla`), as is.
+//!
+//! "Program order" is the eager order: the graph's own, except for a
+//! sharded step captured by `memplan.torch`, whose collectives sit where
+//! capture met them; there every baseline above runs FSDP2 eager's order
+//! ([`fsdp_eager`]).
 
 pub mod caching;
+pub mod fsdp_eager;
 pub mod xla_estimate;
 
 use memplan_allocator as alloc;
@@ -42,8 +48,13 @@ pub struct Baseline {
 
 /// Program order without reuse, laid out greedily by size.
 pub fn program_order_greedy(g: &Graph) -> Plan {
+    order_greedy(g, g.program_order())
+}
+
+/// `order` without reuse, laid out greedily by size.
+pub fn order_greedy(g: &Graph, order: &[OpId]) -> Plan {
     let low = lower::lower(g, false);
-    let order = Lowered::from_op_ids(g.program_order());
+    let order = Lowered::from_op_ids(order);
     let ev = solver::evaluate(&low.problem, &order);
     let lp = lower::layout_problem(g, &low, &ev);
     let sol = alloc::greedy_by_size(&lp.problem);
@@ -64,8 +75,29 @@ pub fn program_order_greedy(g: &Graph) -> Plan {
 
 /// Max live bytes of program order, without reuse.
 pub fn program_order_max_live(g: &Graph) -> u64 {
+    order_max_live(g, g.program_order())
+}
+
+/// Max live bytes of `order`, without reuse.
+pub fn order_max_live(g: &Graph, order: &[OpId]) -> u64 {
     let low = lower::lower(g, false);
-    solver::evaluate(&low.problem, &Lowered::from_op_ids(g.program_order())).peak
+    solver::evaluate(&low.problem, &Lowered::from_op_ids(order)).peak
+}
+
+/// The order an eager user runs `g` in, and its name: FSDP2 eager's
+/// ([`fsdp_eager::eager_order`], all-gathers issued as `prefetch` says)
+/// for a captured sharded step, else the program order.
+pub fn eager_order(g: &Graph, prefetch: fsdp_eager::Prefetch) -> (std::borrow::Cow<'_, [OpId]>, String) {
+    match fsdp_eager::eager_order(g, prefetch) {
+        Some(o) => (
+            o.into(),
+            format!(
+                "FSDP2 eager order (gathers {} unit(s) ahead in the forward, {} in the backward)",
+                prefetch.forward, prefetch.backward
+            ),
+        ),
+        None => (g.program_order().into(), "program order".into()),
+    }
 }
 
 /// The baselines that are a configuration of PyTorch eager a user can run
@@ -103,10 +135,15 @@ pub fn pytorch_caching(g: &Graph) -> caching::CachingStats {
 /// at the end of the backward (torchtune refuses clipping with
 /// optimizer-in-backward for that reason).
 pub fn optimizer_in_backward_order(g: &Graph) -> Vec<OpId> {
+    optimizer_in_backward_of(g, g.program_order())
+}
+
+/// [`optimizer_in_backward_order`] starting from `program` (a valid order
+/// of `g`) instead of the program order.
+pub fn optimizer_in_backward_of(g: &Graph, program: &[OpId]) -> Vec<OpId> {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
     let n = g.num_ops();
-    let program = g.program_order();
     let mut position = vec![0usize; n];
     for (i, &o) in program.iter().enumerate() {
         position[o.index()] = i;
@@ -221,46 +258,54 @@ pub fn eager_scratch_bytes(op: &crate::graph::Op) -> Option<u64> {
     }
 }
 
-/// Every baseline for `g`, with its figure.
+/// Every baseline for `g`, with its figure (a sharded step's FSDP2
+/// eager order prefetching as on CUDA).
 pub fn all(g: &Graph) -> Vec<Baseline> {
-    let cs = pytorch_caching(g);
-    let expandable = eager_caching(g, g.program_order(), true);
-    let in_backward = optimizer_in_backward_order(g);
+    all_with(g, fsdp_eager::Prefetch::CUDA)
+}
+
+/// [`all`], a captured sharded step's FSDP2 eager order prefetching as
+/// `prefetch` says.
+pub fn all_with(g: &Graph, prefetch: fsdp_eager::Prefetch) -> Vec<Baseline> {
+    let (eager, what) = eager_order(g, prefetch);
+    let cs = eager_caching(g, &eager, false);
+    let expandable = eager_caching(g, &eager, true);
+    let in_backward = optimizer_in_backward_of(g, &eager);
     let mut out = vec![
         Baseline {
             name: "pytorch-reserved".into(),
             peak_bytes: cs.max_reserved,
-            description: "program order + simulated PyTorch caching allocator (reserved)".into(),
+            description: format!("{what} + simulated PyTorch caching allocator (reserved)"),
         },
         Baseline {
             name: "pytorch-allocated".into(),
             peak_bytes: cs.max_allocated,
-            description: "program order + simulated PyTorch caching allocator (allocated)".into(),
+            description: format!("{what} + simulated PyTorch caching allocator (allocated)"),
         },
         Baseline {
             name: "pytorch-expandable-segments".into(),
             peak_bytes: expandable.max_reserved,
-            description: "program order + simulated PyTorch caching allocator with expandable_segments:True (reserved)".into(),
+            description: format!("{what} + simulated PyTorch caching allocator with expandable_segments:True (reserved)"),
         },
         Baseline {
             name: "eager-optimizer-in-backward".into(),
             peak_bytes: eager_caching(g, &in_backward, false).max_reserved,
-            description: "program order, each update right after its gradient + simulated PyTorch caching allocator (reserved)".into(),
+            description: format!("{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"),
         },
         Baseline {
             name: "eager-optimizer-in-backward-expandable-segments".into(),
             peak_bytes: eager_caching(g, &in_backward, true).max_reserved,
-            description: "program order, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)".into(),
+            description: format!("{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"),
         },
         Baseline {
             name: "program-order".into(),
-            peak_bytes: program_order_max_live(g),
-            description: "program order, max live bytes (no layout loss)".into(),
+            peak_bytes: order_max_live(g, &eager),
+            description: format!("{what}, max live bytes (no layout loss)"),
         },
         Baseline {
             name: "program-order+greedy".into(),
-            peak_bytes: program_order_greedy(g).arena_bytes,
-            description: "program order + greedy-by-size offsets".into(),
+            peak_bytes: order_greedy(g, &eager).arena_bytes,
+            description: format!("{what} + greedy-by-size offsets"),
         },
     ];
     for (name, order) in &g.extra_orders {

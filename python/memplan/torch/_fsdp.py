@@ -109,10 +109,11 @@ class _Param:
     """One sharded parameter: its module path `name`, FSDP2's
     ``FSDPParam`` and whether its unit reshards after forward."""
 
-    __slots__ = ("name", "fp", "reshard", "rows", "chunk", "rest", "orig", "param_dtype", "reduce_dtype")
+    __slots__ = ("name", "fp", "reshard", "unit", "rows", "chunk", "rest", "orig", "param_dtype", "reduce_dtype")
 
-    def __init__(self, name: str, fp, reshard: bool, policy) -> None:
+    def __init__(self, name: str, fp, reshard: bool, policy, unit: str = "") -> None:
         self.name, self.fp, self.reshard = name, fp, reshard
+        self.unit = unit  # the fully_shard module's path ("" for the root)
         size = tuple(fp._orig_size)
         self.rows, self.rest = size[0], size[1:]
         self.chunk = tuple(fp.padded_sharded_param_size)[0]  # rows of a padded shard
@@ -213,7 +214,7 @@ class FullySharded(RankGroup):
                 if name is None:
                     raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
                                           "replaced after fully_shard?)")
-                params[name] = _Param(name, fp, reshard, policy)
+                params[name] = _Param(name, fp, reshard, policy, uname)
                 if reshard:
                     resharded.setdefault(id(m), (m, []))[1].append(name)
             g = mesh_info.shard_process_group
@@ -285,11 +286,19 @@ class FullySharded(RankGroup):
     def _collective(self, kind: str, name: str) -> Collective:
         return Collective(kind, self.group, name, self.timeout)
 
-    def _gather(self, rec: Recorder, name: str, local: torch.Tensor) -> torch.Tensor:
+    def _gather(self, rec: Recorder, name: str, local: torch.Tensor, backward: bool = False) -> torch.Tensor:
         """Records the all-gather of parameter `name` from the rank's
-        padded shard (`local` is its unpadded view); returns the gathered
-        parameter (a view of the buffer)."""
+        padded shard (`local` is its unpadded view), for the forward or
+        (`backward`) a resharded unit's backward; returns the gathered
+        parameter (a view of the buffer). Its ops name the unit and the
+        pass (attributes ``fsdp_unit``, ``fsdp_pass``): the FSDP2 eager
+        baseline issues a unit's gathers together (docs/benchmarks.md)."""
         p = self.params[name]
+        with _tagged(rec, fsdp_unit=p.unit, fsdp_pass="backward" if backward else "forward"):
+            return self._gather_ops(rec, p, local)
+
+    def _gather_ops(self, rec: Recorder, p: "_Param", local: torch.Tensor) -> torch.Tensor:
+        name = p.name
         padded_shape = (p.chunk,) + p.rest
         # Recorded on every rank (ranks whose shard is shorter and ranks
         # whose is not record the same ops).
@@ -336,7 +345,7 @@ class FullySharded(RankGroup):
             g = self._regathered.get(x.name)
             if g is None:
                 with torch.no_grad():
-                    g = self._regathered[x.name] = self._gather(rec, x.name, self._local[x.name])
+                    g = self._regathered[x.name] = self._gather(rec, x.name, self._local[x.name], True)
             return torch.as_strided(g, x.shape, x.stride, x.offset)
 
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
@@ -358,7 +367,7 @@ class FullySharded(RankGroup):
             for n in names:
                 g = self._regathered.get(n)
                 if g is None:
-                    g = self._regathered[n] = self._gather(rec, n, self._local[n])
+                    g = self._regathered[n] = self._gather(rec, n, self._local[n], True)
                 # As the forward's leaf: a recomputation saves for a
                 # parameter that requires grad what the forward saved.
                 g.requires_grad_(self.params[n].fp.sharded_param.requires_grad)
@@ -370,29 +379,46 @@ class FullySharded(RankGroup):
         out = {}
         with torch.no_grad():
             for n, g in grad_of.items():
-                p = self.params[n]
-                full_shape = (self.world * p.chunk,) + p.rest
-                if tuple(g.shape) == full_shape and g.is_contiguous() and g.dtype == p.reduce_dtype:
-                    padded = g
-                else:  # padded with zeros, in the dtype it is reduced in
-                    padded = g.new_zeros(full_shape, dtype=p.reduce_dtype)
-                    padded.narrow(0, 0, p.rows).copy_(g)
-                chunk = padded.new_empty((p.chunk,) + p.rest)
-                # The padded gradient is updated too: gloo's form sums it in
-                # place (it dies here either way).
-                rec.collective("reduce_scatter", self._collective("reduce_scatter", f"the gradient of {n}"),
-                               [chunk, padded])
-                if self.replicate is not None:  # HSDP: the chunk's mean over the replicas too
-                    rec.collective("all_reduce", Collective("all_reduce", self.replicate,
-                                                            f"the gradient chunk of {n} over the replicas",
-                                                            self.timeout), [chunk])
-                    chunk.div_(dist_world_rank(self.replicate)[0])
-                if chunk.dtype != p.orig:  # reduced in another dtype: the shard's gradient is in its own
-                    chunk = chunk.to(p.orig)
-                out[n] = chunk.narrow(0, 0, tuple(p.fp.sharded_size)[0])  # on every rank, as above
+                with _tagged(rec, fsdp_unit=self.params[n].unit):
+                    out[n] = self._reduce(rec, n, g)
         self._forward_storage.clear()
         self._regathered.clear()
         return out
+
+    def _reduce(self, rec: Recorder, n: str, g: torch.Tensor) -> torch.Tensor:
+        """Records one gradient's padding, reduce-scatter (and HSDP's mean
+        over the replicas) and cast; returns the local shard's gradient."""
+        p = self.params[n]
+        full_shape = (self.world * p.chunk,) + p.rest
+        if tuple(g.shape) == full_shape and g.is_contiguous() and g.dtype == p.reduce_dtype:
+            padded = g
+        else:  # padded with zeros, in the dtype it is reduced in
+            padded = g.new_zeros(full_shape, dtype=p.reduce_dtype)
+            padded.narrow(0, 0, p.rows).copy_(g)
+        chunk = padded.new_empty((p.chunk,) + p.rest)
+        # The padded gradient is updated too: gloo's form sums it in
+        # place (it dies here either way).
+        rec.collective("reduce_scatter", self._collective("reduce_scatter", f"the gradient of {n}"),
+                       [chunk, padded])
+        if self.replicate is not None:  # HSDP: the chunk's mean over the replicas too
+            rec.collective("all_reduce", Collective("all_reduce", self.replicate,
+                                                    f"the gradient chunk of {n} over the replicas",
+                                                    self.timeout), [chunk])
+            chunk.div_(dist_world_rank(self.replicate)[0])
+        if chunk.dtype != p.orig:  # reduced in another dtype: the shard's gradient is in its own
+            chunk = chunk.to(p.orig)
+        return chunk.narrow(0, 0, tuple(p.fp.sharded_size)[0])  # on every rank, as above
+
+
+@contextlib.contextmanager
+def _tagged(rec: Recorder, **attrs):
+    """Every op recorded inside gets `attrs` among its attributes (which
+    unit and pass an FSDP2 collective's ops serve: the eager baseline's
+    order reads them, :mod:`memplan.baselines`)."""
+    start = len(rec.ops)
+    yield
+    for op in rec.ops[start:]:
+        op.setdefault("attrs", {}).update(attrs)
 
 
 def _cast_floats(dtype: torch.dtype, tree):
