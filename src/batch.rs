@@ -50,17 +50,18 @@ impl Affine {
     fn through(b1: u64, y1: u64, b2: u64, y2: u64) -> Option<Affine> {
         let db = b2 as i128 - b1 as i128;
         let dy = y2 as i128 - y1 as i128;
-        (dy % db == 0).then(|| {
-            let per = dy / db;
-            Affine {
-                base: y1 as i128 - per * b1 as i128,
-                per,
-            }
-        })
+        if db == 0 || dy % db != 0 {
+            return None;
+        }
+        let per = dy / db;
+        let base = (y1 as i128).checked_sub(per.checked_mul(b1 as i128)?)?;
+        Some(Affine { base, per })
     }
 
-    fn at(self, batch: u64) -> i128 {
-        self.base + self.per * batch as i128
+    /// The line at `batch`; `None` where it leaves `i128` (a slope near
+    /// 2^64 bytes per sample at a batch near 2^64).
+    fn at(self, batch: u64) -> Option<i128> {
+        self.per.checked_mul(batch as i128)?.checked_add(self.base)
     }
 }
 
@@ -134,9 +135,10 @@ impl BatchLine {
         let mut b = g1.to_builder();
         for t in g1.tensor_ids() {
             let size = self.sizes[t.index()].at(batch);
-            let size = u64::try_from(size).map_err(|_| {
+            let size = size.and_then(|s| u64::try_from(s).ok()).ok_or_else(|| {
+                let bytes = size.map_or("more than 2^127".to_string(), |s| s.to_string());
                 Error::Invalid(format!(
-                    "tensor {:?} would have {size} bytes at batch {batch} (extrapolated from batch {b1} and {b2})",
+                    "tensor {:?} would have {bytes} bytes at batch {batch} (extrapolated from batch {b1} and {b2})",
                     g1.tensor(t).name
                 ))
             })?;
@@ -251,7 +253,7 @@ fn shape_at(s1: &[u64], s2: &[u64], b: (u64, u64), batch: u64) -> Option<Vec<u64
     s1.iter()
         .zip(s2)
         .map(|(&x, &y)| {
-            let d = Affine::through(b.0, x, b.1, y)?.at(batch);
+            let d = Affine::through(b.0, x, b.1, y)?.at(batch)?;
             u64::try_from(d).ok()
         })
         .collect()
@@ -271,10 +273,10 @@ fn float_at(x: Option<f64>, y: Option<f64>, b: (u64, u64), batch: u64) -> Option
         (v > 0.0 && (1.0..1e15).contains(&n) && (n * v - 1.0).abs() < 1e-12).then_some(n as u64)
     };
     if let (Some(n1), Some(n2)) = (whole(x?), whole(y?))
-        && let Some(line) = Affine::through(b.0, n1, b.1, n2)
-        && line.at(batch) > 0
+        && let Some(n) = Affine::through(b.0, n1, b.1, n2).and_then(|l| l.at(batch))
+        && n > 0
     {
-        return Some(1.0 / line.at(batch) as f64);
+        return Some(1.0 / n as f64);
     }
     real_at(x, y, b, batch)
 }
@@ -287,7 +289,7 @@ fn value_at(v1: &Value, v2: &Value, b: (u64, u64), batch: u64) -> Value {
         (Value::Number(x), Value::Number(y)) if x == y => v1.clone(),
         (Value::Number(x), Value::Number(y)) => {
             if let (Some(x), Some(y)) = (x.as_u64(), y.as_u64()) {
-                let at = Affine::through(b.0, x, b.1, y).map(|l| l.at(batch));
+                let at = Affine::through(b.0, x, b.1, y).and_then(|l| l.at(batch));
                 match at.and_then(|a| u64::try_from(a).ok()) {
                     Some(a) => a.into(),
                     None => v1.clone(),
@@ -437,7 +439,12 @@ mod tests {
             Some(Affine { base: 0, per: 10 })
         );
         assert_eq!(Affine::through(2, 10, 4, 11), None);
-        assert_eq!(Affine::through(1, 7, 2, 7).unwrap().at(100), 7);
+        assert_eq!(Affine::through(1, 7, 2, 7).unwrap().at(100), Some(7));
+        // Lines that leave i128 are no lines, never an overflow.
+        let steep = Affine::through(1, 0, 2, u64::MAX).unwrap();
+        assert_eq!(steep.at(u64::MAX), None);
+        assert_eq!(Affine::through(u64::MAX - 1, 0, u64::MAX, u64::MAX), None);
+        assert_eq!(Affine::through(3, 1, 3, 2), None);
     }
 
     #[test]
