@@ -54,17 +54,26 @@ fn captured_two_units(with_attrs: bool) -> Graph {
         b.add_op(tag(op, unit, Some(pass)));
     };
     let reduce = |b: &mut GraphBuilder, name: &str, chunk, grad, unit: &str| {
-        let empty = OpSpec::new(format!("e_{name}"), OpKind::Backward, "aten.empty").outputs([chunk]);
+        let empty =
+            OpSpec::new(format!("e_{name}"), OpKind::Backward, "aten.empty").outputs([chunk]);
         b.add_op(tag(empty, unit, None));
-        let op = OpSpec::new(name, OpKind::Collective, "memplan.reduce_scatter")
-            .updates([chunk, grad]);
+        let op =
+            OpSpec::new(name, OpKind::Collective, "memplan.reduce_scatter").updates([chunk, grad]);
         b.add_op(tag(op, unit, None));
     };
     // As capture records it: the forward's gathers first.
     gather(&mut b, "ag_a", sa, ga, "a", "forward");
     gather(&mut b, "ag_b", sb, gb, "b", "forward");
-    b.add_op(OpSpec::new("f_a", OpKind::Forward, "f").inputs([x, ga]).outputs([ya]));
-    b.add_op(OpSpec::new("f_b", OpKind::Forward, "f").inputs([ya, gb]).outputs([yb]));
+    b.add_op(
+        OpSpec::new("f_a", OpKind::Forward, "f")
+            .inputs([x, ga])
+            .outputs([ya]),
+    );
+    b.add_op(
+        OpSpec::new("f_b", OpKind::Forward, "f")
+            .inputs([ya, gb])
+            .outputs([yb]),
+    );
     // The backward regathers each unit at its pre-backward.
     gather(&mut b, "ag_b2", sb, gb2, "b", "backward");
     b.add_op(
@@ -81,8 +90,16 @@ fn captured_two_units(with_attrs: bool) -> Graph {
     // Then every reduce-scatter, then the updates.
     reduce(&mut b, "rs_a", ca, da, "a");
     reduce(&mut b, "rs_b", cb, db, "b");
-    b.add_op(OpSpec::new("u_a", OpKind::Optimizer, "sgd").inputs([ca]).updates([sa]));
-    b.add_op(OpSpec::new("u_b", OpKind::Optimizer, "sgd").inputs([cb]).updates([sb]));
+    b.add_op(
+        OpSpec::new("u_a", OpKind::Optimizer, "sgd")
+            .inputs([ca])
+            .updates([sa]),
+    );
+    b.add_op(
+        OpSpec::new("u_b", OpKind::Optimizer, "sgd")
+            .inputs([cb])
+            .updates([sb]),
+    );
     b.build().unwrap()
 }
 
@@ -131,7 +148,8 @@ fn prefetch_issues_a_unit_ahead_within_its_pass() {
         names(&g, &order),
         [
             "e_ag_a", "ag_a", "e_ag_b", "ag_b", "f_a", "f_b", // b gathered during a's forward
-            "e_ag_b2", "ag_b2", "e_ag_a2", "ag_a2", "b_b", "e_rs_b", "rs_b", // a's during b's backward
+            "e_ag_b2", "ag_b2", "e_ag_a2", "ag_a2", "b_b", "e_rs_b",
+            "rs_b", // a's during b's backward
             "b_a", "e_rs_a", "rs_a", "u_a", "u_b",
         ]
     );
@@ -140,7 +158,10 @@ fn prefetch_issues_a_unit_ahead_within_its_pass() {
     // + dya 8 = 39.
     assert_eq!(baselines::order_max_live(&g, &order), 39 * MIB);
     let cpu = baselines::fsdp_eager::eager_order(&g, Prefetch::CPU).unwrap();
-    assert_eq!(names(&g, &cpu)[..6], ["e_ag_a", "ag_a", "f_a", "e_ag_b", "ag_b", "f_b"]);
+    assert_eq!(
+        names(&g, &cpu)[..6],
+        ["e_ag_a", "ag_a", "f_a", "e_ag_b", "ag_b", "f_b"]
+    );
     checked(&g, &cpu);
 }
 
@@ -149,12 +170,20 @@ fn the_baselines_run_the_rebuilt_order_and_say_so() {
     let g = captured_two_units(true);
     let base = baselines::all(&g);
     let po = base.iter().find(|b| b.name == "program-order").unwrap();
-    assert!(po.description.starts_with("FSDP2 eager order"), "{}", po.description);
+    assert!(
+        po.description.starts_with("FSDP2 eager order"),
+        "{}",
+        po.description
+    );
     assert_eq!(po.peak_bytes, 39 * MIB);
     // A graph whose collectives name no unit keeps its program order.
     let plain = captured_two_units(false);
     assert!(baselines::fsdp_eager::eager_order(&plain, Prefetch::CUDA).is_none());
     let base = baselines::all(&plain);
     let po = base.iter().find(|b| b.name == "program-order").unwrap();
-    assert!(po.description.starts_with("program order"), "{}", po.description);
+    assert!(
+        po.description.starts_with("program order"),
+        "{}",
+        po.description
+    );
 }

@@ -154,7 +154,9 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
         .copied()
         .filter(|&o| group_of[o.index()] != FREE && first_use[group_of[o.index()]] == usize::MAX)
         .collect();
-    if placed + unused.len() + program.iter().filter(|&&o| asap(o)).count() != n || !unused.is_empty() {
+    if placed + unused.len() + program.iter().filter(|&&o| asap(o)).count() != n
+        || !unused.is_empty()
+    {
         return None;
     }
     // Merge the post-backward ops in as soon as they are ready. One that
@@ -201,6 +203,11 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
         }
     }
     // Sources nothing reads, last.
-    order.extend(program.iter().copied().filter(|&o| source(o) && !done[o.index()]));
+    order.extend(
+        program
+            .iter()
+            .copied()
+            .filter(|&o| source(o) && !done[o.index()]),
+    );
     (order.len() == n).then_some(order)
 }

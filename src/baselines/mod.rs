@@ -87,7 +87,10 @@ pub fn order_max_live(g: &Graph, order: &[OpId]) -> u64 {
 /// The order an eager user runs `g` in, and its name: FSDP2 eager's
 /// ([`fsdp_eager::eager_order`], all-gathers issued as `prefetch` says)
 /// for a captured sharded step, else the program order.
-pub fn eager_order(g: &Graph, prefetch: fsdp_eager::Prefetch) -> (std::borrow::Cow<'_, [OpId]>, String) {
+pub fn eager_order(
+    g: &Graph,
+    prefetch: fsdp_eager::Prefetch,
+) -> (std::borrow::Cow<'_, [OpId]>, String) {
     match fsdp_eager::eager_order(g, prefetch) {
         Some(o) => (
             o.into(),
@@ -285,17 +288,23 @@ pub fn all_with(g: &Graph, prefetch: fsdp_eager::Prefetch) -> Vec<Baseline> {
         Baseline {
             name: "pytorch-expandable-segments".into(),
             peak_bytes: expandable.max_reserved,
-            description: format!("{what} + simulated PyTorch caching allocator with expandable_segments:True (reserved)"),
+            description: format!(
+                "{what} + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
+            ),
         },
         Baseline {
             name: "eager-optimizer-in-backward".into(),
             peak_bytes: eager_caching(g, &in_backward, false).max_reserved,
-            description: format!("{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"),
+            description: format!(
+                "{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"
+            ),
         },
         Baseline {
             name: "eager-optimizer-in-backward-expandable-segments".into(),
             peak_bytes: eager_caching(g, &in_backward, true).max_reserved,
-            description: format!("{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"),
+            description: format!(
+                "{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
+            ),
         },
         Baseline {
             name: "program-order".into(),

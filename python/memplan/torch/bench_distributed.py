@@ -100,6 +100,7 @@ def _without_ranks(args) -> Dict[str, Any]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import memplan
     import memplan.torch as mt
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
@@ -122,6 +123,11 @@ def _without_ranks(args) -> Dict[str, Any]:
            "arena_bytes": st["arena_bytes"]}
     if step.split is not None:
         out["split"] = {k: step.split[k] for k in ("chunks", "tried", "added_flops")}
+    # FSDP2 eager on the same captured graph (unsplit: eager runs the step as
+    # written), its order rebuilt from the collectives' units, on CUDA.
+    b = memplan.baselines(step._captured.graph, "cuda")
+    out["baselines"] = {k: v["peak_bytes"] for k, v in b["baselines"].items()}
+    out["best_eager"] = b["best_eager"]
     return out
 
 
@@ -150,6 +156,7 @@ def _rank(args) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    import memplan
     import memplan.torch as mt
     from memplan.torch._capture import local_tensor
     from memplan.torch._run import allocator_peak
@@ -172,6 +179,12 @@ def _rank(args) -> Dict[str, Any]:
             s = mt.capture(ddp, opt, batches[0], _bf16_loss if args.autocast else _loss, time_limit=args.time_limit)
             row = {"max_live_bytes": s.plan["stats"]["max_live_bytes"],
                    "lower_bound_bytes": s.plan["stats"]["lower_bound_bytes"]}
+            if args.fsdp and side == "memplan":
+                # FSDP2 eager simulated on the captured graph (its order rebuilt:
+                # memplan.baselines), to set against the real fsdp2-eager row.
+                b = memplan.baselines(s.graph, "cuda" if cuda else "cpu")["baselines"]
+                row["simulated_eager"] = {k: b[k]["peak_bytes"] for k in
+                                          ("program-order", "pytorch-allocated", "pytorch-reserved")}
             if side == "memplan-fit-0.1%":
                 f = s.fit(max_added=0.001, minimise="flops", time_limit=args.time_limit)
                 row.update(max_live_bytes=s.plan["stats"]["max_live_bytes"],
@@ -289,6 +302,14 @@ def main(argv=None) -> int:
                 print(f"loss chain split in {sp['chunks']} chunks (tried: "
                       + ", ".join(f"{t['chunks']}: {t['arena_bytes'] / gib:.2f} GiB" for t in sp["tried"])
                       + f"), {sp['added_flops']:,} FLOPs added")
+            base, best = r["baselines"], r["best_eager"]
+            print("FSDP2 eager simulated on the same captured graph (CUDA's prefetch, memplan.baselines): "
+                  + ", ".join(f"{k} {base[k] / gib:.2f} GiB" for k in ("pytorch-reserved", "pytorch-expandable-segments",
+                                                                      "eager-optimizer-in-backward",
+                                                                      "eager-optimizer-in-backward-expandable-segments")))
+            print(f"memplan's arena is {100 * (1 - r['arena_bytes'] / base[best]):.1f}% below the best eager "
+                  f"configuration ({best}), {100 * (1 - r['arena_bytes'] / base['pytorch-reserved']):.1f}% below "
+                  "the default allocator (pytorch-reserved)")
         return 0
     if args.rank is not None:
         import datetime
@@ -350,6 +371,12 @@ def main(argv=None) -> int:
             r = rows[side]
             print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, second step {1000 * r['step_seconds']:.1f} ms"
                   + (f", arena {r['arena_bytes'] / mib:.1f}M" if "arena_bytes" in r else ""))
+    sim = rows.get("memplan", {}).get("simulated_eager")
+    if sim is not None:
+        real = rows["fsdp2-eager"]["peak_bytes"]
+        key = "pytorch-allocated" if args.device == "cuda" else "program-order"
+        print(f"fsdp2-eager simulated on memplan's captured graph (FSDP2's order rebuilt, memplan.baselines): "
+              f"{sim[key] / mib:.1f}M ({key}), {100 * (sim[key] / real - 1):+.1f}% against the real fsdp2-eager")
     if "added_flops_share" in rows["memplan-fit-0.1%"]:
         print(f"memplan-fit-0.1% adds {100 * rows['memplan-fit-0.1%']['added_flops_share']:.3f}% FLOPs")
     return 0
