@@ -192,6 +192,20 @@ pub fn plan_by(
     };
     let sol = solver::solve(p, &given, &opts.solver, &budget, opts.progress.as_deref());
     orders.push(("memplan-solver", sol.order));
+    // The eager baselines' orders (crate::baselines), laid out as
+    // candidates so that no plan is worse than them (not given to the
+    // solver, whose work they would change): a captured sharded step's
+    // FSDP2 eager order, and the eager order with each update right after
+    // its gradient (optimizer in backward), where they differ from
+    // program order.
+    let (eager, _) = crate::baselines::eager_order(g, crate::baselines::fsdp_eager::Prefetch::CUDA);
+    let in_backward = crate::baselines::optimizer_in_backward_of(g, &eager);
+    if in_backward[..] != eager[..] {
+        orders.push(("optimizer-in-backward", Lowered::from_op_ids(&in_backward)));
+    }
+    if eager[..] != g.program_order()[..] {
+        orders.push(("fsdp2-eager-order", Lowered::from_op_ids(&eager)));
+    }
     report.solver = sol.report;
     report
         .phases

@@ -112,6 +112,9 @@ def _without_ranks(args) -> Dict[str, Any]:
     step = mt.capture(model, opt, torch.zeros((args.batch, args.seq), dtype=torch.long),
                       _bf16_loss if args.autocast else _loss, plan=False)
     t1 = time.perf_counter()
+    # FSDP2 eager on the same captured graph (as written: eager does not
+    # split), its order rebuilt from the collectives' units, on CUDA.
+    graphs = {"captured": step.graph}
     if args.split is not None:
         step.split_loss(args.split if args.split == "auto" else int(args.split), time_limit=args.time_limit)
     else:
@@ -123,11 +126,13 @@ def _without_ranks(args) -> Dict[str, Any]:
            "arena_bytes": st["arena_bytes"]}
     if step.split is not None:
         out["split"] = {k: step.split[k] for k in ("chunks", "tried", "added_flops")}
-    # FSDP2 eager on the same captured graph (unsplit: eager runs the step as
-    # written), its order rebuilt from the collectives' units, on CUDA.
-    b = memplan.baselines(step._captured.graph, "cuda")
-    out["baselines"] = {k: v["peak_bytes"] for k, v in b["baselines"].items()}
-    out["best_eager"] = b["best_eager"]
+    if step.split is not None and step.split["chunks"] > 1:
+        graphs["split"] = step.graph  # eager running the split step (a loss chunked by hand)
+    for name, graph in graphs.items():
+        b = memplan.baselines(graph, "cuda")
+        key = "baselines" if name == "captured" else "split_baselines"
+        out[key] = {k: v["peak_bytes"] for k, v in b["baselines"].items()}
+        out["best_eager" if name == "captured" else "split_best_eager"] = b["best_eager"]
     return out
 
 
@@ -302,14 +307,19 @@ def main(argv=None) -> int:
                 print(f"loss chain split in {sp['chunks']} chunks (tried: "
                       + ", ".join(f"{t['chunks']}: {t['arena_bytes'] / gib:.2f} GiB" for t in sp["tried"])
                       + f"), {sp['added_flops']:,} FLOPs added")
-            base, best = r["baselines"], r["best_eager"]
-            print("FSDP2 eager simulated on the same captured graph (CUDA's prefetch, memplan.baselines): "
-                  + ", ".join(f"{k} {base[k] / gib:.2f} GiB" for k in ("pytorch-reserved", "pytorch-expandable-segments",
-                                                                      "eager-optimizer-in-backward",
-                                                                      "eager-optimizer-in-backward-expandable-segments")))
-            print(f"memplan's arena is {100 * (1 - r['arena_bytes'] / base[best]):.1f}% below the best eager "
-                  f"configuration ({best}), {100 * (1 - r['arena_bytes'] / base['pytorch-reserved']):.1f}% below "
-                  "the default allocator (pytorch-reserved)")
+            keys = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimizer-in-backward",
+                    "eager-optimizer-in-backward-expandable-segments")
+            for what, bk, ek in (("the same captured graph", "baselines", "best_eager"),
+                                 ("the split graph (eager with the loss chunked as memplan splits it)",
+                                  "split_baselines", "split_best_eager")):
+                if bk not in r:
+                    continue
+                base, best = r[bk], r[ek]
+                print(f"FSDP2 eager simulated on {what} (CUDA's prefetch, memplan.baselines): "
+                      + ", ".join(f"{k} {base[k] / gib:.2f} GiB" for k in keys))
+                print(f"  memplan's arena is {100 * (1 - r['arena_bytes'] / base[best]):.1f}% below the best eager "
+                      f"configuration ({best}), {100 * (1 - r['arena_bytes'] / base['pytorch-reserved']):.1f}% "
+                      "below the default allocator (pytorch-reserved)")
         return 0
     if args.rank is not None:
         import datetime
