@@ -214,62 +214,14 @@ pub fn group_floor(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bounds::tests::{best_peak, build, spec};
-    use crate::bounds::{FloorParams, min_cut_floor};
-    use crate::problem::{OpClass, ProblemBuilder};
+    use crate::testing::{best_peak, build, spec};
     use proptest::prelude::*;
-
-    /// The MLP case of the module docs in miniature: three layers, each
-    /// with a saved activation `a` (4) that its weight-gradient op `w`
-    /// turns into a gradient `g` (16) consumed by an update `u`; the
-    /// backward runs top-down through `d`. At each `w` alone the floor
-    /// runs the other layers' gradient work first (20 = its own activation
-    /// and gradient), but whichever `w` runs first meets the other two
-    /// activations: 28 in every order.
-    #[test]
-    fn first_weight_gradient_meets_every_other_activation() {
-        let mut b = ProblemBuilder::new();
-        let loss = b.add_op(OpClass::Forward);
-        let mut prev = loss;
-        let mut ws = Vec::new();
-        for _ in 0..3 {
-            let w = b.add_op(OpClass::Backward);
-            let u = b.add_op(OpClass::Optimizer);
-            let d = b.add_op(OpClass::Backward);
-            let a = b.add_buf(4, Some(loss), false);
-            b.add_use(w, a);
-            let g = b.add_buf(16, Some(w), false);
-            b.add_use(u, g);
-            b.add_edge(prev, d);
-            b.add_edge(d, w);
-            prev = d;
-            ws.push(w);
-        }
-        let p = b.build().unwrap();
-        let per_op = min_cut_floor(
-            &p,
-            &[],
-            None,
-            &FloorParams {
-                groups: None,
-                ..Default::default()
-            },
-        );
-        assert_eq!(per_op.bytes, 20);
-        let best = best_peak(&p);
-        assert_eq!(best, 28);
-        let g = group_floor(&p, per_op.bytes, best, &GroupParams::default(), None);
-        assert_eq!(g.bytes, 28);
-        assert_eq!(g.end, Some(End::First));
-        assert_eq!(g.group, ws);
-        assert!(g.finished);
-    }
 
     /// A cut budget too small for one round stops the search with the
     /// caller's bound, marked unfinished.
     #[test]
     fn the_cut_budget_stops_the_search() {
-        let s = crate::bounds::tests::Spec {
+        let s = crate::testing::Spec {
             n: 4,
             edges: vec![],
             bufs: vec![

@@ -117,6 +117,8 @@ pub mod remat;
 pub mod report;
 pub mod simulate;
 pub mod solve;
+#[cfg(test)]
+mod testing;
 
 pub use budget::Budget;
 pub use list_schedule::list_schedule;
