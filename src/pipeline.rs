@@ -4,7 +4,10 @@
 //! 2. Make candidate orders: the program order, the orders the graph
 //!    carries, the plain list schedule and the solver's order
 //!    ([`memplan_solver::solve`]: partition, per-part heuristics, exact
-//!    search and local improvement, within the time limit).
+//!    search and local improvement, within the time limit); then the eager
+//!    baselines' orders ([`crate::baselines`]: a captured FSDP2 step's
+//!    rebuilt eager order, optimizer in backward), which the solver does
+//!    not see.
 //! 3. Evaluate each (live-bytes peak, reuses taken) and lay out the best
 //!    few with the allocator.
 //! 4. Keep the smallest arena. The program order without reuses, laid out by
