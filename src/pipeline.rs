@@ -4,10 +4,7 @@
 //! 2. Make candidate orders: the program order, the orders the graph
 //!    carries, the plain list schedule and the solver's order
 //!    ([`memplan_solver::solve`]: partition, per-part heuristics, exact
-//!    search and local improvement, within the time limit); then the eager
-//!    baselines' orders ([`crate::baselines`]: a captured FSDP2 step's
-//!    rebuilt eager order, optimizer in backward), which the solver does
-//!    not see.
+//!    search and local improvement, within the time limit).
 //! 3. Evaluate each (live-bytes peak, reuses taken) and lay out the best
 //!    few with the allocator.
 //! 4. Keep the smallest arena. The program order without reuses, laid out by
@@ -195,20 +192,6 @@ pub fn plan_by(
     };
     let sol = solver::solve(p, &given, &opts.solver, &budget, opts.progress.as_deref());
     orders.push(("memplan-solver", sol.order));
-    // The eager baselines' orders (crate::baselines), laid out as
-    // candidates so that no plan is worse than them (not given to the
-    // solver, whose work they would change): a captured sharded step's
-    // FSDP2 eager order, and the eager order with each update right after
-    // its gradient (optimizer in backward), where they differ from
-    // program order.
-    let (eager, _) = crate::baselines::eager_order(g, crate::baselines::fsdp_eager::Prefetch::CUDA);
-    let in_backward = crate::baselines::optimizer_in_backward_of(g, &eager);
-    if in_backward[..] != eager[..] {
-        orders.push(("optimizer-in-backward", Lowered::from_op_ids(&in_backward)));
-    }
-    if eager[..] != g.program_order()[..] {
-        orders.push(("fsdp2-eager-order", Lowered::from_op_ids(&eager)));
-    }
     report.solver = sol.report;
     report
         .phases

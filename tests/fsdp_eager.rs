@@ -187,36 +187,3 @@ fn the_baselines_run_the_rebuilt_order_and_say_so() {
         po.description
     );
 }
-
-#[test]
-fn the_planner_lays_out_the_eager_orders_too() {
-    // Never worse than the eager baselines' orders: both are candidates
-    // of every plan, with their max live bytes, and the plan passes the
-    // checker.
-    let g = captured_two_units(true);
-    let opts = memplan::pipeline::Options {
-        time_limit: std::time::Duration::from_secs(2),
-        ..Default::default()
-    };
-    let (plan, report) = memplan::pipeline::plan_with_report(&g, &opts).unwrap();
-    memplan::checker::check(&g, &plan).unwrap();
-    let live = |source: &str| {
-        report
-            .candidates
-            .iter()
-            .find(|c| c.0 == source)
-            .unwrap_or_else(|| panic!("no candidate {source}: {:?}", report.candidates))
-            .1
-    };
-    let eager = baselines::fsdp_eager::eager_order(&g, Prefetch::CUDA).unwrap();
-    assert_eq!(
-        live("fsdp2-eager-order"),
-        baselines::order_max_live(&g, &eager)
-    );
-    let in_backward = baselines::optimizer_in_backward_of(&g, &eager);
-    assert_eq!(
-        live("optimizer-in-backward"),
-        baselines::order_max_live(&g, &in_backward)
-    );
-    assert!(plan.stats.max_live_bytes <= live("optimizer-in-backward"));
-}

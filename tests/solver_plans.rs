@@ -267,18 +267,9 @@ fn checkpointed_gpt2_is_planned_near_the_floor() {
     assert!(on <= 1.005, "peak {on:.4} x the floor");
     let mut off = options();
     assert!(off.solver.disable("chain_hoist"));
-    let (plan_off, report) = memplan::pipeline::plan_with_report(&g, &off).unwrap();
+    let (plan_off, _) = memplan::pipeline::plan_with_report(&g, &off).unwrap();
     checker::check(&g, &plan_off).unwrap();
-    // The solver's own order: the pipeline also lays out the eager orders
-    // (optimizer in backward is 1.0167 x the floor here), which would hide
-    // what the pass does.
-    let solver_live = report
-        .candidates
-        .iter()
-        .find(|c| c.0 == "memplan-solver")
-        .expect("the solver's order is a candidate")
-        .1;
-    let without = solver_live as f64 / floor;
+    let without = plan_off.stats.max_live_bytes as f64 / floor;
     assert!(
         without >= 1.03,
         "without chain-hoist: {without:.4} x the floor"
