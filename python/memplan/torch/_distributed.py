@@ -115,8 +115,11 @@ class Collective:
             if self.gloo:
                 # gloo's worker thread lets go of the tensors a moment after
                 # the work completes: wait for it, so their bytes are freed
-                # where the plan frees them.
-                deadline = time.monotonic() + 1.0
+                # where the plan frees them. On a loaded machine (four ranks
+                # on two cores) that moment has come late: a buffer then
+                # outlived its place in the plan by a few hundred bytes, so
+                # the wait allows 10 s (it ends as soon as they are let go).
+                deadline = time.monotonic() + 10.0
                 while any(b._use_count() > h for b, h in zip(bufs, held)) and time.monotonic() < deadline:
                     time.sleep(1e-5)
         except RuntimeError as e:
