@@ -123,11 +123,15 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
             }
         }
     }
+    // A gather nothing reads has no place to be issued: keep program order.
+    if first_use.contains(&usize::MAX) {
+        return None;
+    }
     // Issue each group `prefetch` groups of its pass ahead of its use.
     let mut issue_at: HashMap<usize, Vec<usize>> = HashMap::new();
     for backward in [false, true] {
         let mut ks: Vec<usize> = (0..members.len())
-            .filter(|&k| pass_of[k] == backward && first_use[k] != usize::MAX)
+            .filter(|&k| pass_of[k] == backward)
             .collect();
         ks.sort_by_key(|&k| (first_use[k], k));
         let d = if backward {
@@ -146,18 +150,6 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
             base.extend_from_slice(&members[k]);
         }
         base.push(o);
-    }
-    // Unused groups (no reader) where they were.
-    let placed: usize = base.len();
-    let unused: Vec<OpId> = program
-        .iter()
-        .copied()
-        .filter(|&o| group_of[o.index()] != FREE && first_use[group_of[o.index()]] == usize::MAX)
-        .collect();
-    if placed + unused.len() + program.iter().filter(|&&o| asap(o)).count() != n
-        || !unused.is_empty()
-    {
-        return None;
     }
     // Merge the post-backward ops in as soon as they are ready. One that
     // reads nothing (an empty buffer) waits for its first reader instead,
