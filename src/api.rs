@@ -80,12 +80,13 @@ pub fn plan_split_json(graph_json: &str, time_limit_s: f64, split: &str) -> Resu
 /// "best_eager": name or null}`, the last the eager configuration that
 /// needs the least ([`crate::baselines::best_eager`]). `device` (`cuda`
 /// or `cpu`) says how FSDP2 eager issues a captured sharded step's
-/// all-gathers ([`crate::baselines::fsdp_eager::Prefetch`]).
+/// all-gathers and which collectives' buffers count
+/// ([`crate::baselines::fsdp_eager::Device`]).
 pub fn baselines_json(graph_json: &str, device: &str) -> Result<String, Error> {
-    use crate::baselines::fsdp_eager::Prefetch;
-    let prefetch = match device {
-        "cuda" => Prefetch::CUDA,
-        "cpu" => Prefetch::CPU,
+    use crate::baselines::fsdp_eager::Device;
+    let device = match device {
+        "cuda" => Device::CUDA,
+        "cpu" => Device::CPU,
         _ => {
             return Err(Error::Invalid(format!(
                 "device {device:?}: the baselines model \"cuda\" or \"cpu\""
@@ -93,7 +94,7 @@ pub fn baselines_json(graph_json: &str, device: &str) -> Result<String, Error> {
         }
     };
     let g = graph(graph_json)?;
-    let base = crate::baselines::all_with(&g, prefetch);
+    let base = crate::baselines::all_with(&g, device);
     let best = crate::baselines::best_eager(&base).map(|b| b.name.clone());
     Ok(json!({ "baselines": base, "best_eager": best }).to_string())
 }

@@ -5,7 +5,10 @@
 //! prefetch depth gives, op by op, its max live bytes worked out by hand,
 //! and the independent checker's verdict on it.
 
-use memplan::baselines::{self, fsdp_eager::Prefetch};
+use memplan::baselines::{
+    self,
+    fsdp_eager::{Device, Held, Prefetch},
+};
 use memplan::graph::{Graph, GraphBuilder, OpId, OpKind, OpSpec, Role, TensorSpec};
 
 const MIB: u64 = 1 << 20;
@@ -16,6 +19,14 @@ const MIB: u64 = 1 << 20;
 /// gb2); activations ya, yb 8 and the gradient dya 8; full gradients da,
 /// db 4; reduced chunks ca, cb 1.
 fn captured_two_units(with_attrs: bool) -> Graph {
+    captured(with_attrs, true, ["a", "b"])
+}
+
+/// [`captured_two_units`], with unit `a` resharded after the forward or
+/// not (then, as FSDP2's root, gathered once: its backward reads no
+/// gathered parameter, as an embedding's does not), and the units the two
+/// reductions are tagged with.
+fn captured(with_attrs: bool, a_resharded: bool, reduce_units: [&str; 2]) -> Graph {
     let mut b = GraphBuilder::new("fsdp2-two-units");
     let t = |b: &mut GraphBuilder, name: &str, mib: u64, role: Role| {
         let mut s = TensorSpec::new(name, mib * MIB).role(role);
@@ -34,7 +45,7 @@ fn captured_two_units(with_attrs: bool) -> Graph {
     let gb2 = t(&mut b, "gb2", 4, Role::Communication);
     let db = t(&mut b, "db", 4, Role::Gradient);
     let dya = t(&mut b, "dya", 8, Role::Activation);
-    let ga2 = t(&mut b, "ga2", 4, Role::Communication);
+    let ga2 = a_resharded.then(|| t(&mut b, "ga2", 4, Role::Communication));
     let da = t(&mut b, "da", 4, Role::Gradient);
     let ca = t(&mut b, "ca", 1, Role::Gradient);
     let cb = t(&mut b, "cb", 1, Role::Gradient);
@@ -81,15 +92,24 @@ fn captured_two_units(with_attrs: bool) -> Graph {
             .inputs([yb, ya, gb2])
             .outputs([db, dya]),
     );
-    gather(&mut b, "ag_a2", sa, ga2, "a", "backward");
-    b.add_op(
-        OpSpec::new("b_a", OpKind::Backward, "f")
-            .inputs([dya, x, ga2])
-            .outputs([da]),
-    );
+    if a_resharded {
+        let ga2 = ga2.expect("made for a resharded unit a");
+        gather(&mut b, "ag_a2", sa, ga2, "a", "backward");
+        b.add_op(
+            OpSpec::new("b_a", OpKind::Backward, "f")
+                .inputs([dya, x, ga2])
+                .outputs([da]),
+        );
+    } else {
+        b.add_op(
+            OpSpec::new("b_a", OpKind::Backward, "f")
+                .inputs([dya, x])
+                .outputs([da]),
+        );
+    }
     // Then every reduce-scatter, then the updates.
-    reduce(&mut b, "rs_a", ca, da, "a");
-    reduce(&mut b, "rs_b", cb, db, "b");
+    reduce(&mut b, "rs_a", ca, da, reduce_units[0]);
+    reduce(&mut b, "rs_b", cb, db, reduce_units[1]);
     b.add_op(
         OpSpec::new("u_a", OpKind::Optimizer, "sgd")
             .inputs([ca])
@@ -186,4 +206,90 @@ fn the_baselines_run_the_rebuilt_order_and_say_so() {
         "{}",
         po.description
     );
+}
+
+#[test]
+fn a_units_reduction_waits_for_all_of_its_gradients() {
+    // Both reductions tagged with unit a: FSDP2's post-backward reduces
+    // them together once a's backward (the last gradient) is done.
+    let g = captured(true, true, ["a", "a"]);
+    let none = Prefetch {
+        forward: 0,
+        backward: 0,
+    };
+    let order = baselines::fsdp_eager::eager_order(&g, none).unwrap();
+    assert_eq!(
+        names(&g, &order)[6..],
+        [
+            "e_ag_b2", "ag_b2", "b_b", "e_ag_a2", "ag_a2", "b_a", // no reduction between
+            "e_rs_a", "rs_a", "e_rs_b", "rs_b", "u_a", "u_b",
+        ]
+    );
+    checked(&g, &order);
+}
+
+#[test]
+fn fsdp2s_flat_buffers_and_unsharded_parameters_over_the_order() {
+    // Unit a gathered once (FSDP2's root): its parameters stay gathered
+    // until its post-backward, though the graph's last reader of ga is f_a.
+    let g = captured(true, false, ["a", "b"]);
+    let none = Prefetch {
+        forward: 0,
+        backward: 0,
+    };
+    let order = baselines::fsdp_eager::eager_order(&g, none).unwrap();
+    assert_eq!(
+        names(&g, &order),
+        [
+            "e_ag_a", "ag_a", "f_a", "e_ag_b", "ag_b", "f_b", "e_ag_b2", "ag_b2", "b_b", "e_rs_b",
+            "rs_b", "b_a", "e_rs_a", "rs_a", "u_a", "u_b",
+        ]
+    );
+    checked(&g, &order);
+    let cuda = Device {
+        prefetch: none,
+        gloo: false,
+    };
+    let held = baselines::fsdp_eager::flat_buffers(&g, &order, cuda);
+    let h = |from, to| Held {
+        from,
+        to,
+        bytes: 4 * MIB,
+    };
+    assert_eq!(
+        held,
+        [
+            // Each gather's flat buffer beside its parameters at the first
+            // use (half-step 2i: op i before its outputs): b2 at b_b, a at
+            // f_a, b at f_b.
+            h(16, 16),
+            h(4, 4),
+            h(10, 10),
+            // ga from after f_a to just before a's reduction (e_rs_a).
+            h(6, 23),
+            // Each reduction's flat input: beside the gradient at the
+            // copy-in (e_rs_b, e_rs_a), then in the gradient's place once
+            // the graph's reduce-scatter has freed it, to the next
+            // reduction (b's: from after rs_b to before e_rs_a; a's, the
+            // last, is freed with its reduction).
+            h(18, 18),
+            h(22, 23),
+            h(24, 24),
+        ]
+    );
+    // At b_b (step 8): 3 resident + ya 8 + yb 8 + gb2 4 + db 4 + dya 8 =
+    // 35 in the graph, ga's 4 on top; just before b_b's outputs 23, with
+    // b2's flat buffer and ga 31.
+    assert_eq!(baselines::order_max_live(&g, &order), 35 * MIB);
+    assert_eq!(
+        baselines::order_max_live_holding(&g, &order, &held),
+        39 * MIB
+    );
+    let cs = baselines::eager_caching_holding(&g, &order, false, &held);
+    assert_eq!(cs.max_allocated, 39 * MIB);
+    // On gloo each collective's temporary too: one per gather and per
+    // reduction, at its last collective.
+    let gloo = baselines::fsdp_eager::flat_buffers(&g, &order, Device { gloo: true, ..cuda });
+    assert_eq!(gloo.len(), held.len() + 5);
+    assert!(gloo.contains(&h(15, 15)), "{gloo:?}"); // ag_b2, step 7
 }

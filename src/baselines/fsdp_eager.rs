@@ -19,20 +19,47 @@
 //!   within their pass (FSDP2 prefetches one unit in the forward and one in
 //!   the backward on CUDA; on the CPU its forward issues each unit's
 //!   gathers at the unit's own pre-forward, depth 0);
-//! - a reduction's ops run as soon as their inputs are ready (an empty
-//!   buffer just before its first reader), as FSDP2's post-backward
-//!   reduces each unit's gradients once they are complete;
+//! - a unit's reduction ops run together as soon as every gradient they
+//!   read is complete (an empty buffer just before its first reader), as
+//!   FSDP2's post-backward reduces a unit's gradients once the unit's
+//!   backward is done;
 //! - every other op keeps its program order (the optimizer steps after the
 //!   backward, as `optimizer.step()` does).
 //!
 //! The result is checked against the graph's dependencies; a graph whose
 //! rebuilt order would break one keeps its program order ([`eager_order`]
 //! returns `None`).
+//!
+//! Capture records one collective per parameter, each writing the
+//! parameter's own buffer; FSDP2 runs one per unit through flat buffers,
+//! which the graph has no tensor for. [`flat_buffers`] gives the bytes
+//! they add over the rebuilt order (measured against FSDP2 on gloo with
+//! the profiler's allocation events):
+//!
+//! - a unit's all-gather writes one flat buffer of the unit's gathered
+//!   bytes, copied out into the parameters at the unit's first use and
+//!   freed after: twice the unit's bytes at that moment, where the graph
+//!   has them once;
+//! - a unit's gathered parameters stay until its post-backward reshards
+//!   them, just before its reduction, where the graph frees each after
+//!   its last reader (FSDP2's root, not resharded after the forward, holds
+//!   its embedding through the whole backward);
+//! - its reduce-scatter copies the unit's gradients (cast and padded) into
+//!   one flat input, which FSDP2 holds until the next unit's reduction (or
+//!   the end of the backward) waits for it: beside the gradients at the
+//!   copy-in, and in place of the padded gradient each of the graph's
+//!   reduce-scatters frees;
+//! - on gloo (the CPU), `_allgather_base` gathers into a temporary as
+//!   large as its output, and `_reduce_scatter_base` reduces a clone of
+//!   its input: each is held while the collective runs.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
-use crate::graph::{Graph, OpId};
+use memplan_solver as solver;
+
+use crate::graph::{Graph, OpId, TensorId};
+use crate::lower::{self, Lowered};
 
 /// All-gathers issued ahead of their first use, per pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +82,37 @@ impl Prefetch {
         forward: 0,
         backward: 1,
     };
+}
+
+/// How FSDP2 eager runs a captured step on a device: its prefetch, and
+/// whether its collectives are gloo's (their temporaries count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Device {
+    pub prefetch: Prefetch,
+    pub gloo: bool,
+}
+
+impl Device {
+    /// NCCL on CUDA, [`Prefetch::CUDA`].
+    pub const CUDA: Device = Device {
+        prefetch: Prefetch::CUDA,
+        gloo: false,
+    };
+    /// gloo on the CPU, [`Prefetch::CPU`].
+    pub const CPU: Device = Device {
+        prefetch: Prefetch::CPU,
+        gloo: true,
+    };
+}
+
+/// Bytes FSDP2 eager holds beyond the graph's tensors over a span of an
+/// order: half-steps `from` to `to`, inclusive, where half-step `2i` is
+/// op `i` of the order before its outputs are made and `2i + 1` after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub from: usize,
+    pub to: usize,
+    pub bytes: u64,
 }
 
 fn attr<'a>(g: &'a Graph, o: OpId, key: &str) -> Option<&'a str> {
@@ -105,9 +163,22 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
         group_of[o.index()] = k;
         members[k].push(o);
     }
-    // The reductions: every op tagged with a unit and no pass runs as soon
-    // as it is ready.
+    // The reductions: every op tagged with a unit and no pass; a unit's
+    // run together once all of them are ready.
     let asap = |o: OpId| group_of[o.index()] == FREE && attr(g, o, "fsdp_unit").is_some();
+    let mut reduction_of = vec![FREE; n];
+    let mut reductions: Vec<Vec<OpId>> = Vec::new();
+    let mut unit_reduction: HashMap<&str, usize> = HashMap::new();
+    for &o in program.iter().filter(|&&o| asap(o)) {
+        let unit = attr(g, o, "fsdp_unit").unwrap_or_default();
+        let next = reductions.len();
+        let k = *unit_reduction.entry(unit).or_insert(next);
+        if k == next {
+            reductions.push(Vec::new());
+        }
+        reduction_of[o.index()] = k;
+        reductions[k].push(o);
+    }
     // The rest in program order; each group's first use in it.
     let rest: Vec<OpId> = program
         .iter()
@@ -151,45 +222,58 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
         }
         base.push(o);
     }
-    // Merge the post-backward ops in as soon as they are ready. One that
-    // reads nothing (an empty buffer) waits for its first reader instead,
-    // as eager makes it there.
+    // Merge each unit's reduction in as soon as all of it is ready. An op
+    // that reads nothing (an empty buffer) waits for its first reader
+    // instead, as eager makes it there.
     let source = |o: OpId| asap(o) && g.deps(o).is_empty();
-    let mut missing = vec![0usize; n];
-    let mut ready = BinaryHeap::new();
-    for &o in program.iter().filter(|&&o| asap(o) && !source(o)) {
-        missing[o.index()] = g.deps(o).iter().filter(|&&d| !source(d)).count();
-        if missing[o.index()] == 0 {
-            ready.push(Reverse(position[o.index()]));
+    let mut missing = vec![0usize; reductions.len()];
+    for (k, ops) in reductions.iter().enumerate() {
+        for &o in ops.iter().filter(|&&o| !source(o)) {
+            missing[k] += g
+                .deps(o)
+                .iter()
+                .filter(|&&d| !source(d) && reduction_of[d.index()] != k)
+                .count();
         }
     }
+    let mut ready: BinaryHeap<Reverse<(usize, usize)>> = (0..reductions.len())
+        .filter(|&k| missing[k] == 0)
+        .map(|k| Reverse((position[reductions[k][0].index()], k)))
+        .collect();
     let mut order = Vec::with_capacity(n);
     let mut done = vec![false; n];
     let mut rest = base.into_iter();
     loop {
-        let o = match ready.pop() {
-            Some(Reverse(i)) => program[i],
+        let ops: Vec<OpId> = match ready.pop() {
+            Some(Reverse((_, k))) => reductions[k]
+                .iter()
+                .copied()
+                .filter(|&o| !source(o))
+                .collect(),
             None => match rest.next() {
-                Some(o) => o,
+                Some(o) => vec![o],
                 None => break,
             },
         };
-        for &d in g.deps(o) {
-            if source(d) && !done[d.index()] {
-                done[d.index()] = true;
-                order.push(d);
+        for o in ops {
+            for &d in g.deps(o) {
+                if source(d) && !done[d.index()] {
+                    done[d.index()] = true;
+                    order.push(d);
+                }
             }
-        }
-        if g.deps(o).iter().any(|d| !done[d.index()]) {
-            return None; // would break a dependency: keep program order
-        }
-        done[o.index()] = true;
-        order.push(o);
-        for &w in &users[o.index()] {
-            if asap(w) && !source(o) {
-                missing[w.index()] -= 1;
-                if missing[w.index()] == 0 {
-                    ready.push(Reverse(position[w.index()]));
+            if g.deps(o).iter().any(|d| !done[d.index()]) {
+                return None; // would break a dependency: keep program order
+            }
+            done[o.index()] = true;
+            order.push(o);
+            for &w in &users[o.index()] {
+                let k = reduction_of[w.index()];
+                if k != FREE && k != reduction_of[o.index()] && !source(o) && !source(w) {
+                    missing[k] -= 1;
+                    if missing[k] == 0 {
+                        ready.push(Reverse((position[reductions[k][0].index()], k)));
+                    }
                 }
             }
         }
@@ -202,4 +286,162 @@ pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
             .filter(|&o| source(o) && !done[o.index()]),
     );
     (order.len() == n).then_some(order)
+}
+
+/// The largest buffer `o` touches (a gather's gathered parameter, a
+/// reduction's padded gradient), a view's base in its place.
+fn largest_buffer(g: &Graph, o: OpId) -> Option<TensorId> {
+    let op = g.op(o);
+    op.inputs
+        .iter()
+        .chain(&op.outputs)
+        .chain(&op.updates)
+        .map(|&t| g.root(t))
+        .max_by_key(|&t| (g.tensor(t).size, Reverse(t.index())))
+}
+
+/// The flat buffers FSDP2 eager holds beyond the graph's tensors when it
+/// runs `order` (a valid order of `g`, e.g. [`eager_order`]'s) on
+/// `device`, as spans of that order (see the module doc). Empty for a
+/// graph whose collectives name no unit.
+pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
+    if !applies(g) {
+        return Vec::new();
+    }
+    let mut pos = vec![0usize; g.num_ops()];
+    for (i, &o) in order.iter().enumerate() {
+        pos[o.index()] = i;
+    }
+    let low = lower::lower(g, false);
+    let ev = solver::evaluate(&low.problem, &Lowered::from_op_ids(order));
+    let live = |t: TensorId| {
+        low.buf_of_tensor[t.index()]
+            .map(|b| (ev.birth[b.index()] as usize, ev.death[b.index()] as usize))
+    };
+    // Gather groups by (pass, unit), reductions by unit: (first step, last
+    // collective's step, the collectives' bytes); each group's gathered
+    // parameters.
+    let mut gathers: BTreeMap<(&str, &str), (usize, usize, u64)> = BTreeMap::new();
+    let mut reductions: BTreeMap<(&str, &str), (usize, usize, u64)> = BTreeMap::new();
+    let mut gathered: BTreeMap<(&str, &str), Vec<TensorId>> = BTreeMap::new();
+    for &o in order {
+        let Some(unit) = attr(g, o, "fsdp_unit") else {
+            continue;
+        };
+        let pass = attr(g, o, "fsdp_pass");
+        let e = match pass {
+            Some(pass) => gathers.entry((pass, unit)),
+            None => reductions.entry(("", unit)),
+        }
+        .or_insert((pos[o.index()], 0, 0));
+        if matches!(
+            g.op(o).op_type.as_str(),
+            "memplan.all_gather" | "memplan.reduce_scatter"
+        ) && let Some(t) = largest_buffer(g, o)
+        {
+            e.1 = pos[o.index()];
+            e.2 += g.tensor(t).size;
+            gathered
+                .entry(pass.map_or(("", unit), |pass| (pass, unit)))
+                .or_default()
+                .push(t);
+        }
+    }
+    let mut held = Vec::new();
+    // Each gather group's first use: the first op outside it reading it.
+    let mut first_use: HashMap<(&str, &str), usize> = HashMap::new();
+    for &o in order {
+        let mine = (attr(g, o, "fsdp_pass"), attr(g, o, "fsdp_unit"));
+        for &d in g.deps(o) {
+            if let (Some(pass), Some(unit)) = (attr(g, d, "fsdp_pass"), attr(g, d, "fsdp_unit"))
+                && mine != (Some(pass), Some(unit))
+            {
+                first_use.entry((pass, unit)).or_insert(pos[o.index()]);
+            }
+        }
+    }
+    for (key, &(_, last, bytes)) in &gathers {
+        // The flat buffer beside the copied-out parameters.
+        if let Some(&f) = first_use.get(key) {
+            held.push(Held {
+                from: 2 * f,
+                to: 2 * f,
+                bytes,
+            });
+        }
+        if device.gloo {
+            held.push(Held {
+                from: 2 * last + 1,
+                to: 2 * last + 1,
+                bytes,
+            });
+        }
+    }
+    // A unit's parameters stay gathered until its post-backward reshards
+    // them, just before its reduction: those of its backward gather, or of
+    // its forward one when it has none (not resharded after the forward).
+    for (&(pass, unit), ts) in &gathered {
+        if pass.is_empty() || pass == "forward" && gathers.contains_key(&("backward", unit)) {
+            continue;
+        }
+        let Some(&(start, _, _)) = reductions.get(&("", unit)) else {
+            continue;
+        };
+        for &t in ts {
+            if let Some((_, last)) = live(t)
+                && last + 1 < start
+            {
+                held.push(Held {
+                    from: 2 * (last + 1),
+                    to: 2 * start - 1,
+                    bytes: g.tensor(t).size,
+                });
+            }
+        }
+    }
+    // Each reduction's flat input, from its copy-in to the next
+    // reduction's start (or its own end, for the last), in place of the
+    // padded gradients the graph reduces: where the graph holds one (the
+    // gradient itself, or a padded or cast copy made for the reduction),
+    // that share of the flat input is not on top; at the copy-in the
+    // gradients themselves are there beside it.
+    let mut runs: Vec<(usize, usize, u64, &str)> = reductions
+        .iter()
+        .map(|(&(_, unit), &(start, last, bytes))| (start, last, bytes, unit))
+        .collect();
+    runs.sort_unstable();
+    for (j, &(start, last, bytes, unit)) in runs.iter().enumerate() {
+        // The half-step the flat input is freed after.
+        let end = runs.get(j + 1).map_or(2 * last + 1, |next| 2 * next.0 - 1);
+        for &t in gathered.get(&("", unit)).map(Vec::as_slice).unwrap_or(&[]) {
+            let size = g.tensor(t).size;
+            let Some((born, died)) = live(t) else {
+                continue;
+            };
+            let mut span = |from: usize, to: usize| {
+                if from <= to {
+                    held.push(Held {
+                        from,
+                        to,
+                        bytes: size,
+                    });
+                }
+            };
+            if born < start {
+                span(2 * start, 2 * start); // the gradient, copied in
+            } else if born > start {
+                span(2 * start, 2 * born - 1); // its copy not made yet
+            }
+            span(2 * (died + 1), end);
+        }
+        if device.gloo {
+            held.push(Held {
+                from: 2 * last + 1,
+                to: 2 * last + 1,
+                bytes,
+            });
+        }
+    }
+    held.retain(|h| h.bytes > 0);
+    held
 }

@@ -80,8 +80,35 @@ pub fn program_order_max_live(g: &Graph) -> u64 {
 
 /// Max live bytes of `order`, without reuse.
 pub fn order_max_live(g: &Graph, order: &[OpId]) -> u64 {
+    order_max_live_holding(g, order, &[])
+}
+
+/// Max live bytes of `order`, without reuse, with the bytes of `held`
+/// (buffers outside the graph, e.g. FSDP2's flat ones) on top.
+pub fn order_max_live_holding(g: &Graph, order: &[OpId], held: &[fsdp_eager::Held]) -> u64 {
     let low = lower::lower(g, false);
-    solver::evaluate(&low.problem, &Lowered::from_op_ids(order)).peak
+    let p = &low.problem;
+    let lowered = Lowered::from_op_ids(order);
+    let ev = solver::evaluate(p, &lowered);
+    if held.is_empty() {
+        return ev.peak;
+    }
+    // Live bytes at each half-step: before op i's outputs, after them.
+    let mut extra = vec![0i128; 2 * order.len() + 1];
+    for h in held {
+        extra[h.from] += i128::from(h.bytes);
+        extra[h.to + 1] -= i128::from(h.bytes);
+    }
+    let mut on_top = 0i128;
+    let mut peak = 0u64;
+    for (i, &op) in lowered.iter().enumerate() {
+        let born: u64 = p.outputs(op).map(|b| p.size(b)).sum();
+        for (half, live) in [(2 * i, ev.curve[i] - born), (2 * i + 1, ev.curve[i])] {
+            on_top += extra[half];
+            peak = peak.max(live + u64::try_from(on_top).unwrap_or(0));
+        }
+    }
+    peak
 }
 
 /// The order an eager user runs `g` in, and its name: FSDP2 eager's
@@ -193,6 +220,17 @@ pub fn optimizer_in_backward_of(g: &Graph, program: &[OpId]) -> Vec<OpId> {
 /// Runs `order` (a valid order of `g`) through the caching-allocator
 /// simulation, with expandable segments or PyTorch's default settings.
 pub fn eager_caching(g: &Graph, order: &[OpId], expandable: bool) -> caching::CachingStats {
+    eager_caching_holding(g, order, expandable, &[])
+}
+
+/// [`eager_caching`] with the buffers of `held` (outside the graph, e.g.
+/// FSDP2's flat ones) allocated over their spans, on the default stream.
+pub fn eager_caching_holding(
+    g: &Graph,
+    order: &[OpId],
+    expandable: bool,
+    held: &[fsdp_eager::Held],
+) -> caching::CachingStats {
     let low = lower::lower(g, false);
     let p = &low.problem;
     let order = Lowered::from_op_ids(order);
@@ -217,14 +255,36 @@ pub fn eager_caching(g: &Graph, order: &[OpId], expandable: bool) -> caching::Ca
             dies_at[ev.death[b.index()] as usize].push(b);
         }
     }
+    // Held buffers starting and ending at each half-step.
+    let mut starts: Vec<Vec<usize>> = vec![Vec::new(); 2 * order.len()];
+    let mut ends: Vec<Vec<usize>> = vec![Vec::new(); 2 * order.len()];
+    for (j, h) in held.iter().enumerate() {
+        if h.to < ends.len() && h.from <= h.to {
+            starts[h.from].push(j);
+            ends[h.to].push(j);
+        }
+    }
+    let mut held_handle = vec![None; held.len()];
+    let mut half_step = |a: &mut caching::CachingAllocator, half: usize| {
+        for &j in &starts[half] {
+            held_handle[j] = Some(a.malloc(held[j].bytes));
+        }
+        for &j in &ends[half] {
+            if let Some(h) = held_handle[j].take() {
+                a.free(h);
+            }
+        }
+    };
     for (i, &op) in order.iter().enumerate() {
         // Blocks are cached per stream: an op's outputs come from its own.
         let o = g.op(OpId(op.0));
         let stream = o.stream;
+        half_step(&mut a, 2 * i);
         let scratch = eager_scratch_bytes(o).map(|n| a.malloc_on(n, stream));
         for b in p.outputs(op) {
             handle[b.index()] = Some(a.malloc_on(p.size(b), stream));
         }
+        half_step(&mut a, 2 * i + 1);
         if let Some(h) = scratch {
             a.free(h);
         }
@@ -261,19 +321,30 @@ pub fn eager_scratch_bytes(op: &crate::graph::Op) -> Option<u64> {
     }
 }
 
-/// Every baseline for `g`, with its figure (a sharded step's FSDP2
-/// eager order prefetching as on CUDA).
+/// Every baseline for `g`, with its figure (a captured sharded step run
+/// by FSDP2 eager as on CUDA).
 pub fn all(g: &Graph) -> Vec<Baseline> {
-    all_with(g, fsdp_eager::Prefetch::CUDA)
+    all_with(g, fsdp_eager::Device::CUDA)
 }
 
-/// [`all`], a captured sharded step's FSDP2 eager order prefetching as
-/// `prefetch` says.
-pub fn all_with(g: &Graph, prefetch: fsdp_eager::Prefetch) -> Vec<Baseline> {
-    let (eager, what) = eager_order(g, prefetch);
-    let cs = eager_caching(g, &eager, false);
-    let expandable = eager_caching(g, &eager, true);
+/// [`all`], a captured sharded step run by FSDP2 eager as on `device`:
+/// its order prefetching as the device does, with FSDP2's flat buffers
+/// ([`fsdp_eager::flat_buffers`]) in every eager figure but
+/// `program-order+greedy` (a layout of the graph's own tensors).
+pub fn all_with(g: &Graph, device: fsdp_eager::Device) -> Vec<Baseline> {
+    let (eager, mut what) = eager_order(g, device.prefetch);
+    let held = fsdp_eager::flat_buffers(g, &eager, device);
+    if !held.is_empty() {
+        what.push_str(&format!(
+            " with FSDP2's flat buffers{}",
+            if device.gloo { " and gloo's" } else { "" }
+        ));
+    }
+    let cs = eager_caching_holding(g, &eager, false, &held);
+    let expandable = eager_caching_holding(g, &eager, true, &held);
     let in_backward = optimizer_in_backward_of(g, &eager);
+    // The updates moved between ops: the flat buffers keep their ops.
+    let held_in_backward = fsdp_eager::flat_buffers(g, &in_backward, device);
     let mut out = vec![
         Baseline {
             name: "pytorch-reserved".into(),
@@ -294,21 +365,23 @@ pub fn all_with(g: &Graph, prefetch: fsdp_eager::Prefetch) -> Vec<Baseline> {
         },
         Baseline {
             name: "eager-optimizer-in-backward".into(),
-            peak_bytes: eager_caching(g, &in_backward, false).max_reserved,
+            peak_bytes: eager_caching_holding(g, &in_backward, false, &held_in_backward)
+                .max_reserved,
             description: format!(
                 "{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"
             ),
         },
         Baseline {
             name: "eager-optimizer-in-backward-expandable-segments".into(),
-            peak_bytes: eager_caching(g, &in_backward, true).max_reserved,
+            peak_bytes: eager_caching_holding(g, &in_backward, true, &held_in_backward)
+                .max_reserved,
             description: format!(
                 "{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
             ),
         },
         Baseline {
             name: "program-order".into(),
-            peak_bytes: order_max_live(g, &eager),
+            peak_bytes: order_max_live_holding(g, &eager, &held),
             description: format!("{what}, max live bytes (no layout loss)"),
         },
         Baseline {
