@@ -316,8 +316,9 @@ class DataParallelBench(unittest.TestCase):
             self.assertGreater(r["bucket_bytes"], 0)
             # The allocator also sees the few bytes of buffers that are not
             # tensors (gloo's, the kernels' own), which no plan holds.
-            self.assertAlmostEqual(r["peak_bytes"], r["max_live_bytes"] + r["bucket_bytes"], delta=1024, msg=side)
-            self.assertLessEqual(r["peak_bytes"], rows["eager-ddp"]["peak_bytes"], side)
+            for peak in r["peak_bytes_per_step"]:
+                self.assertAlmostEqual(peak, r["max_live_bytes"] + r["bucket_bytes"], delta=1024, msg=side)
+            self.assertLessEqual(max(r["peak_bytes_per_step"]), rows["eager-ddp"]["peak_bytes"], side)
         self.assertLessEqual(rows["memplan-fit-0.1%"]["added_flops_share"], 0.001)
 
     def test_one_ranks_fsdp2_step_planned_without_the_ranks(self):
@@ -345,7 +346,7 @@ class DataParallelBench(unittest.TestCase):
     def test_per_rank_peaks_of_fsdp2_eager_and_memplan(self):
         out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--fsdp", "--world", "2",
                               "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit",
-                              "2", "--json", "--timeout", "240"], capture_output=True, text=True, timeout=300)
+                              "2", "--steps", "5", "--json", "--timeout", "240"], capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         rows = json.loads(out.stdout[out.stdout.index("{"):])
         self.assertEqual(set(rows), {"fsdp2-eager", "memplan", "memplan-fit-0.1%"})
@@ -353,14 +354,37 @@ class DataParallelBench(unittest.TestCase):
         for side in ("memplan", "memplan-fit-0.1%"):
             r = rows[side]
             self.assertEqual(r["bucket_bytes"], 0)
-            self.assertAlmostEqual(r["peak_bytes"], r["max_live_bytes"], delta=1024, msg=side)
-            self.assertLessEqual(r["peak_bytes"], rows["fsdp2-eager"]["peak_bytes"], side)
+            for peak in r["peak_bytes_per_step"]:
+                self.assertAlmostEqual(peak, r["max_live_bytes"], delta=1024, msg=side)
+            self.assertLessEqual(max(r["peak_bytes_per_step"]), rows["fsdp2-eager"]["peak_bytes"], side)
             # The same two steps as FSDP2 eager: each shard's norm after them.
             for a, b in zip(r["parameter_norms"], rows["fsdp2-eager"]["parameter_norms"], strict=True):
                 self.assertAlmostEqual(a, b, delta=1e-5 * abs(b), msg=side)
-        # FSDP2 eager simulated on memplan's captured graph (its order rebuilt)
-        # against the real one on the CPU: never above it (the simulation
-        # leaves out FSDP2's flat buffers), within a fifth of it.
+        # FSDP2 eager simulated on memplan's captured graph (its order rebuilt,
+        # FSDP2's flat buffers, its unsharded parameters held to the
+        # post-backward and gloo's temporaries added) against the real one on
+        # the CPU, its lowest step: 168 bytes apart when measured. gloo lets go
+        # of a buffer late now and then, which only adds to a real step: with
+        # five steps, the lowest is clear of that but for bad luck, which the
+        # lower margin allows (one late gathered layer is a tenth here).
+        eager = rows["fsdp2-eager"]
+        self.assertEqual(eager["peak_bytes"], min(eager["peak_bytes_per_step"]))
+        sim, real = rows["memplan"]["simulated_eager"]["program-order"], eager["peak_bytes"]
+        self.assertLessEqual(sim, 1.01 * real)
+        self.assertGreater(sim, 0.85 * real)
+
+    def test_fsdp2_eager_simulated_under_mixed_precision(self):
+        # MixedPrecisionPolicy(bf16, reduce float32): bf16 gathers, float32
+        # flat reduce-scatter inputs. Measured 0.8% above the real peak (the
+        # simulation holds one bf16 activation cast longer than eager does).
+        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--fsdp", "--world", "2",
+                              "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit",
+                              "2", "--steps", "5", "--mixed-precision", "--json", "--timeout", "240"],
+                             capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        rows = json.loads(out.stdout[out.stdout.index("{"):])
         sim, real = rows["memplan"]["simulated_eager"]["program-order"], rows["fsdp2-eager"]["peak_bytes"]
-        self.assertLessEqual(sim, real)
-        self.assertGreater(sim, 0.8 * real)
+        self.assertLessEqual(sim, 1.02 * real)
+        self.assertGreater(sim, 0.85 * real)
+        for side in ("memplan", "memplan-fit-0.1%"):
+            self.assertLessEqual(max(rows[side]["peak_bytes_per_step"]), real, side)

@@ -31,8 +31,13 @@ running sum of the allocator's events during the step
 buckets, which the wrapper allocates when it is made and holds for good
 (``_get_ddp_logging_data()["bucket_sizes"]``). memplan's step never uses
 those buckets, but a model wrapped with DDP keeps them, so they are counted
-on both sides. Each side is measured on its own second step (the first
-makes the optimizer state, and DDP rebuilds its buckets there).
+on both sides. Each side runs one step unmeasured (it makes the optimizer
+state, and DDP rebuilds its buckets there), then ``--steps`` measured
+ones; a side's peak is the lowest of them (all are listed). On gloo an
+eager step's peak varies from step to step: gloo's worker thread lets go
+of a collective's buffers late now and then (FSDP2's flat all-gather
+buffer beside the next one), so the lowest is the eager figure without
+that accident; memplan's steps wait for the release and agree.
 """
 
 from __future__ import annotations
@@ -211,20 +216,26 @@ def _rank(args) -> Dict[str, Any]:
                 resident = [x for x in resident if not lo <= x.untyped_storage().data_ptr() < hi] + [buf]
         buckets = 0 if args.fsdp else _bucket_bytes(ddp)
         row = out.setdefault(side, {})
-        if cuda:  # the caching allocator's own figures (buckets are allocated on the device: counted)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            step(batches[1])
-            torch.cuda.synchronize()
-            row.update(step_seconds=time.perf_counter() - t0, reserved_bytes=torch.cuda.max_memory_reserved())
-            peak = torch.cuda.max_memory_allocated() - buckets
-        else:
-            peak = allocator_peak(lambda: step(batches[1]), resident)
-        # Every side computed the same two steps: a digest of this rank's shards to compare.
+        peaks, reserved, seconds = [], [], []
+        for _ in range(args.steps):
+            if cuda:  # the caching allocator's own figures (buckets are allocated on the device: counted)
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                step(batches[1])
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - t0)
+                reserved.append(torch.cuda.max_memory_reserved())
+                peaks.append(torch.cuda.max_memory_allocated())
+            else:
+                peaks.append(allocator_peak(lambda: step(batches[1]), resident) + buckets)
+            dist.barrier()
+        if cuda:
+            row.update(step_seconds=sorted(seconds)[len(seconds) // 2], reserved_bytes=min(reserved))
+        # Every side computed the same steps: a digest of this rank's shards to compare.
         row["parameter_norms"] = [float(local_tensor(p).detach().double().norm()) for p in ddp.parameters()]
-        row.update(peak_bytes=peak + buckets, bucket_bytes=buckets,
+        row.update(peak_bytes=min(peaks), peak_bytes_per_step=peaks, bucket_bytes=buckets,
                    resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
         dist.barrier()
         ddp = opt = step = s = None  # this side's memory goes before the next side's is made
@@ -252,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--time-limit", type=float, default=10.0, help="seconds for the plan and the fit, each")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="measured steps per side after the first (default 3); a side's peak is their lowest")
     ap.add_argument("--split", default=None, help="with --without-ranks: split the loss chain (auto or a number "
                     "of chunks; capture(split=...))")
     ap.add_argument("--intermediate", type=int, help="MLP width (default 8/3 of --hidden)")
@@ -281,6 +294,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world < 1:
         ap.error("--world must be at least 1")
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
     if args.device == "cuda" and not args.without_ranks:
         import torch
 
@@ -375,11 +390,11 @@ def main(argv=None) -> int:
     norms = {side: rows[side]["parameter_norms"] for side in sides}
     for side in sides[1:]:
         d = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(norms[side], norms[sides[0]])), default=0.0)
-        print(f"{side}: parameter shards after two steps within {d:.2e} (relative norm) of {sides[0]}'s")
+        print(f"{side}: parameter shards after {1 + args.steps} steps within {d:.2e} (relative norm) of {sides[0]}'s")
     if args.device == "cuda":
         for side in sides:
             r = rows[side]
-            print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, second step {1000 * r['step_seconds']:.1f} ms"
+            print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, step {1000 * r['step_seconds']:.1f} ms (median)"
                   + (f", arena {r['arena_bytes'] / mib:.1f}M" if "arena_bytes" in r else ""))
     sim = rows.get("memplan", {}).get("simulated_eager")
     if sim is not None:
