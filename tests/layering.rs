@@ -128,3 +128,25 @@ fn the_pipeline_does_not_depend_on_the_split_pass() {
         &["crate::split::Split", "split::plan"],
     );
 }
+
+#[test]
+fn the_cli_has_no_hub() {
+    // cli/commands.rs held plan, compare, stats and the graph loader, and
+    // fit, plot, run and trace imported it back. Now mod.rs dispatches,
+    // load.rs holds what every command starts from, and no command file
+    // imports another (nor load.rs any).
+    let commands = [
+        "plan", "check", "stats", "compare", "export", "alloc", "run", "bench", "plot", "trace",
+        "fit",
+    ];
+    let ring = "cli/commands.rs <-> fit, plot, run, trace";
+    let forbidden: Vec<String> = commands
+        .iter()
+        .map(|c| format!("super::{c}::"))
+        .chain(["commands::".to_string()])
+        .collect();
+    let forbidden: Vec<&str> = forbidden.iter().map(String::as_str).collect();
+    for file in commands.iter().chain(&["load"]) {
+        refuses(ring, &format!("src/cli/{file}.rs"), &forbidden);
+    }
+}

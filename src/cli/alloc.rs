@@ -74,7 +74,7 @@ pub struct AllocArgs {
 
 fn params(a: &AllocArgs) -> Result<SolverParams> {
     let mut p = SolverParams {
-        time_limit: Some(super::commands::time_limit(a.time_limit)?),
+        time_limit: Some(super::load::time_limit(a.time_limit)?),
         ilp_max_units: a.ilp,
         threads: a.threads,
         seed: a.seed,

@@ -62,7 +62,7 @@ fn progress() -> bool {
 }
 
 fn budget(s: f64) -> Result<Duration> {
-    super::commands::time_limit(s)
+    super::load::time_limit(s)
 }
 
 /// One graph to benchmark: where it comes from, its time budget, and the

@@ -12,8 +12,8 @@ use memplan::fit::{FitOptions, Fitted, fit, fit_within};
 use memplan::graph::Graph;
 
 use super::GraphArgs;
-use super::commands::{load, shard};
 use super::format::{grouped_f64, human_bytes, table};
+use super::load::{load, shard};
 
 #[derive(Args, Debug)]
 pub struct FitArgs {
@@ -140,7 +140,7 @@ pub fn parse_share(text: &str) -> Result<f64> {
 }
 
 pub fn run(a: FitArgs) -> Result<()> {
-    let limit = super::commands::time_limit(a.time_limit)?;
+    let limit = super::load::time_limit(a.time_limit)?;
     super::claim_stdout(&[
         ("-o", a.output.as_deref()),
         ("--output-graph", a.output_graph.as_deref()),

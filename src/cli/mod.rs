@@ -1,4 +1,8 @@
-//! Command-line front end: argument parsing and the commands.
+//! Command-line front end: argument parsing (here) and one file per
+//! command (`plan`, `check`, `stats`, `compare`, `export`, `alloc`, `run`,
+//! `bench`, `plot`, `trace`, `fit`), each starting from what [`load`]
+//! gives: the graph a command names, its time limit, its plan. `load`
+//! imports no command, and no command imports another (tests/layering.rs).
 
 /// `println!`, or `eprintln!` while a document holds standard output
 /// (`-o -`): a command's summary then goes to standard error, so what
@@ -26,13 +30,18 @@ macro_rules! say {
 
 mod alloc;
 mod bench;
-mod commands;
+mod check;
+mod compare;
+mod export;
 mod fit;
 pub mod format;
+mod load;
+mod plan;
 mod plot;
 mod progress;
 mod report;
 mod run;
+mod stats;
 mod trace;
 
 use std::io::Write;
@@ -339,7 +348,7 @@ pub fn main() -> i32 {
             return code;
         }
     };
-    match commands::run(cli.command) {
+    match run_command(cli.command) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("memplan: {}", message(&e));
@@ -360,4 +369,69 @@ fn message(e: &anyhow::Error) -> String {
         }
     }
     out
+}
+
+/// Runs one command.
+fn run_command(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Plan {
+            graph,
+            source,
+            output,
+            json,
+            time_limit,
+            report,
+            split,
+            graph_output,
+        } => plan::plan(
+            graph,
+            &source,
+            (output, graph_output),
+            json,
+            time_limit,
+            report,
+            split,
+        ),
+        Command::Check {
+            files,
+            source,
+            json,
+        } => check::check(files, &source, json),
+        Command::Stats {
+            graph,
+            source,
+            json,
+        } => stats::stats(graph, &source, json),
+        Command::Compare {
+            graph,
+            source,
+            json,
+            time_limit,
+        } => compare::compare(graph, &source, json, time_limit),
+        Command::Export {
+            graph,
+            source,
+            output,
+            hlo,
+            plan,
+            time_limit,
+            no_chain,
+        } => match (hlo, graph) {
+            (true, Some(g)) => {
+                let opts = memplan::io::hlo::ImportOptions {
+                    xla_allocations: source.xla_allocations,
+                    ..Default::default()
+                };
+                export::export_hlo(&g, plan.as_deref(), &output, time_limit, no_chain, &opts)
+            }
+            (true, None) => anyhow::bail!("--hlo needs the HLO module file as GRAPH"),
+            (false, g) => export::export(g.as_deref(), &source, &output),
+        },
+        Command::Alloc(a) => alloc::run(a),
+        Command::Run(args) => run::run(args),
+        Command::Bench(a) => bench::run(a),
+        Command::Plot(a) => plot::run(a),
+        Command::Trace(a) => trace::run(a),
+        Command::Fit(a) => fit::run(a),
+    }
 }

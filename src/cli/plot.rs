@@ -1,16 +1,14 @@
 //! `memplan plot`: a picture of a plan's memory (SVG).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, bail};
 use clap::Args;
 
-use memplan::graph::Graph;
 use memplan::plot::{PlotOptions, human};
-use memplan::{Options, Plan, checker};
 
 use super::GraphArgs;
-use super::commands::load;
+use super::load::{load, load_or_make_plan};
 
 #[derive(Args, Debug)]
 pub struct PlotArgs {
@@ -65,22 +63,4 @@ pub fn run(a: PlotArgs) -> Result<()> {
         human(plan.stats.lower_bound_bytes)
     );
     Ok(())
-}
-
-/// Reads and checks the plan at `path`, or plans `g` when there is none.
-pub fn load_or_make_plan(g: &Graph, path: Option<&Path>, time_limit: f64) -> Result<Plan> {
-    if let Some(p) = path {
-        let text = memplan::io::read_text(p)?;
-        let plan = Plan::from_json(&text, g, p)?;
-        checker::check(g, &plan)
-            .map_err(|e| anyhow!("{}: the plan is invalid: {e}", p.display()))?;
-        return Ok(plan);
-    }
-    let opts = Options {
-        time_limit: super::commands::time_limit(time_limit)?,
-        ..Options::default()
-    };
-    let plan = memplan::plan(g, &opts)?;
-    checker::check(g, &plan).context("internal error: memplan produced an invalid plan")?;
-    Ok(plan)
 }

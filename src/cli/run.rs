@@ -13,8 +13,8 @@ use memplan_runtime::device::AttentionLowering;
 use memplan_runtime::runner::{Agreement, RunConfig, RunReport};
 
 use super::GraphArgs;
-use super::commands::{load, solve};
 use super::format::{grouped, human_bytes, table};
+use super::load::{load, solve};
 
 /// Where the step runs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]

@@ -7,8 +7,8 @@ use anyhow::{Context, Result, anyhow};
 use clap::Args;
 
 use super::GraphArgs;
-use super::commands::load;
-use super::plot::load_or_make_plan;
+use super::load::load;
+use super::load::load_or_make_plan;
 
 #[derive(Args, Debug)]
 pub struct TraceArgs {

@@ -1,0 +1,191 @@
+//! `memplan compare`: the plan against every baseline.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use serde_json::json;
+
+use memplan::baselines;
+use memplan::graph::Graph;
+
+use super::GraphArgs;
+use super::format::{grouped, human_bytes, table};
+use super::load::{for_xla, load, solve};
+
+pub(super) fn compare(
+    graph: Option<PathBuf>,
+    src: &GraphArgs,
+    as_json: bool,
+    time_limit: f64,
+) -> Result<()> {
+    let g = load(graph.as_deref(), src)?;
+    let base = baselines::all(&g);
+    let mut plan = solve(&g, time_limit)?;
+    let mut xla = None;
+    if let (true, Some(path)) = (src.xla_allocations, graph.as_deref()) {
+        (plan, xla) = for_xla(&g, path, plan, time_limit)?;
+    }
+    let s = &plan.stats;
+    let lb = s.lower_bound_bytes.max(1);
+    if as_json {
+        let b: serde_json::Map<String, serde_json::Value> = base
+            .iter()
+            .map(|b| {
+                (
+                    b.name.clone(),
+                    json!({"peak_bytes": b.peak_bytes, "description": b.description,
+                           "ratio_to_lower_bound": b.peak_bytes as f64 / lb as f64}),
+                )
+            })
+            .collect();
+        let best = base.iter().map(|b| b.peak_bytes).min().unwrap_or(0);
+        let v = json!({
+            "graph": g.name,
+            "ops": g.num_ops(),
+            "tensors": g.num_tensors(),
+            "peak_bytes": s.peak_bytes,
+            "max_live_bytes": s.max_live_bytes,
+            "lower_bound_bytes": s.lower_bound_bytes,
+            "lower_bound_kind": s.lower_bound_kind,
+            "simple_bound_bytes": s.simple_bound_bytes,
+            "bound_seconds": s.bound_seconds,
+            "ratio_to_lower_bound": s.peak_bytes as f64 / lb as f64,
+            "ratio_to_best_baseline": s.peak_bytes as f64 / best.max(1) as f64,
+            "solve_seconds": s.solve_seconds,
+            "order_source": s.order_source,
+            "layout_source": s.layout_source,
+            "baselines": b,
+            "best_eager": baselines::best_eager(&base)
+                .map(|b| json!({"name": b.name, "peak_bytes": b.peak_bytes})),
+            "ratio_to_best_eager": baselines::best_eager(&base)
+                .map(|b| s.peak_bytes as f64 / b.peak_bytes.max(1) as f64),
+            "xla_estimate_bytes": xla.as_ref().map(|e| e.total),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} ops, {} tensors",
+        g.name,
+        grouped(g.num_ops() as u64),
+        grouped(g.num_tensors() as u64)
+    );
+    let mut rows = vec![vec![
+        format!("lower bound ({})", s.lower_bound_kind),
+        human_bytes(s.lower_bound_bytes),
+        grouped(s.lower_bound_bytes),
+        "1.000".into(),
+        format!("{:.1} ms", 1e3 * s.bound_seconds),
+    ]];
+    rows.push(vec![
+        "simple bound".into(),
+        human_bytes(s.simple_bound_bytes),
+        grouped(s.simple_bound_bytes),
+        format!("{:.3}", s.simple_bound_bytes as f64 / lb as f64),
+        String::new(),
+    ]);
+    for b in &base {
+        rows.push(vec![
+            b.name.clone(),
+            human_bytes(b.peak_bytes),
+            grouped(b.peak_bytes),
+            format!("{:.3}", b.peak_bytes as f64 / lb as f64),
+            String::new(),
+        ]);
+    }
+    rows.push(vec![
+        format!("memplan ({} + {})", s.order_source, s.layout_source),
+        human_bytes(s.peak_bytes),
+        grouped(s.peak_bytes),
+        format!("{:.3}", s.peak_bytes as f64 / lb as f64),
+        format!("{:.2} s", s.solve_seconds),
+    ]);
+    if let Some(e) = &xla {
+        rows.push(vec![
+            "memplan, xla-estimate".into(),
+            human_bytes(e.total),
+            grouped(e.total),
+            format!("{:.3}", e.total as f64 / lb as f64),
+            String::new(),
+        ]);
+    }
+    print!(
+        "{}",
+        table(&["plan", "peak", "bytes", "vs bound", "solve time"], &rows)
+    );
+    if let Some(line) = verdict(&g, &base, s.peak_bytes, xla.as_ref().map(|e| e.total)) {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+/// `compare`'s closing sentence: memplan against the baseline a user of
+/// the input's framework runs today. An XLA module: XLA's own total (its
+/// memory-usage report), else XLA's own order; another graph: the best
+/// eager configuration (the least reserved memory of PyTorch eager's
+/// simulated configurations, [`baselines::best_eager`]), then PyTorch
+/// eager on its default allocator as a second figure. `xla_estimate` is
+/// memplan's plan in XLA's terms (`--xla-allocations`), compared with
+/// XLA's total.
+fn verdict(
+    g: &Graph,
+    base: &[baselines::Baseline],
+    peak: u64,
+    xla_estimate: Option<u64>,
+) -> Option<String> {
+    let find = |name: &str| base.iter().find(|b| b.name == name).map(|b| b.peak_bytes);
+    let versus = |ours: u64, theirs: u64, what: &str| {
+        let change = 1.0 - ours as f64 / theirs.max(1) as f64;
+        if change >= 0.0 {
+            format!("{:.1}% less than {what}", 100.0 * change)
+        } else {
+            format!("{:.1}% more than {what}", -100.0 * change)
+        }
+    };
+    let hlo = g.metadata.get("source").and_then(|s| s.as_str()) == Some("hlo");
+    let (ours, theirs, what) = if hlo {
+        if let Some(xla) = find("xla") {
+            (
+                xla_estimate.unwrap_or(peak),
+                xla,
+                "XLA's own Total bytes (its memory-usage report)",
+            )
+        } else if let Some(x) = find("xla-order+memplan-layout") {
+            (
+                peak,
+                x,
+                "XLA's own order of the module, laid out in one arena",
+            )
+        } else {
+            (
+                peak,
+                find("program-order+greedy")?,
+                "the module's listed order, laid out greedily",
+            )
+        }
+    } else {
+        let best = baselines::best_eager(base)?;
+        let mut line = format!(
+            "memplan needs {}",
+            versus(
+                peak,
+                best.peak_bytes,
+                &format!("the best eager configuration ({})", best.name)
+            )
+        );
+        if best.name != "pytorch-reserved"
+            && let Some(default) = find("pytorch-reserved")
+        {
+            line.push_str(&format!(
+                "; {}",
+                versus(
+                    peak,
+                    default,
+                    "PyTorch eager on its default allocator (pytorch-reserved)"
+                )
+            ));
+        }
+        return Some(line);
+    };
+    Some(format!("memplan needs {}", versus(ours, theirs, what)))
+}

@@ -1,0 +1,133 @@
+//! `memplan plan`: the plan of a graph (or an XLA module's schedule).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use serde_json::json;
+
+use super::GraphArgs;
+use super::format::{grouped, human_bytes};
+use super::load::{for_xla, load, solve_with_report};
+
+pub(super) fn plan(
+    graph: Option<PathBuf>,
+    src: &GraphArgs,
+    (output, graph_output): (Option<PathBuf>, Option<PathBuf>),
+    as_json: bool,
+    time_limit: f64,
+    with_report: bool,
+    split: memplan::split::Split,
+) -> Result<()> {
+    super::claim_stdout(&[
+        ("-o", output.as_deref()),
+        ("--graph-output", graph_output.as_deref()),
+    ])?;
+    let g = load(graph.as_deref(), src)?;
+    let (g, (mut plan, report), split) = memplan::split::plan_split_with(&g, split, |g, n| {
+        solve_with_report(g, time_limit / f64::from(n))
+    })
+    .map(|(g, p, r, s)| (g, (p, r), s))?;
+    if let Some(out) = &graph_output {
+        super::write_output(out, &memplan::io::json::write_graph(&g))?;
+    }
+    let mut xla = None;
+    if let (true, Some(path)) = (src.xla_allocations, graph.as_deref()) {
+        let (p, e) = for_xla(&g, path, plan, time_limit)?;
+        plan = p;
+        xla = e;
+    }
+    if let Some(out) = &output {
+        super::write_output(out, &plan.to_json(&g))?;
+    }
+    let s = &plan.stats;
+    if as_json {
+        let v = json!({
+            "graph": g.name,
+            "ops": g.num_ops(),
+            "tensors": g.num_tensors(),
+            "peak_bytes": s.peak_bytes,
+            "max_live_bytes": s.max_live_bytes,
+            "lower_bound_bytes": s.lower_bound_bytes,
+            "lower_bound_kind": s.lower_bound_kind,
+            "simple_bound_bytes": s.simple_bound_bytes,
+            "bound_seconds": s.bound_seconds,
+            "gap": s.gap(),
+            "solve_seconds": s.solve_seconds,
+            "order_source": s.order_source,
+            "layout_source": s.layout_source,
+            "time_limit_hit": s.time_limit_hit,
+            "plan_file": output.as_ref().map(|p| p.display().to_string()),
+        });
+        let mut v = v;
+        if split.tried.len() > 1 {
+            v["split"] = json!({
+                "chunks": split.chunks,
+                "chains": split.chains,
+                "added_flops": split.added_flops,
+                "step_flops": split.step_flops,
+                "tried": split.tried.iter().map(|&(k, b)| json!({"chunks": k, "peak_bytes": b})).collect::<Vec<_>>(),
+            });
+        }
+        if with_report {
+            v["report"] = super::report::json(&report);
+        }
+        if let Some(e) = &xla {
+            v["xla_estimate_bytes"] = json!(e.total);
+            v["xla_hosted_bytes"] = json!(e.hosted_bytes);
+        }
+        sayln!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if with_report {
+            say!("{}", super::report::text(&g, &plan, &report));
+        }
+        sayln!(
+            "{}: arena {} ({} bytes), max live {}, lower bound {} ({}, {:.2} s; simple bound {}), gap {:.2}%, solved in {:.2} s",
+            g.name,
+            human_bytes(s.peak_bytes),
+            grouped(s.peak_bytes),
+            human_bytes(s.max_live_bytes),
+            human_bytes(s.lower_bound_bytes),
+            s.lower_bound_kind,
+            s.bound_seconds,
+            human_bytes(s.simple_bound_bytes),
+            100.0 * s.gap(),
+            s.solve_seconds
+        );
+        if s.time_limit_hit {
+            sayln!(
+                "stopped at the time limit ({time_limit} s): this is the best plan found by then (checked); a longer --time-limit may find a smaller one"
+            );
+        }
+        if let Some(e) = &xla {
+            sayln!(
+                "XLA's Total bytes for this order, estimated: {} ({} bytes; {} put into dead parameters' allocations; order from the {})",
+                human_bytes(e.total),
+                grouped(e.total),
+                human_bytes(e.hosted_bytes),
+                s.order_source
+            );
+        }
+        if split.tried.len() > 1 {
+            let tried: Vec<String> = split
+                .tried
+                .iter()
+                .map(|&(k, b)| format!("{k}: {}", human_bytes(b)))
+                .collect();
+            sayln!(
+                "split: {} (arena by chunks: {}; {} FLOPs added, {:.4}% of the step's)",
+                if split.chunks > 1 {
+                    format!("{} chain(s) into {} chunks", split.chains, split.chunks)
+                } else {
+                    "none (no split lowered the arena)".to_string()
+                },
+                tried.join(", "),
+                grouped(split.added_flops as u64),
+                100.0 * split.added_flops / split.step_flops.max(1.0)
+            );
+        }
+        if let Some(out) = &output {
+            sayln!("plan written to {}", super::shown(out));
+        }
+    }
+    Ok(())
+}
