@@ -6,8 +6,8 @@
 //! evaluating an order), `bounds/*` (lower bounds), `layout/*` (offsets for
 //! the list-scheduled order) and `pipeline/plan` (all of `memplan::plan`).
 //!
-//! `time_limited/*` (issue 41): the whole plan of GPT-2 tiny at 400 and
-//! 1,000 layers (16,000 and 40,000 ops) and the allocator on a 50,000-row
+//! `time_limited/*` (issue 41): the whole plan of GPT-2 tiny at 400, 1,000
+//! and 2,500 layers (16,000, 40,000 and 100,000 ops) and the allocator on a 50,000-row
 //! MiniMalloc-style problem, each with a 2 s time limit: the time a
 //! sample takes is the limit plus what overruns it (lowering, a layout
 //! finished at once, the bound); it should stay near 2 s.
@@ -154,7 +154,7 @@ fn time_limited(c: &mut Criterion) {
     g.warm_up_time(Duration::from_millis(1))
         .measurement_time(Duration::from_secs(20))
         .sample_size(10);
-    for layers in [400u64, 1000] {
+    for layers in [400u64, 1000, 2500] {
         let graph = example(
             "gpt2-tiny",
             &ExampleOptions {
