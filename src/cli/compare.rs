@@ -9,7 +9,7 @@ use memplan::baselines;
 use memplan::graph::Graph;
 
 use super::GraphArgs;
-use super::format::{grouped, human_bytes, table};
+use super::format::{grouped, human_bytes, plan_summary, table};
 use super::load::{for_xla, load, solve};
 
 pub(super) fn compare(
@@ -39,28 +39,18 @@ pub(super) fn compare(
             })
             .collect();
         let best = base.iter().map(|b| b.peak_bytes).min().unwrap_or(0);
-        let v = json!({
-            "graph": g.name,
-            "ops": g.num_ops(),
-            "tensors": g.num_tensors(),
-            "peak_bytes": s.peak_bytes,
-            "max_live_bytes": s.max_live_bytes,
-            "lower_bound_bytes": s.lower_bound_bytes,
-            "lower_bound_kind": s.lower_bound_kind,
-            "simple_bound_bytes": s.simple_bound_bytes,
-            "bound_seconds": s.bound_seconds,
-            "ratio_to_lower_bound": s.peak_bytes as f64 / lb as f64,
-            "ratio_to_best_baseline": s.peak_bytes as f64 / best.max(1) as f64,
-            "solve_seconds": s.solve_seconds,
-            "order_source": s.order_source,
-            "layout_source": s.layout_source,
-            "baselines": b,
-            "best_eager": baselines::best_eager(&base)
-                .map(|b| json!({"name": b.name, "peak_bytes": b.peak_bytes})),
-            "ratio_to_best_eager": baselines::best_eager(&base)
-                .map(|b| s.peak_bytes as f64 / b.peak_bytes.max(1) as f64),
-            "xla_estimate_bytes": xla.as_ref().map(|e| e.total),
-        });
+        let mut v = plan_summary(&g, s);
+        v["ratio_to_lower_bound"] = json!(s.peak_bytes as f64 / lb as f64);
+        v["ratio_to_best_baseline"] = json!(s.peak_bytes as f64 / best.max(1) as f64);
+        v["baselines"] = json!(b);
+        v["best_eager"] = json!(
+            baselines::best_eager(&base)
+                .map(|b| json!({"name": b.name, "peak_bytes": b.peak_bytes}))
+        );
+        v["ratio_to_best_eager"] = json!(
+            baselines::best_eager(&base).map(|b| s.peak_bytes as f64 / b.peak_bytes.max(1) as f64)
+        );
+        v["xla_estimate_bytes"] = json!(xla.as_ref().map(|e| e.total));
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }

@@ -77,6 +77,25 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// What `plan --json` and `compare --json` both open with: the graph's
+/// name and size and every figure of the plan's [`memplan::PlanStats`]
+/// (through its own serialisation; `time_limit_hit` written even when
+/// false).
+pub fn plan_summary(g: &memplan::graph::Graph, s: &memplan::PlanStats) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "graph": g.name,
+        "ops": g.num_ops(),
+        "tensors": g.num_tensors(),
+    });
+    if let Ok(serde_json::Value::Object(stats)) = serde_json::to_value(s) {
+        for (k, x) in stats {
+            v[k] = x;
+        }
+    }
+    v["time_limit_hit"] = serde_json::json!(s.time_limit_hit);
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

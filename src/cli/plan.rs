@@ -6,7 +6,7 @@ use anyhow::Result;
 use serde_json::json;
 
 use super::GraphArgs;
-use super::format::{grouped, human_bytes};
+use super::format::{grouped, human_bytes, plan_summary};
 use super::load::{for_xla, load, solve_with_report};
 
 pub(super) fn plan(
@@ -41,24 +41,9 @@ pub(super) fn plan(
     }
     let s = &plan.stats;
     if as_json {
-        let v = json!({
-            "graph": g.name,
-            "ops": g.num_ops(),
-            "tensors": g.num_tensors(),
-            "peak_bytes": s.peak_bytes,
-            "max_live_bytes": s.max_live_bytes,
-            "lower_bound_bytes": s.lower_bound_bytes,
-            "lower_bound_kind": s.lower_bound_kind,
-            "simple_bound_bytes": s.simple_bound_bytes,
-            "bound_seconds": s.bound_seconds,
-            "gap": s.gap(),
-            "solve_seconds": s.solve_seconds,
-            "order_source": s.order_source,
-            "layout_source": s.layout_source,
-            "time_limit_hit": s.time_limit_hit,
-            "plan_file": output.as_ref().map(|p| p.display().to_string()),
-        });
-        let mut v = v;
+        let mut v = plan_summary(&g, s);
+        v["gap"] = json!(s.gap());
+        v["plan_file"] = json!(output.as_ref().map(|p| p.display().to_string()));
         if split.tried.len() > 1 {
             v["split"] = json!({
                 "chunks": split.chunks,
