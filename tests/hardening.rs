@@ -415,3 +415,62 @@ fn a_cpu_world_size_beyond_the_thread_limit_is_refused_up_front() {
         t0.elapsed()
     );
 }
+
+#[test]
+fn a_process_that_cannot_start_a_thread_still_plans() {
+    // rayon's global pool panicked ("The global thread pool has not been
+    // initialized") where no thread could start; the solver now makes its
+    // own pool and solves the parts on the caller's thread without one.
+    // A thread limit binds only users without CAP_SYS_RESOURCE: the binary
+    // runs as `nobody` with at most one process (itself), through
+    // util-linux's setpriv and prlimit, which need root to switch users.
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| text(&o.stdout).trim() == "0");
+    let tools = ["setpriv", "prlimit"].iter().all(|t| {
+        Command::new(t)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if !(root && tools) {
+        eprintln!("not run: needs root, setpriv and prlimit to bind a thread limit");
+        return;
+    }
+    // A copy `nobody` may run, wherever the build tree is.
+    let dir = std::env::temp_dir().join(format!("memplan-nproc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("memplan");
+    std::fs::copy(env!("CARGO_BIN_EXE_memplan"), &bin).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    for p in [&dir, &bin] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    // The allocator's parallel search too (its helper threads panicked).
+    let csv = fixture("fixtures/minimalloc/A.1048576.csv");
+    let csv_copy = dir.join("A.csv");
+    std::fs::copy(&csv, &csv_copy).unwrap();
+    std::fs::set_permissions(&csv_copy, std::fs::Permissions::from_mode(0o644)).unwrap();
+    for (args, expect) in [
+        (
+            vec!["plan", "--example", "gpt2-tiny", "--time-limit", "1"],
+            "gpt2-tiny-b2: arena",
+        ),
+        (vec!["alloc", s(&csv_copy)], "arena 1,048,576 (optimal)"),
+    ] {
+        let o = Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .args(["prlimit", "--nproc=1"])
+            .arg(&bin)
+            .args(&args)
+            .output()
+            .unwrap();
+        let (out, err) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(0), "{args:?}\n{out}\n{err}");
+        assert!(out.contains(expect), "{args:?}: {out}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -994,25 +994,29 @@ impl Runs<'_> {
         let next = AtomicUsize::new(0);
         let slots: Vec<std::sync::Mutex<Option<RunOutcome>>> =
             batch.iter().map(|_| Default::default()).collect();
-        std::thread::scope(|sc| {
-            for _ in 0..threads.min(batch.len()) {
-                sc.spawn(|| {
-                    loop {
-                        let k = next.fetch_add(1, Ordering::Relaxed);
-                        if k >= batch.len() {
-                            break;
-                        }
-                        if batch[k].limit == 0 || decided.load(Ordering::Relaxed) < k {
-                            continue;
-                        }
-                        let o = self.one(&batch[k], Some((&decided, k)));
-                        if o.res != Res::Abort {
-                            decided.fetch_min(k, Ordering::Relaxed);
-                        }
-                        *slots[k].lock().expect("no panics while held") = Some(o);
-                    }
-                });
+        let work = || {
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k >= batch.len() {
+                    break;
+                }
+                if batch[k].limit == 0 || decided.load(Ordering::Relaxed) < k {
+                    continue;
+                }
+                let o = self.one(&batch[k], Some((&decided, k)));
+                if o.res != Res::Abort {
+                    decided.fetch_min(k, Ordering::Relaxed);
+                }
+                *slots[k].lock().expect("no panics while held") = Some(o);
             }
+        };
+        // This thread is one of the workers; a helper that cannot start (a
+        // process at its thread limit) leaves its share to the others.
+        std::thread::scope(|sc| {
+            for _ in 1..threads.min(batch.len()) {
+                let _ = std::thread::Builder::new().spawn_scoped(sc, work);
+            }
+            work();
         });
         slots
             .into_iter()

@@ -88,16 +88,31 @@ impl Phases {
     }
 }
 
-/// Runs `f` on every item, on rayon's pool when `parallel`.
+/// The solver's thread pool, made on first use; `None` where no thread
+/// can start (a process at its thread or address-space limit): the parts
+/// are then solved one after another on the caller's thread. rayon's
+/// global pool would panic there instead.
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("memplan-solve-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Runs `f` on every item, on the solver's pool when `parallel` (and the
+/// pool could start).
 fn map_parts<T: Send, R: Send>(
     parallel: bool,
     items: Vec<T>,
     f: impl Fn(T) -> R + Sync + Send,
 ) -> Vec<R> {
-    if parallel {
-        items.into_par_iter().map(f).collect()
-    } else {
-        items.into_iter().map(f).collect()
+    match pool() {
+        Some(pool) if parallel => pool.install(|| items.into_par_iter().map(f).collect()),
+        _ => items.into_iter().map(f).collect(),
     }
 }
 
@@ -325,10 +340,9 @@ fn combine(
         lower_bound,
         proven,
         time_limit_hit: budget.was_hit(),
-        threads: if params.parallel {
-            rayon::current_num_threads()
-        } else {
-            1
+        threads: match pool() {
+            Some(pool) if params.parallel => pool.current_num_threads(),
+            _ => 1,
         },
     }
 }
