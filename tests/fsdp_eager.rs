@@ -293,3 +293,46 @@ fn fsdp2s_flat_buffers_and_unsharded_parameters_over_the_order() {
     assert_eq!(gloo.len(), held.len() + 5);
     assert!(gloo.contains(&h(15, 15)), "{gloo:?}"); // ag_b2, step 7
 }
+
+#[test]
+fn spans_past_the_order_are_cut_at_its_end() {
+    let g = captured_two_units(true);
+    let order = baselines::fsdp_eager::eager_order(&g, Prefetch::CUDA).unwrap();
+    let n = order.len();
+    // Held from the last op's outputs on, to far past the end: counted
+    // as if it ended with the order.
+    let held = |to| {
+        [Held {
+            from: 2 * n - 1,
+            to,
+            bytes: 100 * MIB,
+        }]
+    };
+    let base = baselines::order_max_live(&g, &order);
+    let at_end = baselines::order_max_live_holding(&g, &order, &held(2 * n - 1));
+    assert!(at_end > base, "{at_end} {base}");
+    let past = held(usize::MAX / 2);
+    assert_eq!(baselines::order_max_live_holding(&g, &order, &past), at_end);
+    let alloc = |h: &[Held]| baselines::eager_caching_holding(&g, &order, false, h).max_allocated;
+    assert_eq!(alloc(&past), alloc(&held(2 * n - 1)));
+    assert_eq!(alloc(&[]), base);
+    // Starting past the end, or ending before it starts: nothing.
+    for h in [
+        Held {
+            from: 2 * n,
+            to: 2 * n + 3,
+            bytes: 100 * MIB,
+        },
+        Held {
+            from: 5,
+            to: 4,
+            bytes: 100 * MIB,
+        },
+    ] {
+        assert_eq!(baselines::order_max_live_holding(&g, &order, &[h]), base);
+        assert_eq!(
+            baselines::eager_caching_holding(&g, &order, false, &[h]).max_allocated,
+            base
+        );
+    }
+}

@@ -90,14 +90,17 @@ pub fn order_max_live_holding(g: &Graph, order: &[OpId], held: &[fsdp_eager::Hel
     let p = &low.problem;
     let lowered = Lowered::from_op_ids(order);
     let ev = solver::evaluate(p, &lowered);
-    if held.is_empty() {
+    if held.is_empty() || order.is_empty() {
         return ev.peak;
     }
     // Live bytes at each half-step: before op i's outputs, after them.
     let mut extra = vec![0i128; 2 * order.len() + 1];
-    for h in held {
+    // A span past the order's end is cut at it (spans come from
+    // `fsdp_eager::flat_buffers`, which stays inside).
+    let last = 2 * order.len() - 1;
+    for h in held.iter().filter(|h| h.from <= h.to && h.from <= last) {
         extra[h.from] += i128::from(h.bytes);
-        extra[h.to + 1] -= i128::from(h.bytes);
+        extra[h.to.min(last) + 1] -= i128::from(h.bytes);
     }
     let mut on_top = 0i128;
     let mut peak = 0u64;
@@ -258,10 +261,11 @@ pub fn eager_caching_holding(
     // Held buffers starting and ending at each half-step.
     let mut starts: Vec<Vec<usize>> = vec![Vec::new(); 2 * order.len()];
     let mut ends: Vec<Vec<usize>> = vec![Vec::new(); 2 * order.len()];
+    let halves = ends.len();
     for (j, h) in held.iter().enumerate() {
-        if h.to < ends.len() && h.from <= h.to {
+        if h.from <= h.to && h.from < halves {
             starts[h.from].push(j);
-            ends[h.to].push(j);
+            ends[h.to.min(halves - 1)].push(j);
         }
     }
     let mut held_handle = vec![None; held.len()];
