@@ -660,6 +660,65 @@ class EmbeddingGradientsInTheirPlace(unittest.TestCase):
         self.assertLess(extra, vocab * width * 4 // 2, extra)
 
 
+    def test_low_precision_rows_are_summed_in_float32_and_rounded_once(self):
+        """CUDA's path for bf16/f16 gradients (an FSDP2 mixed-precision
+        embedding), run here on the CPU: each index's rows summed in float32
+        and rounded once, as CUDA's eager kernel does (the CPU's eager op
+        adds in bf16), with temporaries as large as the rows, not the
+        table."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from memplan.torch._run import _low_precision_rows_into
+
+        for dtype in (torch.bfloat16, torch.float16):
+            for pad in (-1, 3):
+                torch.manual_seed(0)
+                grad = torch.randn(2, 32, 16, dtype=dtype)
+                idx = torch.randint(0, 20, (2, 32))
+                idx[0, :4] = 3
+                want = torch.ops.aten.embedding_dense_backward(grad.float(), idx, 5000, pad, False).to(dtype)
+                out = torch.full((5000, 16), float("nan"), dtype=dtype)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    _low_precision_rows_into(grad, idx, pad, out)
+                self.assertTrue(torch.equal(out, want), (dtype, pad))
+                biggest = max(e.cpu_memory_usage for e in prof.events())
+                self.assertLessEqual(biggest, 64 * 16 * 4, (dtype, pad))
+
+
+class PlacedFormsMakeNoTemporaries(unittest.TestCase):
+    def test_copies_and_fills_write_into_their_place(self):
+        """Generated ``out=`` overloads (``_to_copy.out``, ``new_zeros.out``,
+        ``clone.out``, ``t_copy.out``...) make the whole result elsewhere and
+        copy it: on the H200's FSDP2 Llama step two of them put 1002 MiB
+        outside the arena. The arena's forms write in place: the same
+        values, no allocation as large as the result."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from memplan.torch._run import placed_variant
+
+        A = torch.ops.aten
+        x = torch.randn(256, 384)
+        cases = [(A._to_copy.default, (x,), {"dtype": torch.bfloat16}), (A.clone.default, (x,), {}),
+                 (A.alias_copy.default, (x,), {}), (A.new_zeros.default, (x, [256, 384]), {}),
+                 (A.new_ones.default, (x, [256, 384]), {"dtype": torch.int32}),
+                 (A.new_full.default, (x, [256, 384], 2.5), {}), (A.zeros_like.default, (x,), {}),
+                 (A.ones_like.default, (x,), {}), (A.full_like.default, (x, -1.0), {}),
+                 (A.t_copy.default, (x,), {}), (A.permute_copy.default, (x, [1, 0]), {}),
+                 (A.expand_copy.default, (x[:1], [256, 384]), {}), (A.slice_copy.Tensor, (x, 1, 8, 40), {})]
+        for op, args, kwargs in cases:
+            want = op(*args, **kwargs)
+            form, outs, dropped = placed_variant(op)
+            self.assertEqual(outs, ("out",), op)
+            out = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                form(*args, **{k: v for k, v in kwargs.items() if k not in dropped}, out=out)
+            self.assertTrue(torch.equal(out, want), op)
+            biggest = max([e.cpu_memory_usage for e in prof.events()] + [0])
+            self.assertLess(biggest, want.numel() * want.element_size() // 8, op)  # (a copy's small buffers)
+        # A view op returning several tensors keeps its out= overload.
+        self.assertIsInstance(placed_variant(A.split_copy.Tensor)[0], torch._ops.OpOverload)
+
+
 class TensorsFromOutsideTheStep(unittest.TestCase):
     """A loss or a model may read tensors made before the step that are
     neither parameters nor buffers (class weights, a fixed mask): they are

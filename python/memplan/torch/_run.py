@@ -389,10 +389,13 @@ def _embedding_dense_backward_into(grad_output, indices, num_weights, padding_id
     bit); on CUDA ``index_put_`` with accumulation sorts the indices and
     adds each row's contributions in a fixed order (deterministic, where
     ``index_add_`` would use atomics), which rounds differently from
-    eager's segmented sums."""
+    eager's segmented sums. Low-precision rows on CUDA:
+    :func:`_low_precision_rows_into`."""
     if scale_grad_by_freq or out.dtype not in (torch.float32, torch.float64):
-        # Counts per index first, or sums of low-precision rows, which
-        # eager's kernels add in float32 and round once: eager's op.
+        if (not scale_grad_by_freq and out.device.type != "cpu"
+                and indices.numel() * out.shape[-1] * 16 < out.numel() * out.element_size()):
+            return _low_precision_rows_into(grad_output, indices, padding_idx, out)
+        # Counts per index first, or many rows: eager's op.
         return torch.ops.aten.embedding_dense_backward.out(
             grad_output, indices, num_weights, padding_idx, scale_grad_by_freq, out=out)
     rows = grad_output.reshape(-1, out.shape[-1])
@@ -406,10 +409,82 @@ def _embedding_dense_backward_into(grad_output, indices, num_weights, padding_id
     return out
 
 
+def _low_precision_rows_into(grad_output, indices, padding_idx, out):
+    """Low-precision (bf16, f16) rows summed into `out` by index as CUDA's
+    eager kernel sums them: each index's rows added in float32 and rounded
+    once. Temporaries are as many rows as `indices` (sorted, each row's
+    segment, float32 sums), not the vocabulary-sized float32 table a
+    whole-table accumulation would make; every shape is fixed by the
+    inputs (no device sync, so a CUDA graph can hold it). Duplicate
+    indices write the same segment's sum. (On the CPU eager adds in the
+    rows' own precision, so the CPU keeps eager's op.)"""
+    flat = indices.reshape(-1)
+    keys, perm = flat.sort(stable=True)
+    seg = torch.zeros_like(keys)
+    seg[1:] = (keys[1:] != keys[:-1]).cumsum(0)
+    sums = torch.zeros(keys.numel(), out.shape[-1], dtype=torch.float32, device=out.device)
+    sums.index_put_((seg,), grad_output.reshape(-1, out.shape[-1])[perm].float(), accumulate=True)
+    out.zero_()
+    out.index_put_((keys,), sums[seg].to(out.dtype))
+    if padding_idx >= 0:
+        out[padding_idx].zero_()
+    return out
+
+
+def _copy_into(self, *args, out, **kwargs):
+    """``_to_copy``, ``clone``, ``alias_copy``: `self`'s values into `out`
+    (which has the recorded dtype, layout and strides). Their generated
+    ``out=`` overloads make the whole result elsewhere first."""
+    return out.copy_(self)
+
+
+def _view_copy_into(view):
+    """A ``*_copy`` op (``t_copy``, ``expand_copy``...) as `view` of its
+    input copied into `out`."""
+    def into(*args, out, **kwargs):
+        return out.copy_(view(*args, **kwargs))
+    return into
+
+
+def _fill_into(value):
+    """``new_zeros``, ``zeros_like`` (0), ``new_ones``, ``ones_like`` (1):
+    `out` filled in place."""
+    def into(*args, out, **kwargs):
+        return out.fill_(value)
+    return into
+
+
+def _new_full_into(self, size, fill_value, *, out, **kwargs):
+    return out.fill_(fill_value)
+
+
+def _full_like_into(self, fill_value, *, out, **kwargs):
+    return out.fill_(fill_value)
+
+
 # Ops whose generated out= overload computes the result elsewhere and
-# copies it: op -> a function that writes into `out` itself, with the
-# op's arguments (trusted: not probed by `_writes_only_its_outputs`).
-IN_PLACE_FORMS = {"aten::embedding_dense_backward": _embedding_dense_backward_into}
+# copies it (a temporary as large as the result, outside the arena): op ->
+# a function that writes into `out` itself, with the op's arguments
+# (trusted: not probed by `_writes_only_its_outputs`). Also every view's
+# ``*_copy`` op (placed_variant).
+IN_PLACE_FORMS = {"aten::embedding_dense_backward": _embedding_dense_backward_into,
+                  "aten::_to_copy": _copy_into, "aten::clone": _copy_into, "aten::alias_copy": _copy_into,
+                  "aten::new_zeros": _fill_into(0), "aten::zeros_like": _fill_into(0),
+                  "aten::new_ones": _fill_into(1), "aten::ones_like": _fill_into(1),
+                  "aten::new_full": _new_full_into, "aten::full_like": _full_like_into}
+
+
+def _view_of_copy_op(func):
+    """The view op `func` (``aten::t_copy``...) copies, or None."""
+    name = func._schema.name
+    if func.namespace != "aten" or not name.endswith("_copy") or name in IN_PLACE_FORMS:
+        return None
+    packet = getattr(torch.ops.aten, name[len("aten::"):-len("_copy")], None)
+    view = getattr(packet, func._schema.overload_name or "default", None) if packet is not None else None
+    if (view is None or len(view._schema.returns) != 1 or str(view._schema.returns[0].type) != "Tensor"
+            or view._schema.returns[0].alias_info is None or len(func._schema.returns) != 1):
+        return None
+    return view
 
 
 @functools.lru_cache(maxsize=None)
@@ -422,8 +497,11 @@ def placed_variant(func):
     caller leaves out: the place already has the recorded dtype, layout
     and device."""
     form = IN_PLACE_FORMS.get(func._schema.name)
-    if form is not None and func._schema.overload_name == "":
+    if form is not None and func._schema.overload_name in ("", "default"):
         return form, ("out",), ()
+    view = _view_of_copy_op(func)
+    if view is not None:
+        return _view_copy_into(view), ("out",), ()
     found = out_variant(func)
     if found is not None:
         return found[0], found[1], ()
