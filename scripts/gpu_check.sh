@@ -315,6 +315,43 @@ baselines_gpu() {
     > "$OUT/baselines.json" 2> >(grep -v "^USDT\|gpuGetDeviceCount" | tee "$OUT/baselines.log" >&2)
 }
 
+split_liger() {
+  # Issue 40: Llama 3.2 1B's shape (tied), bf16 autocast, seq 4096, batch
+  # 1: eager with Hugging Face's loss, with Liger-Kernel's fused linear
+  # cross-entropy (the liger-kernel wheel carried in .whl/ and installed
+  # on PYTHONPATH), with torchtune's chunked loss, and memplan's split step
+  # in its arena (SPLIT_CHUNKS chunks, default 16).
+  torch_ready || return
+  echo "== python3 -m memplan.torch.bench_split_device --tied --bf16 --chunks ${SPLIT_CHUNKS:-16}"
+  PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH} timeout ${SPLIT_S:-220} python3 -m memplan.torch.bench_split_device \
+    --tied --bf16 --chunks ${SPLIT_CHUNKS:-16} --time-limit 5 --steps 3 --json "$OUT/split_liger.json" 2>&1 \
+    | grep -v "^USDT\|gpuGetDeviceCount" > "$OUT/split_liger.out"
+  head -8 "$OUT/split_liger.out"
+}
+
+baselines_cap() {
+  # Issue 39: the largest batch within a cap (CAP_GIB, default 12) and its
+  # tokens per second, for the sides in CAP_SIDES (default: memplan's plan
+  # and its fit at 0.1%, then the two eager sides the 2026-11-27 run did
+  # not reach), each in its own process stopped after CAP_SIDE_S seconds;
+  # HF Llama medium (8 layers, hidden 1024), seq 1024, f32, batches to 16.
+  torch_ready || return
+  local sides=${CAP_SIDES:-memplan,memplan-fit-0.1%,eager-selective-ac,eager-optimizer-in-backward}
+  echo "== largest batch within ${CAP_GIB:-12} GiB: $sides"
+  PYTHONPATH=python python3 -c "
+import json, sys
+from memplan.torch import bench_baselines_device as d
+base = dict(model='hf-llama', size='medium', seq=1024, steps=3, time_limit=4.0, device='cuda',
+            cap_bytes=int(float('${CAP_GIB:-12}') * 2 ** 30), upto=16)
+out = {'cap_bytes': base['cap_bytes']}
+for side in '$sides'.split(','):
+    name, conf = (side, '') if side in d.MEMPLAN_SIDES else (side + '+expandable', d.EXPANDABLE)
+    out[name] = d.spawn(dict(base, side=side), conf, timeout=float('${CAP_SIDE_S:-150}'))
+    print(d._line(name, out[name]), flush=True)
+    json.dump(out, open('$OUT/cap.json', 'w'), indent=1)
+" 2>&1 | grep -v "^USDT\|gpuGetDeviceCount" | tee "$OUT/cap.log"
+}
+
 # SECTIONS picks what runs (default: all).
 for section in ${SECTIONS:-explicit fused llama torch_side torch_step torch_step_loops torch_step_precision torch_step_graph}; do
   "$section"

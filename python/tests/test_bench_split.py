@@ -6,7 +6,7 @@ import unittest
 
 import torch
 
-from memplan.torch import bench_split
+from memplan.torch import bench_split, bench_split_device
 
 
 def _args(**kw):
@@ -33,6 +33,29 @@ class BenchSplit(unittest.TestCase):
         self.assertLessEqual(out["split"]["arena_bytes"], out["unsplit"]["arena_bytes"])
         self.assertEqual(out["split"]["split"]["tried"][0]["chunks"], 1)
         self.assertGreaterEqual(out["summary"]["split_below_unsplit"], 0.0)
+
+
+class BenchSplitDevice(unittest.TestCase):
+    def test_sides_run_and_agree_on_the_cpu(self):
+        """The GPU comparison's sides on the CPU (Liger-Kernel needs CUDA):
+        the same losses over the steps, split chunks chosen, every peak
+        measured; a side that fails records its error and the rest run."""
+        args = _args(meta=False, bf16=False, device="cpu", steps=2, chunks=4,
+                     sides="eager,no-such-side,eager-chunked-ce,memplan-split")
+        out = bench_split_device.run(args)
+        self.assertIn("error", out["no-such-side"])
+        for side in ("eager", "eager-chunked-ce", "memplan-split"):
+            row = out[side]
+            self.assertEqual(len(row["losses"]), 3, side)
+            self.assertGreater(row["allocated_bytes"], 0, side)
+            self.assertLess(row["loss_difference"], 1e-4, side)
+        self.assertEqual(out["memplan-split"]["split"]["chunks"], 4)
+        self.assertGreaterEqual(out["memplan-split"]["max_live_bytes"], out["memplan-split"]["lower_bound_bytes"])
+        # memplan's measured peak is its plan's (the CPU runs it tensor by
+        # tensor) plus AdamW's 0-d float32 step counters, one per parameter,
+        # which the plan does not hold.
+        params = len(list(bench_split._model(args).parameters()))
+        self.assertEqual(out["memplan-split"]["allocated_bytes"], out["memplan-split"]["max_live_bytes"] + 4 * params)
 
 
 if __name__ == "__main__":

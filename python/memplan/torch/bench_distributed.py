@@ -235,6 +235,16 @@ def _rank(args) -> Dict[str, Any]:
             row.update(step_seconds=sorted(seconds)[len(seconds) // 2], reserved_bytes=min(reserved))
         # Every side computed the same steps: a digest of this rank's shards to compare.
         row["parameter_norms"] = [float(local_tensor(p).detach().double().norm()) for p in ddp.parameters()]
+        if cuda and args.arena and "eager" not in side:
+            # What this rank allocates outside its arena during one more step
+            # (after the digest: it changes the parameters), by op, most first.
+            from .bench import _outside_by_op
+
+            try:
+                row["outside_ops"] = _outside_by_op(lambda: step(batches[1]), torch.device("cuda", torch.cuda.current_device()))
+            except Exception as e:  # noqa: BLE001 - a report, not the measurement: say why it is missing
+                row["outside_ops_error"] = f"{type(e).__name__}: {e}"
+            dist.barrier()
         row.update(peak_bytes=min(peaks), peak_bytes_per_step=peaks, bucket_bytes=buckets,
                    resident_bytes=sum(x.untyped_storage().nbytes() for x in resident))
         dist.barrier()
@@ -396,6 +406,12 @@ def main(argv=None) -> int:
             r = rows[side]
             print(f"{side}: reserved {r['reserved_bytes'] / mib:.1f}M, step {1000 * r['step_seconds']:.1f} ms (median)"
                   + (f", arena {r['arena_bytes'] / mib:.1f}M" if "arena_bytes" in r else ""))
+            if "arena_bytes" in r:
+                outside = r["peak_bytes"] - r["arena_bytes"]
+                ops = ", ".join(f"{n} {b / mib:.1f}M" for n, b in r.get("outside_ops", []))
+                print(f"{side}: allocated {r['peak_bytes'] / mib:.1f}M = arena x {r['peak_bytes'] / r['arena_bytes']:.4f}; "
+                      f"outside the arena {outside / mib:.1f}M" + (f" (most: {ops})" if ops else "")
+                      + (f" (by op: {r['outside_ops_error']})" if "outside_ops_error" in r else ""))
     sim = rows.get("memplan", {}).get("simulated_eager")
     if sim is not None:
         real = rows["fsdp2-eager"]["peak_bytes"]

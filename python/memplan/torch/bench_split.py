@@ -45,11 +45,14 @@ def _model(args):
     return T.LlamaForCausalLM(cfg)
 
 
-def _autocast(args, device="cpu"):
+def _autocast(args):
+    """bf16 autocast on the model's device (``args.device``, CPU unless
+    set) with ``--bf16``."""
     import contextlib
 
     import torch
 
+    device = getattr(args, "device", "cpu")
     return torch.autocast(device, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
 
 
