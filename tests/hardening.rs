@@ -417,7 +417,7 @@ fn a_cpu_world_size_beyond_the_thread_limit_is_refused_up_front() {
 }
 
 #[test]
-fn a_process_that_cannot_start_a_thread_still_plans() {
+fn a_process_that_cannot_start_a_thread_still_plans_and_runs() {
     // rayon's global pool panicked ("The global thread pool has not been
     // initialized") where no thread could start; the solver now makes its
     // own pool and solves the parts on the caller's thread without one.
@@ -459,6 +459,21 @@ fn a_process_that_cannot_start_a_thread_still_plans() {
             "gpt2-tiny-b2: arena",
         ),
         (vec!["alloc", s(&csv_copy)], "arena 1,048,576 (optimal)"),
+        // A world of one runs its rank on the main thread, and the CPU
+        // executor's kernels on a pool of that thread alone (both needed a
+        // thread before: an error, then rayon's panic).
+        (
+            vec![
+                "run",
+                "--example",
+                "gpt2-tiny",
+                "--steps",
+                "2",
+                "--time-limit",
+                "1",
+            ],
+            "median step time",
+        ),
     ] {
         let o = Command::new("setpriv")
             .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
@@ -472,5 +487,29 @@ fn a_process_that_cannot_start_a_thread_still_plans() {
         assert!(out.contains(expect), "{args:?}: {out}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+    // Two ranks need a second thread: a clear error naming the rank.
+    let o = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .args(["prlimit", "--nproc=1"])
+        .arg(&bin)
+        .args([
+            "run",
+            "--example",
+            "gpt2-tiny",
+            "--steps",
+            "1",
+            "--world-size",
+            "2",
+        ])
+        .args(["--time-limit", "1"])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("rank 1 of a world of 2 could not start its thread"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }

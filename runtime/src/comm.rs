@@ -274,6 +274,16 @@ impl Communicator<[f32]> for ThreadComm {
     }
 }
 
+/// The error for rank `rank`'s panic, with its message.
+fn panicked(rank: usize, payload: Box<dyn std::any::Any + Send>) -> RuntimeError {
+    let msg = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    RuntimeError::InvalidProgram(format!("rank {rank} panicked: {msg}"))
+}
+
 /// The most ranks [`run_ranks`] starts: one thread each, so a world size
 /// of tens of thousands would exhaust memory or the system's thread limit
 /// before failing.
@@ -298,15 +308,20 @@ where
              thread per rank, each with its own copy of the step's tensors"
         )));
     }
-    let comms = ThreadComm::group(world);
+    let mut comms = ThreadComm::group(world).into_iter();
+    let first = comms.next().expect("a world of at least one rank");
     let mut unstarted = None;
     let results: Vec<Result<R>> = std::thread::scope(|s| {
-        // A rank whose thread cannot start (the system's limit on threads
-        // or memory for their stacks) is an error, not a panic: its
-        // endpoint and the later ones are dropped, which ends the started
-        // ranks' collectives with PEER_FAILED.
+        // Rank 0 runs on the calling thread (a world of one starts no
+        // thread: a process at its thread limit still runs it), the others
+        // on threads of their own. A rank whose thread cannot start (the
+        // system's limit on threads or memory for their stacks) is an
+        // error, not a panic: its endpoint, the later ones and rank 0's
+        // are dropped, which ends the started ranks' collectives with
+        // PEER_FAILED.
         let mut handles = Vec::new();
-        for (rank, comm) in comms.into_iter().enumerate() {
+        for (i, comm) in comms.by_ref().enumerate() {
+            let rank = i + 1;
             let f = &f;
             match std::thread::Builder::new().spawn_scoped(s, move || f(rank, comm)) {
                 Ok(h) => handles.push(h),
@@ -321,21 +336,19 @@ where
                 }
             }
         }
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h.join().unwrap_or_else(|payload| {
-                    let msg = payload
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    Err(RuntimeError::InvalidProgram(format!(
-                        "rank {rank} panicked: {msg}"
-                    )))
-                })
-            })
+        let own = if unstarted.is_none() {
+            let f = &f;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(0, first)))
+                .unwrap_or_else(|payload| Err(panicked(0, payload)))
+        } else {
+            drop(first);
+            Err(RuntimeError::InvalidProgram(PEER_FAILED.into()))
+        };
+        std::iter::once(own)
+            .chain(handles.into_iter().enumerate().map(|(i, h)| {
+                h.join()
+                    .unwrap_or_else(|payload| Err(panicked(i + 1, payload)))
+            }))
             .collect()
     });
     if let Some(e) = unstarted {

@@ -86,11 +86,36 @@ pub struct CpuExecutor {
     profiling: bool,
 }
 
+/// Makes rayon's global pool, which the kernels' parallel loops use,
+/// before they do. Where no thread can start (a process at its thread or
+/// address-space limit) rayon would panic at the first parallel loop;
+/// instead the pool is made of the calling thread alone, so the loops run
+/// there one after another. Once per process; a pool made elsewhere first
+/// is kept.
+fn global_pool() {
+    static MADE: std::sync::Once = std::sync::Once::new();
+    MADE.call_once(|| {
+        // A failed build_global leaves the global pool failed for good, so
+        // a throwaway pool of the default size is tried first.
+        let threads_start = rayon::ThreadPoolBuilder::new().build().is_ok();
+        let single = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .use_current_thread();
+        let builder = if threads_start {
+            rayon::ThreadPoolBuilder::new()
+        } else {
+            single
+        };
+        builder.build_global().ok();
+    });
+}
+
 impl CpuExecutor {
     /// Validates `program`, analyses its bindings, and allocates the arena
     /// and the workspace for rank `rank`.
     pub fn new(program: Program, rank: usize) -> Result<CpuExecutor> {
         program.validate()?;
+        global_pool();
         if rank >= program.world_size as usize {
             return Err(RuntimeError::InvalidProgram(format!(
                 "rank {rank} in a world of {}",
