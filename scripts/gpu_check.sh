@@ -333,23 +333,29 @@ baselines_cap() {
   # Issue 39: the largest batch within a cap (CAP_GIB, default 12) and its
   # tokens per second, for the sides in CAP_SIDES (default: memplan's plan
   # and its fit at 0.1%, then the two eager sides the 2026-11-27 run did
-  # not reach), each in its own process stopped after CAP_SIDE_S seconds;
-  # HF Llama medium (8 layers, hidden 1024), seq 1024, f32, batches to 16.
+  # not reach), each in its own process stopped after CAP_SIDE_S seconds.
+  # The model: CAP_MODEL (hf-llama or hf-gpt2) at CAP_SIZE (bench_baselines'
+  # sizes; default medium: 8 layers, hidden 1024), seq CAP_SEQ (1024),
+  # batches up to CAP_UPTO (16), bf16 autocast with CAP_BF16=1. Issue 39's
+  # targets: CAP_GIB=40 CAP_SIZE=1b CAP_SEQ=2048 CAP_BF16=1 CAP_UPTO=64
+  # (Llama 3.2 1B's shape), then CAP_MODEL=hf-gpt2 without CAP_BF16
+  # (GPT-2 XL, f32).
   torch_ready || return
   local sides=${CAP_SIDES:-memplan,memplan-fit-0.1%,eager-selective-ac,eager-optimizer-in-backward}
-  echo "== largest batch within ${CAP_GIB:-12} GiB: $sides"
+  echo "== largest batch within ${CAP_GIB:-12} GiB: ${CAP_MODEL:-hf-llama} ${CAP_SIZE:-medium} seq ${CAP_SEQ:-1024} bf16 ${CAP_BF16:-0}: $sides"
   PYTHONPATH=python python3 -c "
 import json, sys
 from memplan.torch import bench_baselines_device as d
-base = dict(model='hf-llama', size='medium', seq=1024, steps=3, time_limit=4.0, device='cuda',
-            cap_bytes=int(float('${CAP_GIB:-12}') * 2 ** 30), upto=16)
-out = {'cap_bytes': base['cap_bytes']}
+base = dict(model='${CAP_MODEL:-hf-llama}', size='${CAP_SIZE:-medium}', seq=int('${CAP_SEQ:-1024}'), steps=3,
+            time_limit=4.0, device='cuda', cap_bytes=int(float('${CAP_GIB:-12}') * 2 ** 30),
+            upto=int('${CAP_UPTO:-16}'), bf16=bool('${CAP_BF16:-}'))
+out = {'cap_bytes': base['cap_bytes'], 'spec': base}
 for side in '$sides'.split(','):
     name, conf = (side, '') if side in d.MEMPLAN_SIDES else (side + '+expandable', d.EXPANDABLE)
     out[name] = d.spawn(dict(base, side=side), conf, timeout=float('${CAP_SIDE_S:-150}'))
     print(d._line(name, out[name]), flush=True)
     json.dump(out, open('$OUT/cap.json', 'w'), indent=1)
-" 2>&1 | grep -v "^USDT\|gpuGetDeviceCount" | tee "$OUT/cap.log"
+" 2>&1 | grep -v "^USDT\\|gpuGetDeviceCount" | tee "$OUT/cap.log"
 }
 
 # SECTIONS picks what runs (default: all).

@@ -97,3 +97,18 @@ class EachSideInItsOwnProcess(unittest.TestCase):
         # A side that fails reports why, naming the error.
         bad = dev.spawn(dict(base, side="memplan-fit@eager-full-ac", budget=1), timeout=300)
         self.assertIn("fits in", bad["error"])
+
+    def test_bf16_autocast_on_every_side(self):
+        """--bf16: every side's loss under bf16 autocast (mixed precision as
+        Hugging Face's Trainer runs it), so eager and memplan take the same
+        bf16 steps; not the f32 step's losses."""
+        from memplan.torch import bench_baselines_device as dev
+
+        base = dict(model="hf-llama", size="tiny", batch=2, seq=16, steps=2, time_limit=2.0, device="cpu")
+        f32 = dev.spawn(dict(base, side="eager"), timeout=300)
+        eager = dev.spawn(dict(base, side="eager-optimizer-in-backward", bf16=True), dev.EXPANDABLE, timeout=300)
+        mine = dev.spawn(dict(base, side="memplan", bf16=True), timeout=300)
+        for r in (f32, eager, mine):
+            self.assertNotIn("error", r)
+        self.assertEqual(eager["losses"], mine["losses"])
+        self.assertNotEqual(eager["losses"], f32["losses"])

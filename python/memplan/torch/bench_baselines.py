@@ -66,6 +66,17 @@ def _lm(m, b):
     return m(input_ids=b, labels=b).loss
 
 
+def _lm_bf16(m, b):
+    """The loss under bf16 autocast on the batch's device (f32 parameters:
+    mixed precision as Hugging Face's Trainer runs ``bf16=True``)."""
+    with torch.autocast(b.device.type, dtype=torch.bfloat16):
+        return m(input_ids=b, labels=b).loss
+
+
+def loss_fn(bf16: bool = False):
+    return _lm_bf16 if bf16 else _lm
+
+
 def model_configs(size: str = "small") -> Dict[str, Callable[[], torch.nn.Module]]:
     """name -> a function making the model (the same weights each call)."""
     import transformers as T
@@ -74,6 +85,11 @@ def model_configs(size: str = "small") -> Dict[str, Callable[[], torch.nn.Module
         gpt2 = dict(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
         llama = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    elif size == "1b":  # for a GPU: GPT-2 XL (1.56B) and Llama 3.2 1B's shape (tied, 1.24B)
+        gpt2 = dict(vocab_size=50257, n_positions=2048, n_embd=1600, n_layer=48, n_head=25)
+        llama = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                     tie_word_embeddings=True)
     elif size == "medium":  # for a GPU: about 150M parameters each
         gpt2 = dict(vocab_size=32000, n_positions=2048, n_embd=1024, n_layer=8, n_head=16)
         llama = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -87,6 +103,7 @@ def model_configs(size: str = "small") -> Dict[str, Callable[[], torch.nn.Module
         def build():
             torch.manual_seed(0)
             return cls(cfg_cls(**cfg)).train()
+        build.vocab_size = cfg["vocab_size"]  # (without making a model: seconds at the 1b size)
         return build
 
     return {"hf-gpt2": make(T.GPT2LMHeadModel, T.GPT2Config, {**gpt2, "attn_pdrop": 0.0, "resid_pdrop": 0.0,
@@ -132,8 +149,9 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
-def _eager_step(model, side: str):
-    """(one training step on a batch, the tensors it holds between steps)."""
+def _eager_step(model, side: str, lm=_lm):
+    """(one training step on a batch, the tensors it holds between steps),
+    its loss `lm(model, batch)`."""
     if side == "eager-optimizer-in-backward":
         opts = {p: _adamw([p]) for p in model.parameters()}
 
@@ -145,7 +163,7 @@ def _eager_step(model, side: str):
             p.register_post_accumulate_grad_hook(hook)
 
         def step(b):
-            loss = _lm(model, b)
+            loss = lm(model, b)
             loss.backward()
             return loss.detach()
         held = lambda: [v for o in opts.values() for s in o.state.values() for v in s.values()]  # noqa: E731
@@ -153,7 +171,7 @@ def _eager_step(model, side: str):
     opt = _adamw(model.parameters())
 
     def step(b):
-        loss = _lm(model, b)
+        loss = lm(model, b)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -183,8 +201,8 @@ def _flops(graph) -> int:
     return sum(int(op.get("flops", 0)) for op in graph["ops"])
 
 
-def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, compile: bool = False
-            ) -> Dict[str, Any]:
+def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, compile: bool = False,
+            lm=_lm) -> Dict[str, Any]:
     """Every side on one model at `batch` × `seq` tokens: peaks, losses,
     FLOPs (see the module's doc). With `compile`, also ``torch.compile``
     with Inductor's defaults (:func:`memplan.torch.bench.compiled`)."""
@@ -194,20 +212,20 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
     if compile:
         from .bench import compiled
 
-        peak, estimate, seconds = compiled(make(), batches[1], _lm)
+        peak, estimate, seconds = compiled(make(), batches[1], lm)
         rows["eager-compile"] = {"peak_bytes": peak, "inductor_estimate_bytes": estimate,
                                  "compile_seconds": seconds}
     for side in EAGER_SIDES:
         model = configured(make, side)
-        step, held = _eager_step(model, side)
+        step, held = _eager_step(model, side, lm)
         rows[side] = _measure(model, step, held, batches)
         if side in CHECKPOINTING:  # its recomputation, counted on its captured graph
             m2 = configured(make, side)
-            graph = capture(m2, _adamw(m2.parameters()), batches[0], _lm, plan=False).graph
+            graph = capture(m2, _adamw(m2.parameters()), batches[0], lm, plan=False).graph
             rows[side]["flops"], rows[side]["ops"] = _flops(graph), len(graph["ops"])
         model = step = None
     plain = make()
-    graph = capture(plain, _adamw(plain.parameters()), batches[0], _lm, plan=False).graph
+    graph = capture(plain, _adamw(plain.parameters()), batches[0], lm, plan=False).graph
     plain_flops, plain_ops = _flops(graph), len(graph["ops"])
     for side in CHECKPOINTING:
         rows[side]["added_flops_share"] = rows[side]["flops"] / plain_flops - 1
@@ -216,7 +234,7 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
     for side, fit in targets:
         model = make()
         opt = _adamw(model.parameters())
-        s = capture(model, opt, batches[0], _lm, time_limit=time_limit)
+        s = capture(model, opt, batches[0], lm, time_limit=time_limit)
         row: Dict[str, Any] = {}
         try:
             f = None
@@ -250,8 +268,8 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
             "step_flops": plain_flops}
 
 
-def largest_batches(make, seq: int, vocab: int, cap: int, upto: int = 64, time_limit: float = 5.0
-                    ) -> Dict[str, Any]:
+def largest_batches(make, seq: int, vocab: int, cap: int, upto: int = 64, time_limit: float = 5.0,
+                    lm=_lm) -> Dict[str, Any]:
     """The largest batch (≤ `upto`) whose step fits `cap` bytes: each eager
     side's by its measured peak, memplan's by its plan and its fit."""
     out: Dict[str, Any] = {"cap_bytes": cap}
@@ -262,14 +280,14 @@ def largest_batches(make, seq: int, vocab: int, cap: int, upto: int = 64, time_l
         while b <= upto:
             batches = [torch.randint(0, vocab, (b, seq), generator=g) for _ in range(2)]
             model = configured(make, side)
-            step, held = _eager_step(model, side)
+            step, held = _eager_step(model, side, lm)
             if _measure(model, step, held, batches)["peak_bytes"] > cap:
                 break
             best, b = b, b + 1
         out[side] = best
     model = make()
     r = max_batch(model, _adamw(model.parameters()),
-                  lambda b: torch.randint(0, vocab, (b, seq), generator=g), _lm, cap, probe_time=time_limit)
+                  lambda b: torch.randint(0, vocab, (b, seq), generator=g), lm, cap, probe_time=time_limit)
     out["memplan"], out["memplan-fit-0.1%"] = r["planned"], r["fitted"]
     return out
 
@@ -295,10 +313,10 @@ def _on_device(args) -> int:
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     for name in [n for n in args.models.split(",") if n]:
         r = dev.measure(name, args.size, args.batch, args.seq, args.steps, args.time_limit, args.device,
-                        compile=args.compile, log=log)
+                        compile=args.compile, log=log, bf16=args.bf16)
         if args.cap is not None:
             r["largest_batch"] = dev.largest(name, args.size, args.seq, args.steps, args.time_limit, args.device,
-                                             args.cap / 1024, log=log)
+                                             args.cap / 1024, log=log, bf16=args.bf16)
         out[name] = r
         if not args.json:
             print(dev.report(name, r))
@@ -310,7 +328,9 @@ def _on_device(args) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_baselines", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="hf-gpt2,hf-llama", help="comma-separated: hf-gpt2, hf-llama")
-    ap.add_argument("--size", choices=("tiny", "small", "medium"), default="small")
+    ap.add_argument("--size", choices=("tiny", "small", "medium", "1b"), default="small",
+                    help="1b: GPT-2 XL and Llama 3.2 1B's shape (for a GPU)")
+    ap.add_argument("--bf16", action="store_true", help="the loss under bf16 autocast on every side")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--cap", type=float, metavar="MIB", help="also the largest batch whose step fits MIB MiB")
@@ -334,11 +354,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = {}
     for name in names:
         make = configs[name]
-        vocab = make().config.vocab_size
-        r = measure(make, args.batch, args.seq, vocab, args.time_limit, args.compile)
+        vocab = make.vocab_size
+        r = measure(make, args.batch, args.seq, vocab, args.time_limit, args.compile, loss_fn(args.bf16))
         if args.cap is not None:
             r["largest_batch"] = largest_batches(make, args.seq, vocab, int(args.cap * 2 ** 20),
-                                                 time_limit=args.time_limit)
+                                                 time_limit=args.time_limit, lm=loss_fn(args.bf16))
         out[name] = r
         if not args.json:
             print(report(name, r))

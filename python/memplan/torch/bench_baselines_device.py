@@ -54,10 +54,12 @@ def _eager(spec, make, device):
 
     from .bench_baselines import _eager_step, configured
 
-    side = spec["side"]
+    from .bench_baselines import loss_fn
+
+    side, lm = spec["side"], loss_fn(spec.get("bf16", False))
     if side != "eager-compile":
         model = configured(make, side).to(device)
-        return model, _eager_step(model, side)[0]
+        return model, _eager_step(model, side, lm)[0]
     from .bench_baselines import _adamw
 
     model = make().to(device)
@@ -65,7 +67,7 @@ def _eager(spec, make, device):
     opt = _adamw(model.parameters())
 
     def step(b):
-        loss = compiled(input_ids=b, labels=b).loss
+        loss = lm(compiled, b)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -76,11 +78,11 @@ def _eager(spec, make, device):
 def _memplan(spec, make, device, batch):
     """(model, planned step in its arena, step object, fit figures) at `batch`."""
     from . import capture
-    from .bench_baselines import _adamw, _lm
+    from .bench_baselines import _adamw, loss_fn
 
     model = make().to(device)
     opt = _adamw(model.parameters())
-    s = capture(model, opt, batch, _lm, time_limit=spec["time_limit"])
+    s = capture(model, opt, batch, loss_fn(spec.get("bf16", False)), time_limit=spec["time_limit"])
     side, f = spec["side"], None
     if side == "memplan-fit-0.1%":
         f = s.fit(max_added=0.001, minimise="flops", time_limit=spec["time_limit"])
@@ -230,7 +232,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     make = model_configs(spec["size"])[spec["model"]]
-    vocab = make().config.vocab_size
+    vocab = make.vocab_size
     if spec.get("cap_bytes"):
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_bytes"] / total), device.index or 0)
@@ -277,13 +279,14 @@ def spawn(spec: Dict[str, Any], alloc_conf: str = "", timeout: float = 300.0) ->
 
 
 def measure(model: str, size: str, batch: int, seq: int, steps: int, time_limit: float, device: str,
-            compile: bool = True, log: Callable[[str], None] = print) -> Dict[str, Any]:
+            compile: bool = True, log: Callable[[str], None] = print, bf16: bool = False) -> Dict[str, Any]:
     """Every side at `batch`: eager sides with expandable segments off and
     on, memplan's (one arena allocation: the default allocator), each fit
     to a checkpointing side's allocated peak with expandable segments."""
     from .bench_baselines import EAGER_SIDES
 
-    base = dict(model=model, size=size, batch=batch, seq=seq, steps=steps, time_limit=time_limit, device=device)
+    base = dict(model=model, size=size, batch=batch, seq=seq, steps=steps, time_limit=time_limit, device=device,
+                bf16=bf16)
     rows: Dict[str, Dict[str, Any]] = {}
     runs = [(side, conf) for side in EAGER_SIDES for conf in ("", EXPANDABLE)]
     if compile:  # (compiling takes a minute: once, with expandable segments, as torchtitan runs)
@@ -313,16 +316,16 @@ def measure(model: str, size: str, batch: int, seq: int, steps: int, time_limit:
 def largest(model: str, size: str, seq: int, steps: int, time_limit: float, device: str, cap_gib: float,
             upto: int = 64, log: Callable[[str], None] = print,
             sides=("eager", "eager-optimizer-in-backward", "eager-selective-ac", "eager-full-ac", "memplan",
-                   "memplan-fit-0.1%")) -> Dict[str, Any]:
+                   "memplan-fit-0.1%"), bf16: bool = False, timeout: float = 400.0) -> Dict[str, Any]:
     """The largest batch within `cap_gib` GiB and its tokens per second:
     eager, optimizer in backward, both checkpointing sides (expandable
     segments on), memplan's plan and its fit at 0.1%."""
     base = dict(model=model, size=size, seq=seq, steps=steps, time_limit=time_limit, device=device,
-                cap_bytes=int(cap_gib * 2 ** 30), upto=upto)
+                cap_bytes=int(cap_gib * 2 ** 30), upto=upto, bf16=bf16)
     out: Dict[str, Any] = {"cap_bytes": base["cap_bytes"]}
     for side in sides:
         name, conf = (side, "") if side in MEMPLAN_SIDES else (side + "+expandable", EXPANDABLE)
-        out[name] = spawn(dict(base, side=side), conf, timeout=400)
+        out[name] = spawn(dict(base, side=side), conf, timeout=timeout)
         log(_line(name, out[name]))
     return out
 
