@@ -9,6 +9,12 @@
 #   run(carry=[".gpu"], command="bash scripts/gpu_check.sh .gpu/memplan /tmp/gc > $OUT/log 2>&1;
 #       tar czf $OUT/gc.tgz -C /tmp gc")
 #
+# split_liger also needs Liger-Kernel (not in the machine's image): this
+# script saves its wheel in the ignored .whl/; carry both and install it
+# first: run(carry=[".gpu", ".whl"], command="python3 -m pip install -q
+# --no-index --no-deps --target /tmp/site .whl/*.whl && export
+# PYTHONPATH=/tmp/site; SECTIONS=split_liger bash scripts/gpu_check.sh ...").
+#
 # SECTIONS=... before `bash` picks gpu_check.sh's sections (each call is at
 # most 10 minutes, a machine idle for 30 s is given back, and a session
 # has 15 minutes of device time, starts included, so put what belongs
@@ -33,3 +39,8 @@ strip -o .gpu/memplan target/release/memplan
 strip -o .gpu/_memplan.abi3.so target/release/lib_memplan.so
 ls -l .gpu
 du -sh .gpu
+# Liger-Kernel for split_liger (pure Python; the machine has torch and triton).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d .whl "liger-kernel==${LIGER_VERSION:-0.8.5}" \
+  || echo "liger-kernel's wheel could not be fetched: split_liger will report its side as an error"
+ls -l .whl 2>/dev/null || true
