@@ -98,6 +98,27 @@ class EachSideInItsOwnProcess(unittest.TestCase):
         bad = dev.spawn(dict(base, side="memplan-fit@eager-full-ac", budget=1), timeout=300)
         self.assertIn("fits in", bad["error"])
 
+    def test_memplans_largest_batch_under_a_cap(self):
+        """The cap search's logic, run on the CPU (no out-of-memory there:
+        the planned batch is the answer): the plans' arena plus what the
+        step allocates outside it, grown linearly from batches 1 and 2,
+        within the cap; the batch after it not."""
+        import torch
+
+        from memplan.torch import bench_baselines_device as dev
+        from memplan.torch.bench_baselines import model_configs
+
+        make = model_configs("tiny")["hf-llama"]
+        spec = dict(model="hf-llama", size="tiny", side="memplan", seq=16, steps=2, time_limit=2.0, device="cpu", upto=8,
+                    cap_bytes=1_700_000)
+        r = dev._largest_memplan(spec, make, torch.device("cpu"), make.vocab_size)
+        b = r["largest_batch"]
+        self.assertTrue(0 < b < 8, r)
+        self.assertEqual(b, r["planned_batch"])
+        need = r["planned_arena_bytes"] + r["outside_arena_bytes"] + r["outside_arena_growth_per_sample"] * (b - 1)
+        self.assertLessEqual(need, spec["cap_bytes"], r)
+        self.assertGreater(r["tokens_per_second"], 0)
+
     def test_bf16_autocast_on_every_side(self):
         """--bf16: every side's loss under bf16 autocast (mixed precision as
         Hugging Face's Trainer runs it), so eager and memplan take the same
