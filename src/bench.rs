@@ -24,9 +24,10 @@ use serde::{Deserialize, Serialize};
 use crate::baselines::{self, Baseline};
 use crate::error::Error;
 use crate::graph::Graph;
-use crate::models::fsdp::{FsdpOptions, ShardLayout};
+use crate::models::fsdp::ShardLayout;
 use crate::models::{DType, EXAMPLES, ExampleOptions};
 use crate::pipeline::Options;
+use crate::transforms::Transforms;
 
 /// The prefix that names a built-in example instead of a file.
 pub const EXAMPLE_PREFIX: &str = "example:";
@@ -35,19 +36,21 @@ pub const EXAMPLE_PREFIX: &str = "example:";
 #[derive(Clone, Debug)]
 pub enum Source {
     /// A built-in example: `example:NAME[,key=value...]`, keys `batch`,
-    /// `seq`, `layers`, `dtype`, `clip`, `world` (one rank's step sharded
-    /// FSDP-style over that many ranks), `prefetch` (all-gathers issued
-    /// ahead, default 1) and the flags `noreshard` (keep gathered
-    /// parameters from forward to backward), `reduce=bf16` (reduce-scatter
-    /// in bf16 under mixed precision), `checkpoint`, `fused` (fused
-    /// attention) and `mixed` (mixed precision).
+    /// `seq`, `layers`, `dtype`, `clip`, `split` (the loss chain in that
+    /// many chunks), `world` (one rank's step sharded FSDP-style over that
+    /// many ranks), `prefetch` (all-gathers issued ahead, default 1) and the
+    /// flags `noreshard` (keep gathered parameters from forward to
+    /// backward), `flat` (FSDP1's flat shards), `reduce=bf16`
+    /// (reduce-scatter in bf16 under mixed precision), `checkpoint`, `fused`
+    /// (fused attention) and `mixed` (mixed precision): the same graph as
+    /// the CLI's `--example NAME` with the matching flags.
     Example {
         /// The spec as written, e.g. `example:gpt2-small,batch=4`.
         spec: String,
         name: String,
         opts: ExampleOptions,
-        /// Shard over ranks as these say (`world` > 1).
-        fsdp: FsdpOptions,
+        /// Split and shard as these say ([`crate::transforms`]).
+        transforms: Transforms,
     },
     /// A graph file, anything [`crate::io::load_graph`] reads.
     File(PathBuf),
@@ -70,7 +73,9 @@ impl Source {
             )));
         }
         let mut opts = ExampleOptions::default();
-        let mut fsdp = FsdpOptions::new(1);
+        let mut transforms = Transforms::default();
+        let mut transforms_split = None;
+        let fsdp = &mut transforms.fsdp;
         for part in parts {
             let (key, value) = match part.split_once('=') {
                 Some((k, v)) => (k.trim(), Some(v.trim())),
@@ -88,6 +93,7 @@ impl Source {
                 "seq" => opts.seq = Some(num(value)?),
                 "layers" => opts.layers = Some(num(value)?),
                 "world" => fsdp.world = num(value)?,
+                "split" => transforms_split = Some(num(value)?),
                 "prefetch" => {
                     let v = value.unwrap_or_default();
                     fsdp.prefetch = v
@@ -117,16 +123,17 @@ impl Source {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, world=N, prefetch=N, noreshard, flat, reduce=bf16|f32, checkpoint, fused, mixed)"
+                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, split=K, world=N, prefetch=N, noreshard, flat, reduce=bf16|f32, checkpoint, fused, mixed)"
                     )));
                 }
             }
         }
+        transforms.split_chunks = transforms_split;
         Ok(Source::Example {
             spec: arg.to_string(),
             name,
             opts,
-            fsdp,
+            transforms,
         })
     }
 
@@ -134,16 +141,11 @@ impl Source {
     pub fn load(&self) -> Result<Graph, Error> {
         match self {
             Source::Example {
-                name, opts, fsdp, ..
-            } => {
-                let g = crate::models::example(name, opts)?;
-                if fsdp.world > 1 {
-                    let unit = &crate::models::fsdp::default_unit;
-                    crate::models::fsdp::shard_with(&g, fsdp, unit)
-                } else {
-                    Ok(g)
-                }
-            }
+                name,
+                opts,
+                transforms,
+                ..
+            } => transforms.apply(crate::models::example(name, opts)?),
             Source::File(p) => crate::io::load_graph(p),
         }
     }
@@ -718,15 +720,34 @@ mod tests {
     #[test]
     fn example_specs_take_fsdp_and_precision_keys() {
         let spec = "example:llama-tiny,world=2,prefetch=2,noreshard,reduce=bf16,mixed";
-        let Source::Example { opts, fsdp, .. } = Source::parse(spec).unwrap() else {
+        let Source::Example {
+            opts, transforms, ..
+        } = Source::parse(spec).unwrap()
+        else {
             panic!("an example");
         };
+        let fsdp = &transforms.fsdp;
         assert!(opts.mixed_precision);
         assert_eq!(fsdp.world, 2);
         assert_eq!(fsdp.prefetch, 2);
         assert!(!fsdp.reshard_after_forward && fsdp.reduce_in_compute_dtype);
         let g = Source::parse(spec).unwrap().load().unwrap();
         assert_eq!(g.name, "llama-tiny-b2-mixed-fsdp2");
+        // split=K is the CLI's --split-chunks K: the same graph.
+        let split = Source::parse("example:llama-tiny,split=4")
+            .unwrap()
+            .load()
+            .unwrap();
+        let unsplit = crate::models::example("llama-tiny", &ExampleOptions::default()).unwrap();
+        let by_hand = crate::split::split_graph(&unsplit, 4).unwrap();
+        assert_eq!(split.ops().len(), by_hand.ops().len());
+        assert!(split.ops().len() > unsplit.ops().len());
+        let e = Source::parse("example:llama-tiny,split=4,world=2")
+            .unwrap()
+            .load()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not both"), "{e}");
         let e = Source::parse("example:llama-tiny,reduce=f16")
             .unwrap_err()
             .to_string();

@@ -19,6 +19,9 @@
 //!   [`batch`]: a step at other batch sizes and the largest that fits.
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
+//! - [`transforms`]: what a command does to the graph it loads, in one
+//!   order: [`split`] (the loss chain in chunks), then FSDP sharding
+//!   ([`models::fsdp`]).
 //! - [`bench`]: benchmarks over many graphs and the peak record;
 //!   [`timeline`]: live bytes by role over an order, drawn by [`plot`]
 //!   (SVG) and [`trace`] (Chrome / Perfetto trace).
@@ -73,6 +76,7 @@ pub mod split;
 pub mod testing;
 pub mod timeline;
 pub mod trace;
+pub mod transforms;
 pub mod units;
 
 pub use error::{Error, GraphError, Result};

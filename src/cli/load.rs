@@ -12,38 +12,42 @@ use memplan::{Options, Plan, baselines, checker};
 
 use super::GraphArgs;
 
-/// Loads the graph a command names: a file or `--example`, sharded over
-/// `--world-size` ranks if given.
+/// Loads the graph a command names: a file or `--example`, its loss chain
+/// split if `--split-chunks` asks, sharded over `--world-size` ranks if
+/// given ([`memplan::transforms`], the bench's example specs' too).
 pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
-    let g = load_unsharded(graph, src)?;
-    let g = match src.split_chunks {
-        Some(k) => memplan::split::split_graph(&g, k)?,
-        None => g,
-    };
-    shard(g, src)
+    let t = transforms(src, src.split_chunks)?;
+    Ok(t.apply(load_unsharded(graph, src)?)?)
 }
 
 /// `g` sharded as --world-size asks (unchanged without it).
 pub fn shard(g: Graph, src: &GraphArgs) -> Result<Graph> {
-    match src.world_size {
-        Some(w) if w > 1 => {
-            let opts = memplan::models::fsdp::FsdpOptions {
-                world: w,
-                prefetch: src.prefetch,
-                reshard_after_forward: !src.no_reshard_after_forward,
-                reduce_in_compute_dtype: src.reduce_bf16,
-                layout: if src.flat_shards {
-                    memplan::models::fsdp::ShardLayout::Flat
-                } else {
-                    memplan::models::fsdp::ShardLayout::PerParameter
-                },
-            };
-            let unit = &memplan::models::fsdp::default_unit;
-            Ok(memplan::models::fsdp::shard_with(&g, &opts, unit)?)
-        }
-        Some(0) => bail!("--world-size must be at least 1"),
-        _ => Ok(g),
+    Ok(transforms(src, None)?.apply(g)?)
+}
+
+/// The transforms the flags ask for, the split as `split_chunks` says.
+fn transforms(
+    src: &GraphArgs,
+    split_chunks: Option<u64>,
+) -> Result<memplan::transforms::Transforms> {
+    use memplan::models::fsdp::{FsdpOptions, ShardLayout};
+    if src.world_size == Some(0) {
+        bail!("--world-size must be at least 1");
     }
+    Ok(memplan::transforms::Transforms {
+        split_chunks,
+        fsdp: FsdpOptions {
+            world: src.world_size.unwrap_or(1),
+            prefetch: src.prefetch,
+            reshard_after_forward: !src.no_reshard_after_forward,
+            reduce_in_compute_dtype: src.reduce_bf16,
+            layout: if src.flat_shards {
+                ShardLayout::Flat
+            } else {
+                ShardLayout::PerParameter
+            },
+        },
+    })
 }
 
 pub fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
