@@ -241,7 +241,8 @@ def _rank(args) -> Dict[str, Any]:
             from .bench import _outside_by_op
 
             try:
-                row["outside_ops"] = _outside_by_op(lambda: step(batches[1]), torch.device("cuda", torch.cuda.current_device()))
+                here = torch.device("cuda", torch.cuda.current_device())
+                row["outside_ops"] = _outside_by_op(lambda: step(batches[1]), here)
             except Exception as e:  # noqa: BLE001 - a report, not the measurement: say why it is missing
                 row["outside_ops_error"] = f"{type(e).__name__}: {e}"
             dist.barrier()

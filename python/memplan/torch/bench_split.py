@@ -137,21 +137,29 @@ def run(args) -> Dict[str, Any]:
     return out
 
 
+def model_arguments(p: argparse.ArgumentParser, *, layers: int, hidden: int, intermediate: int, heads: int,
+                    kv_heads: int, vocab: int, seq: int, batch: int, time_limit: float) -> None:
+    """The model, batch and split options both split benches take (this
+    one and :mod:`memplan.torch.bench_split_device`), with their defaults."""
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--intermediate", type=int, default=intermediate)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--kv-heads", type=int, default=kv_heads)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--tied", action="store_true", help="tie the embeddings to the LM head (Llama 3.2 1B does)")
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around the loss function")
+    p.add_argument("--chunks", type=int, default=None, help="memplan's split into this many chunks (default: auto)")
+    p.add_argument("--time-limit", type=float, default=time_limit)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m memplan.torch.bench_split", description=__doc__.split("\n\n")[0])
     p.add_argument("--meta", action="store_true", help="the model on the meta device: plan only, nothing runs")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--tied", action="store_true", help="tie the embeddings to the LM head (Llama 3.2 1B does)")
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast around the loss function")
-    p.add_argument("--chunks", type=int, default=None, help="split into this many chunks (default: auto)")
-    p.add_argument("--time-limit", type=float, default=20.0)
+    model_arguments(p, layers=2, hidden=256, intermediate=1024, heads=4, kv_heads=2, vocab=32000, seq=256, batch=2,
+                    time_limit=20.0)
     args = p.parse_args(argv)
     print(json.dumps(run(args), indent=1))
 

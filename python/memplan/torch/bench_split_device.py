@@ -79,14 +79,15 @@ def _measure(step, batches, steps: int, resident) -> Dict[str, Any]:
     times: List[float] = []
     for i in range(steps):
         b = batches[1 + i % (len(batches) - 1)]
+        measured_here = not cuda and i == steps - 1  # (the CPU's peak: the last step's events)
         t0 = time.perf_counter()
-        if cuda or i < steps - 1:
-            loss = step(b)
-        else:
+        if measured_here:
             peak = allocator_peak(lambda: losses.append(float(step(b))), resident() + [b])
+        else:
+            loss = step(b)
         sync()
         times.append(time.perf_counter() - t0)
-        if cuda or i < steps - 1:
+        if not measured_here:
             losses.append(float(loss))
     times.sort()
     row = {"step_seconds": times[len(times) // 2], "losses": losses}
@@ -123,6 +124,7 @@ def side(args, name: str, batches) -> Dict[str, Any]:
     else:
         loss_fn = {"eager": hf_loss, "eager-liger": liger_loss, "eager-chunked-ce": chunked_ce_loss}[name](args)
         step = _eager_step(model, opt, loss_fn)
+
     def resident():  # (CPU) what the step holds around it: weights, optimizer state, its constants
         held = list(model.parameters()) + [v for st in opt.state.values() for v in st.values()
                                            if isinstance(v, torch.Tensor)]
@@ -175,25 +177,19 @@ def run(args) -> Dict[str, Any]:
 
 
 def main(argv=None) -> None:
+    from .bench_split import model_arguments
+
     p = argparse.ArgumentParser(prog="python -m memplan.torch.bench_split_device",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--tied", action="store_true", help="tie the embeddings to the LM head (Llama 3.2 1B does)")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast around the loss function")
-    p.add_argument("--chunks", type=int, default=None, help="memplan's split into this many chunks (default: auto)")
-    p.add_argument("--time-limit", type=float, default=10.0)
-    p.add_argument("--steps", type=int, default=3)
+    model_arguments(p, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256, seq=4096,
+                    batch=1, time_limit=10.0)
+    p.add_argument("--steps", type=int, default=3, help="timed steps of each side (at least 1)")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated, from: " + ", ".join(SIDES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", help="also write the JSON object to this file")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
     args.meta = False
     out = run(args)
     text = json.dumps(out, indent=1)
