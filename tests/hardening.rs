@@ -458,7 +458,13 @@ fn a_process_that_cannot_start_a_thread_still_plans_and_runs() {
             vec!["plan", "--example", "gpt2-tiny", "--time-limit", "1"],
             "gpt2-tiny-b2: arena",
         ),
-        (vec!["alloc", s(&csv_copy)], "arena 1,048,576 (optimal)"),
+        // (A layout, checked by the command; not necessarily the optimum:
+        // on one thread of a loaded machine the search can stop at its 10 s
+        // with 1,052,672, seen in CI.)
+        (
+            vec!["alloc", s(&csv_copy)],
+            "154 buffers, max live 1,048,576, arena ",
+        ),
         // A world of one runs its rank on the main thread, and the CPU
         // executor's kernels on a pool of that thread alone (both needed a
         // thread before: an error, then rayon's panic).
