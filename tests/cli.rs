@@ -756,3 +756,30 @@ fn max_batch_of_a_graph_file_from_two_captures() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("differ"), "{}", stderr(&o));
 }
+
+/// `run --world-size W --batch b` trains one device's step with batch
+/// `W·b` (each rank its own rows of the global batch, gradients averaged),
+/// so its losses are `run --batch W·b`'s, not `--world-size 1 --batch b`'s
+/// (issue 41: "--world-size 4 gives another loss than one rank";
+/// docs/runtime.md says why).
+#[test]
+fn a_sharded_run_has_the_losses_of_one_rank_with_the_global_batch() {
+    let losses = |extra: &[&str]| -> Vec<f64> {
+        let mut args = vec!["run", "--example", "gpt2-tiny", "--steps", "3", "--json"];
+        args.extend(extra);
+        json(&args)["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let sharded = losses(&["--world-size", "4", "--batch", "1"]);
+    let global = losses(&["--batch", "4"]);
+    let one = losses(&["--batch", "1"]);
+    assert_eq!(sharded.len(), 3);
+    for (s, g) in sharded.iter().zip(&global) {
+        assert!((s - g).abs() <= 1e-5 * g.abs(), "{sharded:?} vs {global:?}");
+    }
+    assert!((sharded[0] - one[0]).abs() > 1e-4, "{sharded:?} vs {one:?}");
+}
