@@ -118,14 +118,13 @@ impl CostModel {
     }
 }
 
-/// Bytes of one element of `dtype` (4 when unknown).
+/// Bytes of one element of `dtype` ([`crate::dtype`]'s table; 4 when
+/// unknown or of no width, `token`).
 pub fn dtype_bytes(dtype: Option<&str>) -> u64 {
-    match dtype.unwrap_or("f32") {
-        "f64" | "i64" | "u64" | "c64" | "float64" | "int64" | "s64" => 8,
-        "f16" | "bf16" | "i16" | "u16" | "float16" | "bfloat16" | "s16" => 2,
-        "i8" | "u8" | "bool" | "pred" | "s8" | "f8e4m3" | "f8e5m2" | "uint8" | "int8" => 1,
-        _ => 4,
-    }
+    crate::dtype::ElementType::named(dtype.unwrap_or("f32"))
+        .map(|e| e.unpacked_bytes())
+        .filter(|&b| b > 0)
+        .unwrap_or(4)
 }
 
 fn elements(t: &Tensor) -> f64 {

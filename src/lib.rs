@@ -5,7 +5,8 @@
 //!
 //! # Crate map
 //! - [`graph`]: the graph model (ops, tensors, views, in-place updates, reuse
-//!   hints) and [`graph::GraphBuilder`] to make one in code.
+//!   hints) and [`graph::GraphBuilder`] to make one in code; [`dtype`]:
+//!   the one table of element types and their widths.
 //! - [`io`]: graph and plan files (memplan JSON, gzip; the plan's JSON form
 //!   in [`io::plan_json`]); [`mod@plan`]: the plan.
 //! - [`checker`]: the independent plan checker.
@@ -18,10 +19,13 @@
 //!   (`memplan fit`), priced by [`cost`] (FLOPs, bytes, roofline time);
 //!   [`batch`]: a step at other batch sizes and the largest that fits.
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
-//!   memplan; [`models`]: built-in example graphs (GPT-2 family, MLP).
+//!   memplan; [`models`]: built-in example graphs (GPT-2 family, Llama,
+//!   MLP).
 //! - [`transforms`]: what a command does to the graph it loads, in one
 //!   order: [`split`] (the loss chain in chunks), then FSDP sharding
 //!   ([`models::fsdp`]).
+//! - [`api`]: the entry points both bindings (C ABI, Python) call, with
+//!   their arguments checked once.
 //! - [`bench`]: benchmarks over many graphs and the peak record;
 //!   [`timeline`]: live bytes by role over an order, drawn by [`plot`]
 //!   (SVG) and [`trace`] (Chrome / Perfetto trace).
@@ -59,6 +63,7 @@ pub mod batch;
 pub mod bench;
 pub mod checker;
 pub mod cost;
+pub mod dtype;
 pub mod error;
 pub mod exec;
 pub mod fit;

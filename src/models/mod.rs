@@ -21,11 +21,11 @@ pub enum DType {
 }
 
 impl DType {
+    /// Bytes per element ([`crate::dtype`]'s table).
     pub fn bytes(self) -> u64 {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
+        crate::dtype::ElementType::parse(self.as_str())
+            .expect("the models' types are in the table")
+            .unpacked_bytes()
     }
     pub fn as_str(self) -> &'static str {
         match self {
@@ -34,11 +34,13 @@ impl DType {
             DType::F16 => "f16",
         }
     }
+    /// A name of [`crate::dtype`]'s table (`f32`, `float32`, ...) of one
+    /// of the types the models build.
     pub fn parse(s: &str) -> Option<DType> {
-        match s {
-            "f32" | "float32" => Some(DType::F32),
-            "bf16" | "bfloat16" => Some(DType::BF16),
-            "f16" | "float16" => Some(DType::F16),
+        match crate::dtype::ElementType::named(s)?.name {
+            "f32" => Some(DType::F32),
+            "bf16" => Some(DType::BF16),
+            "f16" => Some(DType::F16),
             _ => None,
         }
     }

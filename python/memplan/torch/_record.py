@@ -74,6 +74,9 @@ DATA_DEPENDENT = {
     "aten::item",
 }
 
+# The package's one element-type table: each torch dtype's name in memplan's
+# graphs (docs/graph-format.md; the Rust core's `memplan::dtype` reads the
+# same names). Widths come from torch itself (`dtype.itemsize`).
 DTYPE_NAMES = {
     torch.float32: "f32",
     torch.float16: "f16",
@@ -86,6 +89,13 @@ DTYPE_NAMES = {
     torch.uint8: "u8",
     torch.bool: "bool",
 }
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def dtype_itemsize(name: str, default: torch.dtype) -> int:
+    """Bytes of one element of the dtype named `name` in a graph, or of
+    `default` for a name the table lacks."""
+    return TORCH_DTYPES.get(name, default).itemsize
 
 
 

@@ -58,7 +58,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._record import Call, Layout, Ref
+from ._record import Call, Layout, Ref, dtype_itemsize
 
 aten = torch.ops.aten
 
@@ -71,8 +71,6 @@ _SOFTMAX = {"aten._log_softmax.default", "aten._softmax.default"}
 _SOFTMAX_BACKWARD = {"aten._log_softmax_backward_data.default", "aten._softmax_backward_data.default"}
 
 ROWS, TROWS = "rows", "trows"
-
-_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "int64": 8, "int32": 4, "bool": 1}
 
 
 class NotSplit(Exception):
@@ -322,8 +320,7 @@ class _Builder:
             t["size"] = 0
             t["view_of"] = self.tensors[view_of]["id"]
         else:
-            t["size"] = _numel(shape) * _ITEMSIZE.get(dtype, torch.empty(0, dtype=torch_dtype or lay.dtype)
-                                                      .element_size())
+            t["size"] = _numel(shape) * dtype_itemsize(dtype, torch_dtype or lay.dtype)
         self.tensors.append(t)
         self.layouts.append(Layout(tuple(int(d) for d in shape), tuple(stride), offset,
                                    torch_dtype or lay.dtype, lay.device))

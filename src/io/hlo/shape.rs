@@ -10,66 +10,7 @@
 
 use std::fmt;
 
-/// Element type of an array, with its width in bits.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ElementType {
-    /// The name as HLO prints it, e.g. `f32`, `bf16`, `pred`.
-    pub name: &'static str,
-    /// Storage width in bits (0 for `token` and `opaque`).
-    pub bits: u32,
-}
-
-/// Every XLA primitive type memplan knows, with its width in bits.
-const ELEMENT_TYPES: &[(&str, u32)] = &[
-    ("pred", 8),
-    ("s1", 1),
-    ("s2", 2),
-    ("s4", 4),
-    ("s8", 8),
-    ("s16", 16),
-    ("s32", 32),
-    ("s64", 64),
-    ("u1", 1),
-    ("u2", 2),
-    ("u4", 4),
-    ("u8", 8),
-    ("u16", 16),
-    ("u32", 32),
-    ("u64", 64),
-    ("f16", 16),
-    ("bf16", 16),
-    ("f32", 32),
-    ("f64", 64),
-    ("c64", 64),
-    ("c128", 128),
-    ("f4e2m1fn", 4),
-    ("f6e2m3fn", 6),
-    ("f6e3m2fn", 6),
-    ("f8e3m4", 8),
-    ("f8e4m3", 8),
-    ("f8e4m3fn", 8),
-    ("f8e4m3fnuz", 8),
-    ("f8e4m3b11fnuz", 8),
-    ("f8e5m2", 8),
-    ("f8e5m2fnuz", 8),
-    ("f8e8m0fnu", 8),
-    ("token", 0),
-    ("opaque", 0),
-];
-
-impl ElementType {
-    /// Looks up an element type by its HLO name.
-    pub fn parse(name: &str) -> Option<ElementType> {
-        ELEMENT_TYPES
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|&(name, bits)| ElementType { name, bits })
-    }
-    /// Bytes one element takes when unpacked (sub-byte types take a byte).
-    pub fn unpacked_bytes(self) -> u64 {
-        (self.bits as u64).div_ceil(8)
-    }
-}
+pub use crate::dtype::ElementType;
 
 /// One array dimension.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]

@@ -27,6 +27,7 @@ import torch
 from . import emulate, workloads
 from .graph import GraphBuilder
 from .recorder import Recorder
+from .._record import TORCH_DTYPES
 
 # name -> (constructor, description). foreach is PyTorch's default on CUDA.
 OPTIMIZERS: Dict[str, Any] = {
@@ -48,7 +49,8 @@ OPTIMIZERS: Dict[str, Any] = {
     ),
 }
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# The step types --dtype takes, by their names in the graph.
+DTYPES = {name: TORCH_DTYPES[name] for name in ("f32", "bf16", "f16")}
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
