@@ -14,7 +14,8 @@
 //! The copy reads `p`'s inputs, or their copies when their producers are
 //! recomputed too (chains recompute from the nearest kept value), and is
 //! placed in program order just before the first op that reads it; the
-//! planner may move it anywhere its dependencies allow. Ops that only make
+//! planner may move it anywhere its dependencies allow. The graph's
+//! metadata names the op each copy copies ([`COPY_OF`]). Ops that only make
 //! views of a recomputed output are recomputed with it, since a view keeps
 //! its base alive.
 //!
@@ -61,6 +62,12 @@ use crate::timeline::{Timeline, human};
 
 /// Prefix of recomputed ops and tensors.
 pub const PREFIX: &str = "recompute.";
+
+/// The recomputed graph's metadata key naming, for each added op, the op
+/// of the original step it copies (`{"recompute.p": "p"}`), so a caller
+/// maps copies back without reading names (`memplan.torch` runs each copy
+/// as its original's captured call).
+pub const COPY_OF: &str = "recompute_of";
 
 /// A forward op the fit may run again in the backward pass.
 #[derive(Clone, Debug, PartialEq)]
@@ -263,10 +270,13 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
     }
     let mut omap = vec![OpId(u32::MAX); g.num_ops()];
     let mut names = Vec::new();
+    let mut copy_of = serde_json::Map::new();
     for (i, &o) in g.program_order().iter().enumerate() {
         for &c in copies_at.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
             let op = g.op(c);
-            let mut spec = OpSpec::new(fresh(&op.name), OpKind::Backward, op.op_type.clone())
+            let name = fresh(&op.name);
+            copy_of.insert(name.clone(), op.name.clone().into());
+            let mut spec = OpSpec::new(name, OpKind::Backward, op.op_type.clone())
                 .inputs(op.inputs.iter().map(|&x| read(x)))
                 .outputs(op.outputs.iter().map(|&x| read(x)))
                 .stream(op.stream);
@@ -310,6 +320,7 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
     let mut out = b.build()?;
     out.metadata = g.metadata.clone();
     out.metadata.insert("recomputed".into(), names.into());
+    out.metadata.insert(COPY_OF.into(), copy_of.into());
     Ok(out)
 }
 

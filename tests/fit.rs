@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use memplan::cost::OpCost;
 use memplan::fit::{
-    FitOptions, Fitted, Objective, candidates, fit, fit_floor, fit_within, recompute,
+    COPY_OF, FitOptions, Fitted, Objective, candidates, fit, fit_floor, fit_within, recompute,
 };
 use memplan::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
 use memplan::models::gpt2::{self, Gpt2Config};
@@ -473,4 +473,69 @@ fn backward_views_of_recomputed_tensors_follow_the_copy() {
     checker::check(&r, &fitted).unwrap();
     assert_eq!(plain.stats.max_live_bytes, 1516);
     assert_eq!(fitted.stats.max_live_bytes, 1024);
+}
+
+/// The recomputed graph names, for each op it adds, the op it copies
+/// (`metadata.recompute_of`): every added op, and only those, each with
+/// its original's type and arity, also where a name was taken and the copy
+/// got another (`rerecompute.…`).
+#[test]
+fn each_copy_names_its_original() {
+    let mut b = GraphBuilder::new("taken");
+    let x = b.add_tensor(TensorSpec::new("x", 64).role(Role::Input).persistent());
+    let h = b.add_tensor(TensorSpec::new("h", 1024));
+    let y = b.add_tensor(TensorSpec::new("y", 64));
+    // A tensor already called what the copy of `h` would be.
+    let taken = b.add_tensor(TensorSpec::new("recompute.h", 64));
+    let dx = b.add_tensor(TensorSpec::new("dx", 64).role(Role::Output).persistent());
+    b.add_op(
+        OpSpec::new("f", OpKind::Forward, "relu")
+            .inputs([x])
+            .outputs([h]),
+    );
+    b.add_op(
+        OpSpec::new("recompute.f", OpKind::Forward, "sum")
+            .inputs([h])
+            .outputs([y]),
+    );
+    b.add_op(
+        OpSpec::new("g", OpKind::Forward, "copy")
+            .inputs([y])
+            .outputs([taken]),
+    );
+    b.add_op(
+        OpSpec::new("b", OpKind::Backward, "relu_backward")
+            .inputs([h, taken])
+            .outputs([dx]),
+    );
+    let g = b.build().unwrap();
+    let r = recompute(&g, &[g.op_by_name("f").unwrap()]).unwrap();
+    let copy_of = r.metadata[COPY_OF].as_object().expect("a map");
+    let added: Vec<&str> = r
+        .ops()
+        .iter()
+        .map(|o| o.name.as_str())
+        .filter(|n| g.op_by_name(n).is_none())
+        .collect();
+    assert_eq!(added.len(), 1, "{added:?}");
+    assert_eq!(copy_of.len(), 1, "{copy_of:?}");
+    let (copy, original) = copy_of.iter().next().unwrap();
+    assert_eq!(copy, added[0]);
+    assert_ne!(copy, "recompute.f", "the name was taken");
+    assert_eq!(original, "f");
+    let (c, o) = (
+        r.op(r.op_by_name(copy).unwrap()),
+        g.op(g.op_by_name("f").unwrap()),
+    );
+    assert_eq!(
+        (c.op_type.as_str(), c.inputs.len(), c.outputs.len()),
+        (o.op_type.as_str(), o.inputs.len(), o.outputs.len())
+    );
+    // The graph file keeps it.
+    let back = memplan::io::json::parse_graph(
+        &memplan::io::json::write_graph(&r),
+        std::path::Path::new("r.json"),
+    )
+    .unwrap();
+    assert_eq!(back.metadata[COPY_OF], r.metadata[COPY_OF]);
 }

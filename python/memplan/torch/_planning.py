@@ -226,7 +226,10 @@ class Planning:
         return takes
 
 
-_RECOMPUTE = "recompute."
+def _copy_of(fitted: Dict[str, Any]) -> Dict[str, str]:
+    """Each op the fit added to `fitted`, by the id of the op it copies
+    (the graph's ``metadata.recompute_of``, written by the Rust core)."""
+    return fitted.get("metadata", {}).get("recompute_of", {})
 
 
 def _with_sizes_of(graph: Dict[str, Any], fitted: Dict[str, Any]) -> Dict[str, Any]:
@@ -237,9 +240,9 @@ def _with_sizes_of(graph: Dict[str, Any], fitted: Dict[str, Any]) -> Dict[str, A
     two agree and `fitted` comes back as it is."""
     size = {t["id"]: t["size"] for t in graph["tensors"]}
     ops = {op["id"]: op for op in graph["ops"]}
+    copy_of = _copy_of(fitted)
     for op in fitted["ops"]:
-        at = op["id"].find(_RECOMPUTE)
-        was = ops.get(op["id"][at + len(_RECOMPUTE):]) if at >= 0 else None
+        was = ops.get(copy_of.get(op["id"]))
         if was is not None:
             for a, b in zip(was.get("outputs", []), op.get("outputs", [])):
                 size.setdefault(b, size.get(a))
@@ -259,14 +262,14 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
     index = {t["id"]: i for i, t in enumerate(fitted["tensors"])}
     original = {op["id"]: k for k, op in enumerate(graph["ops"])}
     new_layouts = list(layouts) + [None] * (len(fitted["tensors"]) - len(layouts))
+    copy_of = _copy_of(fitted)
     new_calls = []
     for op in fitted["ops"]:
         oid = op["id"]
         if oid in original:
             k = original[oid]
         else:
-            at = oid.find(_RECOMPUTE)
-            k = original.get(oid[at + len(_RECOMPUTE):]) if at >= 0 else None
+            k = original.get(copy_of.get(oid))
             if k is None:
                 raise memplan.MemplanError(f"fitted step: op {oid!r} is neither captured nor a recomputation")
         was = graph["ops"][k]
