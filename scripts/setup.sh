@@ -13,6 +13,8 @@ fi
 command -v c++ >/dev/null 2>&1 || need+=(g++)
 # The C ABI's test compiles a C program with `cc`.
 command -v cc >/dev/null 2>&1 || need+=(gcc)
+# tools/limits_bench.py (and its test) measures commands with GNU time.
+[ -x /usr/bin/time ] || need+=(time)
 # The Python package's tests build it into a virtual environment.
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
