@@ -425,8 +425,15 @@ def fsdp_more(rank, world, port):
     # Clipping by the global norm of the sharded gradients.
     torch.manual_seed(0)
     qwen = T.Qwen2ForCausalLM(T.Qwen2Config(**tokens, num_key_value_heads=2))
+    # The norm is summed in another order than DTensor's, and AdamW's first
+    # steps divide each clipped gradient by its own magnitude: on the
+    # 2026-11-28 machine (with the code of 2026-11-27 as well as today's)
+    # 4 of the 32 elements of layer 0's k_proj.bias, whose gradients are
+    # small (2.7e-4 at most), ended 5.2e-6 apart after 3 steps (0.19%
+    # relative), deterministically; earlier machines gave under 1e-6.
+    # Elementwise tolerance as for the split chain below.
     found["hf-qwen2-clipped"] = against_fsdp2_eager("hf-qwen2-clipped", rank, qwen, blocks_then_root(), tokens_of,
-                                                    lm, clip=0.5, arena=False)
+                                                    lm, clip=0.5, arena=False, tol=dict(rtol=1e-3, atol=2e-5))
     # The loss chain split into 3 chunks of tokens (capture(split=3)): the
     # head's gathered weight read by every chunk, its gradient accumulated
     # over the chunks and then reduce-scattered; in the arena too. The sums

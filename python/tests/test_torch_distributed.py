@@ -237,9 +237,10 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
                         self.assertEqual(one["all_gathers"], 2 * one["parameters"] - 3)
                     if name == "hf-qwen2-clipped":
                         # One all-reduce of the shards' squared norms; the
-                        # norm is summed in another order than DTensor's.
+                        # norm is summed in another order than DTensor's
+                        # (ddp_worker.fsdp_more says why 2e-5).
                         self.assertEqual(one["all_reduces"], 1)
-                        self.assertLess(one["worst"], 1e-6)
+                        self.assertLess(one["worst"], 2e-5)
                     elif name == "hf-llama-split":
                         # The loss chain in 3 chunks: the loss and the head's
                         # gradient summed in another order than eager's.
