@@ -351,19 +351,34 @@ fn synopsis_flags_exist(ex: &Example) -> Option<String> {
     (!missing.is_empty()).then(|| format!("not in `memplan {} --help`: {missing:?}", ex.sub()))
 }
 
-/// An inline command that shows a form rather than an example: a
-/// placeholder value (`--split-chunks K`, `--budget B`: a word in capitals)
-/// or a flag named without its value (`memplan run --device`).
-fn names_a_form(ex: &Example) -> bool {
-    let placeholder = |w: &String| {
+/// A synopsis line: `[--flag …]` groups.
+fn is_synopsis(ex: &Example) -> bool {
+    ex.words.iter().any(|w| w.starts_with('['))
+}
+
+/// An inline command with a placeholder value (`--split-chunks K`,
+/// `--budget B`: a word in capitals) shows a form, not an example.
+fn has_placeholder(ex: &Example) -> bool {
+    ex.words.iter().any(|w| {
         w.len() <= 12
             && w.chars().any(|c| c.is_ascii_uppercase())
             && w.chars()
                 .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
-    };
-    let last_is_flag = ex.words.last().is_some_and(|w| w.starts_with("--"))
-        && parses(ex).is_some_and(|e| e.contains("a value is required"));
-    ex.words.iter().any(placeholder) || last_is_flag
+    })
+}
+
+/// An inline command: a form (a placeholder, or a flag named without its
+/// value, `memplan run --device`) has its flags checked; an example must
+/// parse.
+fn inline_fails(ex: &Example) -> Option<String> {
+    if has_placeholder(ex) {
+        return synopsis_flags_exist(ex);
+    }
+    let bare_flag = ex.words.last().is_some_and(|w| w.starts_with("--"));
+    match parses(ex) {
+        Some(e) if bare_flag && e.contains("a value is required") => synopsis_flags_exist(ex),
+        r => r,
+    }
 }
 
 /// An inline command parses: `… --help` exits 0.
@@ -378,16 +393,12 @@ fn check_doc(doc: &str) {
     let subs = subcommands();
     let (fenced, inline) = examples(doc, &subs);
     let dir = tempfile::tempdir().unwrap();
-    if fenced
-        .iter()
-        .any(|e| !e.words.iter().any(|w| w.starts_with('[')))
-    {
+    if fenced.iter().any(|e| !is_synopsis(e)) {
         files_the_docs_name(dir.path());
     }
     let mut failures = Vec::new();
     for ex in &fenced {
-        let synopsis = ex.words.iter().any(|w| w.starts_with('['));
-        let failed = if synopsis {
+        let failed = if is_synopsis(ex) {
             synopsis_flags_exist(ex)
         } else {
             run_example(dir.path(), ex)
@@ -397,12 +408,7 @@ fn check_doc(doc: &str) {
         }
     }
     for ex in &inline {
-        let failed = if names_a_form(ex) {
-            synopsis_flags_exist(ex)
-        } else {
-            parses(ex)
-        };
-        if let Some(why) = failed {
+        if let Some(why) = inline_fails(ex) {
             failures.push(format!("{}\n    {why}", ex.shown()));
         }
     }
