@@ -14,8 +14,8 @@ use memplan::models::mlp::{self, MlpConfig};
 use memplan::{Options, checker};
 use memplan_runtime::device::emulate::Emulator;
 use memplan_runtime::device::{AttentionLowering, CollectiveOp, DevOp};
-use memplan_runtime::runner::{Data, RunConfig, loss_tensors, run_cpu, synthetic_batch};
-use memplan_runtime::{Communicator, DType, Program, run_ranks};
+use memplan_runtime::runner::{RunConfig, loss_tensors, report, run_cpu, run_rank};
+use memplan_runtime::{Communicator, CpuExecutor, DType, Executor, Program, TensorIdx, run_ranks};
 
 fn program(g: &Graph) -> Program {
     let opts = Options {
@@ -46,42 +46,21 @@ fn emulate(
     kernels: Kernels,
     attention: AttentionLowering,
 ) -> (Vec<f32>, State) {
+    let cfg = RunConfig {
+        steps,
+        keep_state: true,
+        ..RunConfig::default()
+    };
     let per_rank = run_ranks(p.world_size as usize, |rank, comm| {
-        let mut em = Emulator::with_attention(p.clone(), attention)?;
+        let mut em = Emulator::with_attention(p.clone(), rank, attention)?;
         if let Kernels::Source = kernels {
             em.use_host_kernels()?;
         }
-        em.initialize(0, rank);
-        let batch = synthetic_batch(p, 1, rank)?;
-        let mut losses = Vec::new();
-        for _ in 0..steps {
-            for (t, d) in &batch {
-                match d {
-                    Data::F32(v) => em.write_f32(*t, v),
-                    Data::I32(v) => em.write_i32(*t, v),
-                }
-            }
-            em.step(&comm as &dyn Communicator<[f32]>)?;
-            losses.push(
-                loss_tensors(p)
-                    .iter()
-                    .map(|&t| em.read_f32(t)[0])
-                    .sum::<f32>(),
-            );
-        }
-        let state = p
-            .persistent_tensors()
-            .filter(|&t| p.tensor(t).dtype == memplan_runtime::DType::F32)
-            .map(|t| (p.tensor(t).name.clone(), em.read_f32(t)))
-            .collect::<Vec<_>>();
-        Ok((losses, state))
+        run_rank(&mut em, &comm as &dyn Communicator<[f32]>, &cfg)
     })
     .unwrap();
-    let w = per_rank.len() as f32;
-    let losses = (0..steps)
-        .map(|s| per_rank.iter().map(|r| r.0[s]).sum::<f32>() / w)
-        .collect();
-    (losses, per_rank.into_iter().map(|r| r.1).collect())
+    let run = report(per_rank, p.arena_bytes, &cfg, p);
+    (run.steps.iter().map(|s| s.loss).collect(), run.state)
 }
 
 fn matches_cpu(g: &Graph, steps: usize) -> Program {
@@ -183,7 +162,7 @@ fn sharded_gpt2_lowered_for_the_gpu_matches_the_cpu_executor() {
     cfg.clip_grad_norm = Some(0.1);
     let p = matches_cpu(&fsdp::shard(&gpt2::build(&cfg).unwrap(), 2).unwrap(), 2);
     // Collectives are device operations of their own.
-    let em = Emulator::new(p).unwrap();
+    let em = Emulator::new(p, 0).unwrap();
     let n = |f: fn(&CollectiveOp) -> bool| {
         em.ops()
             .iter()
@@ -209,13 +188,72 @@ fn mlp_lowered_for_the_gpu_matches_the_cpu_executor() {
     matches_cpu(&mlp::build(&cfg).unwrap(), 2);
 }
 
+/// Wrong accesses through the one executor interface: an error naming
+/// the tensor and what is wrong, on every executor (the emulator used to
+/// index past its memory instead).
+fn refuses_bad_accesses<E: Executor>(ex: &mut E, what: &str) {
+    let p = ex.program().clone();
+    let weight = p.tensor_by_name("fc0.weight").unwrap();
+    let n = p.tensor(weight).elements() as usize;
+    let target = loss_tensors(&p)[0];
+    let int = p
+        .tensors
+        .iter()
+        .position(|t| t.dtype == DType::I32)
+        .map(|i| TensorIdx(i as u32))
+        .unwrap();
+    let err = |r: memplan_runtime::Result<()>| r.unwrap_err().to_string();
+    let e = err(ex.write_f32(weight, &vec![0.0; n + 1]));
+    assert!(
+        e.contains("fc0.weight") && e.contains(&format!("holds {n} elements, not {}", n + 1)),
+        "{what}: {e}"
+    );
+    let e = err(ex.write_i32(weight, &vec![0; n]));
+    assert!(
+        e.contains("fc0.weight") && e.contains("is f32, not i32"),
+        "{what}: {e}"
+    );
+    let m = p.tensor(int).elements() as usize;
+    let e = err(ex.write_f32(int, &vec![0.0; m]));
+    assert!(e.contains("is i32, not f32 or bf16"), "{what}: {e}");
+    let beyond = TensorIdx(p.tensors.len() as u32 + 7);
+    let e = ex.read_f32(beyond).unwrap_err().to_string();
+    assert!(e.contains("no such tensor"), "{what}: {e}");
+    // And right accesses still round-trip.
+    let v: Vec<f32> = (0..n).map(|i| i as f32 / 8.0).collect();
+    ex.write_f32(weight, &v).unwrap();
+    assert_eq!(ex.read_f32(weight).unwrap(), v, "{what}");
+    assert!(ex.read_f32(target).is_ok(), "{what}");
+}
+
+#[test]
+fn every_executor_refuses_bad_accesses_by_name() {
+    let cfg = MlpConfig {
+        input: 6,
+        hidden: 8,
+        layers: 2,
+        classes: 3,
+        batch: 4,
+        ..MlpConfig::default()
+    };
+    let p = program(&mlp::build(&cfg).unwrap());
+    refuses_bad_accesses(&mut CpuExecutor::new(p.clone(), 0).unwrap(), "cpu");
+    refuses_bad_accesses(&mut Emulator::new(p.clone(), 0).unwrap(), "emulator");
+    for e in [
+        CpuExecutor::new(p.clone(), 1).err().unwrap(),
+        Emulator::new(p, 1).err().unwrap(),
+    ] {
+        assert!(e.to_string().contains("rank 1 in a world of 1"), "{e}");
+    }
+}
+
 #[test]
 fn fused_attention_lowered_for_the_gpu_matches_the_cpu_executor() {
     // Sequence 40: the kernels' 16-row blocks and 32-row tiles end part-way.
     let mut cfg = Gpt2Config::small_config(1, 32, 2, 40, 2, 64);
     cfg.fused_attention = true;
     let p = matches_cpu(&gpt2::build(&cfg).unwrap(), 2);
-    let em = Emulator::new(p).unwrap();
+    let em = Emulator::new(p, 0).unwrap();
     let flash = em
         .ops()
         .iter()
@@ -238,7 +276,7 @@ fn fused_attention_as_products_matches_the_cpu_executor() {
     let mut cfg = Gpt2Config::small_config(1, 32, 2, 40, 2, 64);
     cfg.fused_attention = true;
     let p = matches_cpu_lowered(&gpt2::build(&cfg).unwrap(), 2, F32_TOLERANCE, gemm);
-    let em = Emulator::with_attention(p, gemm).unwrap();
+    let em = Emulator::with_attention(p, 0, gemm).unwrap();
     let launched = |em: &Emulator, name: &str| {
         em.ops()
             .iter()
@@ -280,7 +318,7 @@ fn fused_attention_as_products_matches_the_cpu_executor() {
         F32_TOLERANCE,
         blocks,
     );
-    let em = Emulator::with_attention(p, blocks).unwrap();
+    let em = Emulator::with_attention(p, 0, blocks).unwrap();
     assert_eq!(launched(&em, "attn_rows_softmax"), 6);
     assert_eq!(launched(&em, "attn_rows_softmax_bwd"), 6);
     matches_cpu_lowered(&llama::build(&mixed).unwrap(), 2, bf16, blocks);
@@ -305,7 +343,7 @@ fn fused_attention_as_products_matches_the_cpu_executor() {
 fn fused_attention_on_tensor_cores_matches_the_cpu_executor() {
     let tc = AttentionLowering::TensorCores;
     let launched = |p: &Program| {
-        let em = Emulator::with_attention(p.clone(), tc).unwrap();
+        let em = Emulator::with_attention(p.clone(), 0, tc).unwrap();
         let mut names: Vec<&'static str> = em
             .ops()
             .iter()
@@ -430,7 +468,7 @@ fn small_llama() -> LlamaConfig {
 fn llama_lowered_for_the_gpu_matches_the_cpu_executor() {
     let cfg = small_llama();
     let p = matches_cpu(&llama::build(&cfg).unwrap(), 2);
-    let em = Emulator::new(p).unwrap();
+    let em = Emulator::new(p, 0).unwrap();
     let launched: Vec<&str> = em
         .ops()
         .iter()
@@ -479,7 +517,7 @@ fn mixed_precision_lowered_for_the_gpu_matches_the_cpu_executor() {
         ..small_llama()
     };
     let p = matches_cpu_within(&llama::build(&cfg).unwrap(), 2, bf16);
-    let em = Emulator::new(p).unwrap();
+    let em = Emulator::new(p, 0).unwrap();
     let ops: Vec<&DevOp> = em.ops().iter().flatten().collect();
     let bf16_products = ops
         .iter()
@@ -501,7 +539,7 @@ fn mixed_precision_lowered_for_the_gpu_matches_the_cpu_executor() {
     let sharded = fsdp::shard(&llama::build(&cfg).unwrap(), 2).unwrap();
     let p = matches_cpu_within(&sharded, 2, bf16);
     let dtypes = |p: Program| {
-        let em = Emulator::new(p).unwrap();
+        let em = Emulator::new(p, 0).unwrap();
         let mut gathers = Vec::new();
         let mut reductions = Vec::new();
         for o in em.ops().iter().flatten() {

@@ -17,8 +17,8 @@ use memplan::models::llama::{self, LlamaConfig};
 use memplan::models::mlp::{self, MlpConfig};
 use memplan::{Options, Plan, checker};
 use memplan_runtime::binding::Bindings;
-use memplan_runtime::runner::{Data, RunConfig, RunReport, loss_tensors, run_cpu, synthetic_batch};
-use memplan_runtime::{CpuExecutor, SingleRank};
+use memplan_runtime::runner::{RunConfig, RunReport, loss_tensors, run_cpu, synthetic_batch};
+use memplan_runtime::{CpuExecutor, Executor, SingleRank};
 
 fn plan(g: &Graph) -> Plan {
     let opts = Options {
@@ -417,12 +417,7 @@ fn llama_step(g: &Graph, nudge: Option<(&str, usize, f32)>) -> (f32, CpuExecutor
         v[at] += h;
         ex.write_f32(t, &v).unwrap();
     }
-    for (t, d) in synthetic_batch(&p, 1, 0).unwrap() {
-        match d {
-            Data::F32(v) => ex.write_f32(t, &v).unwrap(),
-            Data::I32(v) => ex.write_i32(t, &v).unwrap(),
-        }
-    }
+    ex.write(&synthetic_batch(&p, 1, 0).unwrap()).unwrap();
     ex.step(&SingleRank).unwrap();
     let loss = ex.read_f32(loss_tensors(&p)[0]).unwrap()[0];
     (loss, ex)

@@ -20,6 +20,9 @@
 //!   instruction that touches bytes an earlier one on another stream
 //!   touched, one of them writing, waits for it) — this covers both data
 //!   dependencies and the reuse of bytes over time.
+//! - [`executor`]: the [`executor::Executor`] trait every executor below
+//!   implements (write tensors, step with a communicator, read tensors
+//!   back; one [`executor::StepReport`]).
 //! - [`comm`]: the [`comm::Communicator`] trait for collectives, with an
 //!   in-process implementation (one thread per rank) for CPU runs.
 //! - [`cpu`]: the CPU executor — f32 kernels, matrix products through
@@ -34,7 +37,8 @@
 //!   stream with events, NCCL collectives; CUDA is loaded at run time.
 //! - [`init`]: deterministic initialization and synthetic data, identical
 //!   for a tensor whole or sharded; [`runner`]: several steps over CPU
-//!   ranks with a fixed synthetic batch.
+//!   ranks with a fixed synthetic batch, through
+//!   [`runner::run_rank`], the one run loop of every executor.
 //!
 //! # Guarantees
 //! [`program::Program::validate`] rejects any program whose operands leave
@@ -59,6 +63,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod executor;
 pub mod init;
 pub mod kernel;
 pub mod program;
@@ -68,6 +73,7 @@ pub mod schedule;
 pub use comm::{Communicator, SingleRank, ThreadComm, run_ranks};
 pub use cpu::CpuExecutor;
 pub use error::{Result, RuntimeError};
+pub use executor::{Data, Executor, StepReport};
 pub use init::{Fill, Init, InitSegment};
 pub use kernel::{AdamParams, Attention, ChunkLayout, Kernel, Matmul, ReduceOp, Rope};
 pub use program::{DType, Instr, InstrIdx, Program, Role, StreamId, TensorDesc, TensorIdx};

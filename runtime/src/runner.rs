@@ -11,16 +11,11 @@
 use crate::comm::{Communicator, run_ranks};
 use crate::cpu::CpuExecutor;
 use crate::error::{Result, RuntimeError};
+pub use crate::executor::Data;
+use crate::executor::Executor;
 use crate::init::{hash_key, integer, normal};
 use crate::kernel::Kernel;
 use crate::program::{DType, Program, Role, TensorIdx};
-
-/// Values for one input tensor.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Data {
-    F32(Vec<f32>),
-    I32(Vec<i32>),
-}
 
 /// The largest value + 1 each i32 input may hold, from the kernels that
 /// read it (a bound on a view holds for its base); `None` if no kernel
@@ -234,63 +229,97 @@ impl Profile {
     }
 }
 
-/// Runs `cfg.steps` steps of `p` on `p.world_size` CPU ranks (threads).
-pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
+/// One rank's part of a run ([`run_rank`]).
+#[derive(Clone, Debug)]
+pub struct RankRun {
+    /// Each step's loss (the sum of the program's losses), seconds and
+    /// bytes used ([`crate::executor::StepReport::used_bytes`]).
+    pub steps: Vec<(f32, f64, u64)>,
+    /// With `keep_state`: the persistent f32 tensors after the last step,
+    /// by name.
+    pub state: Vec<(String, Vec<f32>)>,
+    /// Bytes the executor allocated (arena + workspace).
+    pub allocated_bytes: u64,
+    /// With `profile`: the instruction times.
+    pub profile: Profile,
+}
+
+/// Runs `cfg.steps` steps on one rank's executor, any executor: initializes
+/// it from `cfg.init_seed`, writes the rank's synthetic batch before each
+/// step and reads the losses after it.
+pub fn run_rank<E: Executor + ?Sized>(
+    ex: &mut E,
+    comm: &dyn Communicator<E::Buffer>,
+    cfg: &RunConfig,
+) -> Result<RankRun> {
+    let p = ex.program();
     let losses = loss_tensors(p);
-    let world = p.world_size as usize;
-    let per_rank = run_ranks(world, |rank, comm| {
-        let mut ex = CpuExecutor::new(p.clone(), rank)?;
-        ex.initialize(cfg.init_seed)?;
-        ex.set_profiling(cfg.profile && rank == 0);
-        let batch = synthetic_batch(p, cfg.data_seed, rank)?;
-        // Not `with_capacity(cfg.steps)`: the count is the user's (`--steps`)
-        // and may be beyond any allocation.
-        let mut steps = Vec::new();
-        let mut profile = Profile::default();
-        for s in 0..cfg.steps {
-            for (t, d) in &batch {
-                match d {
-                    Data::F32(v) => ex.write_f32(*t, v)?,
-                    Data::I32(v) => ex.write_i32(*t, v)?,
-                }
-            }
-            let rep = ex.step(&comm as &dyn Communicator<[f32]>)?;
-            let mut loss = 0.0f32;
-            for &t in &losses {
-                loss += ex.read_f32(t)?[0];
-            }
-            steps.push((loss, rep.seconds));
-            profile.add(s, cfg.steps, &rep.instr_seconds);
+    let batch = synthetic_batch(p, cfg.data_seed, ex.rank())?;
+    let kept: Vec<(TensorIdx, String)> = p
+        .persistent_tensors()
+        .filter(|&t| cfg.keep_state && p.tensor(t).dtype == DType::F32)
+        .map(|t| (t, p.tensor(t).name.clone()))
+        .collect();
+    ex.initialize(cfg.init_seed)?;
+    ex.set_profiling(cfg.profile && ex.rank() == 0)?;
+    // Not `with_capacity(cfg.steps)`: the count is the user's (`--steps`)
+    // and may be beyond any allocation.
+    let mut steps = Vec::new();
+    let mut profile = Profile::default();
+    for s in 0..cfg.steps {
+        ex.write(&batch)?;
+        let rep = ex.step(comm)?;
+        let mut loss = 0.0f32;
+        for &t in &losses {
+            loss += ex.read_f32(t)?[0];
         }
-        let state = if cfg.keep_state {
-            p.persistent_tensors()
-                .filter(|&t| p.tensor(t).dtype == DType::F32)
-                .map(|t| Ok((p.tensor(t).name.clone(), ex.read_f32(t)?)))
-                .collect::<Result<Vec<_>>>()?
-        } else {
-            Vec::new()
-        };
-        Ok((steps, state, ex.allocated_bytes(), profile))
-    })?;
+        steps.push((loss, rep.seconds, rep.used_bytes));
+        profile.add(s, cfg.steps, &rep.instr_seconds);
+    }
+    let state = kept
+        .into_iter()
+        .map(|(t, name)| Ok((name, ex.read_f32(t)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RankRun {
+        steps,
+        state,
+        allocated_bytes: ex.allocated_bytes(),
+        profile,
+    })
+}
+
+/// The report of a run from each rank's part, `arena_bytes` per rank.
+pub fn report(per_rank: Vec<RankRun>, arena_bytes: u64, cfg: &RunConfig, p: &Program) -> RunReport {
+    let world = per_rank.len().max(1);
     let steps = (0..cfg.steps)
         .map(|s| StepResult {
-            loss: per_rank.iter().map(|r| r.0[s].0).sum::<f32>() / world as f32,
-            seconds: per_rank.iter().map(|r| r.0[s].1).fold(0.0, f64::max),
-            measured_bytes: per_rank.iter().map(|r| r.2).max().unwrap_or(0),
+            loss: per_rank.iter().map(|r| r.steps[s].0).sum::<f32>() / world as f32,
+            seconds: per_rank.iter().map(|r| r.steps[s].1).fold(0.0, f64::max),
+            measured_bytes: per_rank.iter().map(|r| r.steps[s].2).max().unwrap_or(0),
         })
         .collect();
     let profile = match (cfg.profile, per_rank.first()) {
-        (true, Some(r)) => r.3.by_kernel(p),
+        (true, Some(r)) => r.profile.by_kernel(p),
         _ => Vec::new(),
     };
-    Ok(RunReport {
+    let allocated = per_rank.first().map_or(0, |r| r.allocated_bytes);
+    RunReport {
         steps,
-        arena_bytes: p.arena_bytes,
-        allocated_bytes: per_rank.first().map_or(0, |r| r.2),
-        workspace_bytes: per_rank.first().map_or(0, |r| r.2) - p.arena_bytes,
-        state: per_rank.into_iter().map(|r| r.1).collect(),
+        arena_bytes,
+        allocated_bytes: allocated,
+        workspace_bytes: allocated.saturating_sub(arena_bytes),
+        state: per_rank.into_iter().map(|r| r.state).collect(),
         profile,
-    })
+    }
+}
+
+/// Runs `cfg.steps` steps of `p` on `p.world_size` CPU ranks (threads).
+pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
+    let per_rank = run_ranks(p.world_size as usize, |rank, comm| {
+        let mut ex = CpuExecutor::new(p.clone(), rank)?;
+        run_rank(&mut ex, &comm as &dyn Communicator<[f32]>, cfg)
+    })?;
+    Ok(report(per_rank, p.arena_bytes, cfg, p))
 }
 
 /// How far one run's results are from another's (e.g. CUDA from CPU).

@@ -24,6 +24,7 @@ use std::time::Instant;
 use crate::binding::{Bindings, InstrBinding};
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
+use crate::executor::{Executor, accessed};
 use crate::kernel::Kernel;
 use crate::program::{DType, Instr, Program, TensorDesc, TensorIdx};
 
@@ -64,16 +65,7 @@ impl Drop for HostBuffer {
 // SAFETY: the buffer is plain memory owned by the executor.
 unsafe impl Send for HostBuffer {}
 
-/// What one step did.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepReport {
-    /// Wall-clock seconds of the step.
-    pub seconds: f64,
-    /// The step number just run (1 for the first).
-    pub step: u64,
-    /// With profiling on: each instruction's seconds, in program order.
-    pub instr_seconds: Vec<f64>,
-}
+pub use crate::executor::StepReport;
 
 /// Runs a [`Program`] on the CPU inside one arena; see the module docs.
 pub struct CpuExecutor {
@@ -138,12 +130,6 @@ impl CpuExecutor {
         })
     }
 
-    pub fn program(&self) -> &Program {
-        &self.program
-    }
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
     pub fn arena_bytes(&self) -> u64 {
         self.program.arena_bytes
     }
@@ -151,40 +137,12 @@ impl CpuExecutor {
     pub fn workspace_bytes(&self) -> u64 {
         self.bindings.workspace_bytes
     }
-    /// Bytes of the one host allocation (arena + workspace).
-    pub fn allocated_bytes(&self) -> u64 {
-        self.program.arena_bytes + self.bindings.workspace_bytes
-    }
     pub fn bindings(&self) -> &Bindings {
         &self.bindings
     }
-    /// Times each instruction of the following steps
-    /// ([`StepReport::instr_seconds`]).
-    pub fn set_profiling(&mut self, on: bool) {
-        self.profiling = on;
-    }
-
     /// Steps run so far.
     pub fn steps_done(&self) -> u64 {
         self.steps_done
-    }
-
-    fn tensor_checked(&self, t: TensorIdx, dtype: DType) -> Result<&TensorDesc> {
-        let x = self
-            .program
-            .tensors
-            .get(t.index())
-            .ok_or_else(|| RuntimeError::Access {
-                tensor: t.to_string(),
-                why: "no such tensor".into(),
-            })?;
-        if x.dtype != dtype {
-            return Err(RuntimeError::Access {
-                tensor: x.name.clone(),
-                why: format!("is {}, not {dtype}", x.dtype),
-            });
-        }
-        Ok(x)
     }
 
     fn bytes_of(&self, x: &TensorDesc) -> &[u8] {
@@ -202,59 +160,9 @@ impl CpuExecutor {
         }
     }
 
-    /// Copies `data` into f32 tensor `t`.
-    pub fn write_f32(&mut self, t: TensorIdx, data: &[f32]) -> Result<()> {
-        let x = self.tensor_checked(t, DType::F32)?;
-        if data.len() as u64 != x.elements() {
-            return Err(RuntimeError::Access {
-                tensor: x.name.clone(),
-                why: format!("has {} elements, got {}", x.elements(), data.len()),
-            });
-        }
-        let dst = self.bytes_of_mut(t);
-        for (d, v) in dst.chunks_exact_mut(4).zip(data) {
-            d.copy_from_slice(&v.to_ne_bytes());
-        }
-        Ok(())
-    }
-
-    /// Copies `data` into i32 tensor `t`.
-    pub fn write_i32(&mut self, t: TensorIdx, data: &[i32]) -> Result<()> {
-        let x = self.tensor_checked(t, DType::I32)?;
-        if data.len() as u64 != x.elements() {
-            return Err(RuntimeError::Access {
-                tensor: x.name.clone(),
-                why: format!("has {} elements, got {}", x.elements(), data.len()),
-            });
-        }
-        let dst = self.bytes_of_mut(t);
-        for (d, v) in dst.chunks_exact_mut(4).zip(data) {
-            d.copy_from_slice(&v.to_ne_bytes());
-        }
-        Ok(())
-    }
-
-    /// The values of f32 tensor `t` (or of bf16 tensor `t`, widened).
-    pub fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
-        if self.program.tensors.get(t.index()).map(|x| x.dtype) == Some(DType::BF16) {
-            let x = self.program.tensor(t);
-            return Ok(self
-                .bytes_of(x)
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_ne_bytes([b[0], b[1]]).to_f32())
-                .collect());
-        }
-        let x = self.tensor_checked(t, DType::F32)?;
-        Ok(self
-            .bytes_of(x)
-            .chunks_exact(4)
-            .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
-    }
-
     /// The values of i32 tensor `t`.
     pub fn read_i32(&self, t: TensorIdx) -> Result<Vec<i32>> {
-        let x = self.tensor_checked(t, DType::I32)?;
+        let x = accessed(&self.program, t, &[DType::I32], None)?;
         Ok(self
             .bytes_of(x)
             .chunks_exact(4)
@@ -262,31 +170,70 @@ impl CpuExecutor {
             .collect())
     }
 
-    /// Fills every tensor that has an [`crate::init::Init`] (parameters,
-    /// optimizer state) from `seed`, for this executor's rank.
-    pub fn initialize(&mut self, seed: u64) -> Result<()> {
-        let todo: Vec<(TensorIdx, Vec<f32>)> = self
-            .program
-            .tensors
-            .iter()
-            .enumerate()
-            .filter_map(|(i, t)| {
-                t.init.as_ref().map(|init| {
-                    (
-                        TensorIdx(i as u32),
-                        init.values(seed, self.rank as u64, t.elements()),
-                    )
-                })
-            })
-            .collect();
-        for (t, v) in todo {
-            self.write_f32(t, &v)?;
+    /// Copies `bytes` (whole elements of `t`) into tensor `t`.
+    fn write_bytes(&mut self, t: TensorIdx, bytes: impl Iterator<Item = u8>) {
+        for (d, v) in self.bytes_of_mut(t).iter_mut().zip(bytes) {
+            *d = v;
+        }
+    }
+}
+
+impl Executor for CpuExecutor {
+    type Buffer = [f32];
+
+    fn program(&self) -> &Program {
+        &self.program
+    }
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Bytes of the one host allocation (arena + workspace).
+    fn allocated_bytes(&self) -> u64 {
+        self.program.arena_bytes + self.bindings.workspace_bytes
+    }
+    fn set_profiling(&mut self, on: bool) -> Result<()> {
+        self.profiling = on;
+        Ok(())
+    }
+
+    fn write_f32(&mut self, t: TensorIdx, v: &[f32]) -> Result<()> {
+        if accessed(&self.program, t, &[DType::F32, DType::BF16], Some(v.len()))?.dtype
+            == DType::BF16
+        {
+            let bytes = v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_ne_bytes());
+            self.write_bytes(t, bytes);
+        } else {
+            self.write_bytes(t, v.iter().flat_map(|x| x.to_ne_bytes()));
         }
         Ok(())
     }
 
+    fn write_i32(&mut self, t: TensorIdx, v: &[i32]) -> Result<()> {
+        accessed(&self.program, t, &[DType::I32], Some(v.len()))?;
+        self.write_bytes(t, v.iter().flat_map(|x| x.to_ne_bytes()));
+        Ok(())
+    }
+
+    fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
+        let x = accessed(&self.program, t, &[DType::F32, DType::BF16], None)?;
+        let bytes = self.bytes_of(x);
+        Ok(if x.dtype == DType::BF16 {
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_ne_bytes([b[0], b[1]]).to_f32())
+                .collect()
+        } else {
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        })
+    }
+
     /// Runs one step: every instruction in order, collectives through `comm`.
-    pub fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<StepReport> {
+    fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<StepReport> {
         if comm.world_size() != self.program.world_size as usize || comm.rank() != self.rank {
             return Err(RuntimeError::InvalidProgram(format!(
                 "the communicator is rank {} of {}, the executor rank {} of {}",
@@ -342,6 +289,7 @@ impl CpuExecutor {
             seconds: start.elapsed().as_secs_f64(),
             step,
             instr_seconds,
+            used_bytes: self.allocated_bytes(),
         })
     }
 }

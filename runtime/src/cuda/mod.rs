@@ -41,10 +41,9 @@ use crate::device::{
     kernel_params, lower_all,
 };
 use crate::error::{Result, RuntimeError};
+use crate::executor::{Executor, StepReport, accessed};
 use crate::program::{DType, Program, TensorIdx};
-use crate::runner::{
-    Data, Profile, RunConfig, RunReport, StepResult, loss_tensors, synthetic_batch,
-};
+use crate::runner::{RankRun, RunConfig, RunReport, report, run_rank};
 use crate::schedule::Schedule;
 
 pub use nccl::NcclComm;
@@ -353,9 +352,6 @@ impl CudaExecutor {
     pub fn layout(&self) -> &DeviceLayout {
         &self.layout
     }
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
 
     /// Reads the baseline free memory, then makes the one allocation
     /// (arena + workspace), zeroes it and hands the cuBLAS workspaces out.
@@ -420,96 +416,7 @@ impl CudaExecutor {
     /// The address of tensor `t`, which must hold `len` elements of one of
     /// `dtypes`.
     fn checked(&self, t: TensorIdx, dtypes: &[DType], len: usize) -> Result<u64> {
-        let x = self
-            .program
-            .tensors
-            .get(t.index())
-            .ok_or_else(|| RuntimeError::Access {
-                tensor: t.to_string(),
-                why: "no such tensor".into(),
-            })?;
-        let dtype = dtypes[0];
-        if !dtypes.contains(&x.dtype) || x.elements() as usize != len {
-            return Err(RuntimeError::Access {
-                tensor: x.name.clone(),
-                why: format!("is {} × {}, not {dtype} × {len}", x.elements(), x.dtype),
-            });
-        }
-        Ok(self.base()? + x.offset)
-    }
-
-    /// Writes float tensor `t` (rounded to bf16 on the host, when it is
-    /// bf16).
-    pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) -> Result<()> {
-        let at = self.checked(t, &[DType::F32, DType::BF16], v.len())?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
-        // SAFETY: the tensor lies in the allocation; the device is idle.
-        if self.program.tensor(t).dtype == DType::BF16 {
-            let h: Vec<u16> = v
-                .iter()
-                .map(|&x| half::bf16::from_f32(x).to_bits())
-                .collect();
-            unsafe { drv::memcpy_htod_sync(at, &h) }
-        } else {
-            unsafe { drv::memcpy_htod_sync(at, v) }
-        }
-        .map_err(|e| driver("cuMemcpyHtoD", e))
-    }
-    pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) -> Result<()> {
-        let at = self.checked(t, &[DType::I32], v.len())?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
-        // SAFETY: as above.
-        unsafe { drv::memcpy_htod_sync(at, v) }.map_err(|e| driver("cuMemcpyHtoD", e))
-    }
-    pub fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
-        let n = self
-            .program
-            .tensors
-            .get(t.index())
-            .map_or(0, |x| x.elements() as usize);
-        let at = self.checked(t, &[DType::F32, DType::BF16], n)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
-        if self.program.tensor(t).dtype == DType::BF16 {
-            let mut h = vec![0u16; n];
-            // SAFETY: as above.
-            unsafe { drv::memcpy_dtoh_sync(&mut h, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
-            return Ok(h
-                .into_iter()
-                .map(|b| half::bf16::from_bits(b).to_f32())
-                .collect());
-        }
-        let mut v = vec![0.0f32; n];
-        // SAFETY: as above.
-        unsafe { drv::memcpy_dtoh_sync(&mut v, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
-        Ok(v)
-    }
-
-    /// Fills parameters and optimizer state from `seed`.
-    pub fn initialize(&mut self, seed: u64) -> Result<()> {
-        let todo: Vec<(TensorIdx, Vec<f32>)> = self
-            .program
-            .tensors
-            .iter()
-            .enumerate()
-            .filter_map(|(i, t)| {
-                t.init.as_ref().map(|init| {
-                    (
-                        TensorIdx(i as u32),
-                        init.values(seed, self.rank as u64, t.elements()),
-                    )
-                })
-            })
-            .collect();
-        for (t, v) in todo {
-            self.write_f32(t, &v)?;
-        }
-        Ok(())
+        Ok(self.base()? + accessed(&self.program, t, dtypes, Some(len))?.offset)
     }
 
     fn launch(&self, l: &Launch, base: u64, stream: &CudaStream, step: u64) -> Result<()> {
@@ -626,9 +533,92 @@ impl CudaExecutor {
         }
     }
 
+    /// Each instruction's seconds from its timing events (after the step).
+    fn instr_seconds(&self) -> Result<Vec<f64>> {
+        let Some(timing) = &self.timing else {
+            return Ok(Vec::new());
+        };
+        timing
+            .iter()
+            .map(|(a, b)| {
+                a.elapsed_ms(b)
+                    .map(|ms| ms as f64 / 1e3)
+                    .map_err(|e| driver("cuEventElapsedTime", e))
+            })
+            .collect()
+    }
+}
+
+impl Executor for CudaExecutor {
+    type Buffer = DeviceSlice;
+
+    fn program(&self) -> &Program {
+        &self.program
+    }
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    /// The one device allocation (arena + workspace, the cuBLAS one
+    /// included).
+    fn allocated_bytes(&self) -> u64 {
+        self.layout.total
+    }
+
+    /// Writes float tensor `t` (rounded to bf16 on the host, when it is
+    /// bf16).
+    fn write_f32(&mut self, t: TensorIdx, v: &[f32]) -> Result<()> {
+        let at = self.checked(t, &[DType::F32, DType::BF16], v.len())?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: the tensor lies in the allocation; the device is idle.
+        if self.program.tensor(t).dtype == DType::BF16 {
+            let h: Vec<u16> = v
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            unsafe { drv::memcpy_htod_sync(at, &h) }
+        } else {
+            unsafe { drv::memcpy_htod_sync(at, v) }
+        }
+        .map_err(|e| driver("cuMemcpyHtoD", e))
+    }
+    fn write_i32(&mut self, t: TensorIdx, v: &[i32]) -> Result<()> {
+        let at = self.checked(t, &[DType::I32], v.len())?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: as above.
+        unsafe { drv::memcpy_htod_sync(at, v) }.map_err(|e| driver("cuMemcpyHtoD", e))
+    }
+    fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
+        let n = self
+            .program
+            .tensors
+            .get(t.index())
+            .map_or(0, |x| x.elements() as usize);
+        let at = self.checked(t, &[DType::F32, DType::BF16], n)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        if self.program.tensor(t).dtype == DType::BF16 {
+            let mut h = vec![0u16; n];
+            // SAFETY: as above.
+            unsafe { drv::memcpy_dtoh_sync(&mut h, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+            return Ok(h
+                .into_iter()
+                .map(|b| half::bf16::from_bits(b).to_f32())
+                .collect());
+        }
+        let mut v = vec![0.0f32; n];
+        // SAFETY: as above.
+        unsafe { drv::memcpy_dtoh_sync(&mut v, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        Ok(v)
+    }
+
     /// Times each instruction of the following steps with a pair of CUDA
-    /// events on its stream ([`Self::step`]'s third result).
-    pub fn set_profiling(&mut self, on: bool) -> Result<()> {
+    /// events on its stream.
+    fn set_profiling(&mut self, on: bool) -> Result<()> {
         self.timing = if on {
             let timed = Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT);
             let event = || {
@@ -647,24 +637,9 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Each instruction's seconds from its timing events (after the step).
-    fn instr_seconds(&self) -> Result<Vec<f64>> {
-        let Some(timing) = &self.timing else {
-            return Ok(Vec::new());
-        };
-        timing
-            .iter()
-            .map(|(a, b)| {
-                a.elapsed_ms(b)
-                    .map(|ms| ms as f64 / 1e3)
-                    .map_err(|e| driver("cuEventElapsedTime", e))
-            })
-            .collect()
-    }
-
-    /// Runs one step; returns its seconds, the device memory it used and,
-    /// with profiling on, each instruction's seconds.
-    pub fn step(&mut self, comm: &dyn Communicator<DeviceSlice>) -> Result<(f64, u64, Vec<f64>)> {
+    /// Runs one step; [`StepReport::used_bytes`] is the device memory it
+    /// used, from the watermark.
+    fn step(&mut self, comm: &dyn Communicator<DeviceSlice>) -> Result<StepReport> {
         let base = self.base()?;
         self.ctx
             .bind_to_thread()
@@ -777,8 +752,12 @@ impl CudaExecutor {
             });
         }
         self.steps_done = step;
-        let used = self.baseline_free.saturating_sub(free) as u64;
-        Ok((seconds, used, self.instr_seconds()?))
+        Ok(StepReport {
+            seconds,
+            step,
+            instr_seconds: self.instr_seconds()?,
+            used_bytes: self.baseline_free.saturating_sub(free) as u64,
+        })
     }
 }
 
@@ -815,8 +794,6 @@ fn panicked(payload: Box<dyn std::any::Any + Send>) -> RuntimeError {
     }
 }
 
-type RankRun = (Vec<(f32, f64, u64)>, Vec<(String, Vec<f32>)>, u64, Profile);
-
 fn one_rank(
     p: &Program,
     cfg: &RunConfig,
@@ -838,39 +815,9 @@ fn one_rank(
         )?),
     };
     ex.allocate()?;
-    ex.initialize(cfg.init_seed)?;
-    ex.set_profiling(cfg.profile && rank == 0)?;
-    let batch = synthetic_batch(p, cfg.data_seed, rank)?;
-    let losses = loss_tensors(p);
-    // Not `with_capacity(cfg.steps)`: the count is the user's (`--steps`).
-    let mut steps = Vec::new();
-    let mut profile = Profile::default();
-    for s in 0..cfg.steps {
-        for (t, d) in &batch {
-            match d {
-                Data::F32(v) => ex.write_f32(*t, v)?,
-                Data::I32(v) => ex.write_i32(*t, v)?,
-            }
-        }
-        let (secs, used, instr_seconds) = ex.step(comm.as_ref())?;
-        let mut loss = 0.0;
-        for &t in &losses {
-            loss += ex.read_f32(t)?[0];
-        }
-        steps.push((loss, secs, used));
-        profile.add(s, cfg.steps, &instr_seconds);
-    }
-    let state = if cfg.keep_state {
-        p.persistent_tensors()
-            .filter(|&t| p.tensor(t).dtype == DType::F32)
-            .map(|t| Ok((p.tensor(t).name.clone(), ex.read_f32(t)?)))
-            .collect::<Result<Vec<_>>>()?
-    } else {
-        Vec::new()
-    };
-    let total = ex.layout().total;
+    let run = run_rank(&mut ex, comm.as_ref(), cfg);
     drop(comm);
-    Ok((steps, state, total, profile))
+    run
 }
 
 /// Runs every rank on its own thread, NCCL between them: rank `r` on GPU
@@ -946,7 +893,12 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     // (NCCL_MULTI_RANK_GPU_ENABLE=1): then ranks share GPUs in turn.
     let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v == "1");
     if shared && world > 1 && first_gpu < count {
-        return report_of(p, cfg, run_ranks(p, cfg, first_gpu, count - first_gpu)?);
+        return Ok(report(
+            run_ranks(p, cfg, first_gpu, count - first_gpu)?,
+            p.arena_bytes,
+            cfg,
+            p,
+        ));
     }
     if first_gpu + world > count {
         return Err(RuntimeError::Unavailable(
@@ -962,32 +914,7 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     } else {
         run_ranks(p, cfg, first_gpu, world)?
     };
-    report_of(p, cfg, per_rank)
-}
-
-/// The run's report from every rank's run.
-fn report_of(p: &Program, cfg: &RunConfig, per_rank: Vec<RankRun>) -> Result<RunReport> {
-    let world = p.world_size as usize;
-    let steps = (0..cfg.steps)
-        .map(|s| StepResult {
-            loss: per_rank.iter().map(|r| r.0[s].0).sum::<f32>() / world as f32,
-            seconds: per_rank.iter().map(|r| r.0[s].1).fold(0.0, f64::max),
-            measured_bytes: per_rank.iter().map(|r| r.0[s].2).max().unwrap_or(0),
-        })
-        .collect();
-    let total = per_rank.first().map_or(0, |r| r.2);
-    let profile = match (cfg.profile, per_rank.first()) {
-        (true, Some(r)) => r.3.by_kernel(p),
-        _ => Vec::new(),
-    };
-    Ok(RunReport {
-        steps,
-        arena_bytes: p.arena_bytes,
-        allocated_bytes: total,
-        workspace_bytes: total - p.arena_bytes,
-        state: per_rank.into_iter().map(|r| r.1).collect(),
-        profile,
-    })
+    Ok(report(per_rank, p.arena_bytes, cfg, p))
 }
 
 #[cfg(test)]

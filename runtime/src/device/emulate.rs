@@ -17,6 +17,7 @@ use super::{
 use crate::binding::Bindings;
 use crate::comm::Communicator;
 use crate::error::{Result, RuntimeError};
+use crate::executor::{Executor, StepReport, accessed};
 use crate::program::{DType, Program, TensorIdx};
 use half::bf16;
 
@@ -30,6 +31,7 @@ pub struct Emulator {
     /// access every element type at its natural alignment.
     buf: Vec<u8>,
     start: usize,
+    rank: usize,
     steps_done: u64,
     /// Launch `kernels.cu` compiled for the host instead of the mirrors.
     host_kernels: bool,
@@ -919,14 +921,25 @@ fn gemm(m: &mut Mem<'_>, g: &GemmCall) {
 }
 
 impl Emulator {
-    /// Lowers `program` (validated here) for the emulated device.
-    pub fn new(program: Program) -> Result<Emulator> {
-        Emulator::with_attention(program, AttentionLowering::Flash)
+    /// Lowers `program` (validated here) for the emulated device, for rank
+    /// `rank`.
+    pub fn new(program: Program, rank: usize) -> Result<Emulator> {
+        Emulator::with_attention(program, rank, AttentionLowering::Flash)
     }
 
     /// As [`Self::new`], fused attention lowered as `attention` says.
-    pub fn with_attention(program: Program, attention: AttentionLowering) -> Result<Emulator> {
+    pub fn with_attention(
+        program: Program,
+        rank: usize,
+        attention: AttentionLowering,
+    ) -> Result<Emulator> {
         program.validate()?;
+        if rank >= program.world_size as usize {
+            return Err(RuntimeError::InvalidProgram(format!(
+                "rank {rank} in a world of {}",
+                program.world_size
+            )));
+        }
         let b = Bindings::new(&program)?;
         let layout = DeviceLayout::with_attention(&program, &b, attention);
         let ops = lower_all(&program, &b, &layout)?;
@@ -938,6 +951,7 @@ impl Emulator {
             ops,
             buf,
             start,
+            rank,
             steps_done: 0,
             host_kernels: false,
         })
@@ -975,50 +989,49 @@ impl Emulator {
     pub fn ops(&self) -> &[Vec<DevOp>] {
         &self.ops
     }
+}
 
-    /// Writes float tensor `t` (rounded, when it is bf16).
-    pub fn write_f32(&mut self, t: TensorIdx, v: &[f32]) {
-        let x = self.program.tensor(t);
-        let at = x.offset;
-        let dtype = x.dtype;
-        store(self.mem_mut(), at, v, dtype);
+impl Executor for Emulator {
+    type Buffer = [f32];
+
+    fn program(&self) -> &Program {
+        &self.program
     }
-    pub fn write_i32(&mut self, t: TensorIdx, v: &[i32]) {
-        let off = self.program.tensor(t).offset as usize;
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    /// The emulated device allocation (arena + workspace).
+    fn allocated_bytes(&self) -> u64 {
+        self.layout.total
+    }
+    /// The emulator does not time instructions: a profiled step reports
+    /// none.
+    fn set_profiling(&mut self, _on: bool) -> Result<()> {
+        Ok(())
+    }
+
+    fn write_f32(&mut self, t: TensorIdx, v: &[f32]) -> Result<()> {
+        let x = accessed(&self.program, t, &[DType::F32, DType::BF16], Some(v.len()))?;
+        let (at, dtype) = (x.offset, x.dtype);
+        store(self.mem_mut(), at, v, dtype);
+        Ok(())
+    }
+    fn write_i32(&mut self, t: TensorIdx, v: &[i32]) -> Result<()> {
+        let off = accessed(&self.program, t, &[DType::I32], Some(v.len()))?.offset as usize;
         let mem = self.mem_mut();
         for (i, x) in v.iter().enumerate() {
             mem[off + 4 * i..off + 4 * i + 4].copy_from_slice(&x.to_ne_bytes());
         }
+        Ok(())
     }
-    /// Reads float tensor `t` (widened, when it is bf16).
-    pub fn read_f32(&self, t: TensorIdx) -> Vec<f32> {
-        let x = self.program.tensor(t);
-        floats(self.mem(), x.offset, x.elements(), x.dtype)
-    }
-
-    /// Fills parameters and optimizer state as the executors do.
-    pub fn initialize(&mut self, seed: u64, rank: usize) {
-        let todo: Vec<(TensorIdx, Vec<f32>)> = self
-            .program
-            .tensors
-            .iter()
-            .enumerate()
-            .filter_map(|(i, t)| {
-                t.init.as_ref().map(|init| {
-                    (
-                        TensorIdx(i as u32),
-                        init.values(seed, rank as u64, t.elements()),
-                    )
-                })
-            })
-            .collect();
-        for (t, v) in todo {
-            self.write_f32(t, &v);
-        }
+    fn read_f32(&self, t: TensorIdx) -> Result<Vec<f32>> {
+        let x = accessed(&self.program, t, &[DType::F32, DType::BF16], None)?;
+        Ok(floats(self.mem(), x.offset, x.elements(), x.dtype))
     }
 
     /// Runs one step; collectives go through `comm`.
-    pub fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<()> {
+    fn step(&mut self, comm: &dyn Communicator<[f32]>) -> Result<StepReport> {
+        let began = std::time::Instant::now();
         let step = self.steps_done + 1;
         let ew = self.layout.error_word as usize;
         let (start, total, host) = (self.start, self.layout.total as usize, self.host_kernels);
@@ -1051,7 +1064,12 @@ impl Emulator {
             });
         }
         self.steps_done = step;
-        Ok(())
+        Ok(StepReport {
+            seconds: began.elapsed().as_secs_f64(),
+            step,
+            instr_seconds: Vec::new(),
+            used_bytes: self.layout.total,
+        })
     }
 }
 
