@@ -36,7 +36,7 @@ pub fn plan_json(graph_json: &str, time_limit_s: f64) -> Result<String, Error> {
         ..pipeline::Options::default()
     };
     let plan = pipeline::plan(&g, &opts)?;
-    checker::check(&g, &plan).map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+    checker::check(&g, &plan).map_err(|e| Error::Internal(e.to_string()))?;
     Ok(plan.to_json(&g))
 }
 
@@ -49,16 +49,16 @@ pub fn plan_json(graph_json: &str, time_limit_s: f64) -> Result<String, Error> {
 /// `step_flops`.
 pub fn plan_split_json(graph_json: &str, time_limit_s: f64, split: &str) -> Result<String, Error> {
     let time_limit = pipeline::time_limit(time_limit_s, "time limit")?;
-    let split: crate::split::Split = split.parse().map_err(Error::Invalid)?;
+    let split: crate::split::Split = split.parse().map_err(Error::InvalidArgument)?;
     let g = graph(graph_json)?;
     let opts = pipeline::Options {
         time_limit,
         ..pipeline::Options::default()
     };
     let (g, plan, rep) = crate::split::plan_split(&g, &opts, split)?;
-    checker::check(&g, &plan).map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+    checker::check(&g, &plan).map_err(|e| Error::Internal(e.to_string()))?;
     let doc = |text: String| -> Result<serde_json::Value, Error> {
-        serde_json::from_str(&text).map_err(|e| Error::Invalid(format!("internal error: {e}")))
+        serde_json::from_str(&text).map_err(|e| Error::Internal(e.to_string()))
     };
     Ok(json!({
         "graph": doc(io::json::write_graph(&g))?,
@@ -88,7 +88,7 @@ pub fn baselines_json(graph_json: &str, device: &str) -> Result<String, Error> {
         "cuda" => Device::CUDA,
         "cpu" => Device::CPU,
         _ => {
-            return Err(Error::Invalid(format!(
+            return Err(Error::InvalidArgument(format!(
                 "device {device:?}: the baselines model \"cuda\" or \"cpu\""
             )));
         }
@@ -105,7 +105,7 @@ pub fn baselines_json(graph_json: &str, device: &str) -> Result<String, Error> {
 pub fn check_json(graph_json: &str, plan_json: &str) -> Result<String, Error> {
     let g = graph(graph_json)?;
     let plan = Plan::from_json(plan_json, &g, Path::new(PLAN_DOC))?;
-    let r = checker::check(&g, &plan).map_err(|e| Error::Invalid(format!("{PLAN_DOC}: {e}")))?;
+    let r = checker::check(&g, &plan)?;
     Ok(json!({
         "max_live_bytes": r.max_live_bytes,
         "used_bytes": r.used_bytes,
@@ -119,7 +119,7 @@ fn objective(name: &str) -> Result<Objective, Error> {
     match name {
         "time" => Ok(Objective::Time),
         "flops" => Ok(Objective::Flops),
-        _ => Err(Error::Invalid(format!(
+        _ => Err(Error::InvalidArgument(format!(
             "unknown objective {name:?} (time or flops)"
         ))),
     }
@@ -169,9 +169,9 @@ pub fn fit_within_json(
 /// A fit's report with the fitted graph and plan as documents.
 fn fitted_json(f: &Fitted) -> Result<String, Error> {
     let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&f.graph))
-        .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let plan: serde_json::Value = serde_json::from_str(&f.plan.to_json(&f.graph))
-        .map_err(|e| Error::Invalid(format!("internal error: {e}")))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let mut report = f.summary_json();
     report["graph"] = graph;
     report["plan"] = plan;
@@ -186,7 +186,7 @@ fn line(graph1_json: &str, b1: u64, graph2_json: &str, b2: u64) -> Result<BatchL
         let g = io::json::parse_graph(text, Path::new(doc))?;
         let b = match b {
             0 => recorded_batch(&g).ok_or_else(|| {
-                Error::Invalid(format!(
+                Error::InvalidArgument(format!(
                     "{doc}: its metadata records no \"batch\"; give the batch sizes"
                 ))
             })?,
@@ -246,7 +246,7 @@ pub fn max_batch_json(
         ..FitOptions::default()
     };
     let r = max_batch(&mut |b| line.at(b), budget, &opts, 1 << 16)?;
-    serde_json::to_string(&r).map_err(|e| Error::Invalid(format!("internal error: {e}")))
+    serde_json::to_string(&r).map_err(|e| Error::Internal(e.to_string()))
 }
 
 #[cfg(test)]
@@ -272,8 +272,9 @@ mod tests {
         // A plan whose arena is too small fails the checker, by name.
         let mut bad = p.clone();
         bad["arena_bytes"] = json!(16);
-        let e = check_json(&text, &bad.to_string()).unwrap_err().to_string();
-        assert!(e.contains(PLAN_DOC), "{e}");
+        let e = check_json(&text, &bad.to_string()).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidPlan);
+        assert!(e.to_string().starts_with("the plan is invalid: "), "{e}");
     }
 
     fn doc(batch: u64) -> String {

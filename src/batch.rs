@@ -81,7 +81,7 @@ pub fn recorded_batch(g: &Graph) -> Option<u64> {
 }
 
 fn differ(b: (u64, u64), what: String) -> Error {
-    Error::Invalid(format!(
+    Error::Unsupported(format!(
         "the steps captured at batch {} and {} differ: {what}",
         b.0, b.1
     ))
@@ -94,7 +94,7 @@ impl BatchLine {
     pub fn new(first: Graph, b1: u64, second: Graph, b2: u64) -> Result<BatchLine, Error> {
         let batches = (b1, b2);
         if b1 == b2 || b1 == 0 || b2 == 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::InvalidArgument(format!(
                 "extrapolating over the batch needs two different positive batch sizes, got {b1} and {b2}"
             )));
         }
@@ -137,7 +137,7 @@ impl BatchLine {
             let size = self.sizes[t.index()].at(batch);
             let size = size.and_then(|s| u64::try_from(s).ok()).ok_or_else(|| {
                 let bytes = size.map_or("more than 2^127".to_string(), |s| s.to_string());
-                Error::Invalid(format!(
+                Error::Unsupported(format!(
                     "tensor {:?} would have {bytes} bytes at batch {batch} (extrapolated from batch {b1} and {b2})",
                     g1.tensor(t).name
                 ))

@@ -63,7 +63,7 @@ impl Source {
         let Some(rest) = arg.strip_prefix(EXAMPLE_PREFIX) else {
             return Ok(Source::File(PathBuf::from(arg)));
         };
-        let bad = |why: String| Error::Invalid(format!("{arg:?}: {why}"));
+        let bad = |why: String| Error::InvalidArgument(format!("{arg:?}: {why}"));
         let mut parts = rest.split(',');
         let name = parts.next().unwrap_or_default().trim().to_string();
         if !EXAMPLES.contains(&name.as_str()) {
@@ -657,7 +657,7 @@ pub fn record_source(source: &Source, record_dir: &Path) -> Result<String, Error
     };
     let (file, dir) = (canon(p)?, canon(record_dir)?);
     let rel = file.strip_prefix(&dir).map_err(|_| {
-        Error::Invalid(format!(
+        Error::InvalidArgument(format!(
             "{}: a recorded graph file must lie under the record's folder {} (copy it there first)",
             p.display(),
             record_dir.display()

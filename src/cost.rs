@@ -23,7 +23,7 @@
 //! therefore gives the added FLOPs (an exact count when the graph carries
 //! them) next to the added estimated time.
 
-use crate::error::Error;
+use crate::error::{Error, GraphError};
 use crate::graph::{Graph, OpId, Tensor};
 
 /// The most FLOPs, and estimated seconds, the ops of one step may add up
@@ -108,10 +108,11 @@ impl CostModel {
                 } else {
                     format!("FLOPs ({:e} itself)", own.flops)
                 };
-                return Err(Error::Invalid(format!(
+                return Err(GraphError::Other(format!(
                     "op {:?}: with it the step's {what} add up to more than 1e300, beyond any real step: check the graph's costs",
                     g.op(o).name
-                )));
+                ))
+                .into());
             }
         }
         Ok(c)

@@ -111,6 +111,23 @@ pub enum Error {
     Check(#[from] CheckError),
     #[error("unknown example {name:?}; known examples: {known}")]
     UnknownExample { name: String, known: String },
+    /// A value the caller gave (an option, a size, a spec, a model's
+    /// configuration) that memplan cannot accept.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A valid graph that what was asked cannot take: a transform that
+    /// finds nothing to transform, a step the executors cannot run, two
+    /// captures that are not of one step.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A bug in memplan (a plan of its own its checker refuses, a value it
+    /// cannot write); the message asks for a report.
+    #[error("internal error: {0} (please report it)")]
+    Internal(String),
+    /// The catch-all of earlier releases, now split into
+    /// [`Error::InvalidArgument`], [`Error::Unsupported`] and
+    /// [`Error::Internal`]; nothing in memplan returns it.
+    #[deprecated(note = "use Error::InvalidArgument, Error::Unsupported or Error::Internal")]
     #[error("{0}")]
     Invalid(String),
     #[error("solver: {0}")]
@@ -147,6 +164,93 @@ impl Error {
                 source,
             },
             other => other,
+        }
+    }
+}
+
+/// Which kind of error an [`Error`] is: what a caller can act on without
+/// reading the message. The C ABI returns [`ErrorKind::code`]; Python's
+/// `MemplanError.kind` is [`ErrorKind::name`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A bug in memplan.
+    Internal,
+    /// A file could not be read or written.
+    Io,
+    /// A graph or plan document memplan cannot read (syntax, format,
+    /// version, an element that names something missing).
+    Input,
+    /// A value the caller gave (option, size, spec, example name).
+    InvalidArgument,
+    /// A plan its checker refuses.
+    InvalidPlan,
+    /// A valid graph that what was asked cannot take.
+    Unsupported,
+    /// No plan within the memory budget.
+    DoesNotFit,
+    /// The solver failed.
+    Solver,
+}
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 8] = [
+        ErrorKind::Internal,
+        ErrorKind::Io,
+        ErrorKind::Input,
+        ErrorKind::InvalidArgument,
+        ErrorKind::InvalidPlan,
+        ErrorKind::Unsupported,
+        ErrorKind::DoesNotFit,
+        ErrorKind::Solver,
+    ];
+
+    /// The C ABI's return code (`MEMPLAN_E_*` in `memplan.h`; 0 is
+    /// success). Stable across releases.
+    pub fn code(self) -> i32 {
+        match self {
+            ErrorKind::Internal => 1,
+            ErrorKind::Io => 2,
+            ErrorKind::Input => 3,
+            ErrorKind::InvalidArgument => 4,
+            ErrorKind::InvalidPlan => 5,
+            ErrorKind::Unsupported => 6,
+            ErrorKind::DoesNotFit => 7,
+            ErrorKind::Solver => 8,
+        }
+    }
+
+    /// Its name in Python (`MemplanError.kind`) and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Internal => "internal",
+            ErrorKind::Io => "io",
+            ErrorKind::Input => "input",
+            ErrorKind::InvalidArgument => "invalid_argument",
+            ErrorKind::InvalidPlan => "invalid_plan",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::DoesNotFit => "does_not_fit",
+            ErrorKind::Solver => "solver",
+        }
+    }
+}
+
+impl Error {
+    /// Which kind of error this is.
+    pub fn kind(&self) -> ErrorKind {
+        #[allow(deprecated)]
+        match self {
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Parse { .. } | Error::Graph { .. } | Error::PlanFormat { .. } => {
+                ErrorKind::Input
+            }
+            Error::Check(_) => ErrorKind::InvalidPlan,
+            Error::UnknownExample { .. } | Error::InvalidArgument(_) | Error::Invalid(_) => {
+                ErrorKind::InvalidArgument
+            }
+            Error::Unsupported(_) => ErrorKind::Unsupported,
+            Error::Internal(_) => ErrorKind::Internal,
+            Error::Solver(_) => ErrorKind::Solver,
+            Error::DoesNotFit(_) => ErrorKind::DoesNotFit,
         }
     }
 }

@@ -29,7 +29,7 @@ use crate::graph::{Graph, Lifetime, Op, OpId, Role, TensorId};
 use crate::plan::{Plan, PlanStats};
 
 fn bad_op(op: &Op, why: impl std::fmt::Display) -> Error {
-    Error::Invalid(format!("op {:?} ({}): {why}", op.name, op.op_type))
+    Error::Unsupported(format!("op {:?} ({}): {why}", op.name, op.op_type))
 }
 
 /// Typed access to an op's attributes with errors that name the op.
@@ -444,7 +444,7 @@ pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
     }
     for t in g.tensor_ids() {
         let x = g.tensor(t);
-        let bad = |why: String| Error::Invalid(format!("tensor {:?}: {why}", x.name));
+        let bad = |why: String| Error::Unsupported(format!("tensor {:?}: {why}", x.name));
         let dtype = match x.dtype.as_deref() {
             None => {
                 return Err(bad(
@@ -527,7 +527,7 @@ pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
         world_size: world.unwrap_or(1),
     };
     p.validate()
-        .map_err(|e| Error::Invalid(format!("graph {:?} cannot run: {e}", g.name)))?;
+        .map_err(|e| Error::Unsupported(format!("graph {:?} cannot run: {e}", g.name)))?;
     Ok(p)
 }
 

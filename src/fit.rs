@@ -293,7 +293,7 @@ pub fn recompute(g: &Graph, chosen: &[OpId]) -> Result<Graph, Error> {
         let lt = late(g, o);
         let map = |x: TensorId| if lt { read(x) } else { x };
         if lt && let Some(&t) = op.updates.iter().find(|&&t| copy[t.index()].is_some()) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Unsupported(format!(
                 "cannot recompute the producer of {:?}: op {:?} updates it in place",
                 g.tensor(t).name,
                 op.name
@@ -831,7 +831,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
 pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted, Error> {
     let start = Instant::now();
     if !(max_added.is_finite() && max_added >= 0.0) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "the added cost allowed must be a share of the step's cost, 0 or more, not {max_added}"
         )));
     }

@@ -84,7 +84,7 @@ pub mod trace;
 pub mod transforms;
 pub mod units;
 
-pub use error::{Error, GraphError, Result};
+pub use error::{Error, ErrorKind, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};
 pub use pipeline::{Options, plan};
 pub use plan::{Plan, PlanStats};

@@ -91,13 +91,13 @@ pub const MAX_TIME_LIMIT_SECONDS: f64 = 1e9;
 /// (`1e300`, not 301 digits).
 pub fn time_limit(seconds: f64, what: &str) -> Result<Duration, Error> {
     if !(seconds.is_finite() && seconds > 0.0) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "{what} must be a positive number of seconds, got {}",
             compact_number(seconds)
         )));
     }
     if seconds > MAX_TIME_LIMIT_SECONDS {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "{what} must be at most 1e9 seconds (about 31 years), got {}",
             compact_number(seconds)
         )));

@@ -63,7 +63,7 @@ impl Default for PlotOptions {
 }
 
 fn draw_err<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> Error {
-    Error::Invalid(format!("drawing the picture failed: {e}"))
+    Error::Internal(format!("drawing the picture failed: {e}"))
 }
 
 /// Draws the picture of `plan` for `g` and returns the SVG text.

@@ -361,13 +361,13 @@ fn elem_bytes(x: &TensorSpec, elements: u64) -> u64 {
 /// order, chunk by chunk; the rest of the graph is unchanged.
 pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Error> {
     if k < 2 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "split into {k} chunks: need at least 2"
         )));
     }
     for c in chains {
         if k > c.rows {
-            return Err(Error::Invalid(format!(
+            return Err(Error::InvalidArgument(format!(
                 "split into {k} chunks: the chain at {:?} has only {} rows",
                 g.op(c.ops[0]).name,
                 c.rows
@@ -431,7 +431,7 @@ pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Er
             .flat_map(|a| omap[a.index()].iter().copied())
             .collect();
         if op.after.iter().any(|a| omap[a.index()].is_empty()) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Unsupported(format!(
                 "op {:?} runs after an op that comes later in program order",
                 op.name
             )));
@@ -672,7 +672,7 @@ fn emit_chunks(
 pub fn split_graph(g: &Graph, k: u64) -> Result<Graph, Error> {
     let chains = find_chains(g);
     if chains.is_empty() {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Unsupported(format!(
             "{}: no separable loss chain to split (docs/splitting.md)",
             g.name
         )));
@@ -772,7 +772,7 @@ pub fn plan_split(
     })?;
     // Every plan leaves through the independent checker.
     crate::checker::check(&g, &p)
-        .map_err(|e| Error::Invalid(format!("internal error: the split plan is invalid: {e}")))?;
+        .map_err(|e| Error::Internal(format!("the split plan is invalid: {e}")))?;
     Ok((g, p, rep))
 }
 

@@ -32,7 +32,9 @@ impl Transforms {
     /// `g` split, then sharded, as these say.
     pub fn apply(&self, g: Graph) -> Result<Graph, Error> {
         if self.fsdp.world == 0 {
-            return Err(Error::Invalid("the world size must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "the world size must be at least 1".into(),
+            ));
         }
         if self.split_chunks.is_some() && self.fsdp.world > 1 {
             // The sharding transform reduce-scatters a gradient after its
@@ -40,7 +42,7 @@ impl Transforms {
             // by every chunk: sharded, its later chunks would be lost (seen:
             // llama-tiny at W=2 took different updates from its second
             // step). Captured steps split after sharding (memplan.torch).
-            return Err(Error::Invalid(
+            return Err(Error::InvalidArgument(
                 "a built-in step is split or sharded, not both: sharding would reduce the split head gradient before its later chunks are added"
                     .into(),
             ));

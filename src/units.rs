@@ -11,7 +11,7 @@ use crate::error::Error;
 /// or non-finite numbers and sizes of 2^64 bytes or more.
 pub fn parse_bytes(text: &str) -> Result<u64, Error> {
     let t = text.trim();
-    let bad = |why: &str| Error::Invalid(format!("{text:?}: {why}"));
+    let bad = |why: &str| Error::InvalidArgument(format!("{text:?}: {why}"));
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {

@@ -158,7 +158,10 @@ fn fitted_within_a_flops_share_runs_like_the_reference() {
     assert_eq!(free.added.flops, 0.0);
     assert!(free.plan.arena_bytes <= free.base_arena);
     for bad in [-0.1, f64::NAN, f64::INFINITY] {
-        assert!(matches!(fit_within(&g, bad, &o), Err(Error::Invalid(_))));
+        assert!(matches!(
+            fit_within(&g, bad, &o),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 }
 

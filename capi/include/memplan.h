@@ -3,9 +3,11 @@
  *
  * Graphs and plans are the JSON documents of docs/graph-format.md and
  * docs/plan-format.md, as NUL-terminated UTF-8 strings. Every function
- * returns 0 on success and writes a string the caller owns to *out (free it
- * with memplan_string_free); on failure it returns 1 and writes the error
- * message (which document, which element, what is wrong) to *out instead.
+ * returns 0 (MEMPLAN_OK) on success and writes a string the caller owns to
+ * *out (free it with memplan_string_free); on failure it returns one of the
+ * MEMPLAN_E_* codes below, which says what kind of error it is, and writes
+ * the error message (which document, which element, what is wrong) to *out
+ * instead.
  * Functions never abort the process: a bad argument is an error, not a
  * crash. They are safe to call from several threads at once.
  *
@@ -17,6 +19,18 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Return codes (stable; memplan::ErrorKind::code in Rust, MemplanError.kind
+ * in Python). */
+#define MEMPLAN_OK 0
+#define MEMPLAN_E_INTERNAL 1         /* a bug in memplan: please report it */
+#define MEMPLAN_E_IO 2               /* a file could not be read or written */
+#define MEMPLAN_E_INPUT 3            /* a graph or plan document memplan cannot read */
+#define MEMPLAN_E_INVALID_ARGUMENT 4 /* a NULL or bad argument, option or spec */
+#define MEMPLAN_E_INVALID_PLAN 5     /* the checker refuses the plan */
+#define MEMPLAN_E_UNSUPPORTED 6      /* a valid graph that the call cannot take */
+#define MEMPLAN_E_DOES_NOT_FIT 7     /* no plan within the memory budget */
+#define MEMPLAN_E_SOLVER 8           /* the solver failed */
 
 /* Plans `graph_json` within `time_limit_seconds` (every time limit here:
  * finite, above 0 and at most 1e9, as for the CLI's --time-limit; anything

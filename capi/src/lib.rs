@@ -8,6 +8,8 @@
 use std::ffi::{CStr, CString, c_char, c_int};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use memplan::ErrorKind;
+
 /// Writes `text` to `*out` as a new C string.
 ///
 /// # Safety
@@ -18,6 +20,32 @@ unsafe fn give(out: *mut *mut c_char, text: String) {
     let c = CString::new(text.replace('\0', " ")).expect("no NUL left");
     // SAFETY: the function's contract.
     unsafe { *out = c.into_raw() };
+}
+
+/// An error for the caller: its code (`MEMPLAN_E_*`) and its message.
+struct Failure {
+    code: c_int,
+    message: String,
+}
+
+/// A bad argument this layer finds itself (a NULL or non-UTF-8 string, a
+/// negative count).
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure {
+            code: ErrorKind::InvalidArgument.code(),
+            message,
+        }
+    }
+}
+
+impl From<memplan::Error> for Failure {
+    fn from(e: memplan::Error) -> Self {
+        Failure {
+            code: e.kind().code(),
+            message: e.to_string(),
+        }
+    }
 }
 
 /// Reads argument `what` as UTF-8 text.
@@ -34,19 +62,27 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
         .map_err(|e| format!("{what} is not UTF-8: {e}"))
 }
 
-/// Runs `f`, writes its result or error to `*out`; 0 on success, 1 on error.
+/// Runs `f`, writes its result or error message to `*out`; returns 0 on
+/// success, else the error's code ([`ErrorKind::code`]).
 ///
 /// # Safety
 /// `out` must be null or valid for a write.
-unsafe fn answer(out: *mut *mut c_char, f: impl FnOnce() -> Result<String, String>) -> c_int {
+unsafe fn answer(out: *mut *mut c_char, f: impl FnOnce() -> Result<String, Failure>) -> c_int {
     if out.is_null() {
-        return 1;
+        return ErrorKind::InvalidArgument.code();
     }
-    let result = catch_unwind(AssertUnwindSafe(f))
-        .unwrap_or_else(|_| Err("internal error: memplan panicked (please report it)".into()));
-    let code = c_int::from(result.is_err());
+    let result = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(Failure {
+            code: ErrorKind::Internal.code(),
+            message: "internal error: memplan panicked (please report it)".into(),
+        })
+    });
+    let (code, text) = match result {
+        Ok(text) => (0, text),
+        Err(f) => (f.code, f.message),
+    };
     // SAFETY: checked non-null above; the caller's contract.
-    unsafe { give(out, result.unwrap_or_else(|e| e)) };
+    unsafe { give(out, text) };
     code
 }
 
@@ -65,7 +101,7 @@ pub unsafe extern "C" fn memplan_plan(
     unsafe {
         answer(out, || {
             let g = text(graph_json, "graph_json")?;
-            memplan::api::plan_json(g, time_limit_seconds).map_err(|e| e.to_string())
+            memplan::api::plan_json(g, time_limit_seconds).map_err(Failure::from)
         })
     }
 }
@@ -85,7 +121,7 @@ pub unsafe extern "C" fn memplan_check(
         answer(out, || {
             let g = text(graph_json, "graph_json")?;
             let p = text(plan_json, "plan_json")?;
-            memplan::api::check_json(g, p).map_err(|e| e.to_string())
+            memplan::api::check_json(g, p).map_err(Failure::from)
         })
     }
 }
@@ -100,7 +136,7 @@ pub unsafe extern "C" fn memplan_example(spec: *const c_char, out: *mut *mut c_c
     unsafe {
         answer(out, || {
             let s = text(spec, "spec")?;
-            memplan::api::example_json(s).map_err(|e| e.to_string())
+            memplan::api::example_json(s).map_err(Failure::from)
         })
     }
 }
@@ -134,8 +170,7 @@ pub unsafe extern "C" fn memplan_fit(
         answer(out, || {
             let g = text(graph_json, "graph_json")?;
             let m = objective(minimise)?;
-            memplan::api::fit_json(g, budget_bytes, time_limit_seconds, m)
-                .map_err(|e| e.to_string())
+            memplan::api::fit_json(g, budget_bytes, time_limit_seconds, m).map_err(Failure::from)
         })
     }
 }
@@ -159,7 +194,7 @@ pub unsafe extern "C" fn memplan_fit_within(
             let g = text(graph_json, "graph_json")?;
             let m = objective(minimise)?;
             memplan::api::fit_within_json(g, max_added, time_limit_seconds, m)
-                .map_err(|e| e.to_string())
+                .map_err(Failure::from)
         })
     }
 }
@@ -191,7 +226,7 @@ pub unsafe extern "C" fn memplan_at_batch(
             let g2 = text(graph2_json, "graph2_json")?;
             let (b1, b2) = (batch_size(batch1, "batch1")?, batch_size(batch2, "batch2")?);
             let b = batch_size(batch, "batch")?;
-            memplan::api::graph_at_batch_json(g1, b1, g2, b2, b).map_err(|e| e.to_string())
+            memplan::api::graph_at_batch_json(g1, b1, g2, b2, b).map_err(Failure::from)
         })
     }
 }
@@ -218,7 +253,7 @@ pub unsafe extern "C" fn memplan_max_batch(
             let g2 = text(graph2_json, "graph2_json")?;
             let (b1, b2) = (batch_size(batch1, "batch1")?, batch_size(batch2, "batch2")?);
             memplan::api::max_batch_json(g1, b1, g2, b2, budget_bytes, probe_time_seconds)
-                .map_err(|e| e.to_string())
+                .map_err(Failure::from)
         })
     }
 }

@@ -2,6 +2,7 @@
 //! messages (not crashes) for bad input; and a C program (`smoke.c`)
 //! compiled against `memplan.h` and the shared library.
 
+use memplan::ErrorKind;
 use std::ffi::{CStr, CString, c_char};
 use std::ptr;
 
@@ -42,7 +43,7 @@ fn built_in_examples_through_the_c_abi() {
     assert_eq!(rc, 0, "{}", take(out));
     let bad = CString::new("llama-tiny,world=two").unwrap();
     let rc = unsafe { memplan_example(bad.as_ptr(), &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert!(take(out).contains("world must be a positive integer"));
 }
 
@@ -112,11 +113,11 @@ fn fits_through_the_c_abi() {
     assert_eq!(rc, 0, "{}", take(out));
     // Below the floor: an error with the bound; a bad objective by name.
     let rc = unsafe { memplan_fit(g.as_ptr(), 100, 5.0, ptr::null(), &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("DOES_NOT_FIT"));
     assert!(take(out).contains("needs at least"));
     let bad = CString::new("speed").unwrap();
     let rc = unsafe { memplan_fit(g.as_ptr(), budget, 5.0, bad.as_ptr(), &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert!(take(out).contains("unknown objective"));
     // The other way round: recomputing `f` costs 10 of the step's 2,010
     // FLOPs, so 1% allows it and 0.1% does not.
@@ -134,7 +135,7 @@ fn fits_through_the_c_abi() {
     assert_eq!(v["recomputed_ops"], serde_json::json!([]));
     assert_eq!(v["arena_bytes"], base["arena_bytes"]);
     let rc = unsafe { memplan_fit_within(g.as_ptr(), -0.5, 5.0, ptr::null(), &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert!(take(out).contains("share of the step's cost"));
 }
 
@@ -159,8 +160,41 @@ fn json(rc: i32, out: *mut c_char) -> serde_json::Value {
 
 fn error(rc: i32, out: *mut c_char) -> String {
     let text = take(out);
-    assert_eq!(rc, 1, "expected an error, got {text}");
+    assert!(
+        ErrorKind::ALL.iter().any(|k| k.code() == rc),
+        "expected an error, got {rc}: {text}"
+    );
     text
+}
+
+/// The value `memplan.h` defines for `MEMPLAN_E_<name>`.
+fn code(name: &str) -> i32 {
+    let header = include_str!("../include/memplan.h");
+    let define = format!("#define MEMPLAN_E_{name} ");
+    let line = header
+        .lines()
+        .find(|l| l.starts_with(&define))
+        .unwrap_or_else(|| panic!("{define}"));
+    line[define.len()..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// The header's codes are the library's, one per kind, and 0 is success.
+#[test]
+fn the_headers_error_codes_are_the_librarys() {
+    for k in ErrorKind::ALL {
+        assert_eq!(code(&k.name().to_uppercase()), k.code(), "{k:?}");
+    }
+    let header = include_str!("../include/memplan.h");
+    assert_eq!(
+        header.matches("#define MEMPLAN_E_").count(),
+        ErrorKind::ALL.len()
+    );
+    assert!(header.contains("#define MEMPLAN_OK 0\n"));
 }
 
 /// Two captures make the step at any batch (the batch sizes given or read
@@ -298,7 +332,7 @@ fn bad_batch_input_is_a_message_never_a_crash() {
         assert_eq!(e, "graph2_json is NULL");
         assert_eq!(
             memplan_at_batch(g2.as_ptr(), 2, g3.as_ptr(), 3, 8, ptr::null_mut()),
-            1
+            code("INVALID_ARGUMENT")
         );
         assert_eq!(
             memplan_max_batch(
@@ -310,7 +344,7 @@ fn bad_batch_input_is_a_message_never_a_crash() {
                 1.0,
                 ptr::null_mut()
             ),
-            1
+            code("INVALID_ARGUMENT")
         );
         let latin1 = CString::new(vec![b'{', 0xe9, b'}']).unwrap();
         let e = error(
@@ -424,14 +458,14 @@ fn bad_input_is_a_message_never_a_crash() {
     let bad = CString::new("{\"format\": \"memplan-graph\"").unwrap();
     // SAFETY: valid pointers; null arguments are part of what is tested.
     let rc = unsafe { memplan_plan(bad.as_ptr(), 1.0, &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("INPUT"));
     assert!(take(out).contains("<graph>"));
     let rc = unsafe { memplan_plan(ptr::null(), 1.0, &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert_eq!(take(out), "graph_json is NULL");
     let g = CString::new(GRAPH).unwrap();
     let rc = unsafe { memplan_plan(g.as_ptr(), -1.0, &mut out) };
-    assert_eq!(rc, 1);
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert!(take(out).contains("time limit"));
     // Every time limit passes the one rule of memplan::pipeline::time_limit:
     // zero, NaN, infinity and a huge finite number are refused by name, the
@@ -443,18 +477,21 @@ fn bad_input_is_a_message_never_a_crash() {
         (1e300, "at most 1e9 seconds (about 31 years), got 1e300"),
     ] {
         let rc = unsafe { memplan_plan(g.as_ptr(), bad, &mut out) };
-        assert_eq!(rc, 1, "{bad}");
+        assert_eq!(rc, code("INVALID_ARGUMENT"), "{bad}");
         let msg = take(out);
         assert!(msg.contains("time limit") && msg.contains(shown), "{msg}");
         let rc = unsafe { memplan_fit(g.as_ptr(), 1 << 20, bad, ptr::null(), &mut out) };
-        assert_eq!(rc, 1, "{bad}");
+        assert_eq!(rc, code("INVALID_ARGUMENT"), "{bad}");
         assert!(take(out).contains(shown));
     }
     let wrong = CString::new(r#"{"format": "memplan-plan", "version": 1, "arena_bytes": 0, "order": ["g", "f"], "tensors": []}"#).unwrap();
     let rc = unsafe { memplan_check(g.as_ptr(), wrong.as_ptr(), &mut out) };
-    assert_eq!(rc, 1);
-    assert!(take(out).contains("<plan>"));
-    assert_eq!(unsafe { memplan_plan(g.as_ptr(), 1.0, ptr::null_mut()) }, 1);
+    assert_eq!(rc, code("INVALID_PLAN"));
+    assert!(take(out).contains("the plan is invalid"));
+    assert_eq!(
+        unsafe { memplan_plan(g.as_ptr(), 1.0, ptr::null_mut()) },
+        code("INVALID_ARGUMENT")
+    );
     unsafe { memplan_string_free(ptr::null_mut()) };
 }
 

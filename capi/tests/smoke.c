@@ -53,13 +53,13 @@ static int batches(void) {
         fprintf(stderr, "max_batch: expected 10 planned and fitted, got %s\n", best);
         goto done;
     }
-    if (memplan_at_batch(AT2, 2, AT3, 2, 8, &err) != 1 || !strstr(err, "two different")) {
+    if (memplan_at_batch(AT2, 2, AT3, 2, 8, &err) != MEMPLAN_E_INVALID_ARGUMENT || !strstr(err, "two different")) {
         fprintf(stderr, "equal batch sizes should fail with a message, got: %s\n", err);
         goto done;
     }
     memplan_string_free(err);
     err = NULL;
-    if (memplan_max_batch(AT2, -1, AT3, 3, 61440ULL, 1.0, &err) != 1 ||
+    if (memplan_max_batch(AT2, -1, AT3, 3, 61440ULL, 1.0, &err) != MEMPLAN_E_INVALID_ARGUMENT ||
         strcmp(err, "batch1 must be 0 or more, got -1") != 0) {
         fprintf(stderr, "a negative batch should fail with a message, got: %s\n", err);
         goto done;
@@ -88,7 +88,7 @@ int main(void) {
         fprintf(stderr, "check failed: %s\n", report);
         return 1;
     }
-    if (memplan_plan("{", 1.0, &err) != 1 || !strstr(err, "<graph>")) {
+    if (memplan_plan("{", 1.0, &err) != MEMPLAN_E_INPUT || !strstr(err, "<graph>")) {
         fprintf(stderr, "a bad graph should fail with a message, got: %s\n", err);
         return 1;
     }

@@ -38,7 +38,27 @@ __version__ = _memplan.__version__
 
 
 class MemplanError(ValueError):
-    """A graph, a plan or an argument memplan cannot accept."""
+    """A graph, a plan or an argument memplan cannot accept.
+
+    ``kind`` says which kind of error it is, without reading the message
+    (the C ABI's ``MEMPLAN_E_*`` codes by name): ``"input"`` (a graph or
+    plan document memplan cannot read), ``"invalid_argument"``,
+    ``"invalid_plan"`` (the checker refuses the plan), ``"unsupported"`` (a
+    valid graph or step that what was asked cannot take),
+    ``"does_not_fit"`` (no plan within the budget), ``"io"``, ``"solver"``
+    or ``"internal"`` (a bug: please report it)."""
+
+    kind = "invalid_argument"
+
+    def __init__(self, message, kind=None):
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
+
+
+def _native_error(e):
+    """A ValueError of the native half as a MemplanError of its kind."""
+    return MemplanError(str(e), getattr(e, "kind", None))
 
 
 def _text(doc, what):
@@ -47,15 +67,15 @@ def _text(doc, what):
         try:
             return json.dumps(doc, allow_nan=False)
         except RecursionError:
-            raise MemplanError(f"{what} is nested too deeply to be a JSON document") from None
+            raise MemplanError(f"{what} is nested too deeply to be a JSON document", "input") from None
         except ValueError:
             where = _first_non_finite(doc, what)
             if where is None:
                 # json.dumps' other ValueError: a dict or list inside itself.
                 raise MemplanError(f"{what} contains itself (a circular reference): "
-                                   "it cannot be written as JSON") from None
+                                   "it cannot be written as JSON", "input") from None
             raise MemplanError(f"{where}: sizes, costs and attributes must be finite "
-                               "numbers (JSON has no NaN or infinity)") from None
+                               "numbers (JSON has no NaN or infinity)", "input") from None
     if isinstance(doc, (str, os.PathLike)):
         path = os.fspath(doc)
         if isinstance(doc, str) and doc.lstrip().startswith("{"):
@@ -63,16 +83,21 @@ def _text(doc, what):
         try:
             return _memplan.read_text(path)
         except ValueError as e:
-            raise MemplanError(str(e)) from None
+            raise _native_error(e) from None
     raise TypeError(f"{what} must be a dict, a JSON string or a path, not {type(doc).__name__}")
 
 
 def _call(fn, *args):
     """`fn(*args)`'s JSON answer, its errors as MemplanError."""
     try:
-        return json.loads(fn(*args))
+        text = fn(*args)
     except ValueError as e:
-        raise MemplanError(str(e)) from None
+        raise _native_error(e) from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise MemplanError(f"internal error: memplan wrote an answer that is not JSON ({e}); please report it",
+                           "internal") from None
 
 
 def plan(graph, time_limit=10.0):

@@ -6,8 +6,17 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+/// `e` as a `ValueError` with the message, and its kind
+/// ([`memplan::ErrorKind::name`]) as attribute `kind`, which the Python half
+/// carries over to `MemplanError.kind`.
 fn err(e: memplan::Error) -> PyErr {
-    PyValueError::new_err(e.to_string())
+    Python::attach(|py| {
+        let pe = PyValueError::new_err(e.to_string());
+        // Setting an attribute on a fresh ValueError cannot fail short of
+        // memory; the message alone is still the error then.
+        let _ = pe.value(py).setattr("kind", e.kind().name());
+        pe
+    })
 }
 
 /// Plans the graph document `graph_json`; returns the plan document.

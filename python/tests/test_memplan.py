@@ -73,7 +73,7 @@ class PlanAndCheck(unittest.TestCase):
         swapped["order"] = ["g", "f"]
         with self.assertRaises(memplan.MemplanError) as e:
             memplan.check(TWO_OPS, swapped)
-        self.assertIn("<plan>", str(e.exception))
+        self.assertIn("the plan is invalid", str(e.exception))
         small = copy.deepcopy(p)
         small["arena_bytes"] = 1024
         with self.assertRaises(memplan.MemplanError):
@@ -106,6 +106,30 @@ class PlanAndCheck(unittest.TestCase):
         self.assertIn("/no/such/graph.json", str(e.exception))
         with self.assertRaises(TypeError):
             memplan.plan(42)
+
+    def test_errors_say_their_kind(self):
+        # MemplanError.kind: the C ABI's MEMPLAN_E_* codes by name.
+        def kind(fn, *args, **kw):
+            with self.assertRaises(memplan.MemplanError) as e:
+                fn(*args, **kw)
+            return e.exception.kind
+        bad = copy.deepcopy(TWO_OPS)
+        bad["ops"][1]["inputs"] = ["nowhere"]
+        self.assertEqual(kind(memplan.plan, bad), "input")
+        self.assertEqual(kind(memplan.plan, "{"), "input")
+        nan = copy.deepcopy(TWO_OPS)
+        nan["tensors"][1]["size"] = float("nan")
+        self.assertEqual(kind(memplan.plan, nan), "input")
+        self.assertEqual(kind(memplan.plan, "/no/such/graph.json"), "io")
+        self.assertEqual(kind(memplan.plan, TWO_OPS, time_limit=0), "invalid_argument")
+        self.assertEqual(kind(memplan.example, "gpt2-tiny,batch=zero"), "invalid_argument")
+        self.assertEqual(kind(memplan.fit, TWO_OPS, budget=1, time_limit=1), "does_not_fit")
+        p = memplan.plan(TWO_OPS, time_limit=1)
+        p["order"] = list(reversed(p["order"]))
+        self.assertEqual(kind(memplan.check, TWO_OPS, p), "invalid_plan")
+        self.assertEqual(memplan.MemplanError("x").kind, "invalid_argument")
+        from memplan.torch import UnsupportedStep
+        self.assertEqual(UnsupportedStep("x").kind, "unsupported")
 
     def test_bad_arguments_are_memplan_errors_naming_the_element(self):
         # Issue 41: each of these raised TypeError, OverflowError or a bare

@@ -353,6 +353,13 @@ fn pareto(g: &Graph, a: &FitArgs, limit: Duration) -> Result<()> {
     Ok(())
 }
 
+/// `e` as the library's error: itself where it is one, else (a problem
+/// the command line found) an invalid argument with its context.
+fn as_memplan_error(e: anyhow::Error) -> memplan::Error {
+    e.downcast::<memplan::Error>()
+        .unwrap_or_else(|e| memplan::Error::InvalidArgument(format!("{e:#}")))
+}
+
 /// The step at any batch: the built-in example built at that batch, or the
 /// line through two captures of a graph file.
 type GraphAt = Box<dyn FnMut(u64) -> memplan::Result<Graph>>;
@@ -365,7 +372,7 @@ fn graph_at(a: &FitArgs) -> Result<GraphAt> {
                 batch: Some(batch),
                 ..src.clone()
             };
-            load(None, &src).map_err(|e| memplan::Error::Invalid(format!("{e:#}")))
+            load(None, &src).map_err(as_memplan_error)
         }));
     };
     if a.source.example.is_some() {
@@ -399,7 +406,7 @@ fn graph_at(a: &FitArgs) -> Result<GraphAt> {
     let line = memplan::batch::BatchLine::new(g1, b1, g2, b2)?;
     Ok(Box::new(move |batch| {
         let g = line.at(batch)?;
-        shard(g, &src).map_err(|e| memplan::Error::Invalid(format!("{e:#}")))
+        shard(g, &src).map_err(as_memplan_error)
     }))
 }
 

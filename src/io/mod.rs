@@ -44,10 +44,15 @@ pub fn read_text_limited(path: &Path, max_inflated: u64) -> Result<String, Error
                 source,
             })?;
         if out.len() as u64 > max_inflated {
-            return Err(Error::Invalid(format!(
-                "{}: the compressed file inflates to more than {max_inflated} bytes, the most memplan reads from one",
-                path.display()
-            )));
+            return Err(Error::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::FileTooLarge,
+                    format!(
+                        "the compressed file inflates to more than {max_inflated} bytes, the most memplan reads from one"
+                    ),
+                ),
+            });
         }
         out
     } else {

@@ -71,7 +71,7 @@ pub fn default_unit(name: &str) -> String {
 }
 
 fn invalid(why: impl Into<String>) -> Error {
-    Error::Invalid(format!("fsdp: {}", why.into()))
+    Error::Unsupported(format!("fsdp: {}", why.into()))
 }
 
 /// How a unit's parameters are cut into shards.

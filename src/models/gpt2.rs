@@ -181,13 +181,13 @@ type Net = step::Net<Gpt2Config>;
 /// Builds the GPT-2 training-step graph for `cfg`.
 pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     if cfg.heads == 0 || cfg.width % cfg.heads != 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "gpt2: width {} is not a multiple of heads {}",
             cfg.width, cfg.heads
         )));
     }
     if [cfg.layers, cfg.width, cfg.seq, cfg.batch, cfg.vocab].contains(&0) {
-        return Err(Error::Invalid(
+        return Err(Error::InvalidArgument(
             "gpt2: layers, width, seq, batch and vocab must be positive".into(),
         ));
     }

@@ -160,7 +160,7 @@ struct BlockActs {
 }
 
 fn check(cfg: &LlamaConfig) -> Result<(), Error> {
-    let bad = |why: String| Err(Error::Invalid(format!("llama: {why}")));
+    let bad = |why: String| Err(Error::InvalidArgument(format!("llama: {why}")));
     if [
         cfg.layers,
         cfg.width,

@@ -243,7 +243,7 @@ impl B {
 /// Builds the MLP training step.
 pub fn build(cfg: &MlpConfig) -> Result<Graph, Error> {
     if [cfg.input, cfg.hidden, cfg.classes, cfg.batch].contains(&0) {
-        return Err(Error::Invalid("mlp: sizes must be positive".into()));
+        return Err(Error::InvalidArgument("mlp: sizes must be positive".into()));
     }
     let mut name = cfg.name.clone();
     if cfg.batch != MlpConfig::default().batch {

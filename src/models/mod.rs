@@ -104,7 +104,7 @@ fn check_size(name: &str, opts: &ExampleOptions) -> Result<(), Error> {
     };
     let elements = (batch as u128) * (seq as u128) * (seq.max(1 << 18) as u128);
     if elements > 1 << 55 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "{name} at batch {batch}, seq {seq} has tensors too large to count in 64-bit bytes (batch × seq × max(seq, 262144) must be at most 2^55)"
         )));
     }
@@ -127,7 +127,7 @@ fn check_size(name: &str, opts: &ExampleOptions) -> Result<(), Error> {
     };
     let (ops, tensors) = (at(ops1, ops2), at(tensors1, tensors2));
     if ops > MAX_EXAMPLE_OPS {
-        return Err(Error::Invalid(format!(
+        return Err(Error::InvalidArgument(format!(
             "{name} with {layers} layers would have {} ops and {} tensors, more than a built-in example may have ({} ops; at most {} layers here)",
             grouped(ops),
             grouped(tensors),
@@ -159,7 +159,7 @@ pub fn clip_grad_norm(max_norm: f64) -> Result<f64, Error> {
     if max_norm.is_finite() && max_norm > 0.0 {
         Ok(max_norm)
     } else {
-        Err(Error::Invalid(format!(
+        Err(Error::InvalidArgument(format!(
             "clip_grad_norm must be a positive finite number, got {max_norm}"
         )))
     }
@@ -207,7 +207,7 @@ pub fn example(name: &str, opts: &ExampleOptions) -> Result<Graph, Error> {
 fn build_example(name: &str, opts: &ExampleOptions) -> Result<(Graph, u64), Error> {
     if name == "mlp" {
         if opts.mixed_precision {
-            return Err(Error::Invalid(
+            return Err(Error::InvalidArgument(
                 "mlp: mixed precision is built for the GPT-2 and Llama examples only".into(),
             ));
         }

@@ -186,7 +186,9 @@ GRAD_MODE_DEPENDENT = {
 class UnsupportedStep(MemplanError):
     """A step memplan cannot run in another order; the message names the
     op and says why. A :class:`memplan.MemplanError` (a ``ValueError``),
-    as every refusal of the package is."""
+    as every refusal of the package is, of kind ``"unsupported"``."""
+
+    kind = "unsupported"
 
 
 class Layout(NamedTuple):

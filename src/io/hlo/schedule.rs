@@ -28,7 +28,7 @@ use crate::error::Error;
 use crate::graph::{Graph, OpId};
 
 fn fail(msg: impl Into<String>) -> Error {
-    Error::Invalid(msg.into())
+    Error::Unsupported(msg.into())
 }
 
 /// The entry computation's instructions in the order a plan runs its ops
