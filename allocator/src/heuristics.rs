@@ -15,6 +15,10 @@
 //! Fits: [`Fit::Best`] takes the smallest free gap that holds the unit (the
 //! lowest such on ties), [`Fit::First`] the lowest gap that holds it; when
 //! no gap holds it, it goes on top of the highest conflicting unit.
+//! [`Fit::Stack`] is no greedy fit but a runtime allocator's layout (units
+//! by start time, each in the smallest free slot that holds it, or a new
+//! slot on top; `O(u log u)`): on large leaves it is the first layout, the
+//! one ready in no time ([`best_of_until`]).
 //!
 //! Cost per unit: a scan of the placed units in offset order, `O(p)` where
 //! `p` is the number placed so far (they are kept in a B-tree by offset),
@@ -43,6 +47,8 @@ pub enum Order {
 pub enum Fit {
     Best,
     First,
+    /// A runtime allocator's slots, whatever the order ([`stack_rest`]).
+    Stack,
 }
 
 /// One greedy layout: an order and a fit.
@@ -77,6 +83,12 @@ impl Heuristic {
         out
     };
 
+    /// A runtime allocator's layout ([`Fit::Stack`]; by start time).
+    pub const STACK: Heuristic = Heuristic {
+        order: Order::Time,
+        fit: Fit::Stack,
+    };
+
     /// A short name for reports (`size/best`, `xla-temporal/first`...).
     pub fn name(&self) -> String {
         let o = match self.order {
@@ -90,6 +102,7 @@ impl Heuristic {
         let f = match self.fit {
             Fit::Best => "best",
             Fit::First => "first",
+            Fit::Stack => "stack",
         };
         format!("{o}/{f}")
     }
@@ -146,7 +159,8 @@ fn fit_offset(u: &Unit, placed: &Placed, fit: Fit) -> u64 {
             if start.saturating_add(u.size) <= off {
                 let gap = off - cursor;
                 match fit {
-                    Fit::First => return start,
+                    // Stack never comes here (place_until lays it out whole).
+                    Fit::First | Fit::Stack => return start,
                     Fit::Best => {
                         if best.is_none_or(|(g, _)| gap < g) {
                             best = Some((gap, start));
@@ -201,6 +215,10 @@ pub fn place_until(
     then: OnDeadline,
 ) -> Option<(Vec<u64>, u64, bool)> {
     let mut offsets = vec![0u64; units.len()];
+    if fit == Fit::Stack {
+        let height = stack_rest(units, order, 0, &mut offsets);
+        return Some((offsets, height, false));
+    }
     let mut placed: Placed = BTreeMap::new();
     let mut height = 0;
     for (k, &i) in order.iter().enumerate() {
@@ -305,6 +323,12 @@ pub fn best_of(units: &[Unit], hs: &[Heuristic], floor: u64) -> (Heuristic, Vec<
     best_of_until(units, hs, floor, None).0
 }
 
+/// Leaves of at least this many units start from [`Heuristic::STACK`]
+/// when a solve has a deadline. Smaller leaves (every step graph of the
+/// recorded fixtures) run the greedy fits alone, which take a fraction of
+/// a second there.
+pub const STACK_FIRST_UNITS: usize = 16_384;
+
 /// [`best_of`] within `deadline`: once it has passed, the heuristic
 /// under way is given up, and the later ones skipped, except the first:
 /// a layout is always needed, so it is finished at once by stacking the
@@ -318,13 +342,30 @@ pub fn best_of_until(
 ) -> ((Heuristic, Vec<u64>, u64), bool) {
     let mut best: Option<(Heuristic, Vec<u64>, u64)> = None;
     let mut cut = false;
-    for &h in hs {
-        let then = if best.is_none() {
+    // With a deadline, a large leaf starts from the layout that is ready
+    // in no time: a greedy fit's O(u²) on such a leaf can take seconds,
+    // and one stacked where the clock stopped it is sometimes better than
+    // the runtime allocator's and sometimes worse, so both are kept and
+    // the lower wins.
+    let stack_first = deadline.is_some() && units.len() >= STACK_FIRST_UNITS;
+    let hs = stack_first
+        .then_some(Heuristic::STACK)
+        .into_iter()
+        .chain(hs.iter().copied());
+    for (k, h) in hs.enumerate() {
+        // The first greedy fit is finished at once when the deadline
+        // passes (the rest stacked on top of it); later ones are given up.
+        let first_fit = k == usize::from(stack_first);
+        let then = if best.is_none() || first_fit {
             OnDeadline::Stack
         } else {
             OnDeadline::GiveUp
         };
-        let ord = order(units, h.order);
+        let ord = if h.fit == Fit::Stack {
+            (0..units.len()).collect()
+        } else {
+            order(units, h.order)
+        };
         let Some((offs, height, stacked)) = place_until(units, &ord, h.fit, deadline, then) else {
             cut = true;
             break;
@@ -349,6 +390,11 @@ pub fn greedy_by_size(problem: &Problem) -> Solution {
 
 /// [`greedy_by_size`], given up (`None`) once `deadline` passes.
 pub fn greedy_by_size_until(problem: &Problem, deadline: Option<Instant>) -> Option<Solution> {
+    // Past the deadline already: not even the set-up (a sort of every
+    // buffer, a tenth of a second at 200,000).
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        return None;
+    }
     let u = Units::new(problem);
     let (offs, _, _) = place_until(
         &u.units,
@@ -435,6 +481,49 @@ mod tests {
         );
         assert_eq!(h, 8);
         assert_eq!(offs[2], offs[0]);
+    }
+
+    #[test]
+    fn a_large_leaf_with_a_deadline_starts_from_the_stack() {
+        // Short-lived units in waves: the runtime allocator's slots reach
+        // max live; a deadline already past cuts every greedy fit, which
+        // leaves the stack's layout (not a fit stacked where it stopped).
+        let n = STACK_FIRST_UNITS;
+        let us: Vec<Unit> = (0..n as u64)
+            .map(|i| u(i / 4, i / 4 + 2, 1 + i % 4))
+            .collect();
+        let past = Some(Instant::now());
+        let ((h, offs, height), cut) = best_of_until(&us, &Heuristic::ALL, 0, past);
+        assert!(cut);
+        assert_eq!(h, Heuristic::STACK);
+        assert_eq!(h.name(), "time/stack");
+        check(&us, &offs);
+        let ord: Vec<usize> = (0..n).collect();
+        assert_eq!(place(&us, &ord, Fit::Stack).1, height);
+        // The first greedy fit, stacked where the deadline stopped it, is
+        // kept where it is lower: never above either layout.
+        let fit = Heuristic::ALL[0];
+        let stopped = place_until(
+            &us,
+            &order(&us, fit.order),
+            fit.fit,
+            past,
+            OnDeadline::Stack,
+        )
+        .unwrap();
+        assert!(stopped.2);
+        assert!(height <= stopped.1);
+        assert!(
+            height <= 2 * max_live(&us),
+            "{height} against max live {}",
+            max_live(&us)
+        );
+        // One unit fewer, or no deadline: the greedy fits alone, as before.
+        let ((h, _, _), _) = best_of_until(&us[1..], &Heuristic::ALL, 0, past);
+        assert_eq!(h, Heuristic::ALL[0]);
+        let ((h, _, _), cut) = best_of_until(&us, &Heuristic::ALL[..1], 0, None);
+        assert!(!cut);
+        assert_eq!(h, Heuristic::ALL[0]);
     }
 
     #[test]

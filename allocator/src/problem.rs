@@ -363,7 +363,12 @@ impl Problem {
             });
         }
         // Pinned groups never move: two that share bytes while live make
-        // every layout invalid, so say so here rather than after a search.
+        // every layout invalid, so say so here rather than after a search
+        // (nothing to do without pins: the footprints cost a tenth of a
+        // second at 200,000 buffers).
+        if pin_of.iter().all(Option::is_none) {
+            return Ok(());
+        }
         let mut pinned: Vec<Piece> = pieces(self)
             .into_iter()
             .filter(|p| pin_of[p.group].is_some())

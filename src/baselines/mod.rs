@@ -30,6 +30,8 @@ pub mod caching;
 pub mod fsdp_eager;
 pub mod xla_estimate;
 
+use std::time::Instant;
+
 use memplan_allocator as alloc;
 use memplan_solver as solver;
 use serde::Serialize;
@@ -51,14 +53,26 @@ pub fn program_order_greedy(g: &Graph) -> Plan {
     order_greedy(g, g.program_order())
 }
 
+/// [`program_order_greedy`], given up (`None`) once `deadline` passes:
+/// its greedy layout is quadratic in the buffers in the worst case (ten
+/// minutes at 200,000).
+pub fn program_order_greedy_until(g: &Graph, deadline: Option<Instant>) -> Option<Plan> {
+    order_greedy_until(g, g.program_order(), deadline)
+}
+
 /// `order` without reuse, laid out greedily by size.
 pub fn order_greedy(g: &Graph, order: &[OpId]) -> Plan {
+    order_greedy_until(g, order, None).expect("no deadline")
+}
+
+/// [`order_greedy`] within `deadline`.
+fn order_greedy_until(g: &Graph, order: &[OpId], deadline: Option<Instant>) -> Option<Plan> {
     let low = lower::lower(g, false);
     let order = Lowered::from_op_ids(order);
     let ev = solver::evaluate(&low.problem, &order);
     let lp = lower::layout_problem(g, &low, &ev);
-    let sol = alloc::greedy_by_size(&lp.problem);
-    lower::assemble(
+    let sol = alloc::greedy_by_size_until(&lp.problem, deadline)?;
+    Some(lower::assemble(
         g,
         &low,
         &order,
@@ -70,7 +84,7 @@ pub fn order_greedy(g: &Graph, order: &[OpId]) -> Plan {
             layout_source: "greedy-by-size".into(),
             ..Default::default()
         },
-    )
+    ))
 }
 
 /// Max live bytes of program order, without reuse.
