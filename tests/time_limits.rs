@@ -137,3 +137,21 @@ fn the_cli_says_when_it_stopped_at_the_limit() {
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(v["time_limit_hit"], true, "{v}");
 }
+
+#[test]
+fn the_greedy_baseline_gives_up_at_its_deadline() {
+    // The pipeline's program-order baseline once ran its greedy layout
+    // (quadratic in the buffers) without the deadline whenever a large
+    // layout had ended early: 585 s at 100k ops and --time-limit 4.
+    let g = gpt2(4);
+    assert!(memplan::baselines::program_order_greedy_until(&g, Some(Instant::now())).is_none());
+    let far = Instant::now().checked_add(Duration::from_secs(3600));
+    let within =
+        memplan::baselines::program_order_greedy_until(&g, far).expect("an hour is enough");
+    let plain = memplan::baselines::program_order_greedy(&g);
+    checker::check(&g, &within).expect("valid");
+    assert_eq!(within.arena_bytes, plain.arena_bytes);
+    assert_eq!(within.offsets, plain.offsets);
+    let problem = crowded(2_000);
+    assert!(alloc::greedy_by_size_until(&problem, Some(Instant::now())).is_none());
+}
