@@ -187,9 +187,10 @@ pub fn plan_by(
     let mut lap = Instant::now();
     let low = lower::lower(g, true);
     let p = &low.problem;
+    let lowering = lap.elapsed();
     report
         .phases
-        .push(("lowering".into(), lap.elapsed().as_secs_f64()));
+        .push(("lowering".into(), lowering.as_secs_f64()));
     lap = Instant::now();
 
     let mut orders: Vec<(&'static str, Vec<solver::OpIdx>)> =
@@ -207,7 +208,6 @@ pub fn plan_by(
     // layout, the bound) cannot stop early and grows with the graph like
     // the lowering did: it keeps AFTER_ORDER times the lowering's time,
     // where that is more than the share left to it.
-    let lowering = Duration::from_secs_f64(report.phases[0].1);
     let budget = match left() {
         Some(l) => {
             let after = lowering.mul_f64(AFTER_ORDER).min(l.mul_f64(0.5));

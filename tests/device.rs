@@ -59,7 +59,7 @@ fn emulate(
         run_rank(&mut em, &comm as &dyn Communicator<[f32]>, &cfg)
     })
     .unwrap();
-    let run = report(per_rank, p.arena_bytes, &cfg, p);
+    let run = report(per_rank, &cfg, p);
     (run.steps.iter().map(|s| s.loss).collect(), run.state)
 }
 

@@ -288,8 +288,9 @@ pub fn run_rank<E: Executor + ?Sized>(
     })
 }
 
-/// The report of a run from each rank's part, `arena_bytes` per rank.
-pub fn report(per_rank: Vec<RankRun>, arena_bytes: u64, cfg: &RunConfig, p: &Program) -> RunReport {
+/// The report of a run of `p` from each rank's part.
+pub fn report(per_rank: Vec<RankRun>, cfg: &RunConfig, p: &Program) -> RunReport {
+    let arena_bytes = p.arena_bytes;
     let world = per_rank.len().max(1);
     let steps = (0..cfg.steps)
         .map(|s| StepResult {
@@ -319,7 +320,7 @@ pub fn run_cpu(p: &Program, cfg: &RunConfig) -> Result<RunReport> {
         let mut ex = CpuExecutor::new(p.clone(), rank)?;
         run_rank(&mut ex, &comm as &dyn Communicator<[f32]>, cfg)
     })?;
-    Ok(report(per_rank, p.arena_bytes, cfg, p))
+    Ok(report(per_rank, cfg, p))
 }
 
 /// How far one run's results are from another's (e.g. CUDA from CPU).

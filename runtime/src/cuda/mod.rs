@@ -895,7 +895,6 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     if shared && world > 1 && first_gpu < count {
         return Ok(report(
             run_ranks(p, cfg, first_gpu, count - first_gpu)?,
-            p.arena_bytes,
             cfg,
             p,
         ));
@@ -914,7 +913,7 @@ fn run_cuda_inner(p: &Program, cfg: &RunConfig, first_gpu: usize) -> Result<RunR
     } else {
         run_ranks(p, cfg, first_gpu, world)?
     };
-    Ok(report(per_rank, p.arena_bytes, cfg, p))
+    Ok(report(per_rank, cfg, p))
 }
 
 #[cfg(test)]
