@@ -1,4 +1,6 @@
-"""The recorder, the CUDA emulation, the driver and the CLI, on tiny models.
+"""The recorder (memplan.torch's one, recording without replay), the CUDA
+emulation, the export driver in both update modes and the CLI, on tiny
+models.
 
 Skipped with a message where torch is not importable.
 """
@@ -39,17 +41,32 @@ def roots(d):
     return root
 
 
+def lifetimes(d):
+    """Each root tensor's first and last op (by index in the listed order),
+    reads through views included: a test's own liveness, to ask where a
+    tensor is made and last used."""
+    root = roots(d)
+    birth, death = {}, {}
+    for k, o in enumerate(d["ops"]):
+        for field in ("inputs", "outputs", "updates"):
+            for t in o.get(field, []):
+                r = root(t)
+                birth.setdefault(r, k)
+                death[r] = k
+    return birth, death
+
+
 @unittest.skipUnless(HAVE_TORCH, SKIP)
 class RecorderTest(unittest.TestCase):
     def record(self, fn, *tensors):
-        from memplan.torch.export.recorder import Recorder
+        from memplan.torch._record import Recorder
 
-        rec = Recorder("t", "meta")
+        rec = Recorder("meta", 256, replay=False)
         for i, t in enumerate(tensors):
-            rec.register(t, f"in{i}", "input", persistent=True)
+            rec.register(t, f"in{i}", "input")
         with rec:
             fn(*tensors)
-        return rec.finish().to_dict()
+        return rec.finish("t", {})
 
     def test_views_and_in_place_updates_follow_storage(self):
         x = torch.empty(4, 8, device="meta")
@@ -102,17 +119,17 @@ class RecorderTest(unittest.TestCase):
         # meta storages do (CPU fake tensors stand in for CUDA ones here).
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from memplan.torch.export.recorder import Recorder
+        from memplan.torch._record import Recorder
 
         with FakeTensorMode():
             x = torch.empty(4, 8)
-            rec = Recorder("fake", "cpu")
-            rec.register(x, "x", "input", persistent=True)
+            rec = Recorder("cpu", 256, replay=False)
+            rec.register(x, "x", "input")
             with rec:
                 y = x * 2
                 y.view(8, 4).add_(1)
                 x.copy_(y)
-        d = rec.finish().to_dict()
+        d = rec.finish("fake", {})
         graph.check(d)
         mul, view, add_, copy_ = d["ops"]
         y_id = mul["outputs"][0]
@@ -152,7 +169,7 @@ class RecorderTest(unittest.TestCase):
 
         d = self.record(f, x, c)
         ts = by_id(d)
-        self.assertEqual(ts["host:in1"]["size"], 0)
+        self.assertEqual(ts["in1"]["size"], 0)
         self.assertEqual(ts["in0"]["size"], 64)
 
     def test_recorder_keeps_storage_keys_unique(self):
@@ -200,15 +217,15 @@ class EmulationTest(unittest.TestCase):
         self.assertEqual((F.scaled_dot_product_attention, F.dropout), before)
 
     def test_dropout_saves_a_byte_mask(self):
-        from memplan.torch.export.recorder import Recorder
+        from memplan.torch._record import Recorder
         from memplan.torch.export.emulate import CudaEmulation
 
         x = torch.empty(4, 256, device="meta", requires_grad=True)
-        rec = Recorder("d", "meta")
-        rec.register(x, "x", "input", persistent=False)
+        rec = Recorder("meta", 256, replay=False)
+        rec.register(x, "x", "input")
         with CudaEmulation(), rec:
             torch.nn.Dropout(0.1)(x).sum().backward()
-        d = rec.finish().to_dict()
+        d = rec.finish("d", {})
         graph.check(d)
         ts = by_id(d)
         fwd = [o for o in d["ops"] if o["type"] == "aten.native_dropout.default"]
@@ -221,19 +238,19 @@ class EmulationTest(unittest.TestCase):
         self.assertIn(mask, bwd[0]["inputs"])
 
     def test_random_ops_update_the_generator_in_eager_order(self):
-        from memplan.torch.export.recorder import Recorder
+        from memplan.torch._record import Recorder
         from memplan.torch.export.emulate import CudaEmulation
 
         # Two dropouts on independent branches and a `rand` that reads no
         # tensor: only the generator orders them.
         x = torch.empty(4, 256, device="meta", requires_grad=True)
-        rec = Recorder("d", "meta")
-        rec.register(x, "x", "input", persistent=False)
+        rec = Recorder("meta", 256, replay=False)
+        rec.register(x, "x", "input")
         with CudaEmulation(), rec:
             drop = torch.nn.Dropout(0.1)
             noise = torch.rand(4, 256, device="meta")
             (drop(x * 2).sum() + drop(x * 3).sum() + (x * noise).sum()).backward()
-        d = rec.finish().to_dict()
+        d = rec.finish("d", {})
         graph.check(d)
         rng = by_id(d)["rng:meta"]
         self.assertEqual((rng["size"], rng["role"], rng["lifetime"]), (0, "input", "persistent"))
@@ -272,37 +289,75 @@ class StepTest(unittest.TestCase):
     def setUpClass(cls):
         from memplan.torch.export import step
 
-        cls.mlp = step.export("mlp", batch=8).to_dict()
-        cls.attn = step.export("tiny-attn", batch=2, seq=16).to_dict()
+        cls.mlp = step.export("mlp", batch=8)
+        cls.attn = step.export("tiny-attn", batch=2, seq=16)
+        cls.mlp_eager = step.export("mlp", batch=8, update="eager")
+        cls.attn_eager = step.export("tiny-attn", batch=2, seq=16, update="eager")
+        cls.all = (cls.mlp, cls.attn, cls.mlp_eager, cls.attn_eager)
 
     def test_graph_is_valid(self):
-        for d in (self.mlp, self.attn):
+        for d in self.all:
             graph.check(d)
-            self.assertEqual(d["metadata"]["unseen_storages"], 1)  # AdamW's constant 1.0
             self.assertEqual(d["metadata"]["trace_device"], "meta")
+        self.assertEqual(self.mlp_eager["metadata"]["unseen_storages"], 1)  # AdamW's constant 1.0
+        self.assertEqual([d["metadata"]["update"] for d in self.all], ["memplan"] * 2 + ["eager"] * 2)
+
+    def test_the_default_is_the_step_capture_records(self):
+        # The export is capture's graph: the same ops as memplan.torch plans
+        # and runs for the same model, optimizer and batch.
+        import memplan.torch
+        from memplan.torch.export import step, workloads
+
+        with torch.device("meta"):
+            w = workloads.mlp(batch=8)
+        opt = step.make_optimizer("adamw", w.model)
+        g = memplan.torch.capture(w.model, opt, w.batch, w.loss, plan=False, meta_device="meta").graph
+        self.assertEqual([o["type"] for o in g["ops"]], [o["type"] for o in self.mlp["ops"]])
+        self.assertEqual([t["size"] for t in g["tensors"]], [t["size"] for t in self.mlp["tensors"]])
+
+    def test_eager_records_the_optimizers_own_foreach_kernels(self):
+        # Eager: AdamW's _foreach kernels, each over all six parameters;
+        # memplan: each parameter's update on its own, so no update op
+        # touches two parameters and memplan may run each as soon as its
+        # gradient is made.
+        six = [o for o in self.mlp_eager["ops"] if o["type"] == "aten._foreach_mul_.Scalar"]
+        self.assertTrue(six and all(len(o["updates"]) == 6 for o in six))
+        params = {t["id"] for t in self.mlp["tensors"] if t["role"] == "parameter"}
+        mine = [o for o in self.mlp["ops"] if o["kind"] == "optimizer"]
+        self.assertTrue(mine)
+        self.assertTrue(all(len(params.intersection(o.get("updates", []))) <= 1 for o in mine))
+        self.assertFalse([o["type"] for o in mine if "_foreach_" in o["type"]])
 
     def test_phases_are_in_order(self):
-        for d in (self.mlp, self.attn):
+        for d in self.all:
             kinds = [o["kind"] for o in d["ops"]]
             order = {"forward": 0, "backward": 1, "optimizer": 2}
             self.assertEqual(kinds, sorted(kinds, key=order.__getitem__))
             self.assertEqual(set(kinds), set(order))
 
     def test_roles_and_lifetimes(self):
-        d = self.mlp
+        for d in (self.mlp, self.mlp_eager):
+            self.check_roles_and_lifetimes(d)
+        ts = by_id(self.mlp_eager)
+        self.assertEqual(sorted(t["id"] for t in ts.values() if t["role"] == "input"
+                                and "view_of" not in t), ["input:x", "input:y", "unseen1"])
+
+    def check_roles_and_lifetimes(self, d):
         ts = by_id(d)
         root = roots(d)
         params = [t for t in ts.values() if t["id"].startswith("param:")]
         self.assertEqual(len(params), 6)
         self.assertTrue(all(t["lifetime"] == "persistent" for t in params))
         state = [t for t in ts.values() if t["role"] == "optimizer_state" and "view_of" not in t]
-        self.assertEqual(len(state), 18)  # exp_avg, exp_avg_sq, step per parameter
-        self.assertTrue(all(t["lifetime"] == "persistent" for t in state))
         steps = [t for t in state if t["id"].endswith(".step")]
-        self.assertTrue(all(t["size"] == 0 and t["id"].startswith("host:") for t in steps))
-        self.assertEqual(sorted(t["id"] for t in ts.values() if t["role"] == "input"
-                                and "view_of" not in t), ["host:unseen1", "input:x", "input:y"])
-        self.assertEqual(ts["input:x"]["lifetime"], "transient")
+        # exp_avg and exp_avg_sq per parameter, and in eager's step the step
+        # counters, on the host (memplan.torch counts steps in Python).
+        self.assertEqual((len(state), len(steps)), (18, 6) if d["metadata"]["update"] == "eager" else (12, 0))
+        self.assertTrue(all(t["lifetime"] == "persistent" for t in state))
+        self.assertTrue(all(t["size"] == 0 for t in steps))
+        batch = [t for t in ts.values() if t["id"].startswith("input:")]
+        self.assertEqual(len(batch), 2)
+        self.assertTrue(all(t["lifetime"] == "persistent" for t in batch))  # the caller holds the batch
         buffers = [t for t in ts.values() if t["id"].startswith("buffer:")]
         self.assertEqual(len(buffers), 3)
         # BatchNorm's step counter is updated in place in the forward pass.
@@ -318,20 +373,20 @@ class StepTest(unittest.TestCase):
         # last used by the optimizer.
         grads = {t["id"] for t in ts.values() if t["role"] == "gradient" and "view_of" not in t}
         self.assertEqual(len(grads), 6)
-        live = graph.program_order_live(d)
+        birth, death = lifetimes(d)
         kind_at = [o["kind"] for o in d["ops"]]
         for g in grads:
             self.assertEqual(ts[g]["lifetime"], "transient")
-            self.assertEqual(kind_at[live["birth"][g]], "backward")
-            self.assertEqual(kind_at[live["death"][g]], "optimizer")
+            self.assertEqual(kind_at[birth[g]], "backward")
+            self.assertEqual(kind_at[death[g]], "optimizer")
         # Every parameter is updated in place by the optimizer.
         updated = {root(x) for o in d["ops"] if o["kind"] == "optimizer" for x in o.get("updates", [])}
         self.assertTrue({p["id"] for p in params} <= updated)
         # No activation outlives the backward pass.
         last_bwd = max(i for i, k in enumerate(kind_at) if k == "backward")
         for t in ts.values():
-            if t["role"] == "activation" and t["id"] in live["death"]:
-                self.assertLessEqual(live["death"][t["id"]], last_bwd, t["id"])
+            if t["role"] == "activation" and t["id"] in death and t["lifetime"] == "transient":
+                self.assertLessEqual(death[t["id"]], last_bwd, t["id"])
 
     def test_flops_are_pytorchs_formulas(self):
         from torch.utils.flop_counter import FlopCounterMode
@@ -358,13 +413,12 @@ class StepTest(unittest.TestCase):
         # Parameters (11,560 bytes), AdamW's two moments of the same size,
         # BatchNorm's running mean and variance (64 f32 each) and its i64
         # step counter; the AdamW step counters live on the host.
-        d = self.mlp
-        resident = sum(t["size"] for t in d["tensors"]
-                       if t["lifetime"] == "persistent" and "view_of" not in t
-                       and t["role"] in ("parameter", "optimizer_state"))
-        self.assertEqual(resident, 3 * 11560 + 256 * 2 + 8)
-        live = graph.program_order_live(d)
-        self.assertGreater(live["max_live"], resident)
+        for d in (self.mlp, self.mlp_eager):
+            resident = sum(t["size"] for t in d["tensors"]
+                           if t["lifetime"] == "persistent" and "view_of" not in t
+                           and t["role"] in ("parameter", "optimizer_state"))
+            self.assertEqual(resident, 3 * 11560 + 256 * 2 + 8)
+            self.assertGreater(graph.program_order_max_live(d), resident)
 
     def test_unknown_names_are_clear_errors(self):
         from memplan.torch.export import step
@@ -375,6 +429,8 @@ class StepTest(unittest.TestCase):
             step.export("mlp", optimizer="lion")
         with self.assertRaisesRegex(ValueError, "cannot load"):
             step.export("no.such.module:f")
+        with self.assertRaisesRegex(ValueError, "unknown update 'lazy'"):
+            step.export("mlp", update="lazy")
 
 
 @unittest.skipUnless(HAVE_TORCH, SKIP)
@@ -435,8 +491,9 @@ class CliTest(unittest.TestCase):
             self.assertEqual(rc, 0)
             d = graph.load(out)
             self.assertEqual(d["metadata"]["config"]["batch"], 4)
-            live = graph.program_order_live(d)
-            self.assertIn(f"program-order max live {live['max_live']:,} bytes", buf.getvalue())
+            live = graph.program_order_max_live(d)
+            self.assertEqual(d["metadata"]["program_order_max_live_bytes"], live)
+            self.assertIn(f"program-order max live {live:,} bytes", buf.getvalue())
 
     def test_cli_errors(self):
         from memplan.torch.export.__main__ import main

@@ -493,12 +493,22 @@ class Recorder(TorchDispatchMode):
     ``device`` is the device type whose memory is planned; tensors on any
     other device (the optimizer's host scalars on a CUDA step) have size 0.
     Sizes are storage sizes in bytes; ``align`` is every tensor's alignment.
+
+    With ``replay=False`` the graph is recorded to be planned or compared,
+    not run (``python -m memplan.torch.export --update eager`` records
+    eager's own ``optimizer.step()`` this way): a value read into Python
+    (AdamW's host step counter, ``.item()``) is an op like any other, and a
+    tensor no recorded op made and nobody registered (a constant made
+    outside the step) is an input ``unseen<k>``, counted in
+    :attr:`unseen_storages`, instead of a refusal.
     """
 
-    def __init__(self, device: str, align: int) -> None:
+    def __init__(self, device: str, align: int, replay: bool = True) -> None:
         super().__init__()
         self.device = device
         self.align = align
+        self.replay = replay
+        self.unseen_storages = 0
         self.phase = "forward"
         self.tensors: List[Dict[str, Any]] = []
         self.ops: List[Dict[str, Any]] = []
@@ -567,6 +577,12 @@ class Recorder(TorchDispatchMode):
         if i is None:
             raise KeyError("the tensor was not recorded")
         return i
+
+    def root_of(self, x: torch.Tensor) -> Optional[int]:
+        """The root tensor holding `x`'s bytes, if any op or registration
+        made them (a gradient the autograd engine hands over as a new
+        object over an op's output)."""
+        return self._root_of_storage.get(storage_key(x))
 
     def root(self, i: int) -> int:
         """The root tensor whose bytes tensor `i` uses."""
@@ -671,6 +687,12 @@ class Recorder(TorchDispatchMode):
             self._by_object[x] = r  # a new object over known bytes (`.data`)
             return r
         value = x if not isinstance(x, FakeTensor) else x.constant
+        if not self.replay:
+            self.unseen_storages += 1
+            i = self._new_root(x, f"unseen{self.unseen_storages}", "input", "persistent")
+            self._fixed_role[i] = "input"
+            self._phase_of[i] = "before"
+            return i
         if value is not None:
             # A constant the step makes from Python data (`torch.tensor`):
             # its value is known, so it is a step input the runner binds.
@@ -693,9 +715,9 @@ class Recorder(TorchDispatchMode):
         if func.namespace in SKIPPED_NAMESPACES:
             return func(*args, **kwargs)
         name = func._schema.name
-        if name in GRAD_MODE_DEPENDENT:
+        if name in GRAD_MODE_DEPENDENT and self.replay:
             raise UnsupportedStep(f"{func}: {GRAD_MODE_DEPENDENT[name]}")
-        if name in DATA_DEPENDENT:
+        if name in DATA_DEPENDENT and self.replay:
             raise UnsupportedStep(
                 f"{func}: reads a tensor's value into Python (`.item()`, a data-dependent shape); "
                 "memplan replays a fixed graph, so the step must not branch on values"

@@ -2,12 +2,17 @@
 
 ``python -m memplan.torch.export --model resnet50 --batch 32 -o resnet50.json.gz``
 records one full training step (forward, loss, ``backward()``,
-``optimizer.step()``) at the aten level and writes memplan's JSON graph.
-See ``docs/torch-export.md``.
+``optimizer.step()``) and writes memplan's JSON graph. See
+``docs/torch-export.md``.
 
-Modules: :mod:`.graph` (the file format, torch-free), :mod:`.recorder` (the
-``TorchDispatchMode`` that turns aten ops into ops and storages into
-tensors), :mod:`.emulate` (CUDA kernel choices when tracing on ``meta``),
-:mod:`.workloads` (models built from configs), :mod:`.step` (warm-up, traced
-step, real measurement). Importing this package does not import torch.
+The export is a command over :func:`memplan.torch.capture` with
+``plan=False`` (the graph memplan.torch plans and runs), or, with
+``--update eager``, eager's own optimizer step recorded by the same recorder
+(:class:`memplan.torch._record.Recorder`) as a baseline.
+
+Modules: :mod:`.graph` (graph files; checks through memplan's core),
+:mod:`.emulate` (CUDA kernel choices when tracing on ``meta``),
+:mod:`.workloads` (models built from configs), :mod:`.step` (the recorded
+step in either mode, and the real measurement). Importing this package
+does not import torch.
 """

@@ -22,6 +22,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--optimizer", default="adamw",
                    choices=["adamw", "adamw-forloop", "adamw-fused", "sgd"])
+    p.add_argument("--update", default="memplan", choices=["memplan", "eager"],
+                   help="memplan: the step memplan.torch.capture records and runs (each parameter's update "
+                   "on its own); eager: the optimizer's own step() as eager PyTorch runs it, recorded as "
+                   "a baseline (docs/torch-export.md)")
     p.add_argument("--trace-device", default="auto", choices=["auto", "meta", "cuda"],
                    help="auto: fake CUDA tensors when a GPU is present, else meta tensors "
                    "with CUDA's kernel choices emulated")
@@ -58,9 +62,11 @@ def main(argv=None) -> int:
         print("error: --align and --batch must be positive", file=sys.stderr)
         return 2
     try:
-        g = step.export(args.model, args.batch, args.seq, args.dtype, args.optimizer,
-                        args.trace_device, args.align, not args.no_reuse_hints)
-    except ValueError as e:
+        d = step.export(args.model, args.batch, args.seq, args.dtype, args.optimizer,
+                        args.trace_device, args.align, not args.no_reuse_hints, args.update)
+        # memplan's core checks the graph and gives its eager order's max live.
+        live = graph.program_order_max_live(d)
+    except ValueError as e:  # MemplanError and UnsupportedStep are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
     measure = args.measure == "yes" or (args.measure == "auto" and torch.cuda.is_available())
@@ -68,23 +74,16 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("error: --measure yes needs a CUDA GPU", file=sys.stderr)
             return 2
-        g.reference_peaks.update(
-            step.measure(args.model, args.batch, args.seq, args.dtype, args.optimizer)
-        )
-        g.metadata["measured_on"] = torch.cuda.get_device_name()
-    # memplan's liveness of the eager order, computed here independently of
-    # the Rust side (whose tests compare the two).
-    live = graph.program_order_live(g.to_dict())
-    g.metadata["program_order_max_live_bytes"] = live["max_live"]
-    d = g.write(args.output)
-    print(
-        f"wrote {args.output}: {len(d['ops'])} ops, {len(d['tensors'])} tensors, "
-        f"program-order max live {live['max_live']:,} bytes at op {live['peak_step']}"
-    )
-    for k, v in sorted(g.reference_peaks.items()):
+        d["reference_peaks"] = step.measure(args.model, args.batch, args.seq, args.dtype, args.optimizer)
+        d["metadata"]["measured_on"] = torch.cuda.get_device_name()
+    d["metadata"]["program_order_max_live_bytes"] = live
+    graph.write(d, args.output)
+    print(f"wrote {args.output}: {len(d['ops'])} ops, {len(d['tensors'])} tensors, "
+          f"program-order max live {live:,} bytes")
+    for k, v in sorted(d.get("reference_peaks", {}).items()):
         print(f"  {k}: {v:,} bytes")
-    if g.metadata.get("unseen_storages"):
-        print(f"  note: {g.metadata['unseen_storages']} storages were first met as op arguments "
+    if d["metadata"].get("unseen_storages"):
+        print(f"  note: {d['metadata']['unseen_storages']} storages were first met as op arguments "
               "(recorded as inputs)")
     return 0
 

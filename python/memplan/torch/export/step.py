@@ -1,5 +1,5 @@
-"""Drives one training step: warm-up, then the traced step; optionally a real
-step on a GPU to measure PyTorch's own peaks.
+"""Records one training step of a workload as a graph, and optionally runs
+it for real on a GPU to measure PyTorch's own peaks.
 
 The step is the usual eager loop body::
 
@@ -8,12 +8,21 @@ The step is the usual eager loop body::
     optimizer.step()                        # optimizer (ops kind "optimizer")
     optimizer.zero_grad(set_to_none=True)   # no op: the gradients die
 
-One untraced warm-up step runs first, so the optimizer state (AdamW's
-``exp_avg``, ``exp_avg_sq`` and ``step``) exists before the traced step and is
-a persistent step input, as in every step of a long run but the first. The
-warm-up ends with ``zero_grad(set_to_none=True)``, so the traced step starts
-with no gradients: each ``.grad`` is made by the backward pass and dies after
-its last use in ``optimizer.step()``.
+It is recorded one of two ways (``update``), both by memplan.torch's one
+recorder (:class:`memplan.torch._record.Recorder`):
+
+- ``"memplan"`` (the default): :func:`memplan.torch.capture` with
+  ``plan=False``, so the graph is the very step ``memplan.torch`` plans and
+  runs: each parameter's update on its own (``_foreach`` kernels over one
+  parameter), which memplan may place inside the backward pass, and the
+  optimizer state made as the first ``step()`` makes it.
+- ``"eager"``: the optimizer's own ``step()`` as eager PyTorch runs it (one
+  ``_foreach`` kernel over all parameters, or the fused kernel), after one
+  untraced warm-up step that makes the optimizer state. The graph is eager's
+  own, for comparing against; it is recorded, not replayed.
+
+Either way the traced step starts with no gradient: each ``.grad`` is made
+by the backward pass and dies after its last use in the update.
 """
 
 from __future__ import annotations
@@ -25,9 +34,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from . import emulate, workloads
-from .graph import GraphBuilder
-from .recorder import Recorder
-from .._record import TORCH_DTYPES
+from .._record import TORCH_DTYPES, Recorder
 
 # name -> (constructor, description). foreach is PyTorch's default on CUDA.
 OPTIMIZERS: Dict[str, Any] = {
@@ -49,6 +56,12 @@ OPTIMIZERS: Dict[str, Any] = {
     ),
 }
 
+# How the update is recorded: name -> description (the module docs).
+UPDATES = {
+    "memplan": "each parameter's update as memplan.torch.capture records and runs it",
+    "eager": "the optimizer's own step() as eager PyTorch runs it (recorded, not replayed)",
+}
+
 # The step types --dtype takes, by their names in the graph.
 DTYPES = {name: TORCH_DTYPES[name] for name in ("f32", "bf16", "f16")}
 
@@ -60,8 +73,8 @@ def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def run_step(w: workloads.Workload, opt: torch.optim.Optimizer, rec: Optional[Recorder] = None):
-    """One training step; with a recorder, sets its phase and marks the loss
-    and the gradients. Returns the loss tensor."""
+    """One eager training step; with a recorder, sets its phase and marks
+    the loss and the gradients. Returns the loss tensor."""
     if rec is not None:
         rec.phase = "forward"
     loss = w.loss(w.model, w.batch)
@@ -72,9 +85,10 @@ def run_step(w: workloads.Workload, opt: torch.optim.Optimizer, rec: Optional[Re
         rec.phase = "backward"
     loss.backward()
     if rec is not None:
-        for name, p in w.model.named_parameters():
-            if p.grad is not None and rec.root_of(p.grad) is not None:
-                rec.mark(p.grad, "gradient")
+        for p in w.model.parameters():
+            r = rec.root_of(p.grad) if p.grad is not None else None
+            if r is not None:
+                rec.tensors[r]["role"] = "gradient"
         rec.phase = "optimizer"
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -101,6 +115,40 @@ def build(factory: Callable[..., workloads.Workload], device: str, batch, seq, d
         return factory(**kwargs)
 
 
+def _captured(w: workloads.Workload, opt, device: str, align: int, label: str) -> Dict[str, Any]:
+    """The step as :func:`memplan.torch.capture` records it (``plan=False``):
+    the workload is built on ``meta`` and traced as `device`."""
+    import memplan.torch
+
+    step = memplan.torch.capture(w.model, opt, w.batch, w.loss, plan=False, align=align, name=label,
+                                 meta_device=device)
+    return step.graph
+
+
+def _eager(w: workloads.Workload, opt, device: str, align: int, label: str) -> Dict[str, Any]:
+    """Eager's own step recorded after a warm-up step: the workload's
+    tensors are real ``meta`` tensors, or fake ``cuda`` ones."""
+    rec = Recorder(device, align, replay=False)
+    run_step(w, opt, None)  # warm-up: makes the optimizer state
+    pnames = {}
+    for name, p in w.model.named_parameters():
+        rec.register(p, f"param:{name}", "parameter")
+        pnames[p] = name
+    for name, b in w.model.named_buffers():
+        rec.register(b, f"buffer:{name}", "parameter")
+    for p, state in opt.state.items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                rec.register(v, f"state:{pnames.get(p, id(p))}.{k}", "optimizer_state")
+    for name, x in w.batch.items():
+        rec.register(x, f"input:{name}", "input")
+    with rec:
+        run_step(w, opt, rec)
+    d = rec.finish(label, {})
+    d["metadata"]["unseen_storages"] = rec.unseen_storages
+    return d
+
+
 def export(
     model: str,
     batch: Optional[int] = None,
@@ -110,46 +158,42 @@ def export(
     trace_device: str = "auto",
     align: int = 256,
     reuse_hints: bool = True,
-) -> GraphBuilder:
-    """Records one training step of a workload and returns its graph."""
+    update: str = "memplan",
+) -> Dict[str, Any]:
+    """Records one training step of a workload and returns its graph
+    document (docs/graph-format.md)."""
     factory = workloads.resolve(model)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if update not in UPDATES:
+        raise ValueError(f"unknown update {update!r}: choose one of {', '.join(UPDATES)}")
     device = resolve_trace_device(trace_device)
-    if device == "cuda":
+    # On meta, CUDA's kernel choices are emulated; on a GPU machine the
+    # tensors are fake CUDA tensors, which take them on their own.
+    emul: Any = emulate.CudaEmulation() if device == "meta" else contextlib.nullcontext()
+    if update == "eager" and device == "cuda":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        mode_ctx: Any = FakeTensorMode()
-        emul: Any = contextlib.nullcontext()
+        mode: Any = FakeTensorMode()
+        w = build(factory, device, batch, seq, DTYPES[dtype], mode)
     else:
-        mode_ctx = contextlib.nullcontext()
-        emul = emulate.CudaEmulation()
-    w = build(factory, device, batch, seq, DTYPES[dtype], mode_ctx)
+        mode = contextlib.nullcontext()
+        w = build(factory, "meta", batch, seq, DTYPES[dtype], mode)
     w.model.train()
     opt = make_optimizer(optimizer, w.model)
     label = f"{w.name}_b{w.config.get('batch', batch)}"
-    rec = Recorder(label, device, align=align, reuse_hints=reuse_hints)
-    with mode_ctx, emul, emulate.EagerDataChecks():
-        run_step(w, opt, None)  # warm-up: makes the optimizer state
-        pnames = {}
-        for name, p in w.model.named_parameters():
-            rec.register(p, f"param:{name}", "parameter", persistent=True)
-            pnames[p] = name
-        for name, b in w.model.named_buffers():
-            rec.register(b, f"buffer:{name}", "parameter", persistent=True)
-        for p, state in opt.state.items():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    rec.register(v, f"state:{pnames.get(p, id(p))}.{k}", "optimizer_state", True)
-        for name, x in w.batch.items():
-            rec.register(x, f"input:{name}", "input", persistent=False)
-        with rec:
-            run_step(w, opt, rec)
-    g = rec.finish()
+    with mode, emul, emulate.EagerDataChecks():
+        if update == "eager":
+            d = _eager(w, opt, device, align, label)
+        else:
+            d = _captured(w, opt, device, align, label)
+    if not reuse_hints:
+        for o in d["ops"]:
+            o.pop("reuse", None)
     kinds: Dict[str, int] = {}
-    for o in g.ops:
+    for o in d["ops"]:
         kinds[o["kind"]] = kinds.get(o["kind"], 0) + 1
-    g.metadata.update(
+    d["metadata"].update(
         {
             "source": "memplan.torch.export",
             "model": w.name,
@@ -157,19 +201,18 @@ def export(
             "batch": w.config.get("batch", batch),
             "dtype": dtype,
             "optimizer": OPTIMIZERS[optimizer][1],
+            "update": update,
             "trace_device": device,
             "cuda_emulation": device == "meta",
             "align": align,
             "reuse_hints": reuse_hints,
             "ops_by_kind": kinds,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in w.model.parameters()),
-            "unseen_storages": rec.unseen_storages,
-            "resized_storages": rec.resized_storages,
             "torch": torch.__version__,
             "python": platform.python_version(),
         }
     )
-    return g
+    return d
 
 
 class CudaStats:
