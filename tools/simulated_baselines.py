@@ -35,41 +35,22 @@ CHECKPOINTED_KEYS = ("pytorch-reserved", "pytorch-expandable-segments")
 
 
 def models():
-    """name -> (make the model on the meta device, batch, loss function, description)."""
-    import transformers as T
+    """name -> (make the model on the meta device, batch, loss function, description),
+    from memplan.torch's one catalogue of shapes."""
+    from memplan.torch.workloads import hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
 
-    def gpt2_xl():
-        cfg = T.GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        with torch.device("meta"):
-            return T.GPT2LMHeadModel(cfg).train()
-
-    def llama_1b():
-        cfg = T.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-                            tie_word_embeddings=True)
-        with torch.device("meta"):
-            return T.LlamaForCausalLM(cfg).train()
-
-    def lm(m, b):
-        return m(input_ids=b, labels=b).loss
-
-    def lm_bf16(m, b):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return m(input_ids=b, labels=b).loss
-
-    def tiny(cls, cfg_cls, **cfg):  # for the tests
+    def on_meta(build, shape):
         def make():
             with torch.device("meta"):
-                return cls(cfg_cls(**cfg)).train()
+                return build(shape).train()
         return make
 
     return {
-        "gpt2-tiny": (tiny(T.GPT2LMHeadModel, T.GPT2Config, n_layer=2, n_embd=64, n_head=4, vocab_size=512,
-                           n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-                      torch.zeros((2, 64), dtype=torch.long), lm, "GPT-2, 2 layers, width 64, b2 × 64, f32"),
-        "gpt2-xl": (gpt2_xl, torch.zeros((1, 1024), dtype=torch.long), lm, "GPT-2 XL, b1 × 1024, f32"),
-        "llama-1b": (llama_1b, torch.zeros((1, 2048), dtype=torch.long), lm_bf16,
+        "gpt2-tiny": (on_meta(hf_gpt2, "tiny-64"), torch.zeros((2, 64), dtype=torch.long), lm_loss,
+                      "GPT-2, 2 layers, width 64, b2 × 64, f32"),
+        "gpt2-xl": (on_meta(hf_gpt2, "xl"), torch.zeros((1, 1024), dtype=torch.long), lm_loss,
+                    "GPT-2 XL, b1 × 1024, f32"),
+        "llama-1b": (on_meta(hf_llama, "1b"), torch.zeros((1, 2048), dtype=torch.long), lm_loss_bf16,
                      "Llama 3.2 1B shape, b1 × 2048, bf16 autocast over f32 parameters"),
     }
 

@@ -56,7 +56,6 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,14 +63,9 @@ import memplan
 
 from . import capture, inductor, max_batch
 from ._run import StorageTracker, allocator_peak
-
-
-def _causal_lm(m, b):
-    return m(input_ids=b, labels=b).loss
-
-
-def _classify(m, b):
-    return F.cross_entropy(m(b[0]), b[1])
+from .workloads import classify_loss as _classify
+from .workloads import hf_gpt2, hf_llama
+from .workloads import lm_loss as _causal_lm
 
 
 def models(dropout: float = 0.0):
@@ -86,21 +80,13 @@ def models(dropout: float = 0.0):
     cases = {}
     tokens = torch.randint(0, 4096, (4, 256))
     images = (torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)))
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
         print("transformers is not installed: no Hugging Face models", file=sys.stderr)
     else:
-        cases["hf-gpt2-4l-256"] = (
-            GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096,
-                                       n_positions=256, resid_pdrop=dropout, embd_pdrop=dropout,
-                                       attn_pdrop=dropout)), tokens, _causal_lm)
-        cases["hf-llama-4l-256"] = (
-            LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=256,
-                                         intermediate_size=688, num_attention_heads=8,
-                                         num_key_value_heads=4, vocab_size=4096,
-                                         max_position_embeddings=256, attention_dropout=dropout)),
-            tokens, _causal_lm)
+        cases["hf-gpt2-4l-256"] = (hf_gpt2("4l-256", dropout), tokens, _causal_lm)
+        cases["hf-llama-4l-256"] = (hf_llama("4l-256", dropout), tokens, _causal_lm)
     try:
         import torchvision
     except ImportError:
@@ -133,18 +119,11 @@ def tiny_models(dropout: float = 0.0):
     a step's time is what calling the ops costs: the replay's overhead per
     op against eager's (``--device cpu --tiny``; on a GPU, where eager is
     bound by launches at this size). `dropout` as for :func:`models`."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (4, 16))
     return {
-        "tiny-gpt2-4l-32": (GPT2LMHeadModel(GPT2Config(
-            n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=16, resid_pdrop=dropout,
-            embd_pdrop=dropout, attn_pdrop=dropout)), tokens, _causal_lm),
-        "tiny-llama-4l-32": (LlamaForCausalLM(LlamaConfig(
-            num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=128, max_position_embeddings=16,
-            attention_dropout=dropout)), tokens, _causal_lm),
+        "tiny-gpt2-4l-32": (hf_gpt2("tiny-32", dropout), tokens, _causal_lm),
+        "tiny-llama-4l-32": (hf_llama("tiny-32", dropout), tokens, _causal_lm),
     }
 
 
@@ -681,13 +660,9 @@ def _print_device_rows(rows):
 
 
 def _gpt2_xl_case(device: str, dropout: float = 0.0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
-                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT2LMHeadModel(cfg)  # initialised where it is fast
+        model = hf_gpt2("xl", dropout)  # initialised where it is fast
     model.to("cpu")  # and kept off the device until measured (on_device)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -704,13 +679,9 @@ OPTIMIZERS = {
 
 
 def gpt2_xl(out_dir: str, time_limit: float, optimizer: str = "adamw"):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     t0 = time.perf_counter()
     with torch.device("meta"):
-        model = GPT2LMHeadModel(cfg)
+        model = hf_gpt2("xl")
         batch = torch.randint(0, 50257, (1, 1024))
     opt = OPTIMIZERS[optimizer](model.parameters())
     built = time.perf_counter() - t0
@@ -738,12 +709,8 @@ def _resized(batch):
 def largest(gib: float, probe_time: float, xl: bool):
     budget = int(gib * (1 << 30))
     if xl:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         with torch.device("meta"):
-            model = GPT2LMHeadModel(cfg)
+            model = hf_gpt2("xl")
         cases = {"gpt2-xl-s1024": (model, lambda b: torch.randint(0, 50257, (b, 1024), device="meta"),
                                    _causal_lm)}
     else:

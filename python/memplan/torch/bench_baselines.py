@@ -57,58 +57,42 @@ import memplan
 
 from . import capture, max_batch
 from ._run import allocator_peak
+from .workloads import GPT2_SHAPES, LLAMA_SHAPES, hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
 
 EAGER_SIDES = ("eager", "eager-optimizer-in-backward", "eager-selective-ac", "eager-full-ac")
 CHECKPOINTING = ("eager-selective-ac", "eager-full-ac")
 
 
-def _lm(m, b):
-    return m(input_ids=b, labels=b).loss
-
-
-def _lm_bf16(m, b):
-    """The loss under bf16 autocast on the batch's device (f32 parameters:
-    mixed precision as Hugging Face's Trainer runs ``bf16=True``)."""
-    with torch.autocast(b.device.type, dtype=torch.bfloat16):
-        return m(input_ids=b, labels=b).loss
+_lm, _lm_bf16 = lm_loss, lm_loss_bf16
 
 
 def loss_fn(bf16: bool = False):
     return _lm_bf16 if bf16 else _lm
 
 
+# --size: the catalogue's shape of each model (memplan.torch.workloads).
+SIZES = {
+    "tiny": ("tiny-64", "tiny-64", {}),  # for the tests
+    "small": ("4l-256-v8192", "4l-256-v8192", {}),
+    "medium": ("8l-1024", "8l-1024", {}),  # for a GPU: about 150M parameters each
+    # for a GPU: GPT-2 XL (1.56B) and Llama 3.2 1B's shape (tied, 1.24B), at longer sequences
+    "1b": ("xl", "1b", {"gpt2": {"n_positions": 2048}, "llama": {"max_position_embeddings": 4096}}),
+}
+
+
 def model_configs(size: str = "small") -> Dict[str, Callable[[], torch.nn.Module]]:
     """name -> a function making the model (the same weights each call)."""
-    import transformers as T
+    gpt2, llama, over = SIZES[size]
 
-    if size == "tiny":  # for the tests
-        gpt2 = dict(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
-        llama = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    elif size == "1b":  # for a GPU: GPT-2 XL (1.56B) and Llama 3.2 1B's shape (tied, 1.24B)
-        gpt2 = dict(vocab_size=50257, n_positions=2048, n_embd=1600, n_layer=48, n_head=25)
-        llama = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-                     tie_word_embeddings=True)
-    elif size == "medium":  # for a GPU: about 150M parameters each
-        gpt2 = dict(vocab_size=32000, n_positions=2048, n_embd=1024, n_layer=8, n_head=16)
-        llama = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
-    else:
-        gpt2 = dict(vocab_size=8192, n_positions=256, n_embd=256, n_layer=4, n_head=4)
-        llama = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-    def make(cls, cfg_cls, cfg):
+    def make(build_model, shape, vocab, **cfg):
         def build():
             torch.manual_seed(0)
-            return cls(cfg_cls(**cfg)).train()
-        build.vocab_size = cfg["vocab_size"]  # (without making a model: seconds at the 1b size)
+            return build_model(shape, **cfg).train()
+        build.vocab_size = vocab  # (without making a model: seconds at the 1b size)
         return build
 
-    return {"hf-gpt2": make(T.GPT2LMHeadModel, T.GPT2Config, {**gpt2, "attn_pdrop": 0.0, "resid_pdrop": 0.0,
-                                                               "embd_pdrop": 0.0}),
-            "hf-llama": make(T.LlamaForCausalLM, T.LlamaConfig, llama)}
+    return {"hf-gpt2": make(hf_gpt2, gpt2, GPT2_SHAPES[gpt2]["vocab_size"], **over.get("gpt2", {})),
+            "hf-llama": make(hf_llama, llama, LLAMA_SHAPES[llama]["vocab_size"], **over.get("llama", {}))}
 
 
 def _saved_ops():

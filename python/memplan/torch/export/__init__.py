@@ -12,7 +12,8 @@ The export is a command over :func:`memplan.torch.capture` with
 
 Modules: :mod:`.graph` (graph files; checks through memplan's core),
 :mod:`.emulate` (CUDA kernel choices when tracing on ``meta``),
-:mod:`.workloads` (models built from configs), :mod:`.step` (the recorded
+:mod:`.step` (the recorded
 step in either mode, and the real measurement). Importing this package
-does not import torch.
+does not import torch. The named workloads are
+:mod:`memplan.torch.workloads`, the catalogue the benchmarks share.
 """

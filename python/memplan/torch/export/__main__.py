@@ -48,7 +48,8 @@ def main(argv=None) -> int:
         print("error: torch is not installed (pip install torch torchvision transformers)",
               file=sys.stderr)
         return 2
-    from . import graph, step, workloads
+    from .. import workloads
+    from . import graph, step
 
     if args.list:
         for name, f in workloads.WORKLOADS.items():

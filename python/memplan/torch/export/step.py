@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import emulate, workloads
+from .. import workloads
+from . import emulate
 from .._record import TORCH_DTYPES, Recorder
 
 # name -> (constructor, description). foreach is PyTorch's default on CUDA.
