@@ -180,19 +180,53 @@ pub fn plan_by(
     deadline: Option<Instant>,
 ) -> Result<(Plan, Report), Error> {
     let start = Instant::now();
-    // What is left of the limit, and whether it has run out.
-    let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
-    let past = || deadline.is_some_and(|d| Instant::now() >= d);
     let mut report = Report::default();
     let mut lap = Instant::now();
     let low = lower::lower(g, true);
-    let p = &low.problem;
     let lowering = lap.elapsed();
     report
         .phases
         .push(("lowering".into(), lowering.as_secs_f64()));
     lap = Instant::now();
+    let cands = candidates(g, &low.problem, opts, deadline, lowering, &mut report);
+    report
+        .phases
+        .push(("ordering".into(), lap.elapsed().as_secs_f64()));
+    lap = Instant::now();
+    let (mut plan, cut) = best_layout(g, &low, &cands, opts, deadline, lowering, &mut report);
+    bound_plan(
+        &mut plan,
+        &low.problem,
+        &cands,
+        opts,
+        deadline,
+        &report,
+        cut,
+    );
+    plan.stats.solve_seconds = start.elapsed().as_secs_f64();
+    report
+        .phases
+        .push(("layout".into(), lap.elapsed().as_secs_f64()));
+    Ok((plan, report))
+}
 
+/// What is left of the limit at `deadline` (None without one).
+fn left(deadline: Option<Instant>) -> Option<Duration> {
+    deadline.map(|d| d.saturating_duration_since(Instant::now()))
+}
+
+/// The orders to lay out, lowest max live first: program order, the list
+/// schedule, the graph's given orders and the solver's, each evaluated.
+/// The solver's budget is its share of what is left, less what the work
+/// after the ordering needs.
+fn candidates(
+    g: &Graph,
+    p: &solver::Problem,
+    opts: &Options,
+    deadline: Option<Instant>,
+    lowering: Duration,
+    report: &mut Report,
+) -> Vec<Candidate> {
     let mut orders: Vec<(&'static str, Vec<solver::OpIdx>)> =
         vec![("program-order", Lowered::from_op_ids(g.program_order()))];
     orders.push(("list-schedule", solver::list_schedule(p)));
@@ -208,7 +242,7 @@ pub fn plan_by(
     // layout, the bound) cannot stop early and grows with the graph like
     // the lowering did: it keeps AFTER_ORDER times the lowering's time,
     // where that is more than the share left to it.
-    let budget = match left() {
+    let budget = match left(deadline) {
         Some(l) => {
             let after = lowering.mul_f64(AFTER_ORDER).min(l.mul_f64(0.5));
             solver::Budget::new(l.mul_f64(ORDER_SHARE).min(l.saturating_sub(after)))
@@ -218,11 +252,6 @@ pub fn plan_by(
     let sol = solver::solve(p, &given, &opts.solver, &budget, opts.progress.as_deref());
     orders.push(("memplan-solver", sol.order));
     report.solver = sol.report;
-    report
-        .phases
-        .push(("ordering".into(), lap.elapsed().as_secs_f64()));
-    lap = Instant::now();
-
     let mut cands: Vec<Candidate> = orders
         .into_iter()
         .map(|(source, order)| {
@@ -236,7 +265,21 @@ pub fn plan_by(
         })
         .collect();
     cands.sort_by_key(|c| c.eval.peak);
+    cands
+}
 
+/// Lays out the best `opts.layouts` candidates and the program-order
+/// baseline within the deadline; returns the plan with the smallest arena
+/// and whether the clock cut any of that short.
+fn best_layout(
+    g: &Graph,
+    low: &Lowered,
+    cands: &[Candidate],
+    opts: &Options,
+    deadline: Option<Instant>,
+    lowering: Duration,
+    report: &mut Report,
+) -> (Plan, bool) {
     let mut best: Option<Plan> = None;
     let keep = |best: &mut Option<Plan>, plan: Plan| {
         if best.as_ref().is_none_or(|b| {
@@ -259,15 +302,15 @@ pub fn plan_by(
     let floor_limit = opts.time_limit.mul_f64(LAYOUT_SHARE);
     for (i, c) in cands.iter().enumerate() {
         // Later candidates only while their allocator has time left.
-        let skip = i > 0 && left().is_some_and(|l| l <= layout_tail);
+        let skip = i > 0 && left(deadline).is_some_and(|l| l <= layout_tail);
         cut |= skip && i < opts.layouts.max(1);
         let arena = if i < opts.layouts.max(1) && !skip {
-            let layout_limit = left().map_or(LAYOUT_BACKSTOP, |l| {
+            let layout_limit = left(deadline).map_or(LAYOUT_BACKSTOP, |l| {
                 l.saturating_sub(layout_tail)
                     .max(if i == 0 { floor_limit } else { Duration::ZERO })
                     .min(LAYOUT_BACKSTOP)
             });
-            let (plan, hit) = layout_within(g, &low, &c.order, &c.eval, c.source, layout_limit);
+            let (plan, hit) = layout_within(g, low, &c.order, &c.eval, c.source, layout_limit);
             cut |= hit;
             let a = plan.arena_bytes;
             keep(&mut best, plan);
@@ -283,15 +326,29 @@ pub fn plan_by(
     // deadline (given up there: its layout is quadratic in the worst case),
     // and skipped where less is left than a layout's tail (its own lowering
     // and evaluation cost about that before the layout starts).
-    match left() {
+    match left(deadline) {
         Some(l) if l <= layout_tail => cut = true,
         _ => match crate::baselines::program_order_greedy_until(g, deadline) {
             Some(b) => keep(&mut best, b),
             None => cut = true,
         },
     }
+    (best.expect("at least one candidate"), cut)
+}
 
-    let mut plan = best.expect("at least one candidate");
+/// Sets `plan`'s lower bound (the floor over every order, or the solver's
+/// part bounds where stronger or where the clock has run out) and whether
+/// the time limit cut the plan short (`cut`, or the deadline now past).
+fn bound_plan(
+    plan: &mut Plan,
+    p: &solver::Problem,
+    cands: &[Candidate],
+    opts: &Options,
+    deadline: Option<Instant>,
+    report: &Report,
+    mut cut: bool,
+) {
+    let past = || deadline.is_some_and(|d| Instant::now() >= d);
     let bound_start = Instant::now();
     // The bound's share, within the deadline (the simple bound, linear,
     // is always computed).
@@ -307,7 +364,7 @@ pub fn plan_by(
         let b = report.solver.lower_bound;
         (b, "part-bound", b)
     } else {
-        lower_bound(p, &cands, bound_deadline)
+        lower_bound(p, cands, bound_deadline)
     };
     // The solver's part bounds hold for every order too (checked against
     // every order of small problems in the solver's tests and in
@@ -328,11 +385,6 @@ pub fn plan_by(
     plan.stats.lower_bound_bytes = bound.min(plan.stats.max_live_bytes);
     plan.stats.lower_bound_kind = kind.into();
     plan.stats.time_limit_hit = cut || past();
-    plan.stats.solve_seconds = start.elapsed().as_secs_f64();
-    report
-        .phases
-        .push(("layout".into(), lap.elapsed().as_secs_f64()));
-    Ok((plan, report))
 }
 
 /// Share of the time limit the first candidate's layout always has, even

@@ -448,7 +448,10 @@ pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Er
     Ok(out)
 }
 
-/// Adds chain `c`'s `k` chunks to `b`; returns the ops added.
+/// Adds chain `c`'s `k` chunks to `b`; returns the ops added: the views
+/// of the rows, then per chunk its forward ([`Chunks::forward`]), the sum
+/// of the partial losses ([`Chunks::sum`]) and its backward
+/// ([`Chunks::backward`]), then the pack of the input's gradient.
 fn emit_chunks(
     g: &Graph,
     b: &mut GraphBuilder,
@@ -456,38 +459,85 @@ fn emit_chunks(
     k: u64,
     tm: &dyn Fn(TensorId) -> TensorId,
 ) -> Vec<OpId> {
-    let [a, ce, ceb, d, e] = c.ops.map(|o| g.op(o));
-    let (rows, width, classes) = (c.rows, c.width, c.classes);
-    let spec_of = |t: TensorId| TensorSpec::from(g.tensor(t));
-    let (ys, ts, ls, dls, dys) = (
-        spec_of(c.y),
-        spec_of(c.targets),
-        spec_of(c.logits),
-        spec_of(c.dlogits),
-        spec_of(c.dy),
+    let mut ch = Chunks::new(g, c, k, tm);
+    let (vy, y_parts) = ch.view(b, c.y, c.width);
+    let (vt, t_parts) = ch.view(b, c.targets, 1);
+    ch.ops.extend([vy, vt]);
+    let mut sum: Option<TensorId> = None;
+    let mut dy_parts = Vec::new();
+    for i in 0..ch.parts.len() {
+        let (ce_in, part) = ch.forward(b, i, y_parts[i], t_parts[i]);
+        sum = Some(match sum {
+            Some(prev) => ch.sum(b, i, prev, part),
+            None => part,
+        });
+        dy_parts.push(ch.backward(b, i, ce_in, y_parts[i], t_parts[i]));
+    }
+    let d = g.op(c.ops[3]);
+    let offsets: Vec<u64> = ch.parts.iter().map(|&(lo, _)| lo * c.width).collect();
+    ch.ops.push(
+        b.add_op(
+            OpSpec::new(format!("{}.pack", d.name), d.kind, "pack")
+                .inputs(dy_parts)
+                .outputs([tm(c.dy)])
+                .attr("offsets", offsets)
+                .attr("elements", c.rows * c.width)
+                .flops(0.0)
+                .stream(d.stream),
+        ),
     );
-    let (y_e, t_e, l_e, dl_e, dy_e) = (
-        elem_bytes(&ys, rows * width),
-        elem_bytes(&ts, rows),
-        elem_bytes(&ls, rows * classes),
-        elem_bytes(&dls, rows * classes),
-        elem_bytes(&dys, rows * width),
-    );
-    let parts = chunk_rows(rows, k);
-    let frac = |n: u64| n as f64 / rows as f64;
-    let scaled = |x: Option<f64>, n: u64| x.map(|v| v * frac(n));
-    let mut ops = Vec::new();
+    ch.ops
+}
 
-    // Views of the rows of y and of the targets.
-    let view = |b: &mut GraphBuilder, base: TensorId, spec: &TensorSpec, row: u64, ebytes: u64| {
+/// What the chunks of one chain are made from: the chain, its tensors'
+/// specs, the rows of each chunk, and the ops added so far.
+struct Chunks<'a> {
+    g: &'a Graph,
+    c: &'a LossChain,
+    tm: &'a dyn Fn(TensorId) -> TensorId,
+    /// `[lo, hi)` rows of each chunk.
+    parts: Vec<(u64, u64)>,
+    ops: Vec<OpId>,
+}
+
+impl<'a> Chunks<'a> {
+    fn new(g: &'a Graph, c: &'a LossChain, k: u64, tm: &'a dyn Fn(TensorId) -> TensorId) -> Self {
+        Chunks {
+            g,
+            c,
+            tm,
+            parts: chunk_rows(c.rows, k),
+            ops: Vec::new(),
+        }
+    }
+
+    fn spec(&self, t: TensorId) -> TensorSpec {
+        TensorSpec::from(self.g.tensor(t))
+    }
+
+    /// Bytes per element of tensor `t`, which holds `elements`.
+    fn elem(&self, t: TensorId, elements: u64) -> u64 {
+        elem_bytes(&self.spec(t), elements)
+    }
+
+    /// `x` (a cost or FLOPs of the whole chain's op) for `n` of its rows.
+    fn scaled(&self, x: Option<f64>, n: u64) -> Option<f64> {
+        x.map(|v| v * n as f64 / self.c.rows as f64)
+    }
+
+    /// Views of the chunks' rows of `base` (`row` elements a row), made
+    /// by one `view` op.
+    fn view(&self, b: &mut GraphBuilder, base: TensorId, row: u64) -> (OpId, Vec<TensorId>) {
+        let spec = self.spec(base);
+        let ebytes = self.elem(base, self.c.rows * row);
         let mut out = Vec::new();
         let mut offsets = Vec::new();
-        for (i, &(lo, hi)) in parts.iter().enumerate() {
+        for (i, &(lo, hi)) in self.parts.iter().enumerate() {
             let mut s =
                 TensorSpec::new(format!("{}.chunk{i}", spec.name), (hi - lo) * row * ebytes)
                     .role(spec.role)
                     .align(spec.align)
-                    .view_of(tm(base));
+                    .view_of((self.tm)(base));
             s.dtype = spec.dtype.clone();
             s.shape = Some(if row == 1 {
                 vec![hi - lo]
@@ -499,150 +549,181 @@ fn emit_chunks(
         }
         let op = b.add_op(
             OpSpec::new(format!("{}.chunks", spec.name), OpKind::Other, "view")
-                .inputs([tm(base)])
+                .inputs([(self.tm)(base)])
                 .outputs(out.clone())
                 .attr("offsets", offsets),
         );
         (op, out)
-    };
-    let (vy, y_parts) = view(b, c.y, &ys, width, y_e);
-    let (vt, t_parts) = view(b, c.targets, &ts, 1, t_e);
-    ops.extend([vy, vt]);
+    }
 
-    let like = |spec: &TensorSpec, name: String, shape: Vec<u64>, bytes: u64| {
-        let mut s = TensorSpec::new(name, bytes)
-            .role(spec.role)
-            .align(spec.align)
-            .lifetime(Lifetime::Transient);
+    /// Chunk `i` of tensor `t`: a transient tensor of `shape` like `t`.
+    fn like(&self, b: &mut GraphBuilder, t: TensorId, i: usize, shape: Vec<u64>) -> TensorId {
+        let spec = self.spec(t);
+        let elements: u64 = shape.iter().product();
+        let total: u64 = self.c.rows * shape[1..].iter().product::<u64>();
+        let mut s = TensorSpec::new(
+            format!("{}.chunk{i}", spec.name),
+            elements * self.elem(t, total),
+        )
+        .role(spec.role)
+        .align(spec.align)
+        .lifetime(Lifetime::Transient);
         s.dtype = spec.dtype.clone();
         s.shape = Some(shape);
-        s
-    };
-    let copy_op = |op: &crate::graph::Op, name: String| {
-        let mut s = OpSpec::new(name, op.kind, op.op_type.clone());
+        b.add_tensor(s)
+    }
+
+    /// Chunk `i`'s copy of the chain's op `o` (its kind, type, stream and
+    /// attributes).
+    fn copy_op(&self, o: usize, i: usize) -> OpSpec {
+        let op = self.g.op(self.c.ops[o]);
+        let mut s = OpSpec::new(format!("{}.chunk{i}", op.name), op.kind, op.op_type.clone());
         s.stream = op.stream;
         s.attrs = op.attrs.clone();
         s
-    };
-    let loss_spec = spec_of(c.loss);
-    let mut sum: Option<TensorId> = None;
-    let mut dy_parts = Vec::new();
-    for (i, &(lo, hi)) in parts.iter().enumerate() {
-        let n = hi - lo;
-        let logits = b.add_tensor(like(
-            &ls,
-            format!("{}.chunk{i}", ls.name),
-            vec![n, classes],
-            n * classes * l_e,
-        ));
-        let mut s = copy_op(a, format!("{}.chunk{i}", a.name))
-            .inputs([y_parts[i], tm(c.head)])
-            .outputs([logits]);
-        s.attrs.insert("m".into(), json!(n));
-        s.cost = scaled(a.cost, n);
-        s.flops = scaled(a.flops, n);
-        ops.push(b.add_op(s));
+    }
 
-        let part = b.add_tensor(
-            TensorSpec::new(format!("{}.chunk{i}", loss_spec.name), 4)
+    /// A one-element f32 partial loss or running sum.
+    fn scalar(&self, b: &mut GraphBuilder, name: String) -> TensorId {
+        let loss = self.spec(self.c.loss);
+        b.add_tensor(
+            TensorSpec::new(name, 4)
                 .role(Role::Activation)
-                .align(loss_spec.align)
+                .align(loss.align)
                 .dtype("f32")
                 .shape(vec![1]),
-        );
+        )
+    }
+
+    /// Chunk `i`'s forward: its logits (the head's product on its rows of
+    /// `y`), their upcast if the chain has one, and its partial loss
+    /// (divided by all the rows). Returns what the loss read and the
+    /// partial loss.
+    fn forward(
+        &mut self,
+        b: &mut GraphBuilder,
+        i: usize,
+        y: TensorId,
+        targets: TensorId,
+    ) -> (TensorId, TensorId) {
+        let (c, g) = (self.c, self.g);
+        let (lo, hi) = self.parts[i];
+        let n = hi - lo;
+        let logits = self.like(b, c.logits, i, vec![n, c.classes]);
+        let a = g.op(c.ops[0]);
+        let mut s = self
+            .copy_op(0, i)
+            .inputs([y, (self.tm)(c.head)])
+            .outputs([logits]);
+        s.attrs.insert("m".into(), json!(n));
+        s.cost = self.scaled(a.cost, n);
+        s.flops = self.scaled(a.flops, n);
+        self.ops.push(b.add_op(s));
+
+        let part = self.scalar(b, format!("{}.chunk{i}", self.spec(c.loss).name));
         // The upcast, if the chain has one: the loss reads its output.
         let ce_in = match c.up {
             None => logits,
-            Some((cast, out)) => cast_chunk(b, g, cast, out, logits, i, n * classes, &mut ops),
+            Some((cast, out)) => {
+                cast_chunk(b, g, cast, out, logits, i, n * c.classes, &mut self.ops)
+            }
         };
-        let mut s = copy_op(ce, format!("{}.chunk{i}", ce.name))
-            .inputs([ce_in, t_parts[i]])
-            .outputs([part]);
+        let ce = g.op(c.ops[1]);
+        let mut s = self.copy_op(1, i).inputs([ce_in, targets]).outputs([part]);
         s.attrs.insert("rows".into(), json!(n));
-        s.attrs.insert("divisor".into(), json!(rows));
-        s.cost = scaled(ce.cost, n);
-        s.flops = scaled(ce.flops, n);
-        ops.push(b.add_op(s));
-        if let Some(prev) = sum {
-            let last = i + 1 == parts.len();
-            let out = if last {
-                tm(c.loss)
-            } else {
-                b.add_tensor(
-                    TensorSpec::new(format!("{}.sum{i}", loss_spec.name), 4)
-                        .role(Role::Activation)
-                        .align(loss_spec.align)
-                        .dtype("f32")
-                        .shape(vec![1]),
-                )
-            };
-            ops.push(
-                b.add_op(
-                    OpSpec::new(format!("{}.sum{i}", ce.name), ce.kind, "add")
-                        .inputs([prev, part])
-                        .outputs([out])
-                        .attr("elements", 1)
-                        .stream(ce.stream),
-                ),
-            );
-            sum = Some(out);
-        } else {
-            sum = Some(part);
-        }
+        s.attrs.insert("divisor".into(), json!(c.rows));
+        s.cost = self.scaled(ce.cost, n);
+        s.flops = self.scaled(ce.flops, n);
+        self.ops.push(b.add_op(s));
+        (ce_in, part)
+    }
 
-        let dlogits = b.add_tensor(like(
-            &dls,
-            format!("{}.chunk{i}", dls.name),
-            vec![n, classes],
-            n * classes * dl_e,
-        ));
-        let mut s = copy_op(ceb, format!("{}.chunk{i}", ceb.name))
-            .inputs([ce_in, t_parts[i]])
+    /// Adds chunk `i`'s partial loss to the running sum `prev`; the last
+    /// sum is the chain's loss. Returns the new sum.
+    fn sum(&mut self, b: &mut GraphBuilder, i: usize, prev: TensorId, part: TensorId) -> TensorId {
+        let c = self.c;
+        let ce = self.g.op(c.ops[1]);
+        let out = if i + 1 == self.parts.len() {
+            (self.tm)(c.loss)
+        } else {
+            self.scalar(b, format!("{}.sum{i}", self.spec(c.loss).name))
+        };
+        self.ops.push(
+            b.add_op(
+                OpSpec::new(format!("{}.sum{i}", ce.name), ce.kind, "add")
+                    .inputs([prev, part])
+                    .outputs([out])
+                    .attr("elements", 1)
+                    .stream(ce.stream),
+            ),
+        );
+        out
+    }
+
+    /// Chunk `i`'s backward: the logits' gradient (in the loss input's
+    /// bytes where the chain's op may reuse them), its downcast if the
+    /// chain has one, the gradient of its rows of `y`, and its share of the
+    /// head's gradient (made by the first chunk, accumulated by the rest).
+    /// Returns the rows' gradient.
+    fn backward(
+        &mut self,
+        b: &mut GraphBuilder,
+        i: usize,
+        ce_in: TensorId,
+        y: TensorId,
+        targets: TensorId,
+    ) -> TensorId {
+        let (c, g) = (self.c, self.g);
+        let (ceb, d, e) = (g.op(c.ops[2]), g.op(c.ops[3]), g.op(c.ops[4]));
+        let (lo, hi) = self.parts[i];
+        let n = hi - lo;
+        let (classes, width) = (c.classes, c.width);
+        let dlogits = self.like(b, c.dlogits, i, vec![n, classes]);
+        let mut s = self
+            .copy_op(2, i)
+            .inputs([ce_in, targets])
             .outputs([dlogits]);
         let ce_in_orig = c.up.map_or(c.logits, |u| u.1);
         if ceb.reuse.contains(&(c.dlogits, ce_in_orig))
-            && dl_e <= b.tensor_spec(ce_in).size / (n * classes)
+            && self.elem(c.dlogits, c.rows * classes) <= b.tensor_spec(ce_in).size / (n * classes)
         {
             s = s.reuse(dlogits, ce_in);
         }
         s.attrs.insert("rows".into(), json!(n));
-        s.cost = scaled(ceb.cost, n);
-        s.flops = scaled(ceb.flops, n);
-        ops.push(b.add_op(s));
+        s.cost = self.scaled(ceb.cost, n);
+        s.flops = self.scaled(ceb.flops, n);
+        self.ops.push(b.add_op(s));
 
-        let dy = b.add_tensor(like(
-            &dys,
-            format!("{}.chunk{i}", dys.name),
-            vec![n, width],
-            n * width * dy_e,
-        ));
+        let dy = self.like(b, c.dy, i, vec![n, width]);
         // The downcast, if the chain has one: the products read its output.
         let mm_in = match c.down {
             None => dlogits,
-            Some((cast, out)) => cast_chunk(b, g, cast, out, dlogits, i, n * classes, &mut ops),
+            Some((cast, out)) => {
+                cast_chunk(b, g, cast, out, dlogits, i, n * classes, &mut self.ops)
+            }
         };
-        let mut s = copy_op(d, format!("{}.chunk{i}", d.name))
-            .inputs([mm_in, tm(c.head)])
+        let mut s = self
+            .copy_op(3, i)
+            .inputs([mm_in, (self.tm)(c.head)])
             .outputs([dy]);
         s.attrs.insert("m".into(), json!(n));
-        s.cost = scaled(d.cost, n);
-        s.flops = scaled(d.flops, n);
-        ops.push(b.add_op(s));
-        dy_parts.push(dy);
+        s.cost = self.scaled(d.cost, n);
+        s.flops = self.scaled(d.flops, n);
+        self.ops.push(b.add_op(s));
 
-        let mut s = copy_op(e, format!("{}.chunk{i}", e.name)).inputs([mm_in, y_parts[i]]);
+        let mut s = self.copy_op(4, i).inputs([mm_in, y]);
         s = if i == 0 {
-            s.outputs([tm(c.dhead)])
+            s.outputs([(self.tm)(c.dhead)])
         } else {
-            s.updates([tm(c.dhead)]).attr("accumulate", true)
+            s.updates([(self.tm)(c.dhead)]).attr("accumulate", true)
         };
         s.attrs.insert("k".into(), json!(n));
-        s.cost = scaled(e.cost, n);
+        s.cost = self.scaled(e.cost, n);
         // 2·V·n·C for the product, V·C for adding it to the sum.
         let product = 2.0 * (classes * n * width) as f64;
         s.flops = Some(
             match e.flops {
-                Some(f) => f * frac(n),
+                Some(f) => f * n as f64 / c.rows as f64,
                 None => product,
             } + if i == 0 {
                 0.0
@@ -650,21 +731,9 @@ fn emit_chunks(
                 (classes * width) as f64
             },
         );
-        ops.push(b.add_op(s));
+        self.ops.push(b.add_op(s));
+        dy
     }
-    let offsets: Vec<u64> = parts.iter().map(|&(lo, _)| lo * width).collect();
-    ops.push(
-        b.add_op(
-            OpSpec::new(format!("{}.pack", d.name), d.kind, "pack")
-                .inputs(dy_parts)
-                .outputs([tm(c.dy)])
-                .attr("offsets", offsets)
-                .attr("elements", rows * width)
-                .flops(0.0)
-                .stream(d.stream),
-        ),
-    );
-    ops
 }
 
 /// `g` with every separable chain split into `k` chunks (`--split-chunks`);
