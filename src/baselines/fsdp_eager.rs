@@ -127,165 +127,226 @@ pub fn applies(g: &Graph) -> bool {
 
 /// FSDP2 eager's order of `g` (see the module doc), or `None` when `g`
 /// has no unit-named all-gathers or the rebuilt order would break one of
-/// its dependencies.
+/// its dependencies: the ops outside the units in program order, each
+/// unit's gathers issued `prefetch` units ahead of their first use
+/// ([`Units::issue_gathers`]), and each unit's reductions merged in as
+/// soon as all of them are ready ([`Units::merge_reductions`]).
 pub fn eager_order(g: &Graph, prefetch: Prefetch) -> Option<Vec<OpId>> {
     if !applies(g) {
         return None;
     }
-    let n = g.num_ops();
-    let program = g.program_order();
-    let mut position = vec![0usize; n];
-    for (i, &o) in program.iter().enumerate() {
-        position[o.index()] = i;
-    }
-    let mut users: Vec<Vec<OpId>> = vec![Vec::new(); n];
-    for o in g.op_ids() {
-        for &d in g.deps(o) {
-            users[d.index()].push(o);
-        }
-    }
-    // Gather groups, keyed by (pass, unit): every op tagged with both.
-    const FREE: usize = usize::MAX;
-    let mut group_of = vec![FREE; n];
-    let mut keys: BTreeMap<(&str, &str), usize> = BTreeMap::new();
-    let mut members: Vec<Vec<OpId>> = Vec::new();
-    let mut pass_of: Vec<bool> = Vec::new(); // true: backward
-    for &o in program {
-        let (Some(unit), Some(pass)) = (attr(g, o, "fsdp_unit"), attr(g, o, "fsdp_pass")) else {
-            continue;
+    let units = Units::new(g);
+    let base = units.issue_gathers(prefetch)?;
+    units.merge_reductions(base)
+}
+
+/// Not in any group.
+const FREE: usize = usize::MAX;
+
+/// The units of an FSDP2 step: its gather groups and its reductions.
+struct Units<'g> {
+    g: &'g Graph,
+    program: &'g [OpId],
+    /// Per op: its gather group (every op tagged with one (pass, unit)), or FREE.
+    group_of: Vec<usize>,
+    /// Each gather group's ops, in program order.
+    members: Vec<Vec<OpId>>,
+    /// Per gather group: whether it is the backward pass's.
+    backward: Vec<bool>,
+    /// Per op: its unit's reduction (ops tagged with a unit and no pass), or FREE.
+    reduction_of: Vec<usize>,
+    /// Each unit's reduction ops, in program order.
+    reductions: Vec<Vec<OpId>>,
+}
+
+impl<'g> Units<'g> {
+    fn new(g: &'g Graph) -> Self {
+        let n = g.num_ops();
+        let program = g.program_order();
+        let mut u = Units {
+            g,
+            program,
+            group_of: vec![FREE; n],
+            members: Vec::new(),
+            backward: Vec::new(),
+            reduction_of: vec![FREE; n],
+            reductions: Vec::new(),
         };
-        let next = members.len();
-        let k = *keys.entry((pass, unit)).or_insert(next);
-        if k == next {
-            members.push(Vec::new());
-            pass_of.push(pass == "backward");
-        }
-        group_of[o.index()] = k;
-        members[k].push(o);
-    }
-    // The reductions: every op tagged with a unit and no pass; a unit's
-    // run together once all of them are ready.
-    let asap = |o: OpId| group_of[o.index()] == FREE && attr(g, o, "fsdp_unit").is_some();
-    let mut reduction_of = vec![FREE; n];
-    let mut reductions: Vec<Vec<OpId>> = Vec::new();
-    let mut unit_reduction: HashMap<&str, usize> = HashMap::new();
-    for &o in program.iter().filter(|&&o| asap(o)) {
-        let unit = attr(g, o, "fsdp_unit").unwrap_or_default();
-        let next = reductions.len();
-        let k = *unit_reduction.entry(unit).or_insert(next);
-        if k == next {
-            reductions.push(Vec::new());
-        }
-        reduction_of[o.index()] = k;
-        reductions[k].push(o);
-    }
-    // The rest in program order; each group's first use in it.
-    let rest: Vec<OpId> = program
-        .iter()
-        .copied()
-        .filter(|&o| group_of[o.index()] == FREE && !asap(o))
-        .collect();
-    let mut first_use = vec![usize::MAX; members.len()];
-    for (i, &o) in rest.iter().enumerate() {
-        for &d in g.deps(o) {
-            let k = group_of[d.index()];
-            if k != FREE && first_use[k] == usize::MAX {
-                first_use[k] = i;
+        let mut keys: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+        for &o in program {
+            let (Some(unit), Some(pass)) = (attr(g, o, "fsdp_unit"), attr(g, o, "fsdp_pass"))
+            else {
+                continue;
+            };
+            let next = u.members.len();
+            let k = *keys.entry((pass, unit)).or_insert(next);
+            if k == next {
+                u.members.push(Vec::new());
+                u.backward.push(pass == "backward");
             }
+            u.group_of[o.index()] = k;
+            u.members[k].push(o);
         }
+        let mut unit_reduction: HashMap<&str, usize> = HashMap::new();
+        for &o in program {
+            if !u.reduces(o) {
+                continue;
+            }
+            let unit = attr(g, o, "fsdp_unit").unwrap_or_default();
+            let next = u.reductions.len();
+            let k = *unit_reduction.entry(unit).or_insert(next);
+            if k == next {
+                u.reductions.push(Vec::new());
+            }
+            u.reduction_of[o.index()] = k;
+            u.reductions[k].push(o);
+        }
+        u
     }
-    // A gather nothing reads has no place to be issued: keep program order.
-    if first_use.contains(&usize::MAX) {
-        return None;
+
+    /// Whether `o` is one of a unit's reductions: tagged with a unit and
+    /// no pass.
+    fn reduces(&self, o: OpId) -> bool {
+        self.group_of[o.index()] == FREE && attr(self.g, o, "fsdp_unit").is_some()
     }
-    // Issue each group `prefetch` groups of its pass ahead of its use.
-    let mut issue_at: HashMap<usize, Vec<usize>> = HashMap::new();
-    for backward in [false, true] {
-        let mut ks: Vec<usize> = (0..members.len())
-            .filter(|&k| pass_of[k] == backward)
+
+    /// A reduction op that reads nothing (an empty buffer): it waits for
+    /// its first reader, as eager makes it there.
+    fn source(&self, o: OpId) -> bool {
+        self.reduces(o) && self.g.deps(o).is_empty()
+    }
+
+    /// The ops outside the units in program order, with each gather group
+    /// issued `prefetch` groups of its pass ahead of its first use; `None`
+    /// when a gather has no reader (no place to issue it).
+    fn issue_gathers(&self, prefetch: Prefetch) -> Option<Vec<OpId>> {
+        let g = self.g;
+        let rest: Vec<OpId> = self
+            .program
+            .iter()
+            .copied()
+            .filter(|&o| self.group_of[o.index()] == FREE && !self.reduces(o))
             .collect();
-        ks.sort_by_key(|&k| (first_use[k], k));
-        let d = if backward {
-            prefetch.backward
-        } else {
-            prefetch.forward
-        };
-        for (j, &k) in ks.iter().enumerate() {
-            let at = first_use[ks[j.saturating_sub(d)]];
-            issue_at.entry(at).or_default().push(k);
-        }
-    }
-    let mut base = Vec::with_capacity(n);
-    for (i, &o) in rest.iter().enumerate() {
-        for &k in issue_at.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
-            base.extend_from_slice(&members[k]);
-        }
-        base.push(o);
-    }
-    // Merge each unit's reduction in as soon as all of it is ready. An op
-    // that reads nothing (an empty buffer) waits for its first reader
-    // instead, as eager makes it there.
-    let source = |o: OpId| asap(o) && g.deps(o).is_empty();
-    let mut missing = vec![0usize; reductions.len()];
-    for (k, ops) in reductions.iter().enumerate() {
-        for &o in ops.iter().filter(|&&o| !source(o)) {
-            missing[k] += g
-                .deps(o)
-                .iter()
-                .filter(|&&d| !source(d) && reduction_of[d.index()] != k)
-                .count();
-        }
-    }
-    let mut ready: BinaryHeap<Reverse<(usize, usize)>> = (0..reductions.len())
-        .filter(|&k| missing[k] == 0)
-        .map(|k| Reverse((position[reductions[k][0].index()], k)))
-        .collect();
-    let mut order = Vec::with_capacity(n);
-    let mut done = vec![false; n];
-    let mut rest = base.into_iter();
-    loop {
-        let ops: Vec<OpId> = match ready.pop() {
-            Some(Reverse((_, k))) => reductions[k]
-                .iter()
-                .copied()
-                .filter(|&o| !source(o))
-                .collect(),
-            None => match rest.next() {
-                Some(o) => vec![o],
-                None => break,
-            },
-        };
-        for o in ops {
+        let mut first_use = vec![usize::MAX; self.members.len()];
+        for (i, &o) in rest.iter().enumerate() {
             for &d in g.deps(o) {
-                if source(d) && !done[d.index()] {
-                    done[d.index()] = true;
-                    order.push(d);
+                let k = self.group_of[d.index()];
+                if k != FREE && first_use[k] == usize::MAX {
+                    first_use[k] = i;
                 }
             }
-            if g.deps(o).iter().any(|d| !done[d.index()]) {
-                return None; // would break a dependency: keep program order
+        }
+        if first_use.contains(&usize::MAX) {
+            return None;
+        }
+        let mut issue_at: HashMap<usize, Vec<usize>> = HashMap::new();
+        for backward in [false, true] {
+            let mut ks: Vec<usize> = (0..self.members.len())
+                .filter(|&k| self.backward[k] == backward)
+                .collect();
+            ks.sort_by_key(|&k| (first_use[k], k));
+            let d = if backward {
+                prefetch.backward
+            } else {
+                prefetch.forward
+            };
+            for (j, &k) in ks.iter().enumerate() {
+                let at = first_use[ks[j.saturating_sub(d)]];
+                issue_at.entry(at).or_default().push(k);
             }
-            done[o.index()] = true;
-            order.push(o);
-            for &w in &users[o.index()] {
-                let k = reduction_of[w.index()];
-                if k != FREE && k != reduction_of[o.index()] && !source(o) && !source(w) {
-                    missing[k] -= 1;
-                    if missing[k] == 0 {
-                        ready.push(Reverse((position[reductions[k][0].index()], k)));
+        }
+        let mut base = Vec::with_capacity(g.num_ops());
+        for (i, &o) in rest.iter().enumerate() {
+            for &k in issue_at.get(&i).map(Vec::as_slice).unwrap_or(&[]) {
+                base.extend_from_slice(&self.members[k]);
+            }
+            base.push(o);
+        }
+        Some(base)
+    }
+
+    /// `base` with each unit's reduction merged in as soon as all of it is
+    /// ready (a source when its first reader runs, the unread ones last);
+    /// `None` where that would break a dependency.
+    fn merge_reductions(&self, base: Vec<OpId>) -> Option<Vec<OpId>> {
+        let (g, n) = (self.g, self.g.num_ops());
+        let mut position = vec![0usize; n];
+        for (i, &o) in self.program.iter().enumerate() {
+            position[o.index()] = i;
+        }
+        let mut users: Vec<Vec<OpId>> = vec![Vec::new(); n];
+        for o in g.op_ids() {
+            for &d in g.deps(o) {
+                users[d.index()].push(o);
+            }
+        }
+        let reduction_of = &self.reduction_of;
+        let mut missing = vec![0usize; self.reductions.len()];
+        for (k, ops) in self.reductions.iter().enumerate() {
+            for &o in ops.iter().filter(|&&o| !self.source(o)) {
+                missing[k] += g
+                    .deps(o)
+                    .iter()
+                    .filter(|&&d| !self.source(d) && reduction_of[d.index()] != k)
+                    .count();
+            }
+        }
+        let first = |k: usize| Reverse((position[self.reductions[k][0].index()], k));
+        let mut ready: BinaryHeap<Reverse<(usize, usize)>> = (0..self.reductions.len())
+            .filter(|&k| missing[k] == 0)
+            .map(first)
+            .collect();
+        let mut order = Vec::with_capacity(n);
+        let mut done = vec![false; n];
+        let mut rest = base.into_iter();
+        loop {
+            let ops: Vec<OpId> = match ready.pop() {
+                Some(Reverse((_, k))) => self.reductions[k]
+                    .iter()
+                    .copied()
+                    .filter(|&o| !self.source(o))
+                    .collect(),
+                None => match rest.next() {
+                    Some(o) => vec![o],
+                    None => break,
+                },
+            };
+            for o in ops {
+                for &d in g.deps(o) {
+                    if self.source(d) && !done[d.index()] {
+                        done[d.index()] = true;
+                        order.push(d);
+                    }
+                }
+                if g.deps(o).iter().any(|d| !done[d.index()]) {
+                    return None; // would break a dependency: keep program order
+                }
+                done[o.index()] = true;
+                order.push(o);
+                for &w in &users[o.index()] {
+                    let k = reduction_of[w.index()];
+                    if k != FREE
+                        && k != reduction_of[o.index()]
+                        && !self.source(o)
+                        && !self.source(w)
+                    {
+                        missing[k] -= 1;
+                        if missing[k] == 0 {
+                            ready.push(first(k));
+                        }
                     }
                 }
             }
         }
+        // Sources nothing reads, last.
+        order.extend(
+            self.program
+                .iter()
+                .copied()
+                .filter(|&o| self.source(o) && !done[o.index()]),
+        );
+        (order.len() == n).then_some(order)
     }
-    // Sources nothing reads, last.
-    order.extend(
-        program
-            .iter()
-            .copied()
-            .filter(|&o| source(o) && !done[o.index()]),
-    );
-    (order.len() == n).then_some(order)
 }
 
 /// The largest buffer `o` touches (a gather's gathered parameter, a
