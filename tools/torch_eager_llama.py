@@ -84,11 +84,11 @@ def parse_args(argv):
     return a
 
 
-def build(a, torch):
-    nn = torch.nn
+def graph_kernels(torch):
+    """The rotation and the fused kernels of memplan's built-in Llama graph
+    (`rope`, `rmsnorm`, `swiglu`), as autograd functions saving what the
+    graph's kernels save."""
     F = torch.nn.functional
-    d = a.width // a.heads
-    group = a.heads // a.kv_heads
 
     def rope(x, cos, sin):
         # Rotate pairs (x[2i], x[2i+1]) by position * theta^(-2i/D).
@@ -135,6 +135,16 @@ def build(a, torch):
             dgate.addcmul_(dup, dgate, value=-1).add_(dup).mul_(dh).mul_(up)  # s·(1 + gate·(1 − s))·dh·up
             dup.mul_(dh)
             return dgu
+
+    return rope, FusedRMSNorm, FusedSwiGLU
+
+
+def build(a, torch):
+    nn = torch.nn
+    F = torch.nn.functional
+    d = a.width // a.heads
+    group = a.heads // a.kv_heads
+    rope, FusedRMSNorm, FusedSwiGLU = graph_kernels(torch)
 
     class Norm(nn.RMSNorm):
         def forward(self, x):
