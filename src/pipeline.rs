@@ -61,7 +61,7 @@ impl std::str::FromStr for Split {
                 Ok(k) if k >= 2 => Ok(Split::Chunks(k)),
                 Ok(1) => Ok(Split::Off),
                 _ => Err(format!(
-                    "--split takes auto, off or a number of chunks (2 or more), got {s:?}"
+                    "split takes auto, off or a number of chunks (2 or more), got {s:?}"
                 )),
             },
         }

@@ -38,6 +38,25 @@ extern "C" {
  * "stats" the lower bound and the gap to it. */
 int memplan_plan(const char *graph_json, double time_limit_seconds, char **out);
 
+/* memplan_plan, with the loss chain (LM head, cross-entropy and their
+ * backward) split into chunks of rows where that lowers the arena
+ * (docs/splitting.md): `split` is "auto" (2 to 32 chunks tried), "off", or
+ * a number of chunks. On success *out is {"graph": the graph planned (split
+ * or not), "plan": its checked plan, "split": {"chunks" (1: not split),
+ * "chains", "tried" ([chunks, arena bytes] each), "added_flops",
+ * "step_flops"}}. */
+int memplan_plan_split(const char *graph_json, double time_limit_seconds, const char *split,
+                       char **out);
+
+/* What `graph_json` needs without memplan, simulated on the graph (the
+ * baselines of `memplan compare`): PyTorch eager's caching allocator with
+ * and without expandable segments, the optimizer in the backward pass, the
+ * program order's max live bytes. `device` is "cuda" or "cpu" (how FSDP2
+ * eager issues a captured sharded step's all-gathers). On success *out is
+ * {"baselines": [{"name", "peak_bytes", "description"}, ...],
+ * "best_eager": the eager configuration that needs the least, or null}. */
+int memplan_baselines(const char *graph_json, const char *device, char **out);
+
 /* Checks `plan_json` against `graph_json` with memplan's independent
  * checker. On success *out is the checker's report as JSON:
  * {"max_live_bytes", "used_bytes", "ops", "tensors_placed"}. */

@@ -106,6 +106,48 @@ pub unsafe extern "C" fn memplan_plan(
     }
 }
 
+/// Plans `graph_json`, splitting its loss chain as `split` asks; see
+/// `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for `graph_json` and `split`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_plan_split(
+    graph_json: *const c_char,
+    time_limit_seconds: f64,
+    split: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let s = text(split, "split")?;
+            memplan::api::plan_split_json(g, time_limit_seconds, s).map_err(Failure::from)
+        })
+    }
+}
+
+/// What `graph_json` needs without memplan; see `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for `graph_json` and `device`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_baselines(
+    graph_json: *const c_char,
+    device: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let d = text(device, "device")?;
+            memplan::api::baselines_json(g, d).map_err(Failure::from)
+        })
+    }
+}
+
 /// Checks `plan_json` against `graph_json`; see `memplan.h`.
 ///
 /// # Safety

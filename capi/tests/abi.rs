@@ -7,8 +7,9 @@ use std::ffi::{CStr, CString, c_char};
 use std::ptr;
 
 use memplan_capi::{
-    memplan_at_batch, memplan_check, memplan_example, memplan_fit, memplan_fit_within,
-    memplan_max_batch, memplan_plan, memplan_string_free, memplan_version,
+    memplan_at_batch, memplan_baselines, memplan_check, memplan_example, memplan_fit,
+    memplan_fit_within, memplan_max_batch, memplan_plan, memplan_plan_split, memplan_string_free,
+    memplan_version,
 };
 
 fn take(p: *mut c_char) -> String {
@@ -68,6 +69,54 @@ fn plans_and_checks_through_the_c_abi() {
         .to_str()
         .unwrap();
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
+}
+
+#[test]
+fn baselines_and_split_plans_through_the_c_abi() {
+    let g = CString::new(GRAPH).unwrap();
+    let cuda = CString::new("cuda").unwrap();
+    let mut out = ptr::null_mut();
+    // SAFETY: valid strings and out pointer, here and below.
+    let rc = unsafe { memplan_baselines(g.as_ptr(), cuda.as_ptr(), &mut out) };
+    let v = json(rc, out);
+    let base = v["baselines"].as_array().unwrap();
+    let program = base.iter().find(|b| b["name"] == "program-order").unwrap();
+    assert_eq!(program["peak_bytes"], 6144, "{v}");
+    assert!(v["best_eager"].is_string(), "{v}");
+    let tpu = CString::new("tpu").unwrap();
+    let rc = unsafe { memplan_baselines(g.as_ptr(), tpu.as_ptr(), &mut out) };
+    let e = error(rc, out);
+    assert_eq!(rc, code("INVALID_ARGUMENT"), "{e}");
+    assert!(e.contains("\"tpu\""), "{e}");
+    let rc = unsafe { memplan_baselines(g.as_ptr(), ptr::null(), &mut out) };
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
+    assert!(error(rc, out).contains("device is NULL"));
+
+    // A step with a loss chain, split in two and by choice.
+    let spec = CString::new("gpt2-tiny").unwrap();
+    let rc = unsafe { memplan_example(spec.as_ptr(), &mut out) };
+    let step = CString::new(json(rc, out).to_string()).unwrap();
+    let two = CString::new("2").unwrap();
+    let rc = unsafe { memplan_plan_split(step.as_ptr(), 2.0, two.as_ptr(), &mut out) };
+    let v = json(rc, out);
+    assert_eq!(v["split"]["chunks"], 2, "{}", v["split"]);
+    // The plan is the split graph's, and the checker takes it.
+    let (sg, sp) = (
+        CString::new(v["graph"].to_string()).unwrap(),
+        CString::new(v["plan"].to_string()).unwrap(),
+    );
+    let rc = unsafe { memplan_check(sg.as_ptr(), sp.as_ptr(), &mut out) };
+    json(rc, out);
+    let off = CString::new("off").unwrap();
+    let rc = unsafe { memplan_plan_split(step.as_ptr(), 2.0, off.as_ptr(), &mut out) };
+    assert_eq!(json(rc, out)["split"]["chunks"], 1);
+    let bad = CString::new("some").unwrap();
+    let rc = unsafe { memplan_plan_split(step.as_ptr(), 2.0, bad.as_ptr(), &mut out) };
+    let e = error(rc, out);
+    assert_eq!(rc, code("INVALID_ARGUMENT"), "{e}");
+    let rc = unsafe { memplan_plan_split(step.as_ptr(), 2.0, ptr::null(), &mut out) };
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
+    assert!(error(rc, out).contains("split is NULL"));
 }
 
 /// `h` (4096 bytes) is read again by the backward op `b2`: recomputing `f`

@@ -16,6 +16,9 @@ paths to files (`.json`, or `.json.gz`).
     # How small it gets for at most 0.1% more FLOPs:
     memplan.fit("step.json", max_added=0.001, minimise="flops")["arena_bytes"]
 
+    # The loss chain run on chunks of tokens where that lowers the arena:
+    memplan.plan_split("step.json", split="auto")["split"]["chunks"]
+
     # A built-in step: one rank of Llama 3 8B under FSDP2, bf16 compute.
     memplan.plan(memplan.example("llama3-8b,world=8,mixed,checkpoint"))
 
@@ -110,6 +113,24 @@ def plan(graph, time_limit=10.0):
     and `peak_bytes`). The plan has passed memplan's independent checker.
     """
     return _call(_memplan.plan_json, _text(graph, "graph"), _seconds(time_limit))
+
+
+def plan_split(graph, split="auto", time_limit=10.0):
+    """Plans `graph` as :func:`plan` does, with its loss chain (the LM
+    head's product, the cross-entropy and their backward ops) run on
+    chunks of its rows where that lowers the arena: the same math
+    (docs/splitting.md). `split` is ``"auto"`` (2 to 32 chunks tried),
+    ``"off"``, or a number of chunks.
+
+    Returns ``{"graph", "plan", "split"}``: the graph that was planned
+    (split or not), its plan (checked), and ``split`` with ``chunks`` (1:
+    not split), ``chains``, ``tried`` (``[chunks, arena bytes]`` of each
+    candidate), ``added_flops`` and ``step_flops``.
+    """
+    if isinstance(split, bool) or not isinstance(split, (str, int)):
+        raise MemplanError(f"split must be 'auto', 'off' or a number of chunks, not {_shown(split)}",
+                           "invalid_argument")
+    return _call(_memplan.plan_split_json, _text(graph, "graph"), _seconds(time_limit), str(split))
 
 
 def baselines(graph, device="cuda"):

@@ -28,6 +28,20 @@ fn plan_json(py: Python<'_>, graph_json: &str, time_limit: f64) -> PyResult<Stri
         .map_err(err)
 }
 
+/// Plans the graph document with its loss chain split as `split` asks;
+/// returns `{"graph", "plan", "split"}` as JSON.
+#[pyfunction]
+fn plan_split_json(
+    py: Python<'_>,
+    graph_json: &str,
+    time_limit: f64,
+    split: &str,
+) -> PyResult<String> {
+    let (g, s) = (graph_json.to_string(), split.to_string());
+    py.detach(move || memplan::api::plan_split_json(&g, time_limit, &s))
+        .map_err(err)
+}
+
 /// The baselines of the graph document (`memplan compare`'s), as JSON.
 #[pyfunction]
 fn baselines_json(py: Python<'_>, graph_json: &str, device: &str) -> PyResult<String> {
@@ -119,6 +133,7 @@ fn parse_bytes(text: &str) -> PyResult<u64> {
 #[pymodule]
 fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_split_json, m)?)?;
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
     m.add_function(wrap_pyfunction!(baselines_json, m)?)?;
     m.add_function(wrap_pyfunction!(read_text, m)?)?;

@@ -67,6 +67,26 @@ class PlanAndCheck(unittest.TestCase):
         with self.assertRaisesRegex(memplan.MemplanError, "unknown"):
             memplan.baselines({**TWO_OPS, "ops": [{"id": "f", "inputs": ["nope"], "outputs": ["h"]}]})
 
+    def test_plan_split_chunks_the_loss_chain_where_it_lowers_the_arena(self):
+        g = memplan.example("gpt2-tiny")
+        whole = memplan.plan(g, time_limit=2)["arena_bytes"]
+        two = memplan.plan_split(g, split=2, time_limit=2)
+        self.assertEqual(two["split"]["chunks"], 2)
+        self.assertLess(two["plan"]["arena_bytes"], whole)
+        self.assertEqual(memplan.check(two["graph"], two["plan"])["max_live_bytes"],
+                         two["plan"]["stats"]["max_live_bytes"])
+        auto = memplan.plan_split(g, time_limit=2)
+        self.assertLessEqual(auto["plan"]["arena_bytes"], two["plan"]["arena_bytes"])
+        self.assertEqual(auto["split"]["tried"][0][0], 1)  # the step as it is, first
+        self.assertEqual(memplan.plan_split(g, split="off", time_limit=2)["split"]["chunks"], 1)
+        # A graph with no loss chain is planned as it is.
+        self.assertEqual(memplan.plan_split(TWO_OPS, time_limit=1)["split"]["chunks"], 1)
+        for bad in (True, 1.5, None, "some", 0):
+            with self.subTest(split=bad), self.assertRaises(memplan.MemplanError) as e:
+                memplan.plan_split(g, split=bad, time_limit=1)
+            self.assertEqual(e.exception.kind, "invalid_argument")
+            self.assertIn("split", str(e.exception))
+
     def test_a_broken_plan_is_refused_with_the_reason(self):
         p = memplan.plan(TWO_OPS, time_limit=1)
         swapped = copy.deepcopy(p)
