@@ -216,41 +216,7 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
     if g.users_of_root(ce_in).len() != 2 {
         return None;
     }
-    let ce = readers_of_type(g, ce_in, "cross_entropy");
-    let ceb = readers_of_type(g, ce_in, "cross_entropy_backward");
-    let (&[b], &[cb]) = (ce.as_slice(), ceb.as_slice()) else {
-        return None;
-    };
-    let (bo, cbo) = (g.op(b), g.op(cb));
-    if bo.inputs.len() != 2
-        || bo.inputs[0] != ce_in
-        || bo.outputs.len() != 1
-        || cbo.inputs != bo.inputs
-        || cbo.outputs.len() != 1
-        || !bo.updates.is_empty()
-        || !cbo.updates.is_empty()
-    {
-        return None;
-    }
-    let targets = bo.inputs[1];
-    let (loss, dlogits) = (bo.outputs[0], cbo.outputs[0]);
-    for o in [b, cb] {
-        if attr_u64(g, o, "rows")? != rows || attr_u64(g, o, "classes")? != classes {
-            return None;
-        }
-        if g.op(o)
-            .attrs
-            .get("divisor")
-            .is_some_and(|d| d.as_u64() != Some(rows))
-        {
-            return None;
-        }
-    }
-    cbo.attrs.get("scale")?.as_f64()?;
-    let loss_t = g.tensor(loss);
-    if loss_t.view_of.is_some() || loss_t.dtype.as_deref() != Some("f32") || loss_t.size != 4 {
-        return None;
-    }
+    let (b, cb, targets, loss, dlogits) = loss_ops(g, ce_in, rows, classes)?;
     if !plain(g, dlogits) {
         return None;
     }
@@ -259,34 +225,7 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
     if g.users_of_root(mm_in).len() != 2 {
         return None;
     }
-    let nn = readers_of_type(g, mm_in, "matmul_nn");
-    let tn = readers_of_type(g, mm_in, "matmul_tn");
-    let (&[d], &[e]) = (nn.as_slice(), tn.as_slice()) else {
-        return None;
-    };
-    let (dop, eop) = (g.op(d), g.op(e));
-    if dop.inputs != [mm_in, head]
-        || eop.inputs != [mm_in, y]
-        || dop.outputs.len() != 1
-        || eop.outputs.len() != 1
-        || !dop.updates.is_empty()
-        || !eop.updates.is_empty()
-        || eop
-            .attrs
-            .get("accumulate")
-            .is_some_and(|v| v != &Value::Bool(false))
-    {
-        return None;
-    }
-    let (dy, dhead) = (dop.outputs[0], eop.outputs[0]);
-    let dims = |o, m, k, n| {
-        attr_u64(g, o, "m") == Some(m)
-            && attr_u64(g, o, "k") == Some(k)
-            && attr_u64(g, o, "n") == Some(n)
-    };
-    if !dims(d, rows, classes, width) || !dims(e, classes, rows, width) {
-        return None;
-    }
+    let (d, e, dy, dhead) = products(g, mm_in, head, y, [rows, width, classes])?;
     // Rows are contiguous: the byte sizes must be rows × row.
     let elems = |t: TensorId| {
         g.tensor(t)
@@ -328,6 +267,98 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
         up,
         down,
     })
+}
+
+/// The chain's loss and its backward: the one `cross_entropy` and the one
+/// `cross_entropy_backward` reading `ce_in` (the logits, or their upcast)
+/// and the same targets, over `rows` rows of `classes`, the mean over all
+/// rows, the loss one f32. Returns the two ops, the targets, the loss and
+/// the logits' gradient.
+fn loss_ops(
+    g: &Graph,
+    ce_in: TensorId,
+    rows: u64,
+    classes: u64,
+) -> Option<(OpId, OpId, TensorId, TensorId, TensorId)> {
+    let ce = readers_of_type(g, ce_in, "cross_entropy");
+    let ceb = readers_of_type(g, ce_in, "cross_entropy_backward");
+    let (&[b], &[cb]) = (ce.as_slice(), ceb.as_slice()) else {
+        return None;
+    };
+    let (bo, cbo) = (g.op(b), g.op(cb));
+    if bo.inputs.len() != 2
+        || bo.inputs[0] != ce_in
+        || bo.outputs.len() != 1
+        || cbo.inputs != bo.inputs
+        || cbo.outputs.len() != 1
+        || !bo.updates.is_empty()
+        || !cbo.updates.is_empty()
+    {
+        return None;
+    }
+    let targets = bo.inputs[1];
+    let (loss, dlogits) = (bo.outputs[0], cbo.outputs[0]);
+    for o in [b, cb] {
+        if attr_u64(g, o, "rows")? != rows || attr_u64(g, o, "classes")? != classes {
+            return None;
+        }
+        if g.op(o)
+            .attrs
+            .get("divisor")
+            .is_some_and(|d| d.as_u64() != Some(rows))
+        {
+            return None;
+        }
+    }
+    cbo.attrs.get("scale")?.as_f64()?;
+    let loss_t = g.tensor(loss);
+    if loss_t.view_of.is_some() || loss_t.dtype.as_deref() != Some("f32") || loss_t.size != 4 {
+        return None;
+    }
+    Some((b, cb, targets, loss, dlogits))
+}
+
+/// The head's two backward products reading `mm_in` (the logits'
+/// gradient, or its downcast): `matmul_nn` with the head (the gradient of
+/// `y`) and `matmul_tn` with `y` (the head's gradient, not accumulated),
+/// of the chain's `[rows, width, classes]`. Returns the two ops and their
+/// outputs.
+fn products(
+    g: &Graph,
+    mm_in: TensorId,
+    head: TensorId,
+    y: TensorId,
+    [rows, width, classes]: [u64; 3],
+) -> Option<(OpId, OpId, TensorId, TensorId)> {
+    let nn = readers_of_type(g, mm_in, "matmul_nn");
+    let tn = readers_of_type(g, mm_in, "matmul_tn");
+    let (&[d], &[e]) = (nn.as_slice(), tn.as_slice()) else {
+        return None;
+    };
+    let (dop, eop) = (g.op(d), g.op(e));
+    if dop.inputs != [mm_in, head]
+        || eop.inputs != [mm_in, y]
+        || dop.outputs.len() != 1
+        || eop.outputs.len() != 1
+        || !dop.updates.is_empty()
+        || !eop.updates.is_empty()
+        || eop
+            .attrs
+            .get("accumulate")
+            .is_some_and(|v| v != &Value::Bool(false))
+    {
+        return None;
+    }
+    let (dy, dhead) = (dop.outputs[0], eop.outputs[0]);
+    let dims = |o, m, k, n| {
+        attr_u64(g, o, "m") == Some(m)
+            && attr_u64(g, o, "k") == Some(k)
+            && attr_u64(g, o, "n") == Some(n)
+    };
+    if !dims(d, rows, classes, width) || !dims(e, classes, rows, width) {
+        return None;
+    }
+    Some((d, e, dy, dhead))
 }
 
 /// Every loss chain of `g` that can be split (disjoint, in program order).

@@ -23,11 +23,7 @@ const DISPATCH: &[(&str, &str)] = &[
 /// never add to this list.
 const DEBT: &[(&str, &str, usize)] = &[
     ("runtime/src/cpu/flash.rs", "fused_attention_backward", 134),
-    ("solver/src/profile.rs", "scan", 128),
     ("src/baselines/fsdp_eager.rs", "flat_buffers", 141),
-    ("src/cli/report.rs", "text", 129),
-    ("src/cli/run.rs", "print", 130),
-    ("src/split.rs", "chain_at", 136),
 ];
 
 const ROOTS: &[&str] = &[

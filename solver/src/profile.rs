@@ -136,70 +136,10 @@ impl Profile {
         let i = self.ev.pos[v.index()] as usize;
         let peak = self.ev.peak;
         let curve = &self.ev.curve;
-        // v's buffers.
-        let mut out_ext = 0u64;
-        let mut out_step = 0u64;
-        let mut own: Vec<(BufIdx, usize, usize)> = Vec::new(); // (buf, lo gap, hi gap)
-        for b in p.outputs(v) {
-            let s = p.size(b);
-            out_step += s;
-            if s == 0 {
-                continue;
-            }
-            if p.buf(b).persistent || p.num_users(b) > 0 {
-                out_ext += s;
-            }
-            let (a, z) = gap_span(p, &self.ev, b, n);
-            own.push((b, a, z));
-        }
-        let mut in_all = 0u64;
-        // Non-persistent inputs: (size, last step of another user or of the
-        // producer; -1 for none).
-        let mut ins: Vec<(u64, i64)> = Vec::new();
-        for b in p.uses(v) {
-            let s = p.size(b);
-            if s == 0 {
-                continue;
-            }
-            in_all += s;
-            let (a, z) = gap_span(p, &self.ev, b, n);
-            own.push((b, a, z));
-            if !p.buf(b).persistent {
-                ins.push((s, self.dminus(p, b, v)));
-            }
-        }
-        // Hints of v: (inp's other-users bound, out size, inp, out).
-        let hints: Vec<(i64, u64, BufIdx, BufIdx)> = p
-            .reuses_of(v)
-            .filter(|r| {
-                !p.buf(r.inp).persistent && r.out != r.inp && p.size(r.out) <= p.size(r.inp)
-            })
-            .map(|r| (self.dminus(p, r.inp, v), p.size(r.out), r.inp, r.out))
-            .collect();
-        let own_step = |g: usize| -> u64 {
-            let mine: u64 = own
-                .iter()
-                .filter(|&&(_, a, z)| a <= g && g <= z)
-                .map(|&(b, _, _)| p.size(b))
-                .sum();
-            let across = self.across[g] - mine;
-            let mut saved = 0;
-            let mut busy: Vec<BufIdx> = Vec::new();
-            for &(dm, s, inp, out) in &hints {
-                if dm < g as i64 && !busy.contains(&inp) && !busy.contains(&out) {
-                    busy.push(inp);
-                    busy.push(out);
-                    saved += s;
-                }
-            }
-            across + out_step + in_all - saved
-        };
-        let in_delta = |q: usize| -> i128 {
-            ins.iter()
-                .filter(|&&(_, dm)| dm < q as i64)
-                .map(|&(s, _)| s as i128)
-                .sum()
-        };
+        let m = self.moving(p, v);
+        let own_step = |g: usize| m.step_bytes(p, self.across[g], g);
+        let in_delta = |q: usize| m.freed_before(q);
+        let out_ext = m.out_ext;
         let count_peak = |a: usize, b: usize| -> u32 {
             // Steps at the peak in [a, b).
             if a >= b {
@@ -258,6 +198,44 @@ impl Profile {
         out
     }
 
+    /// What moving `v` changes, gathered once per [`Self::scan`].
+    fn moving(&self, p: &Problem, v: OpIdx) -> Moved {
+        let n = self.order.len();
+        let mut m = Moved::default();
+        for b in p.outputs(v) {
+            let s = p.size(b);
+            m.out_step += s;
+            if s == 0 {
+                continue;
+            }
+            if p.buf(b).persistent || p.num_users(b) > 0 {
+                m.out_ext += s;
+            }
+            let (a, z) = gap_span(p, &self.ev, b, n);
+            m.own.push((b, a, z));
+        }
+        for b in p.uses(v) {
+            let s = p.size(b);
+            if s == 0 {
+                continue;
+            }
+            m.in_all += s;
+            let (a, z) = gap_span(p, &self.ev, b, n);
+            m.own.push((b, a, z));
+            if !p.buf(b).persistent {
+                m.ins.push((s, self.dminus(p, b, v)));
+            }
+        }
+        m.hints = p
+            .reuses_of(v)
+            .filter(|r| {
+                !p.buf(r.inp).persistent && r.out != r.inp && p.size(r.out) <= p.size(r.inp)
+            })
+            .map(|r| (self.dminus(p, r.inp, v), p.size(r.out), r.inp, r.out))
+            .collect();
+        m
+    }
+
     /// Last step of a user of `b` other than `v`, or of its producer;
     /// -1 when neither exists.
     fn dminus(&self, p: &Problem, b: BufIdx, v: OpIdx) -> i64 {
@@ -305,6 +283,59 @@ fn gap_span(p: &Problem, ev: &Evaluation, b: BufIdx, n: usize) -> (usize, usize)
         ev.death[b.index()] as usize
     };
     (lo, hi)
+}
+
+/// The buffers of an op being moved ([`Profile::scan`]): what its step
+/// holds, and what leaves the steps it moves across.
+#[derive(Default)]
+struct Moved {
+    /// Bytes of its outputs that outlive its step (used later, or persistent).
+    out_ext: u64,
+    /// Bytes of all its outputs.
+    out_step: u64,
+    /// Bytes of all its inputs.
+    in_all: u64,
+    /// Its buffers with the gaps they span: (buffer, first gap, last gap).
+    own: Vec<(BufIdx, usize, usize)>,
+    /// Non-persistent inputs: (size, last step of another user or of the
+    /// producer; -1 for none).
+    ins: Vec<(u64, i64)>,
+    /// Its reuse hints: (the input's other-users bound, output size,
+    /// input, output).
+    hints: Vec<(i64, u64, BufIdx, BufIdx)>,
+}
+
+impl Moved {
+    /// Bytes live at the op's step when it runs in gap `g`, `across` being
+    /// the bytes live across that gap today.
+    fn step_bytes(&self, p: &Problem, across: u64, g: usize) -> u64 {
+        let mine: u64 = self
+            .own
+            .iter()
+            .filter(|&&(_, a, z)| a <= g && g <= z)
+            .map(|&(b, _, _)| p.size(b))
+            .sum();
+        let mut saved = 0;
+        let mut busy: Vec<BufIdx> = Vec::new();
+        for &(dm, s, inp, out) in &self.hints {
+            if dm < g as i64 && !busy.contains(&inp) && !busy.contains(&out) {
+                busy.push(inp);
+                busy.push(out);
+                saved += s;
+            }
+        }
+        across - mine + self.out_step + self.in_all - saved
+    }
+
+    /// Bytes of the inputs whose other uses all end before step `q`: they
+    /// die with the op, wherever it moves past `q`.
+    fn freed_before(&self, q: usize) -> i128 {
+        self.ins
+            .iter()
+            .filter(|&&(_, dm)| dm < q as i64)
+            .map(|&(s, _)| s as i128)
+            .sum()
+    }
 }
 
 #[cfg(test)]

@@ -59,6 +59,46 @@ pub fn text(g: &Graph, plan: &Plan, r: &Report) -> String {
     out.push_str("\ncandidate orders:\n");
     out.push_str(&table(&["order", "max live", "arena"], &rows));
 
+    out.push_str(&parts_text(s));
+    // The parts stop at their own (simple) bounds; the plan's bound below
+    // (the min-cut floor over the whole step) may prove what they could not.
+    let proof = if s.proven {
+        ", proven optimal".to_string()
+    } else if plan.stats.lower_bound_bytes >= s.peak {
+        format!(
+            ", proven optimal by the plan's {} bound",
+            plan.stats.lower_bound_kind
+        )
+    } else {
+        String::new()
+    };
+    out.push_str(&format!(
+        "\n{}: order peak {} ({} bytes), parts' bound {} ({} bytes), gap {:.2}%{}\n",
+        g.name,
+        human_bytes(s.peak),
+        grouped(s.peak),
+        human_bytes(s.lower_bound),
+        grouped(s.lower_bound),
+        100.0 * s.gap(),
+        proof
+    ));
+    out.push_str(&format!(
+        "plan: arena {} ({} bytes) from {} + {}, max live {}, lower bound {} ({})\n",
+        human_bytes(plan.arena_bytes),
+        grouped(plan.arena_bytes),
+        plan.stats.order_source,
+        plan.stats.layout_source,
+        human_bytes(plan.stats.max_live_bytes),
+        human_bytes(plan.stats.lower_bound_bytes),
+        plan.stats.lower_bound_kind
+    ));
+    out
+}
+
+/// The solver's parts: how many of each kind, how many proven, and the
+/// ones with the highest peaks.
+fn parts_text(s: &memplan_solver::SolveReport) -> String {
+    let mut out = String::new();
     let keys = s
         .parts
         .iter()
@@ -114,38 +154,6 @@ pub fn text(g: &Graph, plan: &Plan, r: &Report) -> String {
             "method",
         ],
         &rows,
-    ));
-    // The parts stop at their own (simple) bounds; the plan's bound below
-    // (the min-cut floor over the whole step) may prove what they could not.
-    let proof = if s.proven {
-        ", proven optimal".to_string()
-    } else if plan.stats.lower_bound_bytes >= s.peak {
-        format!(
-            ", proven optimal by the plan's {} bound",
-            plan.stats.lower_bound_kind
-        )
-    } else {
-        String::new()
-    };
-    out.push_str(&format!(
-        "\n{}: order peak {} ({} bytes), parts' bound {} ({} bytes), gap {:.2}%{}\n",
-        g.name,
-        human_bytes(s.peak),
-        grouped(s.peak),
-        human_bytes(s.lower_bound),
-        grouped(s.lower_bound),
-        100.0 * s.gap(),
-        proof
-    ));
-    out.push_str(&format!(
-        "plan: arena {} ({} bytes) from {} + {}, max live {}, lower bound {} ({})\n",
-        human_bytes(plan.arena_bytes),
-        grouped(plan.arena_bytes),
-        plan.stats.order_source,
-        plan.stats.layout_source,
-        human_bytes(plan.stats.max_live_bytes),
-        human_bytes(plan.stats.lower_bound_bytes),
-        plan.stats.lower_bound_kind
     ));
     out
 }

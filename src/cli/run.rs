@@ -188,56 +188,12 @@ fn print(
         times.clone()
     };
     let med = median(steady);
-    let s = &plan.stats;
     if a.json {
-        let steps: Vec<_> = r
-            .steps
-            .iter()
-            .enumerate()
-            .map(|(i, st)| {
-                json!({
-                    "step": i + 1,
-                    "loss": st.loss,
-                    "seconds": st.seconds,
-                    "planned_peak_bytes": plan.arena_bytes,
-                    "measured_peak_bytes": st.measured_bytes,
-                })
-            })
-            .collect();
-        let v = json!({
-            "graph": name,
-            "device": device,
-            "world_size": world,
-            "planned": !a.unplanned,
-            "arena_bytes": r.arena_bytes,
-            "workspace_bytes": r.workspace_bytes,
-            "lower_bound_bytes": s.lower_bound_bytes,
-            "order_source": s.order_source,
-            "layout_source": s.layout_source,
-            "median_step_seconds": med,
-            "attention": match a.attention {
-                AttentionArg::Auto => "auto",
-                AttentionArg::Flash => "flash",
-                AttentionArg::Gemm => "gemm",
-                AttentionArg::TensorCores => "tensor-cores",
-            },
-            "steps": steps,
-            "profile": a.profile.then(|| r.profile.iter().map(|k| json!({
-                "kernel": k.kernel,
-                "instrs": k.instrs,
-                "seconds_per_step": k.seconds,
-            })).collect::<Vec<_>>()),
-            "compare_cpu": agree.map(|g| json!({
-                "loss_rel": g.loss_rel,
-                "state_rel_l2": g.state_rel_l2,
-                "worst_tensor": g.worst_tensor.as_ref().map(|w| &w.0),
-                "worst_tensor_rel_l2": g.worst_tensor.as_ref().map(|w| w.1),
-                "elements": g.elements,
-            })),
-        });
+        let v = run_json(a, name, plan, world, r, agree, med);
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
+    let s = &plan.stats;
     println!(
         "{name} on {device}, world size {world}: arena {} ({} bytes, {}), workspace {}",
         human_bytes(r.arena_bytes),
@@ -296,6 +252,69 @@ fn print(
         );
     }
     Ok(())
+}
+
+/// `memplan run --json`'s document: the run's setup, each step, the
+/// profile and the comparison with the CPU executor when asked.
+fn run_json(
+    a: &RunArgs,
+    name: &str,
+    plan: &memplan::Plan,
+    world: u32,
+    r: &RunReport,
+    agree: Option<&Agreement>,
+    med: f64,
+) -> serde_json::Value {
+    let s = &plan.stats;
+    let device = match a.device {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+    };
+    let steps: Vec<_> = r
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(i, st)| {
+            json!({
+                "step": i + 1,
+                "loss": st.loss,
+                "seconds": st.seconds,
+                "planned_peak_bytes": plan.arena_bytes,
+                "measured_peak_bytes": st.measured_bytes,
+            })
+        })
+        .collect();
+    json!({
+        "graph": name,
+        "device": device,
+        "world_size": world,
+        "planned": !a.unplanned,
+        "arena_bytes": r.arena_bytes,
+        "workspace_bytes": r.workspace_bytes,
+        "lower_bound_bytes": s.lower_bound_bytes,
+        "order_source": s.order_source,
+        "layout_source": s.layout_source,
+        "median_step_seconds": med,
+        "attention": match a.attention {
+            AttentionArg::Auto => "auto",
+            AttentionArg::Flash => "flash",
+            AttentionArg::Gemm => "gemm",
+            AttentionArg::TensorCores => "tensor-cores",
+        },
+        "steps": steps,
+        "profile": a.profile.then(|| r.profile.iter().map(|k| json!({
+            "kernel": k.kernel,
+            "instrs": k.instrs,
+            "seconds_per_step": k.seconds,
+        })).collect::<Vec<_>>()),
+        "compare_cpu": agree.map(|g| json!({
+            "loss_rel": g.loss_rel,
+            "state_rel_l2": g.state_rel_l2,
+            "worst_tensor": g.worst_tensor.as_ref().map(|w| &w.0),
+            "worst_tensor_rel_l2": g.worst_tensor.as_ref().map(|w| w.1),
+            "elements": g.elements,
+        })),
+    })
 }
 
 /// The time per step by kernel, with each kernel's share of the step.
