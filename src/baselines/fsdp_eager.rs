@@ -379,6 +379,7 @@ pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
         low.buf_of_tensor[t.index()]
             .map(|b| (ev.birth[b.index()] as usize, ev.death[b.index()] as usize))
     };
+    let live: &dyn Fn(TensorId) -> Option<(usize, usize)> = &live;
     // Gather groups by (pass, unit), reductions by unit: (first step, last
     // collective's step, the collectives' bytes); each group's gathered
     // parameters.
@@ -408,6 +409,28 @@ pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
                 .push(t);
         }
     }
+    let mut held = gather_spans(g, order, &pos, &gathers, device);
+    held.extend(reshard_spans(g, &gathers, &reductions, &gathered, live));
+    held.extend(reduction_spans(g, &reductions, &gathered, live, device));
+    held.retain(|h| h.bytes > 0);
+    held
+}
+
+/// Per (pass, unit) or ("", unit): (first step, last collective's step,
+/// the collectives' bytes).
+type Spans<'a> = BTreeMap<(&'a str, &'a str), (usize, usize, u64)>;
+/// Per (pass, unit) or ("", unit): the buffers its collectives fill.
+type Gathered<'a> = BTreeMap<(&'a str, &'a str), Vec<TensorId>>;
+
+/// Each gather group's flat buffer at its first use, beside the copied-out
+/// parameters; on gloo, its send buffer after its last collective too.
+fn gather_spans(
+    g: &Graph,
+    order: &[OpId],
+    pos: &[usize],
+    gathers: &Spans,
+    device: Device,
+) -> Vec<Held> {
     let mut held = Vec::new();
     // Each gather group's first use: the first op outside it reading it.
     let mut first_use: HashMap<(&str, &str), usize> = HashMap::new();
@@ -421,7 +444,7 @@ pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
             }
         }
     }
-    for (key, &(_, last, bytes)) in &gathers {
+    for (key, &(_, last, bytes)) in gathers {
         // The flat buffer beside the copied-out parameters.
         if let Some(&f) = first_use.get(key) {
             held.push(Held {
@@ -438,10 +461,23 @@ pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
             });
         }
     }
+    held
+}
+
+/// The gathered parameters held past their last use until the unit's
+/// post-backward reshards them.
+fn reshard_spans(
+    g: &Graph,
+    gathers: &Spans,
+    reductions: &Spans,
+    gathered: &Gathered,
+    live: &dyn Fn(TensorId) -> Option<(usize, usize)>,
+) -> Vec<Held> {
+    let mut held = Vec::new();
     // A unit's parameters stay gathered until its post-backward reshards
     // them, just before its reduction: those of its backward gather, or of
     // its forward one when it has none (not resharded after the forward).
-    for (&(pass, unit), ts) in &gathered {
+    for (&(pass, unit), ts) in gathered {
         if pass.is_empty() || pass == "forward" && gathers.contains_key(&("backward", unit)) {
             continue;
         }
@@ -460,6 +496,18 @@ pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
             }
         }
     }
+    held
+}
+
+/// Each reduction's flat input.
+fn reduction_spans(
+    g: &Graph,
+    reductions: &Spans,
+    gathered: &Gathered,
+    live: &dyn Fn(TensorId) -> Option<(usize, usize)>,
+    device: Device,
+) -> Vec<Held> {
+    let mut held = Vec::new();
     // Each reduction's flat input, from its copy-in to the next
     // reduction's start (or its own end, for the last), in place of the
     // padded gradients the graph reduces: where the graph holds one (the
@@ -503,6 +551,5 @@ pub fn flat_buffers(g: &Graph, order: &[OpId], device: Device) -> Vec<Held> {
             });
         }
     }
-    held.retain(|h| h.bytes > 0);
     held
 }
