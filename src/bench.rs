@@ -742,12 +742,22 @@ mod tests {
         let by_hand = crate::split::split_graph(&unsplit, 4).unwrap();
         assert_eq!(split.ops().len(), by_hand.ops().len());
         assert!(split.ops().len() > unsplit.ops().len());
-        let e = Source::parse("example:llama-tiny,split=4,world=2")
+        // Both: sharded, then split (the CLI's --world-size 2 --split-chunks 4).
+        let both = Source::parse("example:llama-tiny,split=4,world=2")
             .unwrap()
             .load()
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("not both"), "{e}");
+            .unwrap();
+        let mut fsdp = crate::models::fsdp::FsdpOptions::new(2);
+        fsdp.prefetch = 1;
+        let sharded = crate::transforms::Transforms {
+            split_chunks: None,
+            fsdp,
+        }
+        .apply(unsplit.clone())
+        .unwrap();
+        let by_hand = crate::split::split_graph(&sharded, 4).unwrap();
+        assert_eq!(both.ops().len(), by_hand.ops().len());
+        assert!(both.ops().len() > sharded.ops().len());
         let e = Source::parse("example:llama-tiny,reduce=f16")
             .unwrap_err()
             .to_string();

@@ -29,32 +29,26 @@ impl Default for Transforms {
 }
 
 impl Transforms {
-    /// `g` split, then sharded, as these say.
+    /// `g` sharded, then split, as these say. Sharding comes first: it
+    /// reduce-scatters each gradient after the op that makes it, and a
+    /// split step's head gradient is made by its first chunk and
+    /// accumulated by the rest, so the reduction must read the sum; split
+    /// after sharding, it does (as `memplan.torch` splits captured steps
+    /// after sharding them).
     pub fn apply(&self, g: Graph) -> Result<Graph, Error> {
         if self.fsdp.world == 0 {
             return Err(Error::InvalidArgument(
                 "the world size must be at least 1".into(),
             ));
         }
-        if self.split_chunks.is_some() && self.fsdp.world > 1 {
-            // The sharding transform reduce-scatters a gradient after its
-            // first writer, and a split step's head gradient is accumulated
-            // by every chunk: sharded, its later chunks would be lost (seen:
-            // llama-tiny at W=2 took different updates from its second
-            // step). Captured steps split after sharding (memplan.torch).
-            return Err(Error::InvalidArgument(
-                "a built-in step is split or sharded, not both: sharding would reduce the split head gradient before its later chunks are added"
-                    .into(),
-            ));
-        }
-        let g = match self.split_chunks {
-            Some(k) => crate::split::split_graph(&g, k)?,
-            None => g,
-        };
-        if self.fsdp.world > 1 {
-            shard_with(&g, &self.fsdp, &default_unit)
+        let g = if self.fsdp.world > 1 {
+            shard_with(&g, &self.fsdp, &default_unit)?
         } else {
-            Ok(g)
+            g
+        };
+        match self.split_chunks {
+            Some(k) => crate::split::split_graph(&g, k),
+            None => Ok(g),
         }
     }
 }
@@ -65,7 +59,7 @@ mod tests {
     use crate::models::{ExampleOptions, example};
 
     #[test]
-    fn split_or_shard_and_refuse_both() {
+    fn split_and_shard_compose() {
         let g = || example("llama-tiny", &ExampleOptions::default()).unwrap();
         let plain = g();
         assert_eq!(
@@ -80,12 +74,35 @@ mod tests {
         let mut sharded = Transforms::default();
         sharded.fsdp.world = 2;
         assert!(sharded.apply(g()).unwrap().name.ends_with("-fsdp2"));
+        // Both: sharded first, then split, so the split head gradient is
+        // accumulated before its reduce-scatter reads it.
         let both = Transforms {
             split_chunks: Some(4),
             fsdp: sharded.fsdp,
         };
-        let e = both.apply(g()).unwrap_err().to_string();
-        assert!(e.contains("split or sharded, not both"), "{e}");
+        let sg = both.apply(g()).unwrap();
+        let by_hand = crate::split::split_graph(&sharded.apply(g()).unwrap(), 4).unwrap();
+        assert_eq!(sg.ops().len(), by_hand.ops().len());
+        assert!(sg.ops().len() > sharded.apply(g()).unwrap().ops().len());
+        // Whatever reads the head gradient on its way to the reduce-scatter
+        // (its copy into the unit's flat buffer) runs after its last chunk.
+        let order = sg.program_order();
+        let at = |o| order.iter().position(|&x| x == o).unwrap();
+        let last_chunk = sg
+            .op_ids()
+            .filter(|&o| sg.op(o).op_type == "matmul_tn" && !sg.op(o).updates.is_empty())
+            .max_by_key(|&o| at(o))
+            .expect("the head's products, split");
+        let head = sg.op(last_chunk).updates[0];
+        let readers: Vec<_> = sg
+            .op_ids()
+            .filter(|&o| sg.op(o).op_type != "matmul_tn" && sg.op(o).inputs.contains(&head))
+            .collect();
+        assert!(
+            !readers.is_empty(),
+            "the head gradient is read for its reduction"
+        );
+        assert!(readers.iter().all(|&o| at(o) > at(last_chunk)));
         sharded.fsdp.world = 0;
         assert!(sharded.apply(g()).is_err());
     }

@@ -146,6 +146,22 @@ fn split_llama_equals_unsplit_untied_tied_and_checkpointed() {
 }
 
 #[test]
+fn split_sharded_llama_equals_sharded_unsplit() {
+    // Sharded over two ranks, then split (`--world-size 2 --split-chunks
+    // K`): the head gradient's chunks are summed before its reduce-scatter,
+    // so every rank's losses and state equal the unsplit sharded step's.
+    let shard = |g: Graph| {
+        let mut t = memplan::transforms::Transforms::default();
+        t.fsdp.world = 2;
+        t.apply(g).unwrap()
+    };
+    split_matches(&shard(llama::build(&tiny_llama()).unwrap()), 3, 3);
+    let mut cfg = tiny_llama();
+    cfg.tied = true;
+    split_matches(&shard(llama::build(&cfg).unwrap()), 2, 3);
+}
+
+#[test]
 fn split_mixed_precision_llama_stays_near_unsplit() {
     let mut cfg = tiny_llama();
     cfg.mixed_precision = true;

@@ -206,9 +206,10 @@ pub struct GraphArgs {
     #[arg(long, requires = "world_size")]
     pub flat_shards: bool,
     /// Split the loss chain (LM head, cross-entropy and their backward)
-    /// into K chunks of rows after loading (docs/splitting.md); a graph
-    /// without a separable chain is refused.
-    #[arg(long, value_name = "K", conflicts_with = "world_size")]
+    /// into K chunks of rows after loading, and after sharding with
+    /// --world-size (docs/splitting.md); a graph without a separable chain
+    /// is refused.
+    #[arg(long, value_name = "K")]
     pub split_chunks: Option<u64>,
 }
 
