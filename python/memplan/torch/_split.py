@@ -372,12 +372,13 @@ def split_step(graph: Dict[str, Any], calls: List[Call], layouts: List[Layout], 
 
 
 def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
+    """Chain `ch` of `g` in `k` chunks of rows: the total weight counted
+    once from the targets, each chunk's ops (:class:`_Chunks`), then the
+    joins (the loss, the tensors read past the chain). Returns what
+    :func:`_assemble` does, and the added FLOPs."""
     b = _Builder(g)
-    seed_pos = ch.seed
-    slices = chunk_rows(ch.rows, k)
     nll_call = g.calls[ch.nll]
-    nll_args = nll_call.args
-    target, ignore, reduction = nll_args[1].index, nll_args[4], nll_args[3]
+    target, ignore, reduction = nll_call.args[1].index, nll_call.args[4], nll_call.args[3]
     loss_t, weight_t = nll_call.outputs[0][1], nll_call.outputs[1][1]
     nll_kind = g.ops[ch.nll]["kind"]
     p_dtype = g.layouts[loss_t].dtype
@@ -385,122 +386,16 @@ def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
     # The total weight, counted once from the targets (weight None: the
     # number of rows whose target is not `ignore`).
     mask = b.tensor(target, f"{tag}.counted", [ch.rows], dtype="bool", torch_dtype=torch.bool)
-    b.op((seed_pos, -1, 0, 0), f"{tag}.count", nll_kind, "aten.ne.Scalar",
+    b.op((ch.seed, -1, 0, 0), f"{tag}.count", nll_kind, "aten.ne.Scalar",
          Call(aten.ne.Scalar, (Ref(target), ignore), {}, [(0, mask)]), inputs=[target], outputs=[mask])
-    b.op((seed_pos, -1, 1, 0), f"{tag}.total_weight", nll_kind, "aten.sum.default",
+    b.op((ch.seed, -1, 1, 0), f"{tag}.total_weight", nll_kind, "aten.sum.default",
          Call(aten.sum.default, (Ref(mask),), {"dtype": p_dtype}, [(0, weight_t)]), inputs=[mask],
          outputs=[weight_t])
 
-    added = 0
-    partial: List[int] = []  # each chunk's partial loss
-    exits: Dict[int, List[int]] = {}  # a tensor joined by `cat` -> its chunks
-    for c, (r0, r1) in enumerate(slices):
-        n = r1 - r0
-        mine: Dict[int, int] = {}
-        # A chunk's backward waits for its loss (a control edge): nothing
-        # else reads the partial loss until the join, and a loss left for
-        # later would hold the chunk's log-probabilities until then.
-        nll_fwd: List[str] = []
-        # The chunk's products for the gradient of `y`: its accumulation
-        # into the head's gradient waits for them (control edges), so the
-        # head's weight is not held past its gradient's completion.
-        exit_ids = [f"{g.ops[o]['id']}.{tag}c{c}" for o in sorted(ch.ops) if ch.ops[o] == "exit"]
-        split_attr = lambda o, c=c, r0=r0, r1=r1: {"of": g.ops[o]["id"], "chunk": c, "rows": [r0, r1]}  # noqa: E731
-
-        def narrowed(x: int, c=c, r0=r0, n=n, mine=mine) -> int:
-            if x in mine:
-                return mine[x]
-            shape = g.shape(x)
-            lay = g.layouts[x]
-            v = b.tensor(x, f"{g.tensors[x]['id']}.{tag}c{c}", [n] + shape[1:], view_of=x,
-                         offset=lay.offset + r0 * (lay.stride[0] if lay.stride else 0), stride=lay.stride)
-            b.op((seed_pos, c, -1, len(mine)), f"{tag}.c{c}.rows.{g.tensors[x]['id']}", g.ops[ch.seed]["kind"],
-                 "aten.slice.Tensor", Call(aten.slice.Tensor, (Ref(x), 0, r0, r0 + n), {}, [(0, v)]),
-                 inputs=[x], outputs=[v])
-            mine[x] = v
-            return v
-
-        def chunk(x: int, mine=mine) -> int:
-            return mine[ch._base(x)] if ch._base(x) in mine else mine[x]
-
-        for o in sorted(ch.ops):
-            what = ch.ops[o]
-            op, call = g.ops[o], g.calls[o]
-            prio = (seed_pos, c, o, 0)
-            outs = [i for _, i in call.outputs]
-            if what == "alias":
-                continue
-            if what == "t":
-                x = call.args[0].index
-                y = outs[0]
-                shp = list(b.layouts[chunk(x)].shape)
-                mine[y] = b.tensor(y, f"{g.tensors[y]['id']}.{tag}c{c}", [shp[1], shp[0]], view_of=chunk(x),
-                                   stride=[1, shp[1]])
-                b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
-                     Call(aten.t.default, (Ref(chunk(x)),), {}, [(0, mine[y])]), inputs=[chunk(x)],
-                     outputs=[mine[y]], split=split_attr(o))
-                continue
-            new_args = list(call.args)
-            ins: List[int] = []
-            for pos, a in enumerate(call.args):
-                if not isinstance(a, Ref):
-                    continue
-                i = a.index
-                if i in ch.state:
-                    new_args[pos] = Ref(chunk(i))
-                elif i in ch.narrowed and (what in ("rows", "exit") and pos == 0 and o == ch.seed or
-                                           what == "nll" and pos == 1 or
-                                           what == "rows" and op["type"] == "aten.nll_loss_backward.default"
-                                           and pos == 2 or what == "reduce" and pos == 1):
-                    new_args[pos] = Ref(narrowed(i))
-                ins.append(new_args[pos].index)
-            flops = op.get("flops")
-            chunk_flops = None if flops is None else flops * n // ch.rows
-            if op["type"] in _SOFTMAX:
-                new_args[1] = 1
-            elif op["type"] in _SOFTMAX_BACKWARD:
-                new_args[2] = 1
-            if what == "rows":
-                y = outs[0]
-                mine[y] = b.tensor(y, f"{g.tensors[y]['id']}.{tag}c{c}", [n, ch.width])
-                reuse = None
-                for r in op.get("reuse", []):
-                    ri, ro = g.index[r["input"]], g.index[r["output"]]
-                    if ro == y and ch._base(ri) in mine:
-                        reuse = (mine[y], chunk(ri))
-                b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
-                     Call(call.func, tuple(new_args), call.kwargs, [(call.outputs[0][0], mine[y])]),
-                     inputs=ins, outputs=[mine[y]], flops=chunk_flops, reuse=reuse, split=split_attr(o),
-                     after=nll_fwd if op["type"] == "aten.nll_loss_backward.default" else ())
-            elif what == "nll":
-                new_args[3] = 2  # sum: the chunks' sums are joined below
-                s = b.tensor(loss_t, f"{g.tensors[loss_t]['id']}.{tag}c{c}", g.shape(loss_t))
-                w = b.tensor(weight_t, f"{g.tensors[weight_t]['id']}.{tag}c{c}", g.shape(weight_t))
-                partial.append(s)
-                nll_fwd.append(f"{op['id']}.{tag}c{c}")
-                b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
-                     Call(call.func, tuple(new_args), call.kwargs, [(0, s), (1, w)]),
-                     inputs=ins, outputs=[s, w], flops=chunk_flops, split=split_attr(o))
-            elif what == "exit":
-                y = outs[0]
-                part = b.tensor(y, f"{g.tensors[y]['id']}.{tag}c{c}", [n, _width(g.shape(y))])
-                exits.setdefault(y, []).append(part)
-                b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
-                     Call(call.func, tuple(new_args), call.kwargs, [(0, part)]),
-                     inputs=ins, outputs=[part], flops=chunk_flops, split=split_attr(o))
-            elif what == "reduce":
-                y = outs[0]
-                if c == 0:
-                    b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], op["type"],
-                         Call(call.func, tuple(new_args), call.kwargs, [(0, y)]),
-                         inputs=ins, outputs=[y], flops=chunk_flops, split=split_attr(o), after=exit_ids)
-                else:
-                    added += _numel(g.shape(y))
-                    b.op(prio, f"{op['id']}.{tag}c{c}", op["kind"], "aten.addmm_.default",
-                         Call(aten.addmm_.default, (Ref(y),) + tuple(new_args), {}, [],
-                              writes=frozenset({0, "self"})),
-                         inputs=ins, updates=[y], flops=(chunk_flops or 0) + _numel(g.shape(y)), split=split_attr(o),
-                         after=exit_ids)
+    chunks = _Chunks(g, ch, b, tag, loss_t, weight_t)
+    for c, (r0, r1) in enumerate(chunk_rows(ch.rows, k)):
+        chunks.emit(c, r0, r1)
+    partial = chunks.partial
 
     # Joins: the loss, and the chunks of each tensor read past the chain.
     last = k
@@ -508,17 +403,17 @@ def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
     for c in range(1, k):
         final = c == k - 1 and reduction == 2
         out = loss_t if final else b.tensor(loss_t, f"{g.tensors[loss_t]['id']}.{tag}sum{c}", g.shape(loss_t))
-        b.op((seed_pos, last, 0, c), f"{tag}.loss.add{c}", nll_kind, "aten.add.Tensor",
+        b.op((ch.seed, last, 0, c), f"{tag}.loss.add{c}", nll_kind, "aten.add.Tensor",
              Call(aten.add.Tensor, (Ref(acc), Ref(partial[c])), {}, [(0, out)]), inputs=[acc, partial[c]],
              outputs=[out])
         acc = out
     if reduction == 1:
-        b.op((seed_pos, last, 1, 0), f"{tag}.loss.mean", nll_kind, "aten.div.Tensor",
+        b.op((ch.seed, last, 1, 0), f"{tag}.loss.mean", nll_kind, "aten.div.Tensor",
              Call(aten.div.Tensor, (Ref(acc), Ref(weight_t)), {}, [(0, loss_t)]), inputs=[acc, weight_t],
              outputs=[loss_t])
-    for j, (y, parts) in enumerate(exits.items()):
+    for j, (y, parts) in enumerate(chunks.exits.items()):
         kind = g.ops[g.producer[y]]["kind"]
-        b.op((seed_pos, last, 2, j), f"{tag}.join.{g.tensors[y]['id']}", kind, "aten.cat.default",
+        b.op((ch.seed, last, 2, j), f"{tag}.join.{g.tensors[y]['id']}", kind, "aten.cat.default",
              Call(aten.cat.default, ([Ref(p) for p in parts], 0), {}, [(0, y)]), inputs=parts, outputs=[y])
 
     # The chunked tensors of the original hold no bytes now.
@@ -531,8 +426,157 @@ def _split_chain(g: _Graph, ch: _Chain, k: int, tag: str):
 
     # Added work: the later chunks' accumulations into the weight gradient,
     # the partial losses' additions, and counting the targets.
-    added += (k - 1) + ch.rows
+    added = chunks.added + (k - 1) + ch.rows
     return _assemble(g, ch, b, partial[0], loss_t) + (added,)
+
+
+class _Chunks:
+    """Emits each chunk's copy of a chain's ops into builder `b`
+    (:meth:`emit`), keeping what the joins need: each chunk's partial loss
+    (`partial`), the chunks of each tensor read past the chain (`exits`)
+    and the FLOPs the accumulations add (`added`)."""
+
+    def __init__(self, g: _Graph, ch: _Chain, b: "_Builder", tag: str, loss_t: int, weight_t: int) -> None:
+        self.g, self.ch, self.b, self.tag = g, ch, b, tag
+        self.loss_t, self.weight_t = loss_t, weight_t
+        self.added = 0
+        self.partial: List[int] = []  # each chunk's partial loss
+        self.exits: Dict[int, List[int]] = {}  # a tensor joined by `cat` -> its chunks
+
+    def emit(self, c: int, r0: int, r1: int) -> None:
+        """Chunk `c`, rows `[r0, r1)`: every op of the chain on its rows."""
+        g, ch = self.g, self.ch
+        self.c, self.r0, self.n = c, r0, r1 - r0
+        self.mine: Dict[int, int] = {}
+        # A chunk's backward waits for its loss (a control edge): nothing
+        # else reads the partial loss until the join, and a loss left for
+        # later would hold the chunk's log-probabilities until then.
+        self.nll_fwd: List[str] = []
+        # The chunk's products for the gradient of `y`: its accumulation
+        # into the head's gradient waits for them (control edges), so the
+        # head's weight is not held past its gradient's completion.
+        self.exit_ids = [f"{g.ops[o]['id']}.{self.tag}c{c}" for o in sorted(ch.ops) if ch.ops[o] == "exit"]
+        for o in sorted(ch.ops):
+            what = ch.ops[o]
+            if what == "alias":
+                continue
+            if what == "t":
+                self._transpose(o)
+            else:
+                self._op(o, what)
+
+    def _split_attr(self, o: int) -> Dict[str, Any]:
+        return {"of": self.g.ops[o]["id"], "chunk": self.c, "rows": [self.r0, self.r0 + self.n]}
+
+    def _name(self, x: int) -> str:
+        """The chunk's name for tensor or op id `x`."""
+        return f"{x}.{self.tag}c{self.c}"
+
+    def _narrowed(self, x: int) -> int:
+        """The chunk's rows of `x`: a view, made by a slice on first use."""
+        g, b, mine = self.g, self.b, self.mine
+        if x in mine:
+            return mine[x]
+        shape = g.shape(x)
+        lay = g.layouts[x]
+        v = b.tensor(x, self._name(g.tensors[x]["id"]), [self.n] + shape[1:], view_of=x,
+                     offset=lay.offset + self.r0 * (lay.stride[0] if lay.stride else 0), stride=lay.stride)
+        b.op((self.ch.seed, self.c, -1, len(mine)), f"{self.tag}.c{self.c}.rows.{g.tensors[x]['id']}",
+             g.ops[self.ch.seed]["kind"], "aten.slice.Tensor",
+             Call(aten.slice.Tensor, (Ref(x), 0, self.r0, self.r0 + self.n), {}, [(0, v)]),
+             inputs=[x], outputs=[v])
+        mine[x] = v
+        return v
+
+    def _chunk(self, x: int) -> int:
+        """The chunk's own copy of chain tensor `x` (or of its base)."""
+        return self.mine[self.ch._base(x)] if self.ch._base(x) in self.mine else self.mine[x]
+
+    def _transpose(self, o: int) -> None:
+        """A transpose of a chunk's tensor: a view of the chunk's copy."""
+        g, b = self.g, self.b
+        op, call = g.ops[o], g.calls[o]
+        x, y = call.args[0].index, call.outputs[0][1]
+        shp = list(b.layouts[self._chunk(x)].shape)
+        self.mine[y] = b.tensor(y, self._name(g.tensors[y]["id"]), [shp[1], shp[0]], view_of=self._chunk(x),
+                                stride=[1, shp[1]])
+        b.op((self.ch.seed, self.c, o, 0), self._name(op["id"]), op["kind"], op["type"],
+             Call(aten.t.default, (Ref(self._chunk(x)),), {}, [(0, self.mine[y])]), inputs=[self._chunk(x)],
+             outputs=[self.mine[y]], split=self._split_attr(o))
+
+    def _arguments(self, o: int, what: str):
+        """Op `o`'s arguments on the chunk: its chain tensors as the
+        chunk's copies, the rows it reads whole as the chunk's rows, and
+        the softmax's dimension as 1. Returns the arguments and the graph
+        tensors read."""
+        g, ch = self.g, self.ch
+        op, call = g.ops[o], g.calls[o]
+        new_args = list(call.args)
+        ins: List[int] = []
+        for pos, a in enumerate(call.args):
+            if not isinstance(a, Ref):
+                continue
+            i = a.index
+            if i in ch.state:
+                new_args[pos] = Ref(self._chunk(i))
+            elif i in ch.narrowed and (what in ("rows", "exit") and pos == 0 and o == ch.seed or
+                                       what == "nll" and pos == 1 or
+                                       what == "rows" and op["type"] == "aten.nll_loss_backward.default"
+                                       and pos == 2 or what == "reduce" and pos == 1):
+                new_args[pos] = Ref(self._narrowed(i))
+            ins.append(new_args[pos].index)
+        if op["type"] in _SOFTMAX:
+            new_args[1] = 1
+        elif op["type"] in _SOFTMAX_BACKWARD:
+            new_args[2] = 1
+        return new_args, ins
+
+    def _op(self, o: int, what: str) -> None:
+        """Op `o` of the chain on the chunk's rows, by its part in the
+        chain: a row-wise op, the loss, a product leaving the chain, or the
+        head's gradient (made by the first chunk, accumulated by the rest)."""
+        g, b, ch, c, n = self.g, self.b, self.ch, self.c, self.n
+        op, call = g.ops[o], g.calls[o]
+        prio = (ch.seed, c, o, 0)
+        y = call.outputs[0][1] if call.outputs else None
+        new_args, ins = self._arguments(o, what)
+        flops = op.get("flops")
+        chunk_flops = None if flops is None else flops * n // ch.rows
+        name, split = self._name(op["id"]), self._split_attr(o)
+        if what == "rows":
+            self.mine[y] = b.tensor(y, self._name(g.tensors[y]["id"]), [n, ch.width])
+            reuse = None
+            for r in op.get("reuse", []):
+                ri, ro = g.index[r["input"]], g.index[r["output"]]
+                if ro == y and ch._base(ri) in self.mine:
+                    reuse = (self.mine[y], self._chunk(ri))
+            b.op(prio, name, op["kind"], op["type"],
+                 Call(call.func, tuple(new_args), call.kwargs, [(call.outputs[0][0], self.mine[y])]),
+                 inputs=ins, outputs=[self.mine[y]], flops=chunk_flops, reuse=reuse, split=split,
+                 after=self.nll_fwd if op["type"] == "aten.nll_loss_backward.default" else ())
+        elif what == "nll":
+            new_args[3] = 2  # sum: the chunks' sums are joined below
+            loss_t, weight_t = self.loss_t, self.weight_t
+            s = b.tensor(loss_t, self._name(g.tensors[loss_t]["id"]), g.shape(loss_t))
+            w = b.tensor(weight_t, self._name(g.tensors[weight_t]["id"]), g.shape(weight_t))
+            self.partial.append(s)
+            self.nll_fwd.append(name)
+            b.op(prio, name, op["kind"], op["type"], Call(call.func, tuple(new_args), call.kwargs, [(0, s), (1, w)]),
+                 inputs=ins, outputs=[s, w], flops=chunk_flops, split=split)
+        elif what == "exit":
+            part = b.tensor(y, self._name(g.tensors[y]["id"]), [n, _width(g.shape(y))])
+            self.exits.setdefault(y, []).append(part)
+            b.op(prio, name, op["kind"], op["type"], Call(call.func, tuple(new_args), call.kwargs, [(0, part)]),
+                 inputs=ins, outputs=[part], flops=chunk_flops, split=split)
+        elif what == "reduce" and c == 0:
+            b.op(prio, name, op["kind"], op["type"], Call(call.func, tuple(new_args), call.kwargs, [(0, y)]),
+                 inputs=ins, outputs=[y], flops=chunk_flops, split=split, after=self.exit_ids)
+        elif what == "reduce":
+            self.added += _numel(g.shape(y))
+            b.op(prio, name, op["kind"], "aten.addmm_.default",
+                 Call(aten.addmm_.default, (Ref(y),) + tuple(new_args), {}, [], writes=frozenset({0, "self"})),
+                 inputs=ins, updates=[y], flops=(chunk_flops or 0) + _numel(g.shape(y)), split=split,
+                 after=self.exit_ids)
 
 
 def _depends_on(g: _Graph, start: int, upto: int, sources: set) -> set:
