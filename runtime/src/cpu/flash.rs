@@ -210,18 +210,7 @@ pub fn fused_attention_backward(
         // D_i = dO_i · O_i per query head of the group, and dQ starts at zero.
         let dd: Vec<Vec<f32>> = heads
             .clone()
-            .map(|h| {
-                (0..t)
-                    .map(|i| {
-                        let at = dm.out_at(b, h, i);
-                        dout[at..at + d]
-                            .iter()
-                            .zip(&out[at..at + d])
-                            .map(|(x, y)| x * y)
-                            .sum()
-                    })
-                    .collect()
-            })
+            .map(|h| row_dots(dout, out, &dm, b, h))
             .collect();
         for h in heads.clone() {
             for i in 0..t {
@@ -265,23 +254,7 @@ pub fn fused_attention_backward(
                             block(&mut ds, TILE),
                         );
                     }
-                    for r in 0..rows {
-                        let i = i0 + r;
-                        let valid = visible(i, j0, cols);
-                        let (pr, dr) = (
-                            &mut p[r * TILE..r * TILE + cols],
-                            &mut ds[r * TILE..r * TILE + cols],
-                        );
-                        for e in 0..cols {
-                            if e < valid {
-                                pr[e] = (pr[e] - lse[i]).exp();
-                                dr[e] = pr[e] * (dr[e] - dd[i]);
-                            } else {
-                                pr[e] = 0.0;
-                                dr[e] = 0.0;
-                            }
-                        }
-                    }
+                    softmax_grad_tile(&mut p, &mut ds, (i0, rows), (j0, cols), lse, dd);
                     let pm = MatPtr::row_major(&p, TILE, false);
                     let dsm = MatPtr::row_major(&ds, TILE, false);
                     let dq = MatMut {
@@ -326,6 +299,53 @@ pub fn fused_attention_backward(
             }
         }
     });
+}
+
+/// `D_i = dO_i · O_i` for every query row `i` of head `h` in batch `b`.
+fn row_dots(dout: &[f32], out: &[f32], dm: &Dims, b: usize, h: usize) -> Vec<f32> {
+    let d = dm.d;
+    (0..dm.seq)
+        .map(|i| {
+            let at = dm.out_at(b, h, i);
+            dout[at..at + d]
+                .iter()
+                .zip(&out[at..at + d])
+                .map(|(x, y)| x * y)
+                .sum()
+        })
+        .collect()
+}
+
+/// One tile of the softmax's gradient: `p` holds the scaled scores and
+/// `ds` `dO·Vᵀ` for query rows `i0..i0 + rows` and key columns
+/// `j0..j0 + cols`; on return `p` holds the probabilities
+/// `exp(s - lse_i)` and `ds` their gradient `p · (dO·Vᵀ - D_i)`, both zero
+/// where the causal mask hides the key.
+fn softmax_grad_tile(
+    p: &mut [f32],
+    ds: &mut [f32],
+    (i0, rows): (usize, usize),
+    (j0, cols): (usize, usize),
+    lse: &[f32],
+    dd: &[f32],
+) {
+    for r in 0..rows {
+        let i = i0 + r;
+        let valid = visible(i, j0, cols);
+        let (pr, dr) = (
+            &mut p[r * TILE..r * TILE + cols],
+            &mut ds[r * TILE..r * TILE + cols],
+        );
+        for e in 0..cols {
+            if e < valid {
+                pr[e] = (pr[e] - lse[i]).exp();
+                dr[e] = pr[e] * (dr[e] - dd[i]);
+            } else {
+                pr[e] = 0.0;
+                dr[e] = 0.0;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
