@@ -20,7 +20,6 @@ DEBT = {
     ("python/memplan/torch/_record.py", "Recorder"): 471,
     ("python/memplan/torch/_fsdp.py", "FullySharded"): 268,
     ("python/memplan/torch/_run.py", "Arena"): 264,
-    ("python/memplan/torch/bench_distributed.py", "main"): 157,
     ("tools/hlo_dumps.py", "make_cases"): 254,
 }
 

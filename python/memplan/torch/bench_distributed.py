@@ -265,7 +265,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_distributed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, help="ranks (processes), default 2")
     ap.add_argument("--layers", type=int, default=4)
@@ -302,6 +302,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.world < 1:
         ap.error("--world must be at least 1")
@@ -321,31 +326,7 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(r, indent=1))
         else:
-            gib = 2 ** 30
-            print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
-                  f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, "
-                  f"FSDP2 over W={args.world} (fake process group, meta device): {r['ops']:,} ops, capture "
-                  f"{r['capture_seconds']:.1f} s, plan {r['plan_seconds']:.1f} s; per rank: max live "
-                  f"{r['max_live_bytes'] / gib:.2f} GiB, lower bound {r['lower_bound_bytes'] / gib:.2f} GiB, arena "
-                  f"{r['arena_bytes'] / gib:.2f} GiB")
-            if "split" in r:
-                sp = r["split"]
-                print(f"loss chain split in {sp['chunks']} chunks (tried: "
-                      + ", ".join(f"{t['chunks']}: {t['arena_bytes'] / gib:.2f} GiB" for t in sp["tried"])
-                      + f"), {sp['added_flops']:,} FLOPs added")
-            keys = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimizer-in-backward",
-                    "eager-optimizer-in-backward-expandable-segments")
-            for what, bk, ek in (("the same captured graph", "baselines", "best_eager"),
-                                 ("the split graph (eager with the loss chunked as memplan splits it)",
-                                  "split_baselines", "split_best_eager")):
-                if bk not in r:
-                    continue
-                base, best = r[bk], r[ek]
-                print(f"FSDP2 eager simulated on {what} (CUDA's prefetch, memplan.baselines): "
-                      + ", ".join(f"{k} {base[k] / gib:.2f} GiB" for k in keys))
-                print(f"  memplan's arena is {100 * (1 - r['arena_bytes'] / base[best]):.1f}% below the best eager "
-                      f"configuration ({best}), {100 * (1 - r['arena_bytes'] / base['pytorch-reserved']):.1f}% "
-                      "below the default allocator (pytorch-reserved)")
+            _print_without_ranks(args, r)
         return 0
     if args.rank is not None:
         import datetime
@@ -363,6 +344,49 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f)
         os._exit(0)
+    rows = _spawn_ranks(args, argv)
+    if rows is None:
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    _print_rows(args, rows)
+    return 0
+
+
+def _print_without_ranks(args, r) -> None:
+    """The summary of one rank's FSDP2 step planned without ranks."""
+    gib = 2 ** 30
+    print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
+          f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, "
+          f"FSDP2 over W={args.world} (fake process group, meta device): {r['ops']:,} ops, capture "
+          f"{r['capture_seconds']:.1f} s, plan {r['plan_seconds']:.1f} s; per rank: max live "
+          f"{r['max_live_bytes'] / gib:.2f} GiB, lower bound {r['lower_bound_bytes'] / gib:.2f} GiB, arena "
+          f"{r['arena_bytes'] / gib:.2f} GiB")
+    if "split" in r:
+        sp = r["split"]
+        print(f"loss chain split in {sp['chunks']} chunks (tried: "
+              + ", ".join(f"{t['chunks']}: {t['arena_bytes'] / gib:.2f} GiB" for t in sp["tried"])
+              + f"), {sp['added_flops']:,} FLOPs added")
+    keys = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimizer-in-backward",
+            "eager-optimizer-in-backward-expandable-segments")
+    for what, bk, ek in (("the same captured graph", "baselines", "best_eager"),
+                         ("the split graph (eager with the loss chunked as memplan splits it)",
+                          "split_baselines", "split_best_eager")):
+        if bk not in r:
+            continue
+        base, best = r[bk], r[ek]
+        print(f"FSDP2 eager simulated on {what} (CUDA's prefetch, memplan.baselines): "
+              + ", ".join(f"{k} {base[k] / gib:.2f} GiB" for k in keys))
+        print(f"  memplan's arena is {100 * (1 - r['arena_bytes'] / base[best]):.1f}% below the best eager "
+              f"configuration ({best}), {100 * (1 - r['arena_bytes'] / base['pytorch-reserved']):.1f}% "
+              "below the default allocator (pytorch-reserved)")
+
+
+def _spawn_ranks(args, argv):
+    """Runs the bench in `args.world` processes (this command again, with
+    each its rank); returns rank 0's rows, or None when a rank failed or
+    the ranks ran past `args.timeout`."""
     port = str(_free_port())
     with tempfile.TemporaryDirectory() as d:
         outs = [os.path.join(d, f"{r}.json") for r in range(args.world)]
@@ -376,15 +400,17 @@ def main(argv=None) -> int:
             for p in procs:
                 p.kill()
             print(f"stopped after {args.timeout:g} s", file=sys.stderr)
-            return 1
+            return None
         if any(codes) or not all(os.path.exists(o) for o in outs):
             print(f"a rank failed (exit codes {codes})", file=sys.stderr)
-            return 1
+            return None
         with open(outs[0]) as f:
             rows = json.load(f)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
+    return rows
+
+
+def _print_rows(args, rows) -> None:
+    """The per-side table of rank 0's figures."""
     mib = 2 ** 20
     sides = FSDP_SIDES if args.fsdp else SIDES
     where = "NCCL, CUDA: torch.cuda.max_memory_allocated" if args.device == "cuda" else "gloo, CPU"
@@ -421,7 +447,6 @@ def main(argv=None) -> int:
               f"{sim[key] / mib:.1f}M ({key}), {100 * (sim[key] / real - 1):+.1f}% against the real fsdp2-eager")
     if "added_flops_share" in rows["memplan-fit-0.1%"]:
         print(f"memplan-fit-0.1% adds {100 * rows['memplan-fit-0.1%']['added_flops_share']:.3f}% FLOPs")
-    return 0
 
 
 if __name__ == "__main__":
