@@ -605,12 +605,14 @@ impl<'a> Chunks<'a> {
     }
 
     /// Chunk `i`'s copy of the chain's op `o` (its kind, type, stream and
-    /// attributes).
-    fn copy_op(&self, o: usize, i: usize) -> OpSpec {
+    /// attributes), its cost and FLOPs scaled to the chunk's `n` rows.
+    fn copy_op(&self, o: usize, i: usize, n: u64) -> OpSpec {
         let op = self.g.op(self.c.ops[o]);
         let mut s = OpSpec::new(format!("{}.chunk{i}", op.name), op.kind, op.op_type.clone());
         s.stream = op.stream;
         s.attrs = op.attrs.clone();
+        s.cost = self.scaled(op.cost, n);
+        s.flops = self.scaled(op.flops, n);
         s
     }
 
@@ -641,14 +643,11 @@ impl<'a> Chunks<'a> {
         let (lo, hi) = self.parts[i];
         let n = hi - lo;
         let logits = self.like(b, c.logits, i, vec![n, c.classes]);
-        let a = g.op(c.ops[0]);
         let mut s = self
-            .copy_op(0, i)
+            .copy_op(0, i, n)
             .inputs([y, (self.tm)(c.head)])
             .outputs([logits]);
         s.attrs.insert("m".into(), json!(n));
-        s.cost = self.scaled(a.cost, n);
-        s.flops = self.scaled(a.flops, n);
         self.ops.push(b.add_op(s));
 
         let part = self.scalar(b, format!("{}.chunk{i}", self.spec(c.loss).name));
@@ -659,12 +658,12 @@ impl<'a> Chunks<'a> {
                 cast_chunk(b, g, cast, out, logits, i, n * c.classes, &mut self.ops)
             }
         };
-        let ce = g.op(c.ops[1]);
-        let mut s = self.copy_op(1, i).inputs([ce_in, targets]).outputs([part]);
+        let mut s = self
+            .copy_op(1, i, n)
+            .inputs([ce_in, targets])
+            .outputs([part]);
         s.attrs.insert("rows".into(), json!(n));
         s.attrs.insert("divisor".into(), json!(c.rows));
-        s.cost = self.scaled(ce.cost, n);
-        s.flops = self.scaled(ce.flops, n);
         self.ops.push(b.add_op(s));
         (ce_in, part)
     }
@@ -705,13 +704,13 @@ impl<'a> Chunks<'a> {
         targets: TensorId,
     ) -> TensorId {
         let (c, g) = (self.c, self.g);
-        let (ceb, d, e) = (g.op(c.ops[2]), g.op(c.ops[3]), g.op(c.ops[4]));
+        let ceb = g.op(c.ops[2]);
         let (lo, hi) = self.parts[i];
         let n = hi - lo;
         let (classes, width) = (c.classes, c.width);
         let dlogits = self.like(b, c.dlogits, i, vec![n, classes]);
         let mut s = self
-            .copy_op(2, i)
+            .copy_op(2, i, n)
             .inputs([ce_in, targets])
             .outputs([dlogits]);
         let ce_in_orig = c.up.map_or(c.logits, |u| u.1);
@@ -721,8 +720,6 @@ impl<'a> Chunks<'a> {
             s = s.reuse(dlogits, ce_in);
         }
         s.attrs.insert("rows".into(), json!(n));
-        s.cost = self.scaled(ceb.cost, n);
-        s.flops = self.scaled(ceb.flops, n);
         self.ops.push(b.add_op(s));
 
         let dy = self.like(b, c.dy, i, vec![n, width]);
@@ -734,33 +731,28 @@ impl<'a> Chunks<'a> {
             }
         };
         let mut s = self
-            .copy_op(3, i)
+            .copy_op(3, i, n)
             .inputs([mm_in, (self.tm)(c.head)])
             .outputs([dy]);
         s.attrs.insert("m".into(), json!(n));
-        s.cost = self.scaled(d.cost, n);
-        s.flops = self.scaled(d.flops, n);
         self.ops.push(b.add_op(s));
 
-        let mut s = self.copy_op(4, i).inputs([mm_in, y]);
+        let mut s = self.copy_op(4, i, n).inputs([mm_in, y]);
         s = if i == 0 {
             s.outputs([(self.tm)(c.dhead)])
         } else {
             s.updates([(self.tm)(c.dhead)]).attr("accumulate", true)
         };
         s.attrs.insert("k".into(), json!(n));
-        s.cost = self.scaled(e.cost, n);
         // 2·V·n·C for the product, V·C for adding it to the sum.
         let product = 2.0 * (classes * n * width) as f64;
         s.flops = Some(
-            match e.flops {
-                Some(f) => f * n as f64 / c.rows as f64,
-                None => product,
-            } + if i == 0 {
-                0.0
-            } else {
-                (classes * width) as f64
-            },
+            s.flops.unwrap_or(product)
+                + if i == 0 {
+                    0.0
+                } else {
+                    (classes * width) as f64
+                },
         );
         self.ops.push(b.add_op(s));
         dy

@@ -167,6 +167,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// The device's name as the output writes it.
+fn device_name(d: Device) -> &'static str {
+    match d {
+        Device::Cpu => "cpu",
+        Device::Cuda => "cuda",
+    }
+}
+
 fn print(
     a: &RunArgs,
     name: &str,
@@ -175,10 +183,7 @@ fn print(
     r: &RunReport,
     agree: Option<&Agreement>,
 ) -> Result<()> {
-    let device = match a.device {
-        Device::Cpu => "cpu",
-        Device::Cuda => "cuda",
-    };
+    let device = device_name(a.device);
     // Timing: the first step warms caches (and on CUDA, kernels); the
     // median of the rest is the step time when there are any.
     let times: Vec<f64> = r.steps.iter().map(|s| s.seconds).collect();
@@ -266,10 +271,7 @@ fn run_json(
     med: f64,
 ) -> serde_json::Value {
     let s = &plan.stats;
-    let device = match a.device {
-        Device::Cpu => "cpu",
-        Device::Cuda => "cuda",
-    };
+    let device = device_name(a.device);
     let steps: Vec<_> = r
         .steps
         .iter()
