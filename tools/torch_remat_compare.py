@@ -49,7 +49,7 @@ from functorch.compile import default_partition, make_boxed_func, min_cut_remate
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
-from memplan.torch._record import op_flops
+from memplan.torch._aten import op_flops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_eager_gpt2  # noqa: E402

@@ -494,7 +494,7 @@ class ArgumentBinding(unittest.TestCase):
     @staticmethod
     def reference(args, kwargs, env, numbers, subst):
         from torch.utils._pytree import tree_map
-        from memplan.torch._record import Ref
+        from memplan.torch._calls import Ref
 
         def bind(x):
             if isinstance(x, Ref):
@@ -520,7 +520,7 @@ class ArgumentBinding(unittest.TestCase):
 
     def test_random_arguments_bind_as_a_pytree_map_does(self):
         from collections import namedtuple
-        from memplan.torch._record import Ref
+        from memplan.torch._calls import Ref
         from memplan.torch._run import _binder
 
         Pair = namedtuple("Pair", "a b")
@@ -550,7 +550,7 @@ class ArgumentBinding(unittest.TestCase):
                     self.assert_same(got, want)
 
     def test_arguments_without_refs_are_not_rebuilt(self):
-        from memplan.torch._record import Ref
+        from memplan.torch._calls import Ref
         from memplan.torch._run import _binder
 
         args, kwargs = ([2, 3], 0.5), {"dim": 1}

@@ -63,7 +63,7 @@ class RecorderTest(unittest.TestCase):
 
         rec = Recorder("meta", 256, replay=False)
         for i, t in enumerate(tensors):
-            rec.register(t, f"in{i}", "input")
+            rec.table.register(t, f"in{i}", "input")
         with rec:
             fn(*tensors)
         return rec.finish("t", {})
@@ -124,7 +124,7 @@ class RecorderTest(unittest.TestCase):
         with FakeTensorMode():
             x = torch.empty(4, 8)
             rec = Recorder("cpu", 256, replay=False)
-            rec.register(x, "x", "input")
+            rec.table.register(x, "x", "input")
             with rec:
                 y = x * 2
                 y.view(8, 4).add_(1)
@@ -222,7 +222,7 @@ class EmulationTest(unittest.TestCase):
 
         x = torch.empty(4, 256, device="meta", requires_grad=True)
         rec = Recorder("meta", 256, replay=False)
-        rec.register(x, "x", "input")
+        rec.table.register(x, "x", "input")
         with CudaEmulation(), rec:
             torch.nn.Dropout(0.1)(x).sum().backward()
         d = rec.finish("d", {})
@@ -245,7 +245,7 @@ class EmulationTest(unittest.TestCase):
         # tensor: only the generator orders them.
         x = torch.empty(4, 256, device="meta", requires_grad=True)
         rec = Recorder("meta", 256, replay=False)
-        rec.register(x, "x", "input")
+        rec.table.register(x, "x", "input")
         with CudaEmulation(), rec:
             drop = torch.nn.Dropout(0.1)
             noise = torch.rand(4, 256, device="meta")

@@ -51,7 +51,8 @@ from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
 from ._distributed import CollectiveTimeout, RankFailure
 from ._placement import Placement
 from ._planning import Planning
-from ._record import Recorder, UnsupportedStep
+from ._errors import UnsupportedStep
+from ._record import Recorder
 from ._stepping import Running
 
 __all__ = ["capture", "train_step", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
@@ -214,7 +215,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
                            _scaler.active(scaler))
     held = dist.inputs(params) if dist is not None else params  # FSDP2: each rank's local shards
     inputs = _Inputs(rec, traced, held, dict(model.named_buffers()), optimizer, example_batch, accumulate)
-    rec.fake_mode = inputs.fake
+    rec.outside.fake_mode = inputs.fake
     if _scaler.active(scaler):
         inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))
     clip = ("norm", clip_grad_norm, norm_type) if clip_grad_norm is not None else (
@@ -226,8 +227,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         if where is None:
             raise
         raise UnsupportedStep(f"{e} [at {where}]").with_traceback(e.__traceback__) from None
-    for i, value in rec.constants.items():
-        where = rec.layouts[i].device
+    for i, value in rec.table.constants.items():
+        where = rec.table.layouts[i].device
         inputs.bound[i] = value.to(where) if value.device != where else value
     label = name or f"{type(model).__name__}-step"
     meta = {"source": "memplan.torch.capture", "torch": torch.__version__, "device": device,
@@ -244,8 +245,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         dist.agree(graph)
     optimizer_calls = [op["kind"] == "optimizer" for op in rec.ops]
     scaling = _scaler.Scaling(scaler, _scaler.settings(scaler), *gate) if gate is not None else None
-    captured = Captured(graph=graph, calls=rec.calls, layouts=rec.layouts, device=rec.device, bound=inputs.bound,
-                        sources=dict(rec.sources), batch_spec=inputs.spec, batch_layouts=inputs.batch_layouts,
+    captured = Captured(graph=graph, calls=rec.calls, layouts=rec.table.layouts, device=rec.device, bound=inputs.bound,
+                        sources=dict(rec.table.sources), batch_spec=inputs.spec, batch_layouts=inputs.batch_layouts,
                         loss=loss_index, norm=norm_index, updated=updated, optimizer_calls=optimizer_calls,
                         accumulate=accumulate, state_slots=tuple(inputs.state_slots),
                         group_slots=tuple(inputs.group_slots), seconds=time.perf_counter() - t0,
@@ -267,16 +268,19 @@ def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               budget: int, *, batches=(2, 3), probe_time: float = 5.0, meta_device: str = "cpu"
               ) -> Dict[str, Any]:
     """The largest batch whose training step fits `budget` bytes: PyTorch
-    eager's (caching allocator simulated over the recorded order),
-    memplan's plan's, and memplan's with recomputation.
+    eager's in its best configuration (caching allocator simulated over the
+    recorded order, with and without expandable segments and the optimizer
+    in the backward; its default allocator's answer beside it), memplan's
+    plan's, and memplan's with recomputation.
 
     The step is captured at the two batch sizes `batches` (``make_batch(b)``
     returns a batch of `b` samples; nothing runs, so a model on the
     ``meta`` device works) and every other batch is extrapolated along the
     line through them (:func:`memplan.max_batch`). Sizes above 1: PyTorch
     can trace batch 1 differently (squeezed dimensions). Returns
-    ``{"eager", "planned", "fitted", "budget_bytes", "cap", "graphs"}``,
-    `graphs` being the two captured graph documents.
+    :func:`memplan.max_batch`'s figures (``eager``, ``eager_configuration``,
+    ``eager_default``, ``planned``, ``fitted``, ``budget_bytes``, ``cap``)
+    and ``graphs``, the two captured graph documents.
     """
     b1, b2 = batches
     graphs = [capture(model, optimizer, make_batch(b), loss_fn, plan=False, meta_device=meta_device).graph

@@ -23,7 +23,11 @@ import memplan
 
 from . import _distributed, _optim, _scaler
 from ._captured import AsCaptured
-from ._record import Call, GeneratorStates, Layout, Recorder, UnsupportedStep
+from ._calls import Call
+from ._errors import UnsupportedStep
+from ._generators import GeneratorStates
+from ._record import Recorder
+from ._tensors import Layout
 
 
 def local_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +150,7 @@ class _Inputs:
                 # stands for the later ones' values while recording).
                 f = self.reg(x if k == 0 else x.clone(), f"input:{nm}", "input")
                 fleaves.append(f)
-                i = rec.index_of(f)
+                i = rec.table.index_of(f)
                 del self.bound[i]  # each call binds its own batch
                 self.batch_layouts.append(BatchInput(i, tuple(x.shape), x.dtype, x.device, nm))
             self.fbatches.append(tree_unflatten(fleaves, self.spec))
@@ -172,7 +176,7 @@ class _Inputs:
             _optim.ensure_state(self.optimizer, p)
             self.fstate[id(p)] = {k: self.reg(local_tensor(v), f"state:{n}.{k}", "optimizer_state")
                                   for k, v in _optim.state_tensors(self.optimizer, p).items()}
-        self.state_slots += [StateSlot(self.rec.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
+        self.state_slots += [StateSlot(self.rec.table.index_of(f), p, k) for k, f in self.fstate[id(p)].items()]
         return self.fstate[id(p)]
 
     def numbers(self, gi: int, group: Dict[str, Any], markers: Dict[str, float]) -> Dict[str, Any]:
@@ -185,7 +189,7 @@ class _Inputs:
         if gi not in self.fgroup:
             with _disable_current_modes():
                 self.fgroup[gi] = self.reg(lr, f"optimizer:group{gi}.lr", "optimizer_state")
-            self.group_slots.append(GroupSlot(self.rec.index_of(self.fgroup[gi]), gi, "lr"))
+            self.group_slots.append(GroupSlot(self.rec.table.index_of(self.fgroup[gi]), gi, "lr"))
         return {**markers, "lr": self.fgroup[gi]}
 
     def reg(self, x: torch.Tensor, id: str, role: str) -> torch.Tensor:
@@ -194,9 +198,9 @@ class _Inputs:
             f = FakeTensor(self.fake, x.detach(), self.traced)
         else:
             f = self.fake.from_tensor(x)
-        self.bound[self.rec.register(f, id, role)] = x
+        self.bound[self.rec.table.register(f, id, role)] = x
         if role == "parameter":  # parameters and buffers, also when read from outside the model
-            self.rec.stands_for(x, f, id)
+            self.rec.outside.stands_for(x, f, id)
         return f
 
 
@@ -230,11 +234,11 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             loss, grad_of = _accumulate(rec, model, loss_fn, inputs.fbatches, leaves, trainable, scale)
         if dist is not None:
             grad_of = dist.reduce_gradients(rec, grad_of)
-        loss_index = rec.mark(loss, "output", persistent=True)
+        loss_index = rec.table.mark(loss, "output", persistent=True)
         for g in grad_of.values():
-            r = rec.root(rec.index_of(g))
-            if rec.tensors[r]["role"] != "parameter":
-                rec.tensors[r]["role"] = "gradient"
+            r = rec.table.root(rec.table.index_of(g))
+            if rec.table.tensors[r]["role"] != "parameter":
+                rec.table.tensors[r]["role"] = "gradient"
         rec.phase = "optimizer"
         flags = []
         if scale is not None:
@@ -246,7 +250,7 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         if clip is not None and clip[0] == "norm":
             total = dist.clip_norm(rec, grad_of, clip[1], clip[2]) if dist is not None else None
             if total is not None:
-                norm_index = rec.mark(total, "output", persistent=True)
+                norm_index = rec.table.mark(total, "output", persistent=True)
             else:
                 norm_index = _clip(rec, fp, grad_of, clip[1], clip[2])
         elif clip is not None:
@@ -376,15 +380,15 @@ def _accumulate(rec: Recorder, model, loss_fn, fbatches: List[Any], fp: Dict[str
     acc: Dict[str, torch.Tensor] = {}
     for fbatch in fbatches:
         loss, grads = _forward_backward(rec, model, loss_fn, fbatch, fp, trainable, len(fbatches), scale)
-        roots = collections.Counter(rec.root(rec.index_of(g)) for g in grads.values())
+        roots = collections.Counter(rec.table.root(rec.table.index_of(g)) for g in grads.values())
         with torch.no_grad():
             total = loss if total is None else total + loss
             for n, g in grads.items():
                 if n in acc:
                     acc[n].add_(g)
                     continue
-                i = rec.index_of(g)
-                owned = rec.root(i) == i and roots[i] == 1 and g.stride() == fp[n].stride()
+                i = rec.table.index_of(g)
+                owned = rec.table.root(i) == i and roots[i] == 1 and g.stride() == fp[n].stride()
                 acc[n] = g if owned else g.clone(memory_format=torch.preserve_format)
     return total, acc
 
@@ -407,7 +411,7 @@ def _clip(rec: Recorder, fp: Dict[str, torch.Tensor], grad_of: Dict[str, torch.T
     finally:
         for n in names:
             fp[n].grad = None
-    return rec.mark(total, "output", persistent=True)
+    return rec.table.mark(total, "output", persistent=True)
 
 
 def _clip_values(grad_of: Dict[str, torch.Tensor], clip_value: float) -> None:

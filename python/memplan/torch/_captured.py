@@ -10,7 +10,7 @@ from typing import Callable, List, Tuple
 import torch
 import torch.nn.modules.module as _module
 
-from ._record import UnsupportedStep
+from ._errors import UnsupportedStep
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 # Module attributes the graph may have taken as constants: dropout's `p`,

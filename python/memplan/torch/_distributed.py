@@ -46,7 +46,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ._record import Recorder, UnsupportedStep
+from ._errors import UnsupportedStep
+from ._record import Recorder
 
 
 class RankFailure(Exception):

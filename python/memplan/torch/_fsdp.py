@@ -90,7 +90,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ._distributed import Collective, RankGroup, dist_world_rank
-from ._record import Recorder, UnsupportedStep, storage_key
+from ._errors import UnsupportedStep
+from ._record import Recorder
+from ._tensors import storage_key
 
 # Optimizers whose update is elementwise on a parameter, its gradient and
 # state of its shape: run on a shard, it is the shard of the full update.
@@ -137,6 +139,43 @@ class _Regather:
         self.name, self.shape, self.stride, self.offset = name, tuple(t.shape), t.stride(), t.storage_offset()
 
 
+
+def _mesh_kind(where: str, mesh_info) -> str:
+    """The kind of a unit's mesh (``FSDPMeshInfo``: 1-D, ``HSDPMeshInfo``:
+    2-D); refuses the meshes and groups memplan does not capture."""
+    kind = type(mesh_info).__name__
+    if not ((kind == "FSDPMeshInfo" and mesh_info.mesh.ndim == 1)
+            or (kind == "HSDPMeshInfo" and mesh_info.mesh.ndim == 2)):
+        raise UnsupportedStep(f"{where}: a {mesh_info.mesh.ndim}-D device mesh ({kind}); memplan.torch "
+                              "captures FSDP2 on a 1-D mesh and HSDP on a 2-D (replicate, shard) mesh")
+    if getattr(mesh_info, "reduce_scatter_process_group", None) is not None:
+        raise UnsupportedStep(f"{where}: a reduce-scatter process group of its own is not captured")
+    return kind
+
+
+def _reshards_after_forward(where: str, is_root: bool, state, pg) -> bool:
+    """Whether a unit frees its gathered parameters after its forward.
+    FSDP2's root keeps them into the backward (its ``_lazy_init``)."""
+    reshard = pg.post_forward_mesh_info is not None
+    if is_root and state._auto_reshard_after_forward:
+        reshard = False
+    if reshard and pg.post_forward_mesh_info is not pg.mesh_info and \
+            pg.post_forward_mesh_info.shard_mesh_size != pg.mesh_info.shard_mesh_size:
+        raise UnsupportedStep(f"{where}: reshard_after_forward to another world size is not captured yet")
+    return reshard
+
+
+def _check_param(where: str, fp) -> None:
+    """Refuses an ``FSDPParam`` sharded in a way memplan does not capture."""
+    if getattr(fp, "offload_to_cpu", False):
+        raise UnsupportedStep(f"{where}: fully_shard(offload_policy=CPUOffloadPolicy()) is not captured")
+    if getattr(fp, "_has_sharded_grad_dtype_override", False):
+        raise UnsupportedStep(f"{where}: a parameter with its own grad_dtype is not captured with FSDP2")
+    if fp.fsdp_placement.dim != 0:
+        raise UnsupportedStep(f"{where}: a parameter sharded on dim {fp.fsdp_placement.dim}; memplan "
+                              "captures dim-0 sharding only")
+
+
 class FullySharded(RankGroup):
     """What capture needs of a model whose root is sharded with
     ``fully_shard``: every parameter's ``FSDPParam`` by name, each unit's
@@ -149,12 +188,8 @@ class FullySharded(RankGroup):
         super().__init__(group, timeout)
         self.model = model
         self.params = params
-        # HSDP: the process group over which the shards are replicated
-        # (each reduced gradient chunk is then averaged over it).
-        self.replicate = replicate
-        # Each unit's module and MixedPrecisionPolicy, for the casts of
-        # its forward's inputs and output.
-        self.policies = list(policies)
+        self.replicate = replicate  # HSDP: the group the shards are replicated (and averaged) over
+        self.policies = list(policies)  # each unit's module and MixedPrecisionPolicy (its casts)
         # Each unit that reshards after forward, with its parameters' names.
         self.resharded = list(resharded)
         # While recording: the gathered buffer's storage of each parameter
@@ -189,27 +224,10 @@ class FullySharded(RankGroup):
             if pg is None:
                 continue
             mesh_info = pg.mesh_info
-            kind = type(mesh_info).__name__
-            if not ((kind == "FSDPMeshInfo" and mesh_info.mesh.ndim == 1)
-                    or (kind == "HSDPMeshInfo" and mesh_info.mesh.ndim == 2)):
-                raise UnsupportedStep(f"{where}: a {mesh_info.mesh.ndim}-D device mesh ({kind}); memplan.torch "
-                                      "captures FSDP2 on a 1-D mesh and HSDP on a 2-D (replicate, shard) mesh")
-            if getattr(mesh_info, "reduce_scatter_process_group", None) is not None:
-                raise UnsupportedStep(f"{where}: a reduce-scatter process group of its own is not captured")
-            reshard = pg.post_forward_mesh_info is not None
-            if m is model and state._auto_reshard_after_forward:
-                reshard = False  # FSDP2's root keeps its parameters into the backward (its _lazy_init)
-            if reshard and pg.post_forward_mesh_info is not mesh_info and \
-                    pg.post_forward_mesh_info.shard_mesh_size != mesh_info.shard_mesh_size:
-                raise UnsupportedStep(f"{where}: reshard_after_forward to another world size is not captured yet")
+            kind = _mesh_kind(where, mesh_info)
+            reshard = _reshards_after_forward(where, m is model, state, pg)
             for fp in pg.fsdp_params:
-                if getattr(fp, "offload_to_cpu", False):
-                    raise UnsupportedStep(f"{where}: fully_shard(offload_policy=CPUOffloadPolicy()) is not captured")
-                if getattr(fp, "_has_sharded_grad_dtype_override", False):
-                    raise UnsupportedStep(f"{where}: a parameter with its own grad_dtype is not captured with FSDP2")
-                if fp.fsdp_placement.dim != 0:
-                    raise UnsupportedStep(f"{where}: a parameter sharded on dim {fp.fsdp_placement.dim}; memplan "
-                                          "captures dim-0 sharding only")
+                _check_param(where, fp)
                 name = owner.get(id(fp.sharded_param))
                 if name is None:
                     raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "

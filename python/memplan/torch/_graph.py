@@ -38,7 +38,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from ._record import UnsupportedStep
+from ._errors import UnsupportedStep
 
 
 def _cuda_graph() -> "torch.cuda.CUDAGraph":

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ._record import UnsupportedStep
+from ._errors import UnsupportedStep
 
 
 def _zeros(p: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from ._capture import Captured, local_tensor
 from ._optim import Optimizers
-from ._record import UnsupportedStep
+from ._errors import UnsupportedStep
 from ._run import Arena
 
 

@@ -21,7 +21,7 @@ import memplan
 
 from . import _split
 from ._capture import Captured
-from ._record import Call, Ref
+from ._calls import Call, Ref
 from ._run import Gate, Program
 
 

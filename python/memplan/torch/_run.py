@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from ._record import Call, Ref, UnsupportedStep, out_variant
+from ._aten import out_variant
+from ._calls import Call, Ref
+from ._errors import UnsupportedStep
 
 
 class StorageTracker(TorchDispatchMode):
@@ -167,7 +169,7 @@ def _binder(args, kwargs, subst: bool) -> Callable:
     kwargs_src = expr(dict(kwargs)) if reaches(dict(kwargs)) else const(kwargs)
     # Only indices, constant slots and brackets are spliced into the source.
     made = eval(f"lambda c: lambda env, nums: ({args_src}, {kwargs_src})", {"__builtins__": {}})(consts)
-    # For the arena's generated calls (Arena._generate): the two
+    # For the arena's generated calls (_generate): the two
     # expressions, over `env`, `nums` and the constants `c`.
     made.source = (args_src, kwargs_src, consts)
     return made
@@ -532,6 +534,50 @@ def _keep_where_made(copied: List[tuple], kept: List[tuple], flat: Sequence[Any]
             kept.append((p, i))
 
 
+def _generate(way: Callable, step: tuple, gate: Optional[Gate] = None, j: Optional[int] = None) -> Callable:
+    """A position's settled `way` (:meth:`Arena._settle`) as one generated
+    function ``(env, nums) -> None``: the out= call written out with its
+    arguments' expressions (the binder's) and its places as constants,
+    or the way itself called on the bound arguments; then the values
+    dying there dropped. A gated call (optimizer `j` of `gate`) first
+    asks the gate and only drops them when it is closed. Only indices
+    and constant slots are spliced into the source."""
+    bind, _, _, _, _, dies = step
+    spec = getattr(way, "spec", ("recorded",))
+    source = getattr(bind, "source", None)
+    consts: List[Any] = [] if source is None else list(source[2])
+
+    def const(x) -> str:
+        consts.append(x)
+        return f"c[{len(consts) - 1}]"
+
+    lines = []
+    if j is not None:
+        lines.append(f"if {const(gate)}.closed(env, {int(j)}):")
+        lines += [f"    env.pop({int(i)}, None)" for i in dies]
+        lines.append("    return")
+    if source is None:  # a binder walking the arguments (one is a named tuple)
+        lines.append(f"a, kw = {const(bind)}(env, nums)")
+        args_src, kwargs_src = "a", "kw"
+    else:
+        args_src, kwargs_src = source[0], source[1]
+    if spec[0] == "as_is":
+        lines += [f"env[{int(i)}] = {const(t)}" for i, t in spec[1]]
+    elif spec[0] == "into":
+        _, fn, outs, into, dropped = spec
+        if dropped:
+            kwargs_src = f"{{n: v for n, v in {kwargs_src}.items() if n not in {const(set(dropped))}}}"
+        lines.append(f"{const(fn)}(*{args_src}, **{kwargs_src}, **{const(outs)})")
+        lines += [f"env[{int(i)}] = {const(t)}" for i, t in into]
+    else:
+        lines.append(f"{const(way)}({args_src}, {kwargs_src}, env)")
+    lines += [f"env.pop({int(i)}, None)" for i in dies]
+    src = "def f(env, nums):\n" + "".join(f"    {line}\n" for line in lines)
+    scope: Dict[str, Any] = {"__builtins__": {}, "c": consts}
+    exec(src, scope)
+    return scope["f"]
+
+
 class Arena:
     """One buffer of the planned size on the step's device; every tensor the
     plan places gets a view of it at its offset, with the recorded shape,
@@ -628,7 +674,7 @@ class Arena:
         # Settled (every call, skipped updates included, ran once): from the
         # next run on, one generated function per call.
         if all(way is not None for way in ways):
-            self._fast = [self._generate(pos, step, prog.gate, prog.gated.get(pos)) for pos, step in enumerate(plan)]
+            self._fast = [_generate(ways[pos], step, prog.gate, prog.gated.get(pos)) for pos, step in enumerate(plan)]
 
     def _run_fast(self, prog: "Program", plan: List[tuple], placed: Dict[int, torch.Tensor],
                   env: Dict[int, torch.Tensor], numbers: Dict[float, float]) -> None:
@@ -647,51 +693,7 @@ class Arena:
                 self._ways[pos] = self._settle_or_explain(prog.calls[k], k, args, kwargs, placed, env)
                 for i in dies:
                     env.pop(i, None)
-                fast[pos] = self._generate(pos, plan[pos], prog.gate, prog.gated.get(pos))
-
-    def _generate(self, pos: int, step: tuple, gate: Optional[Gate] = None, j: Optional[int] = None) -> Callable:
-        """Position `pos`'s settled way as one generated function
-        ``(env, nums) -> None``: the out= call written out with its
-        arguments' expressions (the binder's) and its places as constants,
-        or the way itself called on the bound arguments; then the values
-        dying there dropped. A gated call (optimizer `j` of `gate`) first
-        asks the gate and only drops them when it is closed. Only indices
-        and constant slots are spliced into the source."""
-        bind, _, _, _, _, dies = step
-        way = self._ways[pos]
-        spec = getattr(way, "spec", ("recorded",))
-        source = getattr(bind, "source", None)
-        consts: List[Any] = [] if source is None else list(source[2])
-
-        def const(x) -> str:
-            consts.append(x)
-            return f"c[{len(consts) - 1}]"
-
-        lines = []
-        if j is not None:
-            lines.append(f"if {const(gate)}.closed(env, {int(j)}):")
-            lines += [f"    env.pop({int(i)}, None)" for i in dies]
-            lines.append("    return")
-        if source is None:  # a binder walking the arguments (one is a named tuple)
-            lines.append(f"a, kw = {const(bind)}(env, nums)")
-            args_src, kwargs_src = "a", "kw"
-        else:
-            args_src, kwargs_src = source[0], source[1]
-        if spec[0] == "as_is":
-            lines += [f"env[{int(i)}] = {const(t)}" for i, t in spec[1]]
-        elif spec[0] == "into":
-            _, fn, outs, into, dropped = spec
-            if dropped:
-                kwargs_src = f"{{n: v for n, v in {kwargs_src}.items() if n not in {const(set(dropped))}}}"
-            lines.append(f"{const(fn)}(*{args_src}, **{kwargs_src}, **{const(outs)})")
-            lines += [f"env[{int(i)}] = {const(t)}" for i, t in into]
-        else:
-            lines.append(f"{const(way)}({args_src}, {kwargs_src}, env)")
-        lines += [f"env.pop({int(i)}, None)" for i in dies]
-        src = "def f(env, nums):\n" + "".join(f"    {line}\n" for line in lines)
-        scope: Dict[str, Any] = {"__builtins__": {}, "c": consts}
-        exec(src, scope)
-        return scope["f"]
+                fast[pos] = _generate(self._ways[pos], plan[pos], prog.gate, prog.gated.get(pos))
 
     def _settle_or_explain(self, c: Call, k: int, args, kwargs, placed: Dict[int, torch.Tensor],
                            env: Dict[int, torch.Tensor]) -> Callable:

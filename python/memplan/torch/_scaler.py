@@ -27,7 +27,8 @@ from typing import Any, List, NamedTuple, Tuple
 
 import torch
 
-from ._record import Recorder, UnsupportedStep
+from ._errors import UnsupportedStep
+from ._record import Recorder
 
 
 class Scaling(NamedTuple):
@@ -89,8 +90,8 @@ def gate(rec: Recorder, spans: List[Tuple[int, int]], flags: List[torch.Tensor])
     tensors and, per optimizer, the ids of the ops its flag gates."""
     indices, gated = [], []
     for (a, b), found_inf in zip(spans, flags):
-        i = rec.index_of(found_inf)
-        flag = rec.tensors[i]["id"]
+        i = rec.table.index_of(found_inf)
+        flag = rec.table.tensors[i]["id"]
         for op in rec.ops[a:b]:
             inputs = op.setdefault("inputs", [])
             if flag not in inputs and flag not in op.get("updates", []):

@@ -58,7 +58,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._record import Call, Layout, Ref, dtype_itemsize
+from ._calls import Call, Ref
+from ._tensors import Layout, dtype_itemsize
 
 aten = torch.ops.aten
 

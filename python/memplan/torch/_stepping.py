@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from . import _graph, _optim, _scaler
 from ._capture import Captured, _not_a_tensor
 from ._captured import AsCaptured
-from ._record import UnsupportedStep
+from ._errors import UnsupportedStep
 from ._run import Program, StorageTracker
 
 

@@ -35,7 +35,8 @@ import torch
 
 from .. import workloads
 from . import emulate
-from .._record import TORCH_DTYPES, Recorder
+from .._record import Recorder
+from .._tensors import TORCH_DTYPES
 
 # name -> (constructor, description). foreach is PyTorch's default on CUDA.
 OPTIMIZERS: Dict[str, Any] = {
@@ -82,14 +83,14 @@ def run_step(w: workloads.Workload, opt: torch.optim.Optimizer, rec: Optional[Re
     if loss.dim() != 0:
         raise ValueError(f"{w.name}: the loss must be a scalar, got shape {tuple(loss.shape)}")
     if rec is not None:
-        rec.mark(loss, "output", persistent=True)
+        rec.table.mark(loss, "output", persistent=True)
         rec.phase = "backward"
     loss.backward()
     if rec is not None:
         for p in w.model.parameters():
-            r = rec.root_of(p.grad) if p.grad is not None else None
+            r = rec.table.root_of(p.grad) if p.grad is not None else None
             if r is not None:
-                rec.tensors[r]["role"] = "gradient"
+                rec.table.tensors[r]["role"] = "gradient"
         rec.phase = "optimizer"
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -133,16 +134,16 @@ def _eager(w: workloads.Workload, opt, device: str, align: int, label: str) -> D
     run_step(w, opt, None)  # warm-up: makes the optimizer state
     pnames = {}
     for name, p in w.model.named_parameters():
-        rec.register(p, f"param:{name}", "parameter")
+        rec.table.register(p, f"param:{name}", "parameter")
         pnames[p] = name
     for name, b in w.model.named_buffers():
-        rec.register(b, f"buffer:{name}", "parameter")
+        rec.table.register(b, f"buffer:{name}", "parameter")
     for p, state in opt.state.items():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
-                rec.register(v, f"state:{pnames.get(p, id(p))}.{k}", "optimizer_state")
+                rec.table.register(v, f"state:{pnames.get(p, id(p))}.{k}", "optimizer_state")
     for name, x in w.batch.items():
-        rec.register(x, f"input:{name}", "input")
+        rec.table.register(x, f"input:{name}", "input")
     with rec:
         run_step(w, opt, rec)
     d = rec.finish(label, {})
