@@ -63,7 +63,7 @@ pub mod batch;
 pub mod bench;
 pub mod checker;
 pub mod cost;
-pub mod dtype;
+pub use memplan_runtime::dtype;
 pub mod error;
 pub mod exec;
 pub mod fit;

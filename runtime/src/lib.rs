@@ -62,6 +62,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod dtype;
 pub mod error;
 pub mod executor;
 pub mod init;

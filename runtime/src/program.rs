@@ -81,12 +81,11 @@ pub enum DType {
 }
 
 impl DType {
-    /// Bytes per element.
+    /// Bytes per element ([`crate::dtype`]'s table).
     pub fn size(self) -> u64 {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::BF16 => 2,
-        }
+        crate::dtype::ElementType::named(self.as_str())
+            .expect("the executors' types are in the table")
+            .unpacked_bytes()
     }
     pub fn as_str(self) -> &'static str {
         match self {
@@ -95,12 +94,13 @@ impl DType {
             DType::I32 => "i32",
         }
     }
-    /// Reads `f32`, `float32`, `bf16`, `bfloat16`, `i32`, `int32`.
+    /// A name of [`crate::dtype`]'s table (`f32`, `float32`, `bf16`,
+    /// `i32`, `int32`, `s32`...) of one of the types the executors store.
     pub fn parse(s: &str) -> Option<DType> {
-        match s {
-            "f32" | "float32" => Some(DType::F32),
-            "bf16" | "bfloat16" => Some(DType::BF16),
-            "i32" | "int32" => Some(DType::I32),
+        match crate::dtype::ElementType::named(s)?.name {
+            "f32" => Some(DType::F32),
+            "bf16" => Some(DType::BF16),
+            "s32" => Some(DType::I32),
             _ => None,
         }
     }

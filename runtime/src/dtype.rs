@@ -1,8 +1,11 @@
-//! Element types by name: the crate's one table of them (XLA's primitive
-//! types, with their width in bits, and the other spellings graph files
-//! use for the same types). The HLO importer reads shapes with it, the
-//! cost model the bytes of an element, the built-in models their
-//! [`crate::models::DType`]'s width.
+//! Element types by name: the workspace's one table of them (XLA's
+//! primitive types, with their width in bits, and the other spellings graph
+//! files use for the same types). It lives in the lowest crate that needs
+//! it, the runtime, whose [`crate::DType`] (the types the executors store)
+//! takes its widths and spellings from it; `memplan` re-exports it as
+//! `memplan::dtype`, where the HLO importer reads shapes with it, the cost
+//! model the bytes of an element, and the built-in models their `DType`'s
+//! width.
 
 /// An element type, with its width in bits.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -108,6 +111,15 @@ mod tests {
         assert_eq!(ElementType::named("i64").unwrap().unpacked_bytes(), 8);
         assert_eq!(ElementType::named("bool").unwrap().name, "pred");
         assert_eq!(ElementType::named("quaternion"), None);
+        // The executors' types read their names and widths here.
+        use crate::DType;
+        for d in [DType::F32, DType::BF16, DType::I32] {
+            assert_eq!(DType::parse(d.as_str()), Some(d));
+        }
+        assert_eq!((DType::F32.size(), DType::BF16.size(), DType::I32.size()), (4, 2, 4));
+        assert_eq!(DType::parse("int32"), Some(DType::I32));
+        assert_eq!(DType::parse("bfloat16"), Some(DType::BF16));
+        assert_eq!(DType::parse("f16"), None);
         for (alias, hlo) in ALIASES {
             assert!(ElementType::parse(hlo).is_some(), "{alias} -> {hlo}");
             assert!(
