@@ -229,8 +229,10 @@ pub fn graph_at_batch_json(
 }
 
 /// The largest batch that fits `budget` bytes, from two captures: PyTorch
-/// eager's (caching-allocator simulation), memplan's without and with
-/// recomputation (`{"eager", "planned", "fitted", "cap", "budget_bytes"}`);
+/// eager's in its best configuration and on its default allocator
+/// (caching-allocator simulations), memplan's without and with
+/// recomputation (`{"eager", "eager_configuration", "eager_default",
+/// "planned", "fitted", "cap", "budget_bytes"}`, [`crate::batch::MaxBatch`]);
 /// each fit probe gets `probe_time_s`.
 pub fn max_batch_json(
     graph1_json: &str,

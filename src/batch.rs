@@ -20,19 +20,24 @@
 //! informational for planning (an executor needs a real capture).
 //!
 //! # The search ([`max_batch`])
-//! The largest batch whose step fits a budget, three ways: PyTorch eager's
-//! caching allocator simulated over program order
-//! ([`crate::baselines::pytorch_caching`]), memplan's plan without
-//! recomputation, and [`crate::fit::fit`] with recomputation. Each is a
+//! The largest batch whose step fits a budget, three ways: PyTorch eager
+//! in its best configuration at each batch (the least of the caching
+//! allocator's simulated reserved bytes, with and without expandable
+//! segments and the optimizer in the backward:
+//! [`crate::baselines::eager_configurations`]; its default configuration
+//! alone is a secondary figure), memplan's plan without recomputation, and
+//! [`crate::fit::fit`] with recomputation. Each is a
 //! doubling search followed by bisection, which assumes that a batch fits
 //! when a larger one does (memory grows with the batch; the planners are
 //! heuristics, so a rare non-monotone probe can make the answer one batch
 //! short, never one that does not fit: every answer was itself probed).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::baselines::{self, Baseline};
 use crate::error::Error;
 use crate::fit::{FitOptions, fit};
 use crate::graph::{Graph, OpId};
@@ -321,8 +326,16 @@ fn value_at(v1: &Value, v2: &Value, b: (u64, u64), batch: u64) -> Value {
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct MaxBatch {
     pub budget_bytes: u64,
-    /// PyTorch eager: the caching allocator's simulated reserved bytes.
+    /// PyTorch eager in its best configuration
+    /// ([`crate::baselines::EAGER`]): the largest batch at which one of
+    /// them fits.
     pub eager: u64,
+    /// The eager configuration that needs the least at batch [`Self::eager`]
+    /// (none when not even batch 1 fits).
+    pub eager_configuration: Option<String>,
+    /// PyTorch eager on its default caching allocator
+    /// (`pytorch-reserved`).
+    pub eager_default: u64,
     /// memplan's plan without recomputation.
     pub planned: u64,
     /// memplan with recomputation ([`crate::fit::fit`]).
@@ -336,6 +349,7 @@ pub struct MaxBatch {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Way {
     Eager,
+    EagerDefault,
     Planned,
     Fitted,
 }
@@ -358,10 +372,21 @@ pub fn max_batch(
         time_limit: opts.time_limit.min(Duration::from_secs(5)),
         ..Options::default()
     };
+    // Each batch's eager figures, shared by both eager ways.
+    let mut eager_figures: HashMap<u64, Vec<Baseline>> = HashMap::new();
     let mut fits = |way: Way, batch: u64| -> Result<bool, Error> {
         let g = graph_at(batch)?;
         Ok(match way {
-            Way::Eager => crate::baselines::pytorch_caching(&g).max_reserved <= budget,
+            Way::Eager | Way::EagerDefault => {
+                let all = eager_figures
+                    .entry(batch)
+                    .or_insert_with(|| baselines::eager_configurations(&g));
+                let bytes = match way {
+                    Way::Eager => baselines::best_eager(all),
+                    _ => all.iter().find(|b| b.name == "pytorch-reserved"),
+                };
+                bytes.is_some_and(|b| b.peak_bytes <= budget)
+            }
             Way::Planned => crate::plan(&g, &plan_opts)?.arena_bytes <= budget,
             Way::Fitted => match fit(&g, &fit_opts) {
                 Ok(_) => true,
@@ -370,13 +395,22 @@ pub fn max_batch(
             },
         })
     };
-    let eager = largest(|b| fits(Way::Eager, b), 0, cap)?;
+    let eager_default = largest(|b| fits(Way::EagerDefault, b), 0, cap)?;
+    // A batch the default configuration fits, the best one fits.
+    let eager = largest(|b| fits(Way::Eager, b), eager_default, cap)?;
     let planned = largest(|b| fits(Way::Planned, b), 0, cap)?;
     // A batch that fits without recomputation fits with it.
     let fitted = largest(|b| fits(Way::Fitted, b), planned, cap)?;
+    // Every answer but 0 was probed.
+    let eager_configuration = eager_figures
+        .get(&eager)
+        .and_then(|all| baselines::best_eager(all))
+        .map(|b| b.name.clone());
     Ok(MaxBatch {
         budget_bytes: budget,
         eager,
+        eager_configuration,
+        eager_default,
         planned,
         fitted,
         cap,

@@ -121,6 +121,7 @@ fn the_largest_batch_from_two_captures_is_the_models_own() {
     )
     .unwrap();
     assert_eq!(from_line.eager, from_model.eager);
+    assert_eq!(from_line.eager_default, from_model.eager_default);
     assert_eq!(from_line.planned, from_model.planned);
     let r = from_line;
     assert!(
@@ -133,8 +134,19 @@ fn the_largest_batch_from_two_captures_is_the_models_own() {
     let p = memplan::plan(&g, &memplan::Options::default()).unwrap();
     checker::check(&g, &p).unwrap();
     assert!(p.arena_bytes <= budget);
-    let over = at("gpt2-tiny", r.eager + 1, false, false);
-    assert!(memplan::baselines::pytorch_caching(&over).max_reserved > budget);
+    // Eager: at its answer one configuration fits, the one named; above
+    // it none does; the default configuration alone fits no more.
+    let eager_at = |b| memplan::baselines::eager_configurations(&at("gpt2-tiny", b, false, false));
+    let here = eager_at(r.eager);
+    let best = memplan::baselines::best_eager(&here).unwrap();
+    assert!(best.peak_bytes <= budget, "{best:?}");
+    assert_eq!(r.eager_configuration.as_deref(), Some(best.name.as_str()));
+    let above = eager_at(r.eager + 1);
+    assert!(memplan::baselines::best_eager(&above).unwrap().peak_bytes > budget);
+    assert!(r.eager_default >= 1 && r.eager_default <= r.eager, "{r:?}");
+    let reserved =
+        |b| memplan::baselines::pytorch_caching(&at("gpt2-tiny", b, false, false)).max_reserved;
+    assert!(reserved(r.eager_default) <= budget && reserved(r.eager_default + 1) > budget);
     let f = memplan::fit::fit(
         &at("gpt2-tiny", r.fitted, false, false),
         &FitOptions { budget, ..opts },

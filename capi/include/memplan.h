@@ -96,12 +96,16 @@ int memplan_at_batch(const char *graph1_json, long long batch1, const char *grap
                      long long batch2, long long batch, char **out);
 
 /* The largest batch whose step fits `budget_bytes`, from two captures as
- * for memplan_at_batch, three ways: PyTorch eager (its caching allocator
- * simulated over program order), memplan's plan without recomputation, and
- * memplan_fit's recomputation. On success *out is {"eager", "planned",
- * "fitted", "cap", "budget_bytes"}: each a batch size, 0 where not even
- * batch 1 fits (not an error); one equal to "cap" (65536) means "at least".
- * Each trial plan or fit gets `probe_time_seconds` (a time limit as for
+ * for memplan_at_batch, three ways: PyTorch eager in its best configuration
+ * (its caching allocator simulated over the eager order, with and without
+ * expandable segments and the optimizer in the backward, as memplan_baselines
+ * simulates them), memplan's plan without recomputation, and memplan_fit's
+ * recomputation. On success *out is {"eager", "eager_configuration",
+ * "eager_default", "planned", "fitted", "cap", "budget_bytes"}: each but
+ * "eager_configuration" a batch size, 0 where not even batch 1 fits (not an
+ * error); one equal to "cap" (65536) means "at least". "eager_configuration"
+ * names the configuration that fits at "eager" (null at 0); "eager_default"
+ * is the default allocator's answer. Each trial plan or fit gets `probe_time_seconds` (a time limit as for
  * memplan_plan; plans without recomputation at most 5 s), and a search
  * makes a few dozen of them. The batch arguments' errors are
  * memplan_at_batch's. */

@@ -320,12 +320,18 @@ def at_batch(graph1, graph2, batch, batches=None):
 
 def max_batch(graph1, graph2, budget, batches=None, probe_time=5.0):
     """The largest batch whose step fits `budget` bytes, three ways: PyTorch
-    eager (the caching allocator simulated over program order), memplan's
-    plan without recomputation, and memplan with recomputation.
+    eager in its best configuration (the least of the caching allocator
+    simulated over the eager order with and without expandable segments and
+    with the optimizer in the backward, as ``memplan compare`` simulates
+    them), memplan's plan without recomputation, and memplan with
+    recomputation.
 
     `graph1` and `graph2` are the step captured at two batch sizes (see
-    :func:`at_batch`). Returns ``{"eager", "planned", "fitted",
-    "budget_bytes", "cap"}``; an answer equal to `cap` means "at least".
+    :func:`at_batch`). Returns ``{"eager", "eager_configuration",
+    "eager_default", "planned", "fitted", "budget_bytes", "cap"}``:
+    ``eager_configuration`` names the configuration that fits at ``eager``,
+    ``eager_default`` is the default allocator's answer; an answer equal to
+    `cap` means "at least".
     Each trial fit gets `probe_time` seconds.
     """
     b1, b2 = _batches(batches)

@@ -2444,6 +2444,11 @@ class LargestBatch(unittest.TestCase):
                          probe_time=2)
         self.assertGreaterEqual(r["eager"], 1)
         self.assertLessEqual(r["eager"], r["planned"])
+        # The best eager configuration, named, fits at least the default's.
+        self.assertIn(r["eager_configuration"], ("pytorch-reserved", "pytorch-expandable-segments",
+                                                 "eager-optimizer-in-backward",
+                                                 "eager-optimizer-in-backward-expandable-segments"))
+        self.assertLessEqual(r["eager_default"], r["eager"])
         self.assertLess(r["planned"], r["fitted"])
         self.assertLess(r["fitted"], r["cap"])
         g = memplan.at_batch(*r["graphs"], r["planned"])

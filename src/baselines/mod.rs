@@ -350,64 +350,21 @@ pub fn all(g: &Graph) -> Vec<Baseline> {
 /// ([`fsdp_eager::flat_buffers`]) in every eager figure but
 /// `program-order+greedy` (a layout of the graph's own tensors).
 pub fn all_with(g: &Graph, device: fsdp_eager::Device) -> Vec<Baseline> {
-    let (eager, mut what) = eager_order(g, device.prefetch);
-    let held = fsdp_eager::flat_buffers(g, &eager, device);
-    if !held.is_empty() {
-        what.push_str(&format!(
-            " with FSDP2's flat buffers{}",
-            if device.gloo { " and gloo's" } else { "" }
-        ));
-    }
-    let cs = eager_caching_holding(g, &eager, false, &held);
-    let expandable = eager_caching_holding(g, &eager, true, &held);
-    let in_backward = optimizer_in_backward_of(g, &eager);
-    // The updates moved between ops: the flat buffers keep their ops.
-    let held_in_backward = fsdp_eager::flat_buffers(g, &in_backward, device);
-    let mut out = vec![
-        Baseline {
-            name: "pytorch-reserved".into(),
-            peak_bytes: cs.max_reserved,
-            description: format!("{what} + simulated PyTorch caching allocator (reserved)"),
-        },
-        Baseline {
-            name: "pytorch-allocated".into(),
-            peak_bytes: cs.max_allocated,
-            description: format!("{what} + simulated PyTorch caching allocator (allocated)"),
-        },
-        Baseline {
-            name: "pytorch-expandable-segments".into(),
-            peak_bytes: expandable.max_reserved,
-            description: format!(
-                "{what} + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
-            ),
-        },
-        Baseline {
-            name: "eager-optimizer-in-backward".into(),
-            peak_bytes: eager_caching_holding(g, &in_backward, false, &held_in_backward)
-                .max_reserved,
-            description: format!(
-                "{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"
-            ),
-        },
-        Baseline {
-            name: "eager-optimizer-in-backward-expandable-segments".into(),
-            peak_bytes: eager_caching_holding(g, &in_backward, true, &held_in_backward)
-                .max_reserved,
-            description: format!(
-                "{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
-            ),
-        },
+    let run = EagerRun::new(g, device);
+    let mut out = run.configurations();
+    let (eager, what, held) = (&run.order, &run.what, &run.held);
+    out.extend([
         Baseline {
             name: "program-order".into(),
-            peak_bytes: order_max_live_holding(g, &eager, &held),
+            peak_bytes: order_max_live_holding(g, eager, held),
             description: format!("{what}, max live bytes (no layout loss)"),
         },
         Baseline {
             name: "program-order+greedy".into(),
-            peak_bytes: order_greedy(g, &eager).arena_bytes,
+            peak_bytes: order_greedy(g, eager).arena_bytes,
             description: format!("{what} + greedy-by-size offsets"),
         },
-    ];
+    ]);
     for (name, order) in &g.extra_orders {
         out.push(Baseline {
             name: format!("{name}+memplan-layout"),
@@ -434,6 +391,90 @@ pub fn all_with(g: &Graph, device: fsdp_eager::Device) -> Vec<Baseline> {
         });
     }
     out
+}
+
+/// PyTorch eager's configurations of `g` ([`EAGER`], and
+/// `pytorch-allocated`), as [`all`] figures them, without the other
+/// baselines: what [`crate::batch::max_batch`] probes at every batch.
+pub fn eager_configurations(g: &Graph) -> Vec<Baseline> {
+    EagerRun::new(g, fsdp_eager::Device::CUDA).configurations()
+}
+
+/// The order eager runs a step in, its description and the buffers held
+/// outside the graph (FSDP2's flat ones) along it.
+struct EagerRun<'g> {
+    g: &'g Graph,
+    device: fsdp_eager::Device,
+    order: std::borrow::Cow<'g, [OpId]>,
+    what: String,
+    held: Vec<fsdp_eager::Held>,
+}
+
+impl<'g> EagerRun<'g> {
+    fn new(g: &'g Graph, device: fsdp_eager::Device) -> Self {
+        let (order, mut what) = eager_order(g, device.prefetch);
+        let held = fsdp_eager::flat_buffers(g, &order, device);
+        if !held.is_empty() {
+            what.push_str(&format!(
+                " with FSDP2's flat buffers{}",
+                if device.gloo { " and gloo's" } else { "" }
+            ));
+        }
+        EagerRun {
+            g,
+            device,
+            order,
+            what,
+            held,
+        }
+    }
+
+    /// The caching allocator's figures over the eager order and over the
+    /// same with the optimizer in the backward, with and without
+    /// expandable segments.
+    fn configurations(&self) -> Vec<Baseline> {
+        let (g, what, held) = (self.g, &self.what, &self.held);
+        let cs = eager_caching_holding(g, &self.order, false, held);
+        let expandable = eager_caching_holding(g, &self.order, true, held);
+        let in_backward = optimizer_in_backward_of(g, &self.order);
+        // The updates moved between ops: the flat buffers keep their ops.
+        let held_in_backward = fsdp_eager::flat_buffers(g, &in_backward, self.device);
+        vec![
+            Baseline {
+                name: "pytorch-reserved".into(),
+                peak_bytes: cs.max_reserved,
+                description: format!("{what} + simulated PyTorch caching allocator (reserved)"),
+            },
+            Baseline {
+                name: "pytorch-allocated".into(),
+                peak_bytes: cs.max_allocated,
+                description: format!("{what} + simulated PyTorch caching allocator (allocated)"),
+            },
+            Baseline {
+                name: "pytorch-expandable-segments".into(),
+                peak_bytes: expandable.max_reserved,
+                description: format!(
+                    "{what} + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
+                ),
+            },
+            Baseline {
+                name: "eager-optimizer-in-backward".into(),
+                peak_bytes: eager_caching_holding(g, &in_backward, false, &held_in_backward)
+                    .max_reserved,
+                description: format!(
+                    "{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"
+                ),
+            },
+            Baseline {
+                name: "eager-optimizer-in-backward-expandable-segments".into(),
+                peak_bytes: eager_caching_holding(g, &in_backward, true, &held_in_backward)
+                    .max_reserved,
+                description: format!(
+                    "{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
+                ),
+            },
+        ]
+    }
 }
 
 /// A given order with reuses, laid out by memplan's allocator.

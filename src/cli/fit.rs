@@ -436,8 +436,13 @@ fn max_batch(a: &FitArgs, limit: Duration) -> Result<()> {
             b.to_string()
         }
     };
+    let best = match &r.eager_configuration {
+        Some(c) => format!("PyTorch eager, best configuration ({c})"),
+        None => "PyTorch eager, best configuration".to_string(),
+    };
     for (name, b) in [
-        ("PyTorch eager", r.eager),
+        (best.as_str(), r.eager),
+        ("PyTorch eager, default allocator", r.eager_default),
         ("memplan", r.planned),
         ("memplan + recomputation", r.fitted),
     ] {

@@ -35,8 +35,9 @@ allocated outside it, the step-time ratio and how far losses and
 parameters are apart (:func:`on_device`).
 ``--max-batch GIB`` captures each model at batch 2 and 3 and reports the
 largest batch whose step fits GIB GiB (:func:`memplan.torch.max_batch`):
-PyTorch eager's (caching allocator simulated over the recorded order),
-memplan's plan's, and memplan's with recomputation; ``--gpt2-xl-batch``
+PyTorch eager's in its best configuration and on its default allocator
+(caching allocator simulated over the recorded order), memplan's plan's,
+and memplan's with recomputation; ``--gpt2-xl-batch``
 does it for GPT-2 XL (sequence 1024, built on the meta device).
 """
 
@@ -717,13 +718,14 @@ def largest(gib: float, probe_time: float, xl: bool):
         cases = {n: (m, _resized(b), f) for n, (m, b, f) in models().items()}
     print(f"largest batch within {gib:g} GiB (captured at batch 2 and 3, extrapolated; "
           f"{probe_time:g} s per fit probe)")
-    print(f"{'model':18} {'eager':>7} {'memplan':>8} {'+recompute':>11} {'seconds':>8}")
+    print(f"{'model':18} {'best eager':>10} {'default':>7} {'memplan':>8} {'+recompute':>11} {'seconds':>8}  "
+          "best eager configuration")
     for name, (model, make, loss_fn) in cases.items():
         t0 = time.perf_counter()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         r = max_batch(model, opt, make, loss_fn, budget, probe_time=probe_time)
-        print(f"{name:18} {r['eager']:7} {r['planned']:8} {r['fitted']:11} "
-              f"{time.perf_counter() - t0:8.1f}", flush=True)
+        print(f"{name:18} {r['eager']:10} {r['eager_default']:7} {r['planned']:8} {r['fitted']:11} "
+              f"{time.perf_counter() - t0:8.1f}  {r['eager_configuration'] or '-'}", flush=True)
 
 
 def main(argv=None):
