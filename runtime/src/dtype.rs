@@ -116,7 +116,10 @@ mod tests {
         for d in [DType::F32, DType::BF16, DType::I32] {
             assert_eq!(DType::parse(d.as_str()), Some(d));
         }
-        assert_eq!((DType::F32.size(), DType::BF16.size(), DType::I32.size()), (4, 2, 4));
+        assert_eq!(
+            (DType::F32.size(), DType::BF16.size(), DType::I32.size()),
+            (4, 2, 4)
+        );
         assert_eq!(DType::parse("int32"), Some(DType::I32));
         assert_eq!(DType::parse("bfloat16"), Some(DType::BF16));
         assert_eq!(DType::parse("f16"), None);
