@@ -33,6 +33,7 @@
 //! short, never one that does not fit: every answer was itself probed).
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -375,20 +376,23 @@ pub fn max_batch(
     // Each batch's eager figures, shared by both eager ways.
     let mut eager_figures: HashMap<u64, Vec<Baseline>> = HashMap::new();
     let mut fits = |way: Way, batch: u64| -> Result<bool, Error> {
-        let g = graph_at(batch)?;
         Ok(match way {
             Way::Eager | Way::EagerDefault => {
-                let all = eager_figures
-                    .entry(batch)
-                    .or_insert_with(|| baselines::eager_configurations(&g));
+                // A batch both eager searches probe is built and simulated once.
+                let all = match eager_figures.entry(batch) {
+                    Entry::Occupied(e) => e.into_mut(),
+                    Entry::Vacant(e) => {
+                        e.insert(baselines::eager_configurations(&graph_at(batch)?))
+                    }
+                };
                 let bytes = match way {
                     Way::Eager => baselines::best_eager(all),
                     _ => all.iter().find(|b| b.name == "pytorch-reserved"),
                 };
                 bytes.is_some_and(|b| b.peak_bytes <= budget)
             }
-            Way::Planned => crate::plan(&g, &plan_opts)?.arena_bytes <= budget,
-            Way::Fitted => match fit(&g, &fit_opts) {
+            Way::Planned => crate::plan(&graph_at(batch)?, &plan_opts)?.arena_bytes <= budget,
+            Way::Fitted => match fit(&graph_at(batch)?, &fit_opts) {
                 Ok(_) => true,
                 Err(Error::DoesNotFit(_)) => false,
                 Err(e) => return Err(e),
