@@ -13,7 +13,9 @@
 //! - [`lower`]: the bridge to the solver (`memplan-solver`, ordering) and
 //!   the allocator (`memplan-allocator`, offsets); [`layout`]: one order
 //!   laid out by the allocator.
-//! - [`exec`]: a graph and its plan lowered to the executor's program
+//! - [`vocab`]: the op vocabulary, each executor op as a graph op and as
+//!   the runtime's typed `Kernel`, converted both ways in one place;
+//!   [`exec`]: a graph and its plan lowered to the executor's program
 //!   (`memplan-runtime`), and the unplanned reference.
 //! - [`fit`]: fitting a step into a memory budget by recomputation
 //!   (`memplan fit`), priced by [`cost`] (FLOPs, bytes, roofline time);
@@ -83,6 +85,7 @@ pub mod timeline;
 pub mod trace;
 pub mod transforms;
 pub mod units;
+pub mod vocab;
 
 pub use error::{Error, ErrorKind, GraphError, Result};
 pub use graph::{Graph, GraphBuilder, OpId, TensorId};

@@ -73,7 +73,8 @@
 
 use std::collections::HashMap;
 
-use serde_json::{Value, json};
+use memplan_runtime::{Kernel, Matmul};
+use serde_json::json;
 
 use crate::error::Error;
 use crate::graph::{
@@ -81,6 +82,7 @@ use crate::graph::{
 };
 use crate::pipeline::{self, Options};
 use crate::plan::Plan;
+use crate::vocab;
 
 // What `--split` asks for lives with the pipeline's options (so the
 // pipeline does not depend on this pass, which plans through it).
@@ -156,8 +158,24 @@ fn sole_cast(g: &Graph, t: TensorId) -> Option<(OpId, TensorId)> {
     (plain(g, u) && elems(u).is_some() && elems(u) == elems(t)).then_some((o, u))
 }
 
-fn attr_u64(g: &Graph, o: OpId, k: &str) -> Option<u64> {
-    g.op(o).attrs.get(k).and_then(Value::as_u64)
+/// The kernel op `o` runs, if it is one of the vocabulary's.
+fn kernel_of(g: &Graph, o: OpId) -> Option<Kernel> {
+    vocab::kernel(g.op(o)).ok()
+}
+
+/// Chunk `n` rows of a chain op's kernel `k` (the products' `m`, or `k`
+/// for the head's gradient, which sums over rows; the losses' `rows`): the
+/// same op on fewer rows. The loss keeps its `divisor` (all the rows) and
+/// its gradient its `scale`, so each chunk's share is exact.
+fn chunk_kernel(k: &Kernel, n: u64) -> Kernel {
+    let mut k = k.clone();
+    match &mut k {
+        Kernel::MatmulNt(mm) | Kernel::MatmulNn(mm) => mm.m = n,
+        Kernel::MatmulTn(mm) | Kernel::MatmulTnAccumulate(mm) => mm.k = n,
+        Kernel::CrossEntropy { rows, .. } | Kernel::CrossEntropyBackward { rows, .. } => *rows = n,
+        other => unreachable!("a loss chain has no {}", vocab::op_type(other)),
+    }
+    k
 }
 
 fn plain(g: &Graph, t: TensorId) -> bool {
@@ -202,12 +220,15 @@ fn chain_at(g: &Graph, a: OpId) -> Option<LossChain> {
     {
         return None;
     }
+    let Some(Kernel::MatmulNt(Matmul {
+        m: rows,
+        k: width,
+        n: classes,
+    })) = kernel_of(g, a)
+    else {
+        return None;
+    };
     let (y, head, logits) = (op.inputs[0], op.inputs[1], op.outputs[0]);
-    let (rows, width, classes) = (
-        attr_u64(g, a, "m")?,
-        attr_u64(g, a, "k")?,
-        attr_u64(g, a, "n")?,
-    );
     if rows < 2 || !plain(g, logits) {
         return None;
     }
@@ -298,19 +319,29 @@ fn loss_ops(
     }
     let targets = bo.inputs[1];
     let (loss, dlogits) = (bo.outputs[0], cbo.outputs[0]);
-    for o in [b, cb] {
-        if attr_u64(g, o, "rows")? != rows || attr_u64(g, o, "classes")? != classes {
-            return None;
-        }
-        if g.op(o)
-            .attrs
-            .get("divisor")
-            .is_some_and(|d| d.as_u64() != Some(rows))
-        {
-            return None;
-        }
+    // The mean over all rows, and its gradient, over the chain's sizes.
+    let Some(Kernel::CrossEntropy {
+        rows: r,
+        classes: v,
+        divisor,
+    }) = kernel_of(g, b)
+    else {
+        return None;
+    };
+    if (r, v, divisor) != (rows, classes, rows) {
+        return None;
     }
-    cbo.attrs.get("scale")?.as_f64()?;
+    let Some(Kernel::CrossEntropyBackward {
+        rows: r,
+        classes: v,
+        ..
+    }) = kernel_of(g, cb)
+    else {
+        return None;
+    };
+    if (r, v) != (rows, classes) {
+        return None;
+    }
     let loss_t = g.tensor(loss);
     if loss_t.view_of.is_some() || loss_t.dtype.as_deref() != Some("f32") || loss_t.size != 4 {
         return None;
@@ -342,20 +373,18 @@ fn products(
         || eop.outputs.len() != 1
         || !dop.updates.is_empty()
         || !eop.updates.is_empty()
-        || eop
-            .attrs
-            .get("accumulate")
-            .is_some_and(|v| v != &Value::Bool(false))
     {
         return None;
     }
     let (dy, dhead) = (dop.outputs[0], eop.outputs[0]);
-    let dims = |o, m, k, n| {
-        attr_u64(g, o, "m") == Some(m)
-            && attr_u64(g, o, "k") == Some(k)
-            && attr_u64(g, o, "n") == Some(n)
+    // The head's gradient is made here, not accumulated into.
+    let (Some(Kernel::MatmulNn(dmm)), Some(Kernel::MatmulTn(emm))) =
+        (kernel_of(g, d), kernel_of(g, e))
+    else {
+        return None;
     };
-    if !dims(d, rows, classes, width) || !dims(e, classes, rows, width) {
+    let mm = |m, k, n| Matmul { m, k, n };
+    if dmm != mm(rows, classes, width) || emm != mm(classes, rows, width) {
         return None;
     }
     Some((d, e, dy, dhead))
@@ -505,14 +534,15 @@ fn emit_chunks(
         dy_parts.push(ch.backward(b, i, ce_in, y_parts[i], t_parts[i]));
     }
     let d = g.op(c.ops[3]);
-    let offsets: Vec<u64> = ch.parts.iter().map(|&(lo, _)| lo * c.width).collect();
+    let pack = Kernel::Pack {
+        offsets: ch.parts.iter().map(|&(lo, _)| lo * c.width).collect(),
+        elements: c.rows * c.width,
+    };
     ch.ops.push(
         b.add_op(
-            OpSpec::new(format!("{}.pack", d.name), d.kind, "pack")
+            vocab::spec(format!("{}.pack", d.name), d.kind, &pack)
                 .inputs(dy_parts)
                 .outputs([tm(c.dy)])
-                .attr("offsets", offsets)
-                .attr("elements", c.rows * c.width)
                 .flops(0.0)
                 .stream(d.stream),
         ),
@@ -604,13 +634,16 @@ impl<'a> Chunks<'a> {
         b.add_tensor(s)
     }
 
-    /// Chunk `i`'s copy of the chain's op `o` (its kind, type, stream and
-    /// attributes), its cost and FLOPs scaled to the chunk's `n` rows.
+    /// Chunk `i`'s copy of the chain's op `o` (its kind, stream and
+    /// attributes) on its `n` rows ([`chunk_kernel`]), its cost and FLOPs
+    /// scaled to them.
     fn copy_op(&self, o: usize, i: usize, n: u64) -> OpSpec {
         let op = self.g.op(self.c.ops[o]);
+        let k = kernel_of(self.g, self.c.ops[o]).expect("a chain op is a kernel");
         let mut s = OpSpec::new(format!("{}.chunk{i}", op.name), op.kind, op.op_type.clone());
         s.stream = op.stream;
         s.attrs = op.attrs.clone();
+        vocab::write(&chunk_kernel(&k, n), &mut s.attrs);
         s.cost = self.scaled(op.cost, n);
         s.flops = self.scaled(op.flops, n);
         s
@@ -643,11 +676,10 @@ impl<'a> Chunks<'a> {
         let (lo, hi) = self.parts[i];
         let n = hi - lo;
         let logits = self.like(b, c.logits, i, vec![n, c.classes]);
-        let mut s = self
+        let s = self
             .copy_op(0, i, n)
             .inputs([y, (self.tm)(c.head)])
             .outputs([logits]);
-        s.attrs.insert("m".into(), json!(n));
         self.ops.push(b.add_op(s));
 
         let part = self.scalar(b, format!("{}.chunk{i}", self.spec(c.loss).name));
@@ -658,12 +690,10 @@ impl<'a> Chunks<'a> {
                 cast_chunk(b, g, cast, out, logits, i, n * c.classes, &mut self.ops)
             }
         };
-        let mut s = self
+        let s = self
             .copy_op(1, i, n)
             .inputs([ce_in, targets])
             .outputs([part]);
-        s.attrs.insert("rows".into(), json!(n));
-        s.attrs.insert("divisor".into(), json!(c.rows));
         self.ops.push(b.add_op(s));
         (ce_in, part)
     }
@@ -680,11 +710,14 @@ impl<'a> Chunks<'a> {
         };
         self.ops.push(
             b.add_op(
-                OpSpec::new(format!("{}.sum{i}", ce.name), ce.kind, "add")
-                    .inputs([prev, part])
-                    .outputs([out])
-                    .attr("elements", 1)
-                    .stream(ce.stream),
+                vocab::spec(
+                    format!("{}.sum{i}", ce.name),
+                    ce.kind,
+                    &Kernel::Add { elements: 1 },
+                )
+                .inputs([prev, part])
+                .outputs([out])
+                .stream(ce.stream),
             ),
         );
         out
@@ -719,7 +752,6 @@ impl<'a> Chunks<'a> {
         {
             s = s.reuse(dlogits, ce_in);
         }
-        s.attrs.insert("rows".into(), json!(n));
         self.ops.push(b.add_op(s));
 
         let dy = self.like(b, c.dy, i, vec![n, width]);
@@ -730,20 +762,25 @@ impl<'a> Chunks<'a> {
                 cast_chunk(b, g, cast, out, dlogits, i, n * classes, &mut self.ops)
             }
         };
-        let mut s = self
+        let s = self
             .copy_op(3, i, n)
             .inputs([mm_in, (self.tm)(c.head)])
             .outputs([dy]);
-        s.attrs.insert("m".into(), json!(n));
         self.ops.push(b.add_op(s));
 
         let mut s = self.copy_op(4, i, n).inputs([mm_in, y]);
         s = if i == 0 {
             s.outputs([(self.tm)(c.dhead)])
         } else {
-            s.updates([(self.tm)(c.dhead)]).attr("accumulate", true)
+            // The later chunks add their share to the first's.
+            let mm = Matmul {
+                m: classes,
+                k: n,
+                n: width,
+            };
+            vocab::write(&Kernel::MatmulTnAccumulate(mm), &mut s.attrs);
+            s.updates([(self.tm)(c.dhead)])
         };
-        s.attrs.insert("k".into(), json!(n));
         // 2·V·n·C for the product, V·C for adding it to the sum.
         let product = 2.0 * (classes * n * width) as f64;
         s.flops = Some(
@@ -809,7 +846,7 @@ fn cast_chunk(
         .outputs([t]);
     s.stream = op.stream;
     s.attrs = op.attrs.clone();
-    s.attrs.insert("elements".into(), json!(elements));
+    vocab::write(&Kernel::Cast { elements }, &mut s.attrs);
     s.cost = op.cost.map(|c| c * elements as f64 / total.max(1) as f64);
     s.flops = op.flops.map(|f| f * elements as f64 / total.max(1) as f64);
     for &(o, inp) in &op.reuse {

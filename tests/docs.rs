@@ -437,4 +437,19 @@ fn every_built_in_op_type_is_documented() {
         .collect();
     assert!(missing.is_empty(), "not in docs/ops.md: {missing:?}");
     assert!(seen.contains("rope") && seen.contains("cast"), "{seen:?}");
+    // The vocabulary: every op type the executors run is documented, and
+    // the built-in steps use no other.
+    let undocumented: Vec<&&str> = memplan::vocab::OP_TYPES
+        .iter()
+        .filter(|t| !doc.contains(&format!("`{t}`")))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "not in docs/ops.md: {undocumented:?}"
+    );
+    let outside: Vec<&String> = seen
+        .iter()
+        .filter(|t| !memplan::vocab::OP_TYPES.contains(&t.as_str()))
+        .collect();
+    assert!(outside.is_empty(), "not in memplan::vocab: {outside:?}");
 }

@@ -30,13 +30,15 @@ pub struct Attention {
     pub kv_heads: u64,
     pub seq: u64,
     pub head_dim: u64,
-    /// Multiplies `q·k` (usually `1/√D`).
-    pub scale: f32,
+    /// Multiplies `q·k` (usually `1/√D`). Hyper-parameters are kept as the
+    /// graph gives them (f64); a kernel computes with them in its own
+    /// precision (f32 on every backend today).
+    pub scale: f64,
 }
 
 impl Attention {
     /// Multi-head attention (as many key/value heads as query heads).
-    pub fn mha(batch: u64, heads: u64, seq: u64, head_dim: u64, scale: f32) -> Attention {
+    pub fn mha(batch: u64, heads: u64, seq: u64, head_dim: u64, scale: f64) -> Attention {
         Attention {
             batch,
             heads,
@@ -99,11 +101,11 @@ impl Rope {
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct AdamParams {
     pub elements: u64,
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
     /// AdamW: decay the weights directly (`w -= lr·wd·w`) instead of adding
     /// `wd·w` to the gradient (Adam).
     pub decoupled: bool,
@@ -111,7 +113,7 @@ pub struct AdamParams {
     /// `first_step + steps run so far`).
     pub first_step: u64,
     /// Clip by global norm: the second input is the norm (or its square).
-    pub max_norm: Option<f32>,
+    pub max_norm: Option<f64>,
     /// The norm input holds the squared norm.
     pub norm_squared: bool,
 }
@@ -147,11 +149,11 @@ pub enum Kernel {
         positions: bool,
     },
     /// in `[x RC, gamma C, beta C]`, out `[y RC, mean f32 R, rstd f32 R]`.
-    LayerNorm { rows: u64, cols: u64, eps: f32 },
+    LayerNorm { rows: u64, cols: u64, eps: f64 },
     /// in `[dy RC, x RC, mean R, rstd R, gamma C]`, out `[dx RC, dgamma C, dbeta C]`.
     LayerNormBackward { rows: u64, cols: u64 },
     /// in `[x RC, gamma C]`, out `[y RC, rstd f32 R]` (RMSNorm).
-    RmsNorm { rows: u64, cols: u64, eps: f32 },
+    RmsNorm { rows: u64, cols: u64, eps: f64 },
     /// in `[dy RC, x RC, rstd R, gamma C]`, out `[dx RC, dgamma C]`.
     RmsNormBackward { rows: u64, cols: u64 },
     /// in `[qkv]`, out `[qkv rotated]` (`rope`, or `rope_backward` when
@@ -219,7 +221,7 @@ pub enum Kernel {
         divisor: u64,
     },
     /// in `[logits RV, targets i32 R]`, out `[dlogits RV]`.
-    CrossEntropyBackward { rows: u64, classes: u64, scale: f32 },
+    CrossEntropyBackward { rows: u64, classes: u64, scale: f64 },
     /// in `[g₁, g₂, …]`, out `[norm f32 1]` (the L2 norm of all, or its square).
     GradNorm { squared: bool },
     /// in `[g E, (norm f32 1)]`, out `[(denom E)]`, updates `[w E, m E, v E]`.

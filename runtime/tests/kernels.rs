@@ -153,7 +153,7 @@ fn linear_backward_matches_finite_differences() {
 
 #[test]
 fn attention_backward_matches_finite_differences() {
-    let a = Attention::mha(2, 2, 5, 3, 1.0 / 3f32.sqrt());
+    let a = Attention::mha(2, 2, 5, 3, (1.0 / 3f32.sqrt()) as f64);
     let (bsz, t, c) = (2usize, 5usize, 6usize);
     let qkv = rand("qkv", bsz * t * 3 * c, 1.0);
     let r = rand("r", bsz * t * c, 1.0);
@@ -285,7 +285,7 @@ fn adam_params(decoupled: bool, wd: f32) -> AdamParams {
         beta1: 0.9,
         beta2: 0.999,
         eps: 1e-8,
-        weight_decay: wd,
+        weight_decay: wd as f64,
         decoupled,
         first_step: 1,
         max_norm: None,

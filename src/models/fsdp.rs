@@ -46,12 +46,14 @@
 
 use std::collections::HashMap;
 
+use memplan_runtime::{ChunkLayout, Kernel, ReduceOp};
 use serde_json::{Value, json};
 
 use crate::error::Error;
 use crate::graph::{
     Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec,
 };
+use crate::vocab;
 
 /// Byte alignment of each parameter's segment in a flat buffer.
 pub const SEGMENT_ALIGN_BYTES: u64 = 256;
@@ -624,12 +626,14 @@ impl Sharder<'_> {
                     shard,
                     Role::Communication,
                 );
+                let pack = Kernel::Pack {
+                    offsets,
+                    elements: shard,
+                };
                 self.b.add_op(
-                    OpSpec::new(format!("{name}.copy_in{k}"), OpKind::Other, "pack")
+                    vocab::spec(format!("{name}.copy_in{k}"), OpKind::Other, &pack)
                         .inputs(shards)
-                        .outputs([input])
-                        .attr("offsets", json!(offsets))
-                        .attr("elements", shard),
+                        .outputs([input]),
                 );
                 input
             }
@@ -645,11 +649,11 @@ impl Sharder<'_> {
             shard,
             Role::Communication,
         );
+        let k_cast = Kernel::Cast { elements: shard };
         self.b.add_op(
-            OpSpec::new(format!("{name}.cast{k}"), OpKind::Other, "cast")
+            vocab::spec(format!("{name}.cast{k}"), OpKind::Other, &k_cast)
                 .inputs([shard_t])
-                .outputs([cast])
-                .attr("elements", shard),
+                .outputs([cast]),
         );
         cast
     }
@@ -773,16 +777,18 @@ impl Sharder<'_> {
             ShardLayout::PerParameter => format!("{name}.all_gather_output{k}"),
         };
         let gathered = self.flat_gathered(ui, gathered_name, full, Role::Communication);
+        let all_gather = Kernel::AllGather {
+            world: self.world32(),
+        };
         let gather = self.b.add_op(
-            OpSpec::new(
+            vocab::spec(
                 format!("{name}.all_gather{k}"),
                 OpKind::Collective,
-                "all_gather",
+                &all_gather,
             )
             .inputs([source])
             .outputs([gathered])
             .stream(COMM_STREAM)
-            .attr("world_size", world)
             .attr("elements", full),
         );
         let flat = self.opts.layout == ShardLayout::Flat;
@@ -804,29 +810,34 @@ impl Sharder<'_> {
             })
             .collect();
         let spec = if flat {
-            OpSpec::new(format!("{name}.unflatten{k}"), OpKind::Other, "view")
+            vocab::spec(format!("{name}.unflatten{k}"), OpKind::Other, &Kernel::View)
+                .attr("offsets", json!(self.units[ui].offsets))
         } else {
-            self.chunk_attrs(
-                ui,
-                OpSpec::new(format!("{name}.copy_out{k}"), OpKind::Other, "copy_out"),
-            )
+            let copy_out = Kernel::CopyOut(self.chunk_layout(ui));
+            vocab::spec(format!("{name}.copy_out{k}"), OpKind::Other, &copy_out)
+                .attr("elements", self.opts.world * self.units[ui].shard)
         };
-        self.b.add_op(
-            spec.inputs([gathered])
-                .outputs(views.iter().copied())
-                .attr("offsets", json!(self.units[ui].offsets)),
-        );
+        self.b
+            .add_op(spec.inputs([gathered]).outputs(views.iter().copied()));
         (gather, views)
     }
 
-    /// The attributes of a `chunk_cat` or `copy_out` of unit `ui` (all but
-    /// `offsets`).
-    fn chunk_attrs(&self, ui: usize, spec: OpSpec) -> OpSpec {
+    /// Where unit `ui`'s parameters sit in its flat buffer, for its
+    /// `chunk_cat` and `copy_out`.
+    fn chunk_layout(&self, ui: usize) -> ChunkLayout {
         let u = &self.units[ui];
-        spec.attr("world_size", self.opts.world)
-            .attr("shard", u.shard)
-            .attr("chunks", json!(u.chunks))
-            .attr("elements", self.opts.world * u.shard)
+        ChunkLayout {
+            world: self.world32(),
+            shard: u.shard,
+            offsets: u.offsets.clone(),
+            chunks: u.chunks.clone(),
+        }
+    }
+
+    /// The world size as the collectives' kernels take it (checked when
+    /// the options were read).
+    fn world32(&self) -> u32 {
+        u32::try_from(self.opts.world).unwrap_or(u32::MAX)
     }
 
     /// The new tensor an old op's operand `t` becomes: the open view of a
@@ -956,19 +967,19 @@ impl Sharder<'_> {
         let flat_grad = flat(self, format!("{name}.flat_grad"), full, Role::Communication);
         let pack = match self.opts.layout {
             ShardLayout::Flat => {
-                OpSpec::new(format!("{name}.pack_grads"), OpKind::Backward, "pack")
+                let pack = Kernel::Pack {
+                    offsets: self.units[ui].offsets.clone(),
+                    elements: full,
+                };
+                vocab::spec(format!("{name}.pack_grads"), OpKind::Backward, &pack)
+            }
+            ShardLayout::PerParameter => {
+                let chunk_cat = Kernel::ChunkCat(self.chunk_layout(ui));
+                vocab::spec(format!("{name}.chunk_cat"), OpKind::Backward, &chunk_cat)
                     .attr("elements", full)
             }
-            ShardLayout::PerParameter => self.chunk_attrs(
-                ui,
-                OpSpec::new(format!("{name}.chunk_cat"), OpKind::Backward, "chunk_cat"),
-            ),
         };
-        self.b.add_op(
-            pack.inputs(grads)
-                .outputs([flat_grad])
-                .attr("offsets", json!(self.units[ui].offsets)),
-        );
+        self.b.add_op(pack.inputs(grads).outputs([flat_grad]));
         let dt = self.units[ui].gather_dtype.clone();
         let rs_name = if narrow {
             format!("{name}.flat_grad.shard.{dt}")
@@ -976,26 +987,28 @@ impl Sharder<'_> {
             format!("{name}.flat_grad.shard")
         };
         let rs = flat(self, rs_name, shard, Role::Gradient);
+        let reduce_scatter = Kernel::ReduceScatter {
+            world: self.world32(),
+            op: ReduceOp::Avg,
+        };
         self.b.add_op(
-            OpSpec::new(
+            vocab::spec(
                 format!("{name}.reduce_scatter"),
                 OpKind::Collective,
-                "reduce_scatter",
+                &reduce_scatter,
             )
             .inputs([flat_grad])
             .outputs([rs])
             .stream(COMM_STREAM)
-            .attr("world_size", world)
-            .attr("op", "avg")
             .attr("elements", full),
         );
         self.grad_shards[ui] = if narrow {
             let gs = self.flat(ui, format!("{name}.flat_grad.shard"), shard, Role::Gradient);
+            let cast = Kernel::Cast { elements: shard };
             self.b.add_op(
-                OpSpec::new(format!("{name}.flat_grad.cast"), OpKind::Backward, "cast")
+                vocab::spec(format!("{name}.flat_grad.cast"), OpKind::Backward, &cast)
                     .inputs([rs])
-                    .outputs([gs])
-                    .attr("elements", shard),
+                    .outputs([gs]),
             );
             gs
         } else {
@@ -1015,19 +1028,25 @@ impl Sharder<'_> {
                     .dtype("f32")
                     .shape([1]),
             );
+            let mut norm = vocab::spec(
+                "clip_grad_norm",
+                OpKind::Optimizer,
+                &Kernel::GradNorm { squared: true },
+            )
+            .inputs(self.grad_shards.iter().copied())
+            .outputs([t]);
+            if !max.is_null() {
+                norm = norm.attr("max_norm", max.clone());
+            }
+            self.b.add_op(norm);
+            let all_reduce = Kernel::AllReduce {
+                world: self.world32(),
+                op: ReduceOp::Sum,
+            };
             self.b.add_op(
-                OpSpec::new("clip_grad_norm", OpKind::Optimizer, "grad_norm")
-                    .inputs(self.grad_shards.iter().copied())
-                    .outputs([t])
-                    .attr("max_norm", max.clone())
-                    .attr("squared", true),
-            );
-            self.b.add_op(
-                OpSpec::new("grad_norm.all_reduce", OpKind::Collective, "all_reduce")
+                vocab::spec("grad_norm.all_reduce", OpKind::Collective, &all_reduce)
                     .updates([t])
                     .stream(COMM_STREAM)
-                    .attr("world_size", self.opts.world)
-                    .attr("op", "sum")
                     .attr("elements", 1),
             );
             t
@@ -1076,10 +1095,14 @@ impl Sharder<'_> {
                     })
                     .collect();
                 self.b.add_op(
-                    OpSpec::new(format!("{name}.grad_shards"), OpKind::Optimizer, "view")
-                        .inputs([grad_shard])
-                        .outputs(grads.iter().copied())
-                        .attr("offsets", offsets),
+                    vocab::spec(
+                        format!("{name}.grad_shards"),
+                        OpKind::Optimizer,
+                        &Kernel::View,
+                    )
+                    .inputs([grad_shard])
+                    .outputs(grads.iter().copied())
+                    .attr("offsets", offsets),
                 );
                 for ((pi, c, state), grad) in each.into_iter().zip(grads) {
                     let orig = self.params[pi].update;
@@ -1145,9 +1168,7 @@ impl Sharder<'_> {
         attrs.insert("init_segments".into(), Value::Array(segments));
         attrs.insert("sharded".into(), json!(true));
         attrs.insert("world_size".into(), json!(self.opts.world));
-        if norm.is_some() {
-            attrs.insert("norm_squared".into(), json!(true));
-        }
+        attrs.insert("norm_squared".into(), json!(norm.is_some()));
         spec.attrs = attrs;
         self.b.add_op(spec);
     }

@@ -14,12 +14,13 @@
 //! `y = x @ W + b`. The op types and their attributes are listed in
 //! `docs/ops.md`.
 
-use serde_json::{Value, json};
+use memplan_runtime::{Attention, Kernel, Matmul};
 
 use super::DType;
 use super::step::{self, StepConfig, Update};
 use crate::error::Error;
-use crate::graph::{Graph, OpKind, OpSpec, Role, TensorId};
+use crate::graph::{Graph, OpKind, Role, TensorId};
+use crate::vocab;
 
 pub use super::step::Optimizer;
 
@@ -239,10 +240,15 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     net.op(
         "embed",
         OpKind::Forward,
-        "embedding",
+        Kernel::Embedding {
+            batch: bsz,
+            seq: t,
+            width: c,
+            vocab: v,
+            positions: true,
+        },
         &[tokens, w_te, w_pe],
         &[x0],
-        json!({"batch": bsz, "seq": t, "width": c, "vocab": v}),
     );
     let mut x = x0;
     let mut saved = Vec::new();
@@ -252,7 +258,7 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         x = out.expect("a full forward has an output");
     }
     let x_last = x;
-    let (yf, meanf, rstdf) = layernorm(&mut net, "ln_f", x_last, (lnf_g, lnf_b), &|v| v);
+    let (yf, meanf, rstdf) = layernorm(&mut net, "ln_f", x_last, (lnf_g, lnf_b));
     let (dyf, dhead) = net.head_and_loss("lm_head", yf, head, cfg.tied, targets);
     let mut dx = layernorm_backward(&mut net, "ln_f", dyf, x_last, meanf, rstdf, lnf_g, lnf_b);
     for l in (0..cfg.layers as usize).rev() {
@@ -273,10 +279,16 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     let op = net.op(
         "embed.backward",
         OpKind::Backward,
-        "embedding_backward",
+        Kernel::EmbeddingBackward {
+            batch: bsz,
+            seq: t,
+            width: c,
+            vocab: v,
+            accumulate: cfg.tied,
+            positions: true,
+        },
         &ins,
         &[dwte, dwpe],
-        json!({"batch": bsz, "seq": t, "width": c, "vocab": v, "accumulate": cfg.tied}),
     );
     if cfg.tied {
         net.reuse(op, dwte, dhead);
@@ -291,6 +303,21 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         layers: cfg.layers,
     });
     Ok(net.b.build()?)
+}
+
+/// The attention of every block: as many key/value heads as heads, scaled
+/// by `1/√D`.
+fn attention(cfg: &Gpt2Config) -> Attention {
+    let d = cfg.width / cfg.heads;
+    Attention::mha(cfg.batch, cfg.heads, cfg.seq, d, 1.0 / (d as f64).sqrt())
+}
+
+fn add(elements: u64) -> Kernel {
+    Kernel::Add { elements }
+}
+
+fn gelu(elements: u64) -> Kernel {
+    Kernel::Gelu { elements }
 }
 
 fn dummy_acts() -> BlockActs {
@@ -319,7 +346,6 @@ fn layernorm(
     name: &str,
     x: TensorId,
     (g, b): (usize, usize),
-    rc: &impl Fn(Value) -> Value,
 ) -> (TensorId, TensorId, TensorId) {
     let shape = net.shape(x);
     let cols = *shape.last().expect("an activation has a shape");
@@ -331,10 +357,13 @@ fn layernorm(
     net.op(
         name,
         OpKind::Forward,
-        "layernorm",
+        Kernel::LayerNorm {
+            rows,
+            cols,
+            eps: 1e-5,
+        },
         &[x, g, b],
         &[y, mean, rstd],
-        rc(json!({"rows": rows, "cols": cols, "eps": 1e-5})),
     );
     (y, mean, rstd)
 }
@@ -347,7 +376,6 @@ fn linear(
     x: TensorId,
     (w, b): (usize, usize),
     n: u64,
-    rc: &impl Fn(Value) -> Value,
 ) -> TensorId {
     let mut shape = net.shape(x);
     let k = shape.pop().expect("an activation has a shape");
@@ -358,35 +386,27 @@ fn linear(
     net.op(
         name,
         OpKind::Forward,
-        "linear",
+        Kernel::Linear(Matmul { m, k, n }),
         &[x, w, b],
         &[y],
-        rc(json!({"m": m, "k": k, "n": n})),
     );
     y
 }
 
-/// An elementwise op `name` of type `ty` over `inputs` into a new
-/// activation shaped as the last input, whose bytes it may take.
+/// An elementwise op `name` (`kernel` of its element count) over
+/// `inputs` into a new activation shaped as the last input, whose bytes it
+/// may take.
 fn pointwise(
     net: &mut Net,
     name: &str,
-    ty: &str,
+    kernel: fn(u64) -> Kernel,
     inputs: &[TensorId],
-    rc: &impl Fn(Value) -> Value,
 ) -> TensorId {
     let last = *inputs.last().expect("an op has inputs");
     let shape = net.shape(last);
     let y = net.tensor(name, &shape, Role::Activation);
     let elements = shape.iter().product::<u64>();
-    let op = net.op(
-        name,
-        OpKind::Forward,
-        ty,
-        inputs,
-        &[y],
-        rc(json!({ "elements": elements })),
-    );
+    let op = net.op(name, OpKind::Forward, kernel(elements), inputs, &[y]);
     net.reuse(op, y, last);
     y
 }
@@ -410,48 +430,33 @@ fn block_forward(
         format!("h{l}")
     };
     let n = |s: &str| format!("{pre}.{s}");
-    let rc = |mut v: Value| {
-        if recompute {
-            v["recompute"] = Value::Bool(true);
-        }
-        v
-    };
+    net.recompute = recompute;
 
-    let (y1, mean1, rstd1) = layernorm(net, &n("ln_1"), x, (bp.ln1_g, bp.ln1_b), &rc);
+    let (y1, mean1, rstd1) = layernorm(net, &n("ln_1"), x, (bp.ln1_g, bp.ln1_b));
     let qkv_w = (bp.qkv_w, bp.qkv_b);
-    let qkv = linear(
-        net,
-        &n("attn.c_attn"),
-        &n("attn.qkv"),
-        y1,
-        qkv_w,
-        3 * c,
-        &rc,
-    );
-    let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
-                      "scale": 1.0 / ((c / h) as f64).sqrt()});
+    let qkv = linear(net, &n("attn.c_attn"), &n("attn.qkv"), y1, qkv_w, 3 * c);
+    let attn = attention(&cfg);
     let att = net.tensor(&n("attn.out"), &[bsz, t, c], Role::Activation);
     let probs = if cfg.fused_attention {
         let lse = net.stats(&n("attn.lse"), bsz * h * t);
         net.op(
             &n("attn.fused"),
             OpKind::Forward,
-            "fused_attention",
+            Kernel::FusedAttention(attn),
             &[qkv],
             &[att, lse],
-            rc(attn),
         );
         lse
     } else {
-        explicit_attention(net, &n, qkv, att, rc(attn))
+        explicit_attention(net, &n, qkv, att, attn)
     };
     let proj_w = (bp.proj_w, bp.proj_b);
-    let a = linear(net, &n("attn.c_proj"), &n("attn.proj"), att, proj_w, c, &rc);
-    let x2 = pointwise(net, &n("resid_1"), "add", &[x, a], &rc);
-    let (y2, mean2, rstd2) = layernorm(net, &n("ln_2"), x2, (bp.ln2_g, bp.ln2_b), &rc);
+    let a = linear(net, &n("attn.c_proj"), &n("attn.proj"), att, proj_w, c);
+    let x2 = pointwise(net, &n("resid_1"), add, &[x, a]);
+    let (y2, mean2, rstd2) = layernorm(net, &n("ln_2"), x2, (bp.ln2_g, bp.ln2_b));
     let fc_w = (bp.fc_w, bp.fc_b);
-    let hh = linear(net, &n("mlp.c_fc"), &n("mlp.fc"), y2, fc_w, 4 * c, &rc);
-    let g = pointwise(net, &n("mlp.gelu"), "gelu", &[hh], &rc);
+    let hh = linear(net, &n("mlp.c_fc"), &n("mlp.fc"), y2, fc_w, 4 * c);
+    let g = pointwise(net, &n("mlp.gelu"), gelu, &[hh]);
     let acts = BlockActs {
         x,
         y1,
@@ -468,11 +473,12 @@ fn block_forward(
         g,
     };
     if recompute {
+        net.recompute = false;
         return (acts, None);
     }
     let fc2_w = (bp.fc2_w, bp.fc2_b);
-    let m = linear(net, &n("mlp.c_proj"), &n("mlp.proj"), g, fc2_w, c, &rc);
-    let x3 = pointwise(net, &n("resid_2"), "add", &[x2, m], &rc);
+    let m = linear(net, &n("mlp.c_proj"), &n("mlp.proj"), g, fc2_w, c);
+    let x3 = pointwise(net, &n("resid_2"), add, &[x2, m]);
     (acts, Some(x3))
 }
 
@@ -499,10 +505,9 @@ fn layernorm_backward(
     let op = net.op(
         &format!("{name}.backward"),
         OpKind::Backward,
-        "layernorm_backward",
+        Kernel::LayerNormBackward { rows, cols },
         &[dy, x, mean, rstd, gamma],
         &[dx, dg, db],
-        json!({"rows": rows, "cols": cols}),
     );
     net.reuse(op, dx, dy);
     dx
@@ -526,20 +531,18 @@ fn linear_backward(
     net.op(
         &format!("{name}.backward_data"),
         OpKind::Backward,
-        "linear_backward_data",
+        Kernel::LinearBackwardData(Matmul { m: rows, k, n }),
         &[dy, w],
         &[dx],
-        json!({"m": rows, "k": k, "n": n}),
     );
     let dw = net.grad(wp);
     let db = net.grad(bp);
     net.op(
         &format!("{name}.backward_weight"),
         OpKind::Backward,
-        "linear_backward_weight",
+        Kernel::LinearBackwardWeight(Matmul { m: rows, k, n }),
         &[dy, x],
         &[dw, db],
-        json!({"m": rows, "k": k, "n": n}),
     );
     dx
 }
@@ -552,7 +555,7 @@ fn explicit_attention(
     n: &dyn Fn(&str) -> String,
     qkv: TensorId,
     att: TensorId,
-    attn: Value,
+    attn: Attention,
 ) -> TensorId {
     let cfg = net.cfg.clone();
     let (bsz, t, h) = (cfg.batch, cfg.seq, cfg.heads);
@@ -561,28 +564,25 @@ fn explicit_attention(
     net.op(
         &n("attn.scores"),
         kind,
-        "attention_scores",
+        Kernel::AttentionScores(attn),
         &[qkv],
         &[scores],
-        attn.clone(),
     );
     let probs = net.tensor(&n("attn.probs"), &[bsz, h, t, t], Role::Activation);
     let op = net.op(
         &n("attn.softmax"),
         kind,
-        "causal_softmax",
+        Kernel::CausalSoftmax(attn),
         &[scores],
         &[probs],
-        attn.clone(),
     );
     net.reuse(op, probs, scores);
     net.op(
         &n("attn.values"),
         kind,
-        "attention_values",
+        Kernel::AttentionValues(attn),
         &[probs, qkv],
         &[att],
-        attn,
     );
     probs
 }
@@ -595,7 +595,7 @@ fn explicit_attention_backward(
     datt: TensorId,
     a: &BlockActs,
     dqkv: TensorId,
-    attn: Value,
+    attn: Attention,
 ) {
     let cfg = net.cfg.clone();
     let (bsz, t, h) = (cfg.batch, cfg.seq, cfg.heads);
@@ -604,28 +604,24 @@ fn explicit_attention_backward(
     net.op(
         &n("attn.values.backward"),
         kind,
-        "attention_values_backward",
+        Kernel::AttentionValuesBackward(attn),
         &[datt, a.probs, a.qkv],
         &[dprobs, dqkv],
-        attn.clone(),
     );
     let dscores = net.tensor(&n("attn.scores.grad"), &[bsz, h, t, t], Role::Temporary);
     let op = net.op(
         &n("attn.softmax.backward"),
         kind,
-        "causal_softmax_backward",
+        Kernel::CausalSoftmaxBackward(attn),
         &[dprobs, a.probs],
         &[dscores],
-        attn.clone(),
     );
     net.reuse(op, dscores, dprobs);
-    let spec = OpSpec::new(n("attn.scores.backward"), kind, "attention_scores_backward")
+    let k = Kernel::AttentionScoresBackward(attn);
+    let spec = vocab::spec(n("attn.scores.backward"), kind, &k)
         .inputs([dscores, a.qkv])
         .updates([dqkv]);
-    let op = net.b.add_op(spec);
-    if let Value::Object(m) = attn {
-        net.b.op_spec_mut(op).attrs = m;
-    }
+    net.add(spec);
 }
 
 /// One block's backward from the gradient of its output; returns the
@@ -638,7 +634,7 @@ fn block_backward(
     dy: TensorId,
 ) -> TensorId {
     let cfg = net.cfg.clone();
-    let (bsz, t, c, h) = (cfg.batch, cfg.seq, cfg.width, cfg.heads);
+    let (bsz, t, c) = (cfg.batch, cfg.seq, cfg.width);
     let rows = bsz * t;
     let n = |s: &str| format!("h{l}.{s}");
     let kind = OpKind::Backward;
@@ -649,10 +645,11 @@ fn block_backward(
     let op = net.op(
         &n("mlp.gelu.backward"),
         kind,
-        "gelu_backward",
+        Kernel::GeluBackward {
+            elements: rows * 4 * c,
+        },
         &[dg, a.h],
         &[dh],
-        json!({"elements": rows * 4 * c}),
     );
     net.reuse(op, dh, dg);
     let dy2 = linear_backward(net, &n("mlp.c_fc"), dh, a.y2, bp.fc_w, bp.fc_b);
@@ -670,27 +667,24 @@ fn block_backward(
     let op = net.op(
         &n("resid_2.backward"),
         kind,
-        "add",
+        add(rows * c),
         &[dy, dx2_ln],
         &[dx2],
-        json!({"elements": rows * c}),
     );
     net.reuse(op, dx2, dx2_ln);
     net.reuse(op, dx2, dy);
 
     // x2 = x + att @ Wo + bo
     let datt = linear_backward(net, &n("attn.c_proj"), dx2, a.att, bp.proj_w, bp.proj_b);
-    let attn = json!({"batch": bsz, "heads": h, "seq": t, "head_dim": c / h,
-                      "scale": 1.0 / ((c / h) as f64).sqrt()});
+    let attn = attention(&cfg);
     let dqkv = net.tensor(&n("attn.qkv.grad"), &[bsz, t, 3 * c], Role::Activation);
     if cfg.fused_attention {
         net.op(
             &n("attn.fused.backward"),
             kind,
-            "fused_attention_backward",
+            Kernel::FusedAttentionBackward(attn),
             &[datt, a.qkv, a.att, a.probs],
             &[dqkv],
-            attn,
         );
     } else {
         explicit_attention_backward(net, &n, datt, a, dqkv, attn);
@@ -710,10 +704,9 @@ fn block_backward(
     let op = net.op(
         &n("resid_1.backward"),
         kind,
-        "add",
+        add(rows * c),
         &[dx2, dx_ln],
         &[dx],
-        json!({"elements": rows * c}),
     );
     net.reuse(op, dx, dx_ln);
     net.reuse(op, dx, dx2);

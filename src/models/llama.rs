@@ -23,7 +23,7 @@
 //! Shapes: `B` batch, `T` sequence, `C` width, `H` query heads, `Hkv`
 //! key/value heads, `D = C / H`, `F` MLP hidden size, `V` vocabulary.
 
-use serde_json::{Value, json};
+use memplan_runtime::{Attention, Kernel, Matmul, Rope};
 
 use super::DType;
 use super::step::{self, Optimizer, StepConfig, Update};
@@ -238,10 +238,15 @@ pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
     net.op(
         "tok_embeddings",
         OpKind::Forward,
-        "embedding",
+        Kernel::Embedding {
+            batch: bsz,
+            seq: t,
+            width: c,
+            vocab: v,
+            positions: false,
+        },
         &[tokens, w_te],
         &[x0],
-        json!({"batch": bsz, "seq": t, "width": c, "vocab": v, "positions": false}),
     );
     let mut x = x0;
     let mut saved = Vec::new();
@@ -257,10 +262,13 @@ pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
     net.op(
         "norm",
         OpKind::Forward,
-        "rmsnorm",
+        Kernel::RmsNorm {
+            rows,
+            cols: c,
+            eps: cfg.norm_eps,
+        },
         &[x_last, g_f],
         &[yf, rstdf],
-        json!({"rows": rows, "cols": c, "eps": cfg.norm_eps}),
     );
     let (dyf, dhead) = net.head_and_loss("output", yf, head, cfg.tied, targets);
     let mut dx = rmsnorm_backward(&mut net, "norm", dyf, x_last, rstdf, norm);
@@ -282,11 +290,16 @@ pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
     let op = net.op(
         "tok_embeddings.backward",
         OpKind::Backward,
-        "embedding_backward",
+        Kernel::EmbeddingBackward {
+            batch: bsz,
+            seq: t,
+            width: c,
+            vocab: v,
+            accumulate: cfg.tied,
+            positions: false,
+        },
         &ins,
         &[dwte],
-        json!({"batch": bsz, "seq": t, "width": c, "vocab": v, "accumulate": cfg.tied,
-               "positions": false}),
     );
     if cfg.tied {
         net.reuse(op, dwte, dhead);
@@ -303,24 +316,32 @@ pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
     Ok(net.b.build()?)
 }
 
-/// Attributes of the attention and RoPE ops.
-fn attention_attrs(cfg: &LlamaConfig) -> (Value, Value) {
+/// The attention and the RoPE (forward, or backward when `inverse`) of
+/// every block.
+fn attention(cfg: &LlamaConfig, inverse: bool) -> (Attention, Rope) {
     let d = cfg.head_dim();
-    let attn = json!({"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                      "seq": cfg.seq, "head_dim": d, "scale": 1.0 / (d as f64).sqrt()});
-    let rope = json!({"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                      "seq": cfg.seq, "head_dim": d, "theta": cfg.rope_theta});
+    let attn = Attention {
+        batch: cfg.batch,
+        heads: cfg.heads,
+        kv_heads: cfg.kv_heads,
+        seq: cfg.seq,
+        head_dim: d,
+        scale: 1.0 / (d as f64).sqrt(),
+    };
+    let rope = Rope {
+        batch: cfg.batch,
+        seq: cfg.seq,
+        heads: cfg.heads,
+        kv_heads: cfg.kv_heads,
+        head_dim: d,
+        theta: cfg.rope_theta,
+        inverse,
+    };
     (attn, rope)
 }
 
 /// `y = x @ W` (no bias): returns `y`.
-fn linear(
-    net: &mut Net,
-    name: &str,
-    x: TensorId,
-    wp: usize,
-    attrs: &dyn Fn(Value) -> Value,
-) -> TensorId {
+fn linear(net: &mut Net, name: &str, x: TensorId, wp: usize) -> TensorId {
     let xs = net.shape(x);
     let ws = net.param_shape(wp);
     let rows: u64 = xs[..xs.len() - 1].iter().product();
@@ -331,10 +352,13 @@ fn linear(
     net.op(
         name,
         OpKind::Forward,
-        "matmul_nn",
+        Kernel::MatmulNn(Matmul {
+            m: rows,
+            k: ws[0],
+            n: ws[1],
+        }),
         &[x, w],
         &[y],
-        attrs(json!({"m": rows, "k": ws[0], "n": ws[1]})),
     );
     y
 }
@@ -350,31 +374,27 @@ fn linear_backward(net: &mut Net, name: &str, dy: TensorId, x: TensorId, wp: usi
     net.op(
         &format!("{name}.backward_data"),
         OpKind::Backward,
-        "matmul_nt",
+        Kernel::MatmulNt(Matmul {
+            m: rows,
+            k: n,
+            n: k,
+        }),
         &[dy, w],
         &[dx],
-        json!({"m": rows, "k": n, "n": k}),
     );
     let dw = net.grad(wp);
     net.op(
         &format!("{name}.backward_weight"),
         OpKind::Backward,
-        "matmul_tn",
+        Kernel::MatmulTn(Matmul { m: k, k: rows, n }),
         &[x, dy],
         &[dw],
-        json!({"m": k, "k": rows, "n": n}),
     );
     dx
 }
 
 /// RMSNorm: returns the output and the per-row `rstd`.
-fn rmsnorm(
-    net: &mut Net,
-    name: &str,
-    x: TensorId,
-    gp: usize,
-    attrs: &dyn Fn(Value) -> Value,
-) -> (TensorId, TensorId) {
+fn rmsnorm(net: &mut Net, name: &str, x: TensorId, gp: usize) -> (TensorId, TensorId) {
     let shape = net.shape(x);
     let rows: u64 = shape[..shape.len() - 1].iter().product();
     let cols = shape[shape.len() - 1];
@@ -385,10 +405,9 @@ fn rmsnorm(
     net.op(
         name,
         OpKind::Forward,
-        "rmsnorm",
+        Kernel::RmsNorm { rows, cols, eps },
         &[x, g],
         &[y, rstd],
-        attrs(json!({"rows": rows, "cols": cols, "eps": eps})),
     );
     (y, rstd)
 }
@@ -412,34 +431,20 @@ fn rmsnorm_backward(
     let op = net.op(
         &format!("{name}.backward"),
         OpKind::Backward,
-        "rmsnorm_backward",
+        Kernel::RmsNormBackward { rows, cols },
         &[dy, x, rstd, g],
         &[dx, dg],
-        json!({"rows": rows, "cols": cols}),
     );
     net.reuse(op, dx, dy);
     dx
 }
 
 /// `out = a + b`, in place of `b` when the plan allows.
-fn residual(
-    net: &mut Net,
-    name: &str,
-    kind: OpKind,
-    a: TensorId,
-    b: TensorId,
-    attrs: &dyn Fn(Value) -> Value,
-) -> TensorId {
+fn residual(net: &mut Net, name: &str, kind: OpKind, a: TensorId, b: TensorId) -> TensorId {
     let shape = net.shape(a);
     let out = net.tensor(name, &shape, Role::Activation);
-    let op = net.op(
-        name,
-        kind,
-        "add",
-        &[a, b],
-        &[out],
-        attrs(json!({"elements": shape.iter().product::<u64>()})),
-    );
+    let elements = shape.iter().product::<u64>();
+    let op = net.op(name, kind, Kernel::Add { elements }, &[a, b], &[out]);
     net.reuse(op, out, b);
     if kind == OpKind::Backward {
         net.reuse(op, out, a);
@@ -466,34 +471,34 @@ fn block_forward(
         format!("layers.{l}")
     };
     let n = |s: &str| format!("{pre}.{s}");
-    let rc = move |mut v: Value| {
-        if recompute {
-            v["recompute"] = Value::Bool(true);
-        }
-        v
-    };
+    net.recompute = recompute;
     let kind = OpKind::Forward;
-    let (attn, rope) = attention_attrs(&cfg);
+    let (attn, rope) = attention(&cfg, false);
 
-    let (y1, rstd1) = rmsnorm(net, &n("attention_norm"), x, bp.attn_norm, &rc);
-    let raw = linear(net, &n("attention.wqkv"), y1, bp.wqkv, &rc);
+    let (y1, rstd1) = rmsnorm(net, &n("attention_norm"), x, bp.attn_norm);
+    let raw = linear(net, &n("attention.wqkv"), y1, bp.wqkv);
     let qkv = net.tensor(&n("attention.rope"), &net.shape(raw), Role::Activation);
-    let op = net.op(&n("attention.rope"), kind, "rope", &[raw], &[qkv], rc(rope));
+    let op = net.op(
+        &n("attention.rope"),
+        kind,
+        Kernel::Rope(rope),
+        &[raw],
+        &[qkv],
+    );
     net.reuse(op, qkv, raw);
     let att = net.tensor(&n("attention.out"), &[bsz, t, cfg.width], Role::Activation);
     let lse = net.stats(&n("attention.lse"), bsz * cfg.heads * t);
     net.op(
         &n("attention.fused"),
         kind,
-        "fused_attention",
+        Kernel::FusedAttention(attn),
         &[qkv],
         &[att, lse],
-        rc(attn),
     );
-    let a = linear(net, &n("attention.wo"), att, bp.wo, &rc);
-    let x2 = residual(net, &n("resid_1"), kind, x, a, &rc);
-    let (y2, rstd2) = rmsnorm(net, &n("ffn_norm"), x2, bp.ffn_norm, &rc);
-    let gu = linear(net, &n("feed_forward.w13"), y2, bp.w13, &rc);
+    let a = linear(net, &n("attention.wo"), att, bp.wo);
+    let x2 = residual(net, &n("resid_1"), kind, x, a);
+    let (y2, rstd2) = rmsnorm(net, &n("ffn_norm"), x2, bp.ffn_norm);
+    let gu = linear(net, &n("feed_forward.w13"), y2, bp.w13);
     let h = net.tensor(
         &n("feed_forward.swiglu"),
         &[bsz, t, cfg.ffn],
@@ -502,10 +507,12 @@ fn block_forward(
     net.op(
         &n("feed_forward.swiglu"),
         kind,
-        "swiglu",
+        Kernel::SwiGlu {
+            rows,
+            hidden: cfg.ffn,
+        },
         &[gu],
         &[h],
-        rc(json!({"rows": rows, "hidden": cfg.ffn})),
     );
     let acts = BlockActs {
         x,
@@ -521,10 +528,11 @@ fn block_forward(
         h,
     };
     if recompute {
+        net.recompute = false;
         return (acts, None);
     }
-    let m = linear(net, &n("feed_forward.w2"), h, bp.w2, &rc);
-    let x3 = residual(net, &n("resid_2"), kind, x2, m, &rc);
+    let m = linear(net, &n("feed_forward.w2"), h, bp.w2);
+    let x3 = residual(net, &n("resid_2"), kind, x2, m);
     (acts, Some(x3))
 }
 
@@ -541,8 +549,7 @@ fn block_backward(
     let rows = cfg.batch * cfg.seq;
     let n = |s: &str| format!("layers.{l}.{s}");
     let kind = OpKind::Backward;
-    let same = |v: Value| v;
-    let (attn, rope) = attention_attrs(&cfg);
+    let (attn, rope) = attention(&cfg, true);
 
     // x3 = x2 + swiglu(rmsnorm(x2) @ W13) @ W2
     let dh = linear_backward(net, &n("feed_forward.w2"), dy, a.h, bp.w2);
@@ -554,14 +561,16 @@ fn block_backward(
     net.op(
         &n("feed_forward.swiglu.backward"),
         kind,
-        "swiglu_backward",
+        Kernel::SwiGluBackward {
+            rows,
+            hidden: cfg.ffn,
+        },
         &[dh, a.gu],
         &[dgu],
-        json!({"rows": rows, "hidden": cfg.ffn}),
     );
     let dy2 = linear_backward(net, &n("feed_forward.w13"), dgu, a.y2, bp.w13);
     let dx2_n = rmsnorm_backward(net, &n("ffn_norm"), dy2, a.x2, a.rstd2, bp.ffn_norm);
-    let dx2 = residual(net, &n("resid_1.grad"), kind, dy, dx2_n, &same);
+    let dx2 = residual(net, &n("resid_1.grad"), kind, dy, dx2_n);
 
     // x2 = x + attention(rope(rmsnorm(x) @ Wqkv)) @ Wo
     let datt = linear_backward(net, &n("attention.wo"), dx2, a.att, bp.wo);
@@ -573,10 +582,9 @@ fn block_backward(
     net.op(
         &n("attention.fused.backward"),
         kind,
-        "fused_attention_backward",
+        Kernel::FusedAttentionBackward(attn),
         &[datt, a.qkv, a.att, a.lse],
         &[dqkv],
-        attn,
     );
     let draw = net.tensor(
         &n("attention.wqkv.out.grad"),
@@ -586,15 +594,14 @@ fn block_backward(
     let op = net.op(
         &n("attention.rope.backward"),
         kind,
-        "rope_backward",
+        Kernel::Rope(rope),
         &[dqkv],
         &[draw],
-        rope,
     );
     net.reuse(op, draw, dqkv);
     let dy1 = linear_backward(net, &n("attention.wqkv"), draw, a.y1, bp.wqkv);
     let dx_n = rmsnorm_backward(net, &n("attention_norm"), dy1, a.x, a.rstd1, bp.attn_norm);
-    residual(net, &n("in.grad"), kind, dx2, dx_n, &same)
+    residual(net, &n("in.grad"), kind, dx2, dx_n)
 }
 
 #[cfg(test)]

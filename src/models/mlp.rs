@@ -3,11 +3,13 @@
 //! Adam update per parameter (persistent moments). Program order is PyTorch
 //! eager's: forward, backward, then every update.
 
-use serde_json::{Value, json};
+use memplan_runtime::{AdamParams, Kernel, Matmul};
+use serde_json::json;
 
 use super::DType;
 use crate::error::Error;
-use crate::graph::{Graph, GraphBuilder, Lifetime, OpKind, OpSpec, Role, TensorId, TensorSpec};
+use crate::graph::{Graph, GraphBuilder, Lifetime, OpKind, Role, TensorId, TensorSpec};
+use crate::vocab;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct MlpConfig {
@@ -59,13 +61,10 @@ impl B {
                 .shape(shape.to_vec()),
         )
     }
-    fn op(&mut self, name: &str, kind: OpKind, ty: &str, i: &[TensorId], o: &[TensorId], a: Value) {
-        let mut s = OpSpec::new(name, kind, ty)
+    fn op(&mut self, name: &str, kind: OpKind, k: Kernel, i: &[TensorId], o: &[TensorId]) {
+        let s = vocab::spec(name, kind, &k)
             .inputs(i.iter().copied())
             .outputs(o.iter().copied());
-        if let Value::Object(m) = a {
-            s.attrs = m;
-        }
         self.b.add_op(s);
     }
 }
@@ -107,10 +106,13 @@ impl B {
             self.op(
                 &format!("fc{l}"),
                 OpKind::Forward,
-                "linear",
+                Kernel::Linear(Matmul {
+                    m: bs,
+                    k: dims[l],
+                    n: dims[l + 1],
+                }),
                 &[h, w, b],
                 &[z],
-                json!({"m": bs, "k": dims[l], "n": dims[l + 1]}),
             );
             saved.push((h, z));
             h = z;
@@ -123,10 +125,11 @@ impl B {
                 self.op(
                     &format!("relu{l}"),
                     OpKind::Forward,
-                    "relu",
+                    Kernel::Relu {
+                        elements: bs * dims[l + 1],
+                    },
                     &[z],
                     &[a],
-                    json!({"elements": bs * dims[l + 1]}),
                 );
                 h = a;
             }
@@ -142,19 +145,25 @@ impl B {
         self.op(
             "loss",
             OpKind::Forward,
-            "cross_entropy",
+            Kernel::CrossEntropy {
+                rows: bs,
+                classes,
+                divisor: bs,
+            },
             &[logits, labels],
             &[loss],
-            json!({"rows": bs, "classes": classes}),
         );
         let dh = self.t("logits.grad", &[bs, classes], Role::Activation);
         self.op(
             "loss.backward",
             OpKind::Backward,
-            "cross_entropy_backward",
+            Kernel::CrossEntropyBackward {
+                rows: bs,
+                classes,
+                scale: 1.0 / bs as f64,
+            },
             &[logits, labels],
             &[dh],
-            json!({"rows": bs, "classes": classes, "scale": 1.0 / bs as f64}),
         );
         dh
     }
@@ -175,17 +184,22 @@ impl B {
             let ((w, _, _), _) = layers[l];
             let (inp, z) = saved[l];
             let shape = [bs, dims[l + 1]];
-            let mm = json!({"m": bs, "k": dims[l], "n": dims[l + 1]});
+            let mm = Matmul {
+                m: bs,
+                k: dims[l],
+                n: dims[l + 1],
+            };
             if l + 1 < nl {
                 // dh is the gradient of relu(z): mask it by z > 0.
                 let dz = self.t(&format!("fc{l}.out.grad"), &shape, Role::Activation);
                 self.op(
                     &format!("relu{l}.backward"),
                     OpKind::Backward,
-                    "relu_backward",
+                    Kernel::ReluBackward {
+                        elements: bs * dims[l + 1],
+                    },
                     &[dh, z],
                     &[dz],
-                    json!({"elements": bs * dims[l + 1]}),
                 );
                 dh = dz;
             }
@@ -195,10 +209,9 @@ impl B {
             self.op(
                 &format!("fc{l}.backward_weight"),
                 OpKind::Backward,
-                "linear_backward_weight",
+                Kernel::LinearBackwardWeight(mm),
                 &[dh, inp],
                 &[dw, db],
-                mm.clone(),
             );
             grads[l] = (dw, db);
             if l > 0 {
@@ -206,10 +219,9 @@ impl B {
                 self.op(
                     &format!("fc{l}.backward_data"),
                     OpKind::Backward,
-                    "linear_backward_data",
+                    Kernel::LinearBackwardData(mm),
                     &[dh, w],
                     &[dx],
-                    mm,
                 );
                 dh = dx;
             }
@@ -225,15 +237,22 @@ impl B {
                 let spec = self.b.tensor_spec(w);
                 let pname = spec.name.clone();
                 let elems = spec.shape.as_ref().map_or(0, |s| s.iter().product::<u64>());
-                let mut s = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, "adam")
+                let adam = Kernel::Adam(AdamParams {
+                    elements: elems,
+                    lr: self.cfg.lr,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.0,
+                    decoupled: false,
+                    first_step: 1,
+                    max_norm: None,
+                    norm_squared: false,
+                });
+                let mut s = vocab::spec(format!("{pname}.update"), OpKind::Optimizer, &adam)
                     .inputs([g])
                     .updates([w, a, b]);
-                if let Value::Object(at) = json!({"elements": elems, "lr": self.cfg.lr,
-                    "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "step": 1,
-                    "init": init})
-                {
-                    s.attrs = at;
-                }
+                s.attrs.insert("init".into(), json!(init));
                 self.b.add_op(s);
             }
         }

@@ -15,8 +15,11 @@ use std::collections::HashMap;
 
 use serde_json::{Value, json};
 
+use memplan_runtime::{AdamParams, Kernel, Matmul};
+
 use super::DType;
 use crate::graph::{GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec};
+use crate::vocab;
 
 /// Which optimizer updates the parameters.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -83,6 +86,8 @@ pub(super) struct Net<C> {
     copies: HashMap<usize, TensorId>,
     /// Mixed precision: compute-dtype gradients still to cast to f32.
     uncast: HashMap<TensorId, usize>,
+    /// Ops added now are a checkpointed block's recomputed forward.
+    pub recompute: bool,
 }
 
 impl<C: StepConfig> Net<C> {
@@ -93,6 +98,7 @@ impl<C: StepConfig> Net<C> {
             params: Vec::new(),
             copies: HashMap::new(),
             uncast: HashMap::new(),
+            recompute: false,
         }
     }
     /// The dtype of parameters, gradients as the update reads them, and
@@ -181,10 +187,9 @@ impl<C: StepConfig> Net<C> {
         self.op(
             &format!("{name}.cast"),
             OpKind::Forward,
-            "cast",
+            Kernel::Cast { elements },
             &[w],
             &[c],
-            json!({ "elements": elements }),
         );
         self.copies.insert(p, c);
         c
@@ -211,23 +216,32 @@ impl<C: StepConfig> Net<C> {
     pub fn shape(&self, t: TensorId) -> Vec<u64> {
         self.b.tensor_spec(t).shape.clone().unwrap_or_default()
     }
+    /// Adds op `name` running kernel `k` (its type and attributes from
+    /// [`vocab`]); see [`Net::add`].
     pub fn op(
         &mut self,
         name: &str,
         kind: OpKind,
-        ty: &str,
+        k: Kernel,
         inputs: &[TensorId],
         outputs: &[TensorId],
-        attrs: Value,
     ) -> OpId {
-        let mut spec = OpSpec::new(name, kind, ty)
-            .inputs(inputs.iter().copied())
-            .outputs(outputs.iter().copied());
-        if let Value::Object(m) = attrs {
-            spec.attrs = m;
+        self.add(
+            vocab::spec(name, kind, &k)
+                .inputs(inputs.iter().copied())
+                .outputs(outputs.iter().copied()),
+        )
+    }
+    /// Adds an op, marked `recompute` inside a checkpointed block's
+    /// recomputed forward; with mixed precision, each compute-dtype
+    /// gradient it makes is cast to its f32 gradient right after it.
+    pub fn add(&mut self, mut spec: OpSpec) -> OpId {
+        if self.recompute {
+            spec.attrs.insert("recompute".into(), Value::Bool(true));
         }
+        let outputs = spec.outputs.clone();
         let op = self.b.add_op(spec);
-        for &g in outputs {
+        for g in outputs {
             if let Some(p) = self.uncast.remove(&g) {
                 self.cast_grad(g, p);
             }
@@ -240,12 +254,13 @@ impl<C: StepConfig> Net<C> {
         let shape = self.shape(g);
         let g32 = self.master_tensor(&name, &shape, Role::Gradient);
         let elements: u64 = shape.iter().product();
-        let mut spec = OpSpec::new(format!("{name}.cast"), OpKind::Backward, "cast")
-            .inputs([g])
-            .outputs([g32]);
-        if let Value::Object(m) = json!({ "elements": elements }) {
-            spec.attrs = m;
-        }
+        let spec = vocab::spec(
+            format!("{name}.cast"),
+            OpKind::Backward,
+            &Kernel::Cast { elements },
+        )
+        .inputs([g])
+        .outputs([g32]);
         self.b.add_op(spec);
         self.params[p].grad = Some(g32);
     }
@@ -274,35 +289,37 @@ impl<C: StepConfig> Net<C> {
         *ls.last_mut().expect("a row shape") = v;
         let logits = self.tensor("logits", &ls, Role::Activation);
         let w = self.w(head);
-        let attrs = json!({"m": rows, "k": c, "n": v});
         self.op(
             name,
             OpKind::Forward,
-            "matmul_nt",
+            Kernel::MatmulNt(Matmul {
+                m: rows,
+                k: c,
+                n: v,
+            }),
             &[y, w],
             &[logits],
-            attrs,
         );
         let loss = self.typed("loss", &[1], Role::Output, "f32", 4);
         self.b.tensor_spec_mut(loss).lifetime = Lifetime::Persistent;
-        let ce = json!({"rows": rows, "classes": v});
-        self.op(
-            "loss",
-            OpKind::Forward,
-            "cross_entropy",
-            &[logits, targets],
-            &[loss],
-            ce,
-        );
+        let ce = Kernel::CrossEntropy {
+            rows,
+            classes: v,
+            divisor: rows,
+        };
+        self.op("loss", OpKind::Forward, ce, &[logits, targets], &[loss]);
 
         let dlogits = self.tensor("logits.grad", &ls, Role::Activation);
         let op = self.op(
             "loss.backward",
             OpKind::Backward,
-            "cross_entropy_backward",
+            Kernel::CrossEntropyBackward {
+                rows,
+                classes: v,
+                scale: 1.0 / rows as f64,
+            },
             &[logits, targets],
             &[dlogits],
-            json!({"rows": rows, "classes": v, "scale": 1.0 / rows as f64}),
         );
         self.reuse(op, dlogits, logits);
         let y_name = self.b.tensor_spec(y).name.clone();
@@ -310,10 +327,13 @@ impl<C: StepConfig> Net<C> {
         self.op(
             &format!("{name}.backward_data"),
             OpKind::Backward,
-            "matmul_nn",
+            Kernel::MatmulNn(Matmul {
+                m: rows,
+                k: v,
+                n: c,
+            }),
             &[dlogits, w],
             &[dy],
-            json!({"m": rows, "k": v, "n": c}),
         );
         let dhead = if tied {
             self.tensor(&format!("{name}.weight.grad"), &[v, c], Role::Gradient)
@@ -323,10 +343,13 @@ impl<C: StepConfig> Net<C> {
         self.op(
             &format!("{name}.backward_weight"),
             OpKind::Backward,
-            "matmul_tn",
+            Kernel::MatmulTn(Matmul {
+                m: v,
+                k: rows,
+                n: c,
+            }),
             &[dlogits, y],
             &[dhead],
-            json!({"m": v, "k": rows, "n": c}),
         );
         (dy, dhead)
     }
@@ -338,21 +361,20 @@ impl<C: StepConfig> Net<C> {
             .iter()
             .map(|p| p.grad.expect("every parameter has a gradient"))
             .collect();
-        let norm = u.clip_grad_norm.map(|max_norm| {
+        let norm = u.clip_grad_norm.map(|_| {
             let norm = self.typed("grad_norm", &[1], Role::Temporary, "f32", 4);
             self.op(
                 "clip_grad_norm",
                 OpKind::Optimizer,
-                "grad_norm",
+                Kernel::GradNorm { squared: false },
                 &grads,
                 &[norm],
-                json!({"max_norm": max_norm}),
             );
             norm
         });
-        let (ty, wd) = match u.optimizer {
-            Optimizer::Adam => ("adam", 0.0),
-            Optimizer::AdamW => ("adamw", u.weight_decay),
+        let (decoupled, weight_decay) = match u.optimizer {
+            Optimizer::Adam => (false, 0.0),
+            Optimizer::AdamW => (true, u.weight_decay),
         };
         for (i, &g) in grads.iter().enumerate() {
             let p = &self.params[i];
@@ -367,17 +389,24 @@ impl<C: StepConfig> Net<C> {
                 let denom = format!("{pname}.adam_denom");
                 outputs.push(self.master_tensor(&denom, &shape, Role::Temporary));
             }
-            let mut spec = OpSpec::new(format!("{pname}.update"), OpKind::Optimizer, ty)
+            let adam = Kernel::Adam(AdamParams {
+                elements: elems,
+                lr: u.lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay,
+                decoupled,
+                first_step: 1,
+                max_norm: u.clip_grad_norm,
+                norm_squared: false,
+            });
+            let mut spec = vocab::spec(format!("{pname}.update"), OpKind::Optimizer, &adam)
                 .inputs(inputs)
                 .outputs(outputs)
                 .updates([w, m, vv]);
-            if let Value::Object(a) = json!({
-                "elements": elems, "lr": u.lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
-                "weight_decay": wd, "step": 1, "init": init, "clip": u.clip_grad_norm,
-                "layers": u.layers,
-            }) {
-                spec.attrs = a;
-            }
+            spec.attrs.insert("init".into(), json!(init));
+            spec.attrs.insert("layers".into(), json!(u.layers));
             self.b.add_op(spec);
         }
     }

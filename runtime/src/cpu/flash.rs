@@ -149,7 +149,7 @@ pub fn fused_attention(qkv: &[f32], out: &mut [f32], lse: &mut [f32], a: &Attent
                 let cols = TILE.min(t - j0);
                 let k = rows_of(qkv, dm.qkv_at(b, g, 1, j0), stride);
                 let v = rows_of(qkv, dm.qkv_at(b, g, 2, j0), stride);
-                scaled_scores(q, k, &mut s, rows, cols, d, a.scale);
+                scaled_scores(q, k, &mut s, rows, cols, d, a.scale as f32);
                 for r in 0..rows {
                     let row = &mut s[r * TILE..r * TILE + cols];
                     let valid = visible(i0 + r, j0, cols);
@@ -238,7 +238,7 @@ pub fn fused_attention_backward(
                     let rows = TILE.min(t - i0);
                     let q = rows_of(qkv, dm.qkv_at(b, h, 0, i0), stride);
                     let go = rows_of(dout, dm.out_at(b, h, i0), c);
-                    scaled_scores(q, k, &mut p, rows, cols, d, a.scale);
+                    scaled_scores(q, k, &mut p, rows, cols, d, a.scale as f32);
                     // SAFETY (every product below): the destinations are this
                     // task's buffers or its own heads' dQ rows; the sources
                     // lie in the inputs.
@@ -277,13 +277,13 @@ pub fn fused_attention_backward(
                             cols,
                             rows,
                             d,
-                            a.scale,
+                            a.scale as f32,
                             transposed(dsm),
                             q,
                             1.0,
                             block(&mut dk, d),
                         );
-                        gemm_serial(rows, cols, d, a.scale, dsm, k, 1.0, dq);
+                        gemm_serial(rows, cols, d, a.scale as f32, dsm, k, 1.0, dq);
                     }
                 }
             }
@@ -374,7 +374,7 @@ mod tests {
     #[test]
     fn fused_attention_equals_the_explicit_chain() {
         for &(batch, heads, seq, d) in &[(2, 3, 70, 8), (1, 2, 5, 16), (1, 1, 129, 4)] {
-            let a = Attention::mha(batch, heads, seq, d, 1.0 / (d as f32).sqrt());
+            let a = Attention::mha(batch, heads, seq, d, (1.0 / (d as f32).sqrt()) as f64);
             let (b, h, t, d) = (batch as usize, heads as usize, seq as usize, d as usize);
             let c = h * d;
             // Large scores test the running maximum.

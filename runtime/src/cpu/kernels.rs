@@ -298,7 +298,7 @@ pub fn attention_scores(qkv: &[f32], scores: &mut [f32], a: &Attention) {
                 cs: 3 * c as isize,
             };
             // SAFETY: q and k lie inside qkv; s is this task's own block.
-            unsafe { gemm_serial(t, d, t, a.scale, q, kt, 0.0, MatMut::row_major(s, t)) };
+            unsafe { gemm_serial(t, d, t, a.scale as f32, q, kt, 0.0, MatMut::row_major(s, t)) };
             zero_upper(s, t);
         });
 }
@@ -468,7 +468,7 @@ pub fn attention_scores_backward(dscores: &[f32], qkv: &[f32], dqkv: &mut [f32],
                 t,
                 t,
                 d,
-                a.scale,
+                a.scale as f32,
                 MatPtr::row_major(ds, t, false),
                 k,
                 1.0,
@@ -478,7 +478,7 @@ pub fn attention_scores_backward(dscores: &[f32], qkv: &[f32], dqkv: &mut [f32],
                 t,
                 t,
                 d,
-                a.scale,
+                a.scale as f32,
                 MatPtr::row_major(ds, t, true),
                 q,
                 1.0,
@@ -685,28 +685,35 @@ pub fn adam(
     p: &AdamParams,
     step: u64,
 ) {
+    // The hyper-parameters in the precision the update runs in.
+    let (lr, b1, b2, eps, wd) = (
+        p.lr as f32,
+        p.beta1 as f32,
+        p.beta2 as f32,
+        p.eps as f32,
+        p.weight_decay as f32,
+    );
     let coef = match (p.max_norm, norm) {
         (Some(max), Some(n)) => {
             let n = if p.norm_squared { n.max(0.0).sqrt() } else { n };
-            (max / (n + 1e-6)).min(1.0)
+            (max as f32 / (n + 1e-6)).min(1.0)
         }
         _ => 1.0,
     };
-    let (b1, b2) = (p.beta1, p.beta2);
     let bc1 = 1.0 - b1.powi(step.min(i32::MAX as u64) as i32);
     let bc2_sqrt = (1.0 - b2.powi(step.min(i32::MAX as u64) as i32)).sqrt();
-    let step_size = p.lr / bc1;
-    let decay = 1.0 - p.lr * p.weight_decay;
+    let step_size = lr / bc1;
+    let decay = 1.0 - lr * wd;
     let one = |i: usize, w: &mut f32, m: &mut f32, v: &mut f32| -> f32 {
         let mut gi = g[i] * coef;
         if p.decoupled {
             *w *= decay;
-        } else if p.weight_decay != 0.0 {
-            gi += p.weight_decay * *w;
+        } else if wd != 0.0 {
+            gi += wd * *w;
         }
         *m = b1 * *m + (1.0 - b1) * gi;
         *v = b2 * *v + (1.0 - b2) * gi * gi;
-        let d = v.sqrt() / bc2_sqrt + p.eps;
+        let d = v.sqrt() / bc2_sqrt + eps;
         *w -= step_size * *m / d;
         d
     };

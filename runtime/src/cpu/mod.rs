@@ -533,7 +533,7 @@ unsafe fn run_instr(
                 ops.output(1),
                 ops.output(2),
                 u(*cols),
-                *eps,
+                *eps as f32,
             ),
             Kernel::LayerNormBackward { cols, .. } => k::layernorm_backward(
                 ops.input(0),
@@ -552,7 +552,7 @@ unsafe fn run_instr(
                 ops.output(0),
                 ops.output(1),
                 u(*cols),
-                *eps,
+                *eps as f32,
             ),
             Kernel::RmsNormBackward { cols, .. } => decoder::rmsnorm_backward(
                 ops.input(0),
@@ -703,7 +703,7 @@ unsafe fn run_instr(
                 ops.input_i32(1),
                 ops.output(0),
                 u(*classes),
-                *scale,
+                *scale as f32,
             )?,
             Kernel::GradNorm { squared } => {
                 let s = k::sum_of_squares(&ops.all_inputs());

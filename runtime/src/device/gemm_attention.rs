@@ -307,7 +307,7 @@ pub fn forward(
     let o = sc.out.unwrap_or(out.at);
     let s = sc.scores;
     for blk in sh.blocks() {
-        sh.scores_of(x, s, blk, at.scale, ops)?;
+        sh.scores_of(x, s, blk, at.scale as f32, ops)?;
         let lse_b = buf(lse.batch(blk.b, sh.h * sh.t));
         ops.push(sh.rows_launch(DevKernel::AttnRowsSoftmax, blk, vec![f32_buf(s), lse_b])?);
         for g in 0..sh.g {
@@ -381,7 +381,7 @@ pub fn backward(
     args.extend(sizes);
     ops.push(elementwise(DevKernel::AttnRowDot, sh.b * sh.t * sh.h, args));
     for blk in sh.blocks() {
-        block_backward(&sh, &gr, blk, at.scale, lse, ops)?;
+        block_backward(&sh, &gr, blk, at.scale as f32, lse, ops)?;
     }
     if sc.dqkv.is_some() {
         ops.push(elementwise(

@@ -194,8 +194,9 @@ impl Kernel {
     }
 
     fn norm_operands(&self) -> Checked {
-        let check_eps = |eps: f32| {
-            if eps.is_finite() && eps >= 0.0 {
+        // Checked as the kernels compute with it (f32).
+        let check_eps = |eps: f64| {
+            if (eps as f32).is_finite() && eps >= 0.0 {
                 Ok(())
             } else {
                 Err(format!("eps must be a non-negative number, got {eps}"))
@@ -433,7 +434,8 @@ impl Kernel {
     }
 }
 
-/// Adam's hyper-parameters must be finite with betas in `[0, 1)`; it reads
+/// Adam's hyper-parameters must be finite with betas in `[0, 1)`, as the
+/// update computes with them (f32); it reads
 /// the gradient (and the clip coefficient when clipping) and updates the
 /// parameter and both moments, with an optional copy of the parameter out.
 fn adam_operands(a: &AdamParams, ins: &Instr) -> Checked {
@@ -444,11 +446,11 @@ fn adam_operands(a: &AdamParams, ins: &Instr) -> Checked {
         ("eps", a.eps),
         ("weight_decay", a.weight_decay),
     ] {
-        if !x.is_finite() {
+        if !(x as f32).is_finite() {
             return Err(format!("{what} must be finite, got {x}"));
         }
     }
-    if !(0.0..1.0).contains(&a.beta1) || !(0.0..1.0).contains(&a.beta2) {
+    if !(0.0..1.0).contains(&(a.beta1 as f32)) || !(0.0..1.0).contains(&(a.beta2 as f32)) {
         return Err(format!(
             "betas must lie in [0, 1), got {} and {}",
             a.beta1, a.beta2
@@ -553,7 +555,7 @@ fn check_attention(a: &Attention, grouped: bool) -> Result<(), String> {
             a.kv_heads, a.heads
         ));
     }
-    if !a.scale.is_finite() {
+    if !(a.scale as f32).is_finite() {
         return Err(format!("scale must be finite, got {}", a.scale));
     }
     Ok(())
