@@ -130,7 +130,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         s.max_live_bytes,
         s.lower_bound_bytes,
         s.lower_bound_kind,
-        100.0 * s.gap(),
+        100.0 * plan.gap(),
         s.solve_seconds
     );
     println!(

@@ -76,7 +76,7 @@ pub fn plan_split_json(graph_json: &str, time_limit_s: f64, split: &str) -> Resu
 
 /// What a user gets without memplan on the graph in `graph_json`
 /// ([`crate::baselines::all`], the figures of `memplan compare`): returns
-/// `{"baselines": [{"name", "peak_bytes", "description"}, ...],
+/// `{"baselines": [{"name", "footprint_bytes", "description"}, ...],
 /// "best_eager": name or null}`, the last the eager configuration that
 /// needs the least ([`crate::baselines::best_eager`]). `device` (`cuda`
 /// or `cpu`) says how FSDP2 eager issues a captured sharded step's

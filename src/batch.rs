@@ -389,7 +389,7 @@ pub fn max_batch(
                     Way::Eager => baselines::best_eager(all),
                     _ => all.iter().find(|b| b.name == "pytorch-reserved"),
                 };
-                bytes.is_some_and(|b| b.peak_bytes <= budget)
+                bytes.is_some_and(|b| b.footprint_bytes <= budget)
             }
             Way::Planned => crate::plan(&graph_at(batch)?, &plan_opts)?.arena_bytes <= budget,
             Way::Fitted => match fit(&graph_at(batch)?, &fit_opts) {

@@ -1,6 +1,7 @@
-//! Benchmarks over many graphs, and the peak-memory record.
+//! Benchmarks over many graphs, and the record of memplan's arenas (the
+//! "peak record", `fixtures/peaks.json`).
 //!
-//! `memplan bench` plans every graph it is given and sets memplan's peak
+//! `memplan bench` plans every graph it is given and sets memplan's arena
 //! beside the lower bound and every baseline ([`crate::baselines::all`]):
 //! one [`Row`] per graph, a [`Summary`] with geometric means. Graphs come
 //! from [`Source`]s: graph files, folders of them, and built-in examples
@@ -9,10 +10,10 @@
 //! # The peak record
 //! Peak memory is exact and deterministic, so it is tracked like a test
 //! result: a [`PeakRecord`] (`fixtures/peaks.json`) holds, for each recorded
-//! graph, memplan's planned peak and the lower bound. [`check_record`]
+//! graph, memplan's arena and the lower bound. [`check_record`]
 //! re-plans every recorded graph and reports each [`Verdict`]; the
-//! regression test fails when a peak grew or a bound shrank, with no
-//! tolerance. When peaks improve, `memplan bench --update fixtures/peaks.json`
+//! regression test fails when an arena grew or a bound shrank, with no
+//! tolerance. When arenas improve, `memplan bench --update fixtures/peaks.json`
 //! rewrites the record ([`PeakRecord::merge`] refuses to record a worse
 //! figure unless asked to).
 
@@ -227,10 +228,10 @@ pub struct Row {
     pub total_bytes: u64,
     pub lower_bound_bytes: u64,
     pub lower_bound_kind: String,
-    /// Every baseline's peak, in [`baselines::all`]'s order.
+    /// Every baseline's footprint, in [`baselines::all`]'s order.
     pub baselines: Vec<Baseline>,
-    /// memplan's arena: the planned peak.
-    pub peak_bytes: u64,
+    /// memplan's arena.
+    pub arena_bytes: u64,
     /// The most bytes live at once in memplan's order.
     pub max_live_bytes: u64,
     pub order_source: String,
@@ -244,35 +245,35 @@ pub struct Row {
 }
 
 impl Row {
-    /// memplan's peak over the lower bound (1.0 is optimal).
+    /// memplan's arena over the lower bound (1.0 is optimal).
     pub fn ratio_to_lower_bound(&self) -> f64 {
-        ratio(self.peak_bytes, self.lower_bound_bytes)
+        ratio(self.arena_bytes, self.lower_bound_bytes)
     }
-    /// The smallest baseline peak.
+    /// The baseline with the smallest footprint.
     pub fn best_baseline(&self) -> Option<&Baseline> {
-        self.baselines.iter().min_by_key(|b| b.peak_bytes)
+        self.baselines.iter().min_by_key(|b| b.footprint_bytes)
     }
-    /// memplan's peak over the smallest baseline peak (below 1.0: memplan
+    /// memplan's arena over the smallest baseline footprint (below 1.0: memplan
     /// needs less than every baseline).
     pub fn ratio_to_best_baseline(&self) -> Option<f64> {
         self.best_baseline()
-            .map(|b| ratio(self.peak_bytes, b.peak_bytes))
+            .map(|b| ratio(self.arena_bytes, b.footprint_bytes))
     }
     /// The strongest eager configuration ([`baselines::best_eager`]).
     pub fn best_eager(&self) -> Option<&Baseline> {
         baselines::best_eager(&self.baselines)
     }
-    /// memplan's peak over the best eager configuration's.
+    /// memplan's arena over the best eager configuration's footprint.
     pub fn ratio_to_best_eager(&self) -> Option<f64> {
         self.best_eager()
-            .map(|b| ratio(self.peak_bytes, b.peak_bytes))
+            .map(|b| ratio(self.arena_bytes, b.footprint_bytes))
     }
-    /// A baseline's peak by name.
+    /// A baseline's footprint by name.
     pub fn baseline(&self, name: &str) -> Option<u64> {
         self.baselines
             .iter()
             .find(|b| b.name == name)
-            .map(|b| b.peak_bytes)
+            .map(|b| b.footprint_bytes)
     }
 }
 
@@ -315,7 +316,7 @@ pub fn run(g: &Graph, source: &str, opts: &Options) -> Result<Row, Error> {
         lower_bound_bytes: s.lower_bound_bytes,
         lower_bound_kind: s.lower_bound_kind.clone(),
         baselines,
-        peak_bytes: plan.arena_bytes,
+        arena_bytes: plan.arena_bytes,
         max_live_bytes: s.max_live_bytes,
         order_source: s.order_source.clone(),
         layout_source: s.layout_source.clone(),
@@ -329,14 +330,14 @@ pub fn run(g: &Graph, source: &str, opts: &Options) -> Result<Row, Error> {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Summary {
     pub graphs: usize,
-    /// Geometric mean of memplan's peak over the lower bound.
+    /// Geometric mean of memplan's arena over the lower bound.
     pub geomean_ratio_to_lower_bound: Option<f64>,
-    /// Geometric mean of memplan's peak over the best baseline.
+    /// Geometric mean of memplan's arena over the best baseline.
     pub geomean_ratio_to_best_baseline: Option<f64>,
-    /// Geometric mean of memplan's peak over the best eager configuration.
+    /// Geometric mean of memplan's arena over the best eager configuration.
     pub geomean_ratio_to_best_eager: Option<f64>,
     /// For each baseline (first-seen order): the geometric mean of its
-    /// peak over the lower bound, over the graphs that have it.
+    /// footprint over the lower bound, over the graphs that have it.
     pub baselines: Vec<BaselineSummary>,
     pub total_solve_seconds: f64,
     pub total_baseline_seconds: f64,
@@ -401,7 +402,7 @@ pub const RECORD_FORMAT: &str = "memplan-peaks";
 /// `version` of a peak record file this memplan reads and writes.
 pub const RECORD_VERSION: u64 = 1;
 
-/// The peak record: memplan's planned peak and the lower bound per graph.
+/// The peak record: memplan's arena and the lower bound per graph.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PeakRecord {
@@ -427,8 +428,10 @@ pub struct PeakEntry {
     pub ops: usize,
     pub tensors: usize,
     pub total_bytes: u64,
-    /// memplan's planned peak (arena bytes): must not grow.
-    pub peak_bytes: u64,
+    /// memplan's arena: must not grow (`peak_bytes` in records written
+    /// before it had its name).
+    #[serde(alias = "peak_bytes")]
+    pub arena_bytes: u64,
     /// The lower bound: must not shrink.
     pub lower_bound_bytes: u64,
     pub lower_bound_kind: String,
@@ -438,7 +441,7 @@ pub struct PeakEntry {
     pub time_limit_seconds: f64,
 }
 
-const RECORD_NOTE: &str = "memplan's planned peak and lower bound per graph; tests/peaks.rs fails when a peak grows or a bound shrinks. Rewrite with: memplan bench --update fixtures/peaks.json";
+const RECORD_NOTE: &str = "memplan's arena and lower bound per graph; tests/peaks.rs fails when an arena grows or a bound shrinks. Rewrite with: memplan bench --update fixtures/peaks.json";
 
 impl Default for PeakRecord {
     fn default() -> Self {
@@ -512,7 +515,7 @@ impl PeakRecord {
     }
 
     /// Puts fresh figures into the record, entry by entry. A figure that is
-    /// worse than recorded (peak larger, bound smaller) or a graph whose
+    /// worse than recorded (arena larger, bound smaller) or a graph whose
     /// fingerprint changed is refused unless `accept_worse`; the refused
     /// verdicts come back and the record is left unchanged for them.
     pub fn merge(&mut self, fresh: Vec<PeakEntry>, accept_worse: bool) -> Vec<Verdict> {
@@ -543,7 +546,7 @@ impl PeakEntry {
             ops: row.ops,
             tensors: row.tensors,
             total_bytes: row.total_bytes,
-            peak_bytes: row.peak_bytes,
+            arena_bytes: row.arena_bytes,
             lower_bound_bytes: row.lower_bound_bytes,
             lower_bound_kind: row.lower_bound_kind.clone(),
             max_live_bytes: row.max_live_bytes,
@@ -561,10 +564,10 @@ impl PeakEntry {
 pub enum Verdict {
     /// Peak and bound as recorded.
     Same { source: String },
-    /// The peak shrank or the bound grew (or both), nothing got worse: the
+    /// The arena shrank or the bound grew (or both), nothing got worse: the
     /// record can be tightened with `memplan bench --update`.
     Improved { old: PeakEntry, new: PeakEntry },
-    /// The peak grew or the bound shrank.
+    /// The arena grew or the bound shrank.
     Regressed { old: PeakEntry, new: PeakEntry },
     /// The graph is not the one recorded (ops, tensors or bytes differ).
     GraphChanged { old: PeakEntry, new: PeakEntry },
@@ -598,9 +601,9 @@ impl std::fmt::Display for Verdict {
                 };
                 write!(
                     f,
-                    "{}: {word}: peak {}, lower bound {}",
+                    "{}: {word}: arena {}, lower bound {}",
                     old.source,
-                    d(old.peak_bytes, new.peak_bytes),
+                    d(old.arena_bytes, new.arena_bytes),
                     d(old.lower_bound_bytes, new.lower_bound_bytes)
                 )?;
                 if old.lower_bound_kind != new.lower_bound_kind {
@@ -628,9 +631,9 @@ pub fn compare(old: &PeakEntry, new: &PeakEntry) -> Verdict {
     let (old, new) = (old.clone(), new.clone());
     if old.fingerprint() != new.fingerprint() {
         Verdict::GraphChanged { old, new }
-    } else if new.peak_bytes > old.peak_bytes || new.lower_bound_bytes < old.lower_bound_bytes {
+    } else if new.arena_bytes > old.arena_bytes || new.lower_bound_bytes < old.lower_bound_bytes {
         Verdict::Regressed { old, new }
-    } else if new.peak_bytes < old.peak_bytes || new.lower_bound_bytes > old.lower_bound_bytes {
+    } else if new.arena_bytes < old.arena_bytes || new.lower_bound_bytes > old.lower_bound_bytes {
         Verdict::Improved { old, new }
     } else {
         Verdict::Same { source: old.source }
@@ -691,7 +694,7 @@ pub fn replan(entry: &PeakEntry, record_dir: &Path) -> Result<PeakEntry, Error> 
         ops: g.num_ops(),
         tensors: g.num_tensors(),
         total_bytes: g.total_bytes(),
-        peak_bytes: plan.arena_bytes,
+        arena_bytes: plan.arena_bytes,
         lower_bound_bytes: plan.stats.lower_bound_bytes,
         lower_bound_kind: plan.stats.lower_bound_kind.clone(),
         max_live_bytes: plan.stats.max_live_bytes,
@@ -722,10 +725,10 @@ pub fn check_record(path: &Path) -> Result<Vec<Verdict>, Error> {
 /// solver's part bound: past the deadline the pipeline skips the min-cut
 /// floor ([`crate::pipeline`]), so a plan whose work-bounded layout ends
 /// after the deadline on a loaded machine reports the weaker bound though
-/// nothing in the planner changed. The peak must be as recorded or better.
+/// nothing in the planner changed. The arena must be as recorded or better.
 pub fn bound_fell_back(v: &Verdict) -> bool {
     matches!(v, Verdict::Regressed { old, new }
-        if new.peak_bytes <= old.peak_bytes
+        if new.arena_bytes <= old.arena_bytes
             && new.lower_bound_kind == "part-bound"
             && old.lower_bound_kind != "part-bound")
 }
@@ -824,11 +827,11 @@ mod tests {
         let g = crate::models::example("mlp", &ExampleOptions::default()).unwrap();
         let row = run(&g, "example:mlp", &Options::default()).unwrap();
         assert!(row.lower_bound_bytes <= row.max_live_bytes);
-        assert!(row.max_live_bytes <= row.peak_bytes);
+        assert!(row.max_live_bytes <= row.arena_bytes);
         // Never worse than the program-order arena.
-        assert!(row.peak_bytes <= row.baseline("program-order+greedy").unwrap());
+        assert!(row.arena_bytes <= row.baseline("program-order+greedy").unwrap());
         let mut other = row.clone();
-        other.peak_bytes = row.peak_bytes * 4;
+        other.arena_bytes = row.arena_bytes * 4;
         let s = summarize(&[row.clone(), other]);
         assert_eq!(s.graphs, 2);
         let expect = (row.ratio_to_lower_bound() * row.ratio_to_lower_bound() * 4.0).sqrt();
@@ -844,7 +847,7 @@ mod tests {
             ops: 10,
             tensors: 20,
             total_bytes: 1000,
-            peak_bytes: peak,
+            arena_bytes: peak,
             lower_bound_bytes: bound,
             lower_bound_kind: "op-footprint".into(),
             max_live_bytes: peak,
@@ -869,7 +872,7 @@ mod tests {
         ));
         assert!(compare(&old, &entry(501, 400)).is_failure());
         assert!(compare(&old, &entry(500, 399)).is_failure());
-        // Better peak but worse bound is still a regression.
+        // Better arena but worse bound is still a regression.
         assert!(compare(&old, &entry(450, 399)).is_failure());
         let mut changed = entry(400, 300);
         changed.ops += 1;
@@ -887,9 +890,9 @@ mod tests {
         let v = compare(&old, &fell);
         assert!(v.is_failure() && bound_fell_back(&v), "{v}");
         assert!(v.to_string().contains("(min-cut -> part-bound)"), "{v}");
-        // A worse peak, or a weaker bound of the same kind, is a regression.
+        // A worse arena, or a weaker bound of the same kind, is a regression.
         let mut worse = fell.clone();
-        worse.peak_bytes = 501;
+        worse.arena_bytes = 501;
         assert!(!bound_fell_back(&compare(&old, &worse)));
         let mut same_kind = entry(500, 390);
         same_kind.lower_bound_kind = "min-cut".into();
@@ -905,11 +908,11 @@ mod tests {
         };
         let refused = rec.merge(vec![entry(600, 400)], false);
         assert_eq!(refused.len(), 1);
-        assert_eq!(rec.entries[0].peak_bytes, 500);
+        assert_eq!(rec.entries[0].arena_bytes, 500);
         assert!(rec.merge(vec![entry(450, 410)], false).is_empty());
-        assert_eq!(rec.entries[0].peak_bytes, 450);
+        assert_eq!(rec.entries[0].arena_bytes, 450);
         assert!(rec.merge(vec![entry(600, 400)], true).is_empty());
-        assert_eq!(rec.entries[0].peak_bytes, 600);
+        assert_eq!(rec.entries[0].arena_bytes, 600);
         let mut other = entry(1, 1);
         other.source = "example:gpt2-tiny".into();
         rec.merge(vec![other], false);
@@ -930,8 +933,8 @@ mod tests {
         assert_eq!(PeakRecord::read(&path).unwrap(), rec);
         let v = check_record(&path).unwrap();
         assert!(matches!(v[..], [Verdict::Same { .. }]), "{v:?}");
-        // A record claiming a smaller peak than memplan reaches must fail.
-        rec.entries[0].peak_bytes -= 1;
+        // A record claiming a smaller arena than memplan reaches must fail.
+        rec.entries[0].arena_bytes -= 1;
         rec.write(&path).unwrap();
         let v = check_record(&path).unwrap();
         assert!(v[0].is_failure(), "{v:?}");

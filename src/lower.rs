@@ -202,6 +202,7 @@ pub fn assemble(
         offsets,
         arena_bytes: solution.height,
         reuses,
+        #[allow(deprecated)] // the arena's old copy, written for one release
         stats: PlanStats {
             peak_bytes: solution.height,
             max_live_bytes: ev.peak,

@@ -29,7 +29,13 @@ pub struct Plan {
 /// arena (parameters and optimizer state too).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PlanStats {
-    /// The arena size: what the step needs.
+    /// The arena, as [`Plan::arena_bytes`] gives it; kept for one release
+    /// (plan files still write it as `stats.peak_bytes`). "Peak" means max
+    /// live bytes everywhere else ([`PlanStats::max_live_bytes`]).
+    #[deprecated(
+        since = "0.1.0",
+        note = "the arena is `Plan::arena_bytes`; \"peak\" means max live (`max_live_bytes`)"
+    )]
     pub peak_bytes: u64,
     /// The most bytes live at once in this order (the best any layout of
     /// this order can do).
@@ -66,17 +72,29 @@ pub struct PlanStats {
 }
 
 impl PlanStats {
-    /// `peak / lower bound - 1`: how far the plan may be from optimal.
+    /// `arena / lower bound - 1`, from the deprecated copy of the arena.
+    #[deprecated(since = "0.1.0", note = "use `Plan::gap`")]
+    #[allow(deprecated)]
     pub fn gap(&self) -> f64 {
-        if self.lower_bound_bytes == 0 {
-            0.0
-        } else {
-            self.peak_bytes as f64 / self.lower_bound_bytes as f64 - 1.0
-        }
+        gap(self.peak_bytes, self.lower_bound_bytes)
+    }
+}
+
+/// `bytes / lower bound - 1` (0 without a bound).
+fn gap(bytes: u64, lower_bound: u64) -> f64 {
+    if lower_bound == 0 {
+        0.0
+    } else {
+        bytes as f64 / lower_bound as f64 - 1.0
     }
 }
 
 impl Plan {
+    /// `arena / lower bound - 1`: how far the plan may be from optimal.
+    pub fn gap(&self) -> f64 {
+        gap(self.arena_bytes, self.stats.lower_bound_bytes)
+    }
+
     /// The step of every op in this plan's order.
     pub fn steps(&self, g: &Graph) -> Vec<usize> {
         let mut pos = vec![usize::MAX; g.num_ops()];

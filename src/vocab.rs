@@ -570,25 +570,6 @@ mod tests {
             theta: 500000.0,
             inverse: false,
         };
-        let chunks = rt::ChunkLayout {
-            world: 2,
-            shard: 10,
-            offsets: vec![0, 6],
-            chunks: vec![6, 4],
-        };
-        let adam = AdamParams {
-            elements: 12,
-            lr: 3e-4,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            decoupled: true,
-            first_step: 3,
-            max_norm: Some(1.0),
-            norm_squared: true,
-        };
-        let e = 7;
         vec![
             Kernel::Embedding {
                 batch: 2,
@@ -639,6 +620,34 @@ mod tests {
             Kernel::AttentionValuesBackward(att),
             Kernel::FusedAttention(att),
             Kernel::FusedAttentionBackward(att),
+        ]
+        .into_iter()
+        .chain(pointwise_and_update_samples())
+        .collect()
+    }
+
+    /// The pointwise, loss, update, layout and collective kernels.
+    fn pointwise_and_update_samples() -> Vec<Kernel> {
+        let chunks = rt::ChunkLayout {
+            world: 2,
+            shard: 10,
+            offsets: vec![0, 6],
+            chunks: vec![6, 4],
+        };
+        let adam = AdamParams {
+            elements: 12,
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            decoupled: true,
+            first_step: 3,
+            max_norm: Some(1.0),
+            norm_squared: true,
+        };
+        let e = 7;
+        vec![
             Kernel::Add { elements: e },
             Kernel::Cast { elements: e },
             Kernel::Gelu { elements: e },

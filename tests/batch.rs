@@ -139,10 +139,15 @@ fn the_largest_batch_from_two_captures_is_the_models_own() {
     let eager_at = |b| memplan::baselines::eager_configurations(&at("gpt2-tiny", b, false, false));
     let here = eager_at(r.eager);
     let best = memplan::baselines::best_eager(&here).unwrap();
-    assert!(best.peak_bytes <= budget, "{best:?}");
+    assert!(best.footprint_bytes <= budget, "{best:?}");
     assert_eq!(r.eager_configuration.as_deref(), Some(best.name.as_str()));
     let above = eager_at(r.eager + 1);
-    assert!(memplan::baselines::best_eager(&above).unwrap().peak_bytes > budget);
+    assert!(
+        memplan::baselines::best_eager(&above)
+            .unwrap()
+            .footprint_bytes
+            > budget
+    );
     assert!(r.eager_default >= 1 && r.eager_default <= r.eager, "{r:?}");
     let reserved =
         |b| memplan::baselines::pytorch_caching(&at("gpt2-tiny", b, false, false)).max_reserved;

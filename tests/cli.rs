@@ -33,14 +33,17 @@ fn json(args: &[&str]) -> serde_json::Value {
 fn plan_json_has_the_documented_keys() {
     let v = json(&["plan", "--example", "mlp", "--json"]);
     for key in [
-        "peak_bytes",
+        "arena_bytes",
+        "gap",
         "lower_bound_bytes",
         "solve_seconds",
         "max_live_bytes",
     ] {
         assert!(v.get(key).is_some(), "missing {key}: {v}");
     }
-    let peak = v["peak_bytes"].as_u64().unwrap();
+    // The arena's old name, written for one more release.
+    assert_eq!(v["peak_bytes"], v["arena_bytes"], "{v}");
+    let peak = v["arena_bytes"].as_u64().unwrap();
     let bound = v["lower_bound_bytes"].as_u64().unwrap();
     assert!(bound > 0 && bound <= peak, "{v}");
     // On the MLP the per-op min-cut floor is below the optimum; the group
@@ -54,7 +57,7 @@ fn plan_json_has_the_documented_keys() {
 #[test]
 fn compare_json_has_every_baseline() {
     let v = json(&["compare", "--example", "gpt2-tiny", "--json"]);
-    let peak = v["peak_bytes"].as_u64().unwrap();
+    let peak = v["arena_bytes"].as_u64().unwrap();
     let bound = v["lower_bound_bytes"].as_u64().unwrap();
     assert!(bound <= peak);
     assert!(v["solve_seconds"].as_f64().is_some());
@@ -70,14 +73,24 @@ fn compare_json_has_every_baseline() {
         "program-order",
         "program-order+greedy",
     ] {
-        let b = base[name]["peak_bytes"]
+        let b = base[name]["footprint_bytes"]
             .as_u64()
             .unwrap_or_else(|| panic!("{name}: {v}"));
         assert!(bound <= b, "{name} below the lower bound");
+        // The old name, written for one more release.
+        assert_eq!(base[name]["peak_bytes"], base[name]["footprint_bytes"]);
     }
     // Never worse than the static program-order arena or PyTorch's reserved.
-    assert!(peak <= base["program-order+greedy"]["peak_bytes"].as_u64().unwrap());
-    assert!(peak <= base["pytorch-reserved"]["peak_bytes"].as_u64().unwrap());
+    assert!(
+        peak <= base["program-order+greedy"]["footprint_bytes"]
+            .as_u64()
+            .unwrap()
+    );
+    assert!(
+        peak <= base["pytorch-reserved"]["footprint_bytes"]
+            .as_u64()
+            .unwrap()
+    );
 }
 
 #[test]
@@ -105,7 +118,7 @@ fn export_plan_check_round_trip() {
     assert_eq!(v["plan_file"], p);
     let checked = json(&["check", g, p, "--json"]);
     assert_eq!(checked["valid"], true);
-    assert_eq!(checked["arena_bytes"], v["peak_bytes"]);
+    assert_eq!(checked["arena_bytes"], v["arena_bytes"]);
     assert_eq!(checked["max_live_bytes"], v["max_live_bytes"]);
     // The same plan against the built-in example directly.
     ok(&["check", "--example", "gpt2-tiny", p]);
@@ -379,7 +392,7 @@ fn llama_mixed_precision_and_fsdp_options() {
         "2",
         "--json",
     ]);
-    let peak = |v: &serde_json::Value| v["peak_bytes"].as_u64().expect("a peak");
+    let peak = |v: &serde_json::Value| v["arena_bytes"].as_u64().expect("an arena");
     assert!(peak(&kept) > peak(&resharded), "{kept} vs {resharded}");
     // FSDP1's flat units: fewer ops (no copy-outs, one update per unit).
     let flat = json(&[
@@ -662,7 +675,7 @@ fn xla_allocations_plan_and_export_an_hlo_module_and_refuse_other_graphs() {
         "--time-limit",
         "2",
     ]);
-    let peak = |name: &str| c["baselines"][name]["peak_bytes"].as_u64().unwrap() as f64;
+    let peak = |name: &str| c["baselines"][name]["footprint_bytes"].as_u64().unwrap() as f64;
     let ratio = peak("xla") / peak("xla-order, xla-estimate");
     assert!((0.998..=1.002).contains(&ratio), "{c}");
     // memplan's order is never estimated above XLA's own.

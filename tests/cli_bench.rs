@@ -67,10 +67,10 @@ fn bench_json_holds_every_figure() {
     assert_eq!(graphs.len(), 2);
     assert_eq!(graphs[0]["source"], "example:gpt2-tiny,checkpoint");
     for g in graphs {
-        let peak = g["peak_bytes"].as_u64().unwrap();
+        let peak = g["arena_bytes"].as_u64().unwrap();
         let bound = g["lower_bound_bytes"].as_u64().unwrap();
         assert!(bound <= peak);
-        let greedy = g["baselines"]["program-order+greedy"]["peak_bytes"]
+        let greedy = g["baselines"]["program-order+greedy"]["footprint_bytes"]
             .as_u64()
             .unwrap();
         assert!(peak <= greedy, "memplan is worse than program order");
@@ -78,7 +78,7 @@ fn bench_json_holds_every_figure() {
         assert!((r - peak as f64 / bound as f64).abs() < 1e-9);
         assert!(g["solve_seconds"].as_f64().unwrap() >= 0.0);
         assert!(
-            g["baselines"]["pytorch-reserved"]["peak_bytes"]
+            g["baselines"]["pytorch-reserved"]["footprint_bytes"]
                 .as_u64()
                 .unwrap()
                 > 0
@@ -165,16 +165,30 @@ fn update_then_check_a_record() {
     );
     assert!(text(&out.stdout).contains("0 worse"));
 
+    // A record written before the arena had its name (`peak_bytes`) reads
+    // as before.
+    let mut old = v.clone();
+    for e in old["entries"].as_array_mut().unwrap() {
+        let e = e.as_object_mut().unwrap();
+        let arena = e.remove("arena_bytes").unwrap();
+        e.insert("peak_bytes".into(), arena);
+    }
+    let old_rec = d.join("old-peaks.json");
+    std::fs::write(&old_rec, serde_json::to_string_pretty(&old).unwrap()).unwrap();
+    let out = memplan(&["bench", "--check", s(&old_rec)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("0 worse"));
+
     // A record claiming one byte less than memplan reaches fails the check,
     // and --update will not write the worse figure unless told to.
     let mut v2 = v.clone();
-    let p = v2["entries"][1]["peak_bytes"].as_u64().unwrap();
-    v2["entries"][1]["peak_bytes"] = (p - 1).into();
+    let p = v2["entries"][1]["arena_bytes"].as_u64().unwrap();
+    v2["entries"][1]["arena_bytes"] = (p - 1).into();
     std::fs::write(&rec, serde_json::to_string_pretty(&v2).unwrap()).unwrap();
     let out = memplan(&["bench", "--check", s(&rec)]);
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        text(&out.stdout).contains("mlp.json: REGRESSED: peak"),
+        text(&out.stdout).contains("mlp.json: REGRESSED: arena"),
         "{}",
         text(&out.stdout)
     );

@@ -16,7 +16,8 @@ const LIMIT: usize = 120;
 /// Dispatches with one arm per op: (file, function).
 const DISPATCH: &[(&str, &str)] = &[
     ("runtime/src/cpu/mod.rs", "run_instr"),
-    ("src/exec.rs", "kernel"),
+    ("src/vocab.rs", "kernel"),
+    ("src/vocab.rs", "write"),
 ];
 
 /// Functions over the limit today: (file, function, lines). Shrink them;

@@ -69,7 +69,7 @@ fn peak(base: &[Baseline], name: &str) -> u64 {
     base.iter()
         .find(|b| b.name == name)
         .unwrap_or_else(|| panic!("no baseline {name}"))
-        .peak_bytes
+        .footprint_bytes
 }
 
 #[test]
@@ -140,7 +140,7 @@ fn two_layer_step_by_hand() {
     // first listed on a tie.
     let best = baselines::best_eager(&base).unwrap();
     assert_eq!(
-        (best.name.as_str(), best.peak_bytes),
+        (best.name.as_str(), best.footprint_bytes),
         ("eager-optimizer-in-backward", 60 * MIB)
     );
 }
@@ -235,19 +235,23 @@ fn compare_reports_the_eager_configurations() {
     let v: serde_json::Value =
         serde_json::from_str(&run(&["compare", "--example", "mlp", "--json"])).unwrap();
     let base = v["baselines"].as_object().unwrap();
-    let peak = v["peak_bytes"].as_u64().unwrap();
+    let peak = v["arena_bytes"].as_u64().unwrap();
     for name in baselines::EAGER {
-        let b = base[name]["peak_bytes"]
+        let b = base[name]["footprint_bytes"]
             .as_u64()
             .unwrap_or_else(|| panic!("{name}: {v}"));
         assert!(peak <= b, "{name}");
     }
     let best = baselines::EAGER
         .iter()
-        .map(|n| base[*n]["peak_bytes"].as_u64().unwrap())
+        .map(|n| base[*n]["footprint_bytes"].as_u64().unwrap())
         .min()
         .unwrap();
-    assert_eq!(v["best_eager"]["peak_bytes"].as_u64(), Some(best), "{v}");
+    assert_eq!(
+        v["best_eager"]["footprint_bytes"].as_u64(),
+        Some(best),
+        "{v}"
+    );
     let ratio = v["ratio_to_best_eager"].as_f64().unwrap();
     assert!((ratio - peak as f64 / best as f64).abs() < 1e-12, "{v}");
     let text = run(&["compare", "--example", "mlp"]);

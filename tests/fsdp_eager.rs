@@ -195,7 +195,7 @@ fn the_baselines_run_the_rebuilt_order_and_say_so() {
         "{}",
         po.description
     );
-    assert_eq!(po.peak_bytes, 39 * MIB);
+    assert_eq!(po.footprint_bytes, 39 * MIB);
     // A graph whose collectives name no unit keeps its program order.
     let plain = captured_two_units(false);
     assert!(baselines::fsdp_eager::eager_order(&plain, Prefetch::CUDA).is_none());

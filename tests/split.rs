@@ -495,10 +495,10 @@ fn cli_plan_split_auto_writes_a_graph_and_plan_that_check() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|t| t["peak_bytes"].as_u64().unwrap())
+        .map(|t| t["arena_bytes"].as_u64().unwrap())
         .collect();
     assert!(tried.len() >= 3 && tried.len() <= 1 + split::AUTO_CHUNKS.len());
-    assert_eq!(v["peak_bytes"].as_u64(), tried.iter().min().copied());
+    assert_eq!(v["arena_bytes"].as_u64(), tried.iter().min().copied());
     assert!(v["peak_bytes"].as_u64().unwrap() < tried[0]);
     let check = Command::new(bin)
         .arg("check")

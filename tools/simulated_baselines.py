@@ -90,12 +90,12 @@ def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
         c = _memplan(binary, "compare", paths[side], "--time-limit", str(time_limit))
         keys = EAGER_KEYS if side == "plain" else CHECKPOINTED_KEYS
         for k in keys:
-            row = {"peak_bytes": c["baselines"][k]["peak_bytes"]}
+            row = {"peak_bytes": c["baselines"][k]["footprint_bytes"]}
             if side != "plain":
                 row["added_flops_share"] = flops[side] / flops["plain"] - 1
             r["sides"][f"{side}/{k}"] = row
         if side == "plain":
-            r["sides"]["memplan"] = {"peak_bytes": c["peak_bytes"], "lower_bound_bytes": c["lower_bound_bytes"]}
+            r["sides"]["memplan"] = {"peak_bytes": c["arena_bytes"], "lower_bound_bytes": c["lower_bound_bytes"]}
         r.setdefault("ops", {})[side] = c["ops"]
     best = min((k for k in r["sides"] if "/" in k), key=lambda k: r["sides"][k]["peak_bytes"])
     r["best_eager"] = best

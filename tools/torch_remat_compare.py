@@ -252,7 +252,7 @@ def compare(a, cfg, folder):
         g = to_memplan(*capture(model, (tokens, tokens), min_cut_rematerialization_partition, budget),
                        f"{a.config}-budget-{budget}")
         path = save(f"budget-{budget}", g)
-        peak = memplan_json(a.memplan, "compare", path)["baselines"]["program-order"]["peak_bytes"]
+        peak = memplan_json(a.memplan, "compare", path)["baselines"]["program-order"]["footprint_bytes"]
         row = {"activation_memory_budget": budget, "torch_peak": peak,
                "torch_added_flops": total_flops(g) - step, **fit(peak)}
         torch_rows.append(row)

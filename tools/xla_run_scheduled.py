@@ -329,7 +329,7 @@ def compare(a, work):
         "outputs_close": close,
         "memplan_max_live_bytes": planned["max_live_bytes"],
         "memplan_prediction_bytes": pred,
-        "memplan_arena_bytes": planned["peak_bytes"],
+        "memplan_arena_bytes": planned["arena_bytes"],
         "memplan_lower_bound_bytes": planned["lower_bound_bytes"],
         "xla_total_bytes_original": orig["total"],
         "xla_total_bytes_memplan_order": mine["total"],

@@ -53,8 +53,11 @@ int memplan_plan_split(const char *graph_json, double time_limit_seconds, const 
  * and without expandable segments, the optimizer in the backward pass, the
  * program order's max live bytes. `device` is "cuda" or "cpu" (how FSDP2
  * eager issues a captured sharded step's all-gathers). On success *out is
- * {"baselines": [{"name", "peak_bytes", "description"}, ...],
- * "best_eager": the eager configuration that needs the least, or null}. */
+ * {"baselines": [{"name", "footprint_bytes", "description"}, ...],
+ * "best_eager": the eager configuration that needs the least, or null}:
+ * a footprint is the memory a configuration holds at its worst (reserved
+ * bytes, an arena, or max live bytes for an order alone); each baseline
+ * also carries it as "peak_bytes", its old name, for one release. */
 int memplan_baselines(const char *graph_json, const char *device, char **out);
 
 /* Checks `plan_json` against `graph_json` with memplan's independent

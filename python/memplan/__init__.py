@@ -35,6 +35,7 @@ import math
 import os
 
 from . import _memplan
+from ._renamed import Renamed
 
 __all__ = ["MemplanError", "plan", "check", "baselines", "fit", "at_batch", "max_batch", "example", "__version__"]
 __version__ = _memplan.__version__
@@ -110,7 +111,9 @@ def plan(graph, time_limit=10.0):
     `tensors` (each tensor's `id` and byte `offset` in the arena),
     `arena_bytes`, `reuse` (outputs placed in their input's bytes), and
     `stats` (among others `lower_bound_bytes`, the floor no order can beat,
-    and `peak_bytes`). The plan has passed memplan's independent checker.
+    and `max_live_bytes`, the peak of live bytes in this order; its
+    `peak_bytes` is a deprecated copy of `arena_bytes`, kept for one
+    release). The plan has passed memplan's independent checker.
     """
     return _call(_memplan.plan_json, _text(graph, "graph"), _seconds(time_limit))
 
@@ -144,14 +147,20 @@ def baselines(graph, device="cuda"):
     on `device`: ``"cuda"`` one unit ahead in both passes, ``"cpu"`` one
     ahead in the backward only.
 
-    Returns ``{"baselines": {name: {"peak_bytes", "description"}},
+    Returns ``{"baselines": {name: {"footprint_bytes", "description"}},
     "best_eager": name}``, the last the eager configuration that needs the
-    least (None if the graph has none).
+    least (None if the graph has none). A baseline's footprint is the
+    memory it holds at its worst: reserved bytes for the caching allocator,
+    an arena for a layout, max live bytes for an order alone. Its old name,
+    ``peak_bytes``, still reads for one release, with a
+    ``DeprecationWarning``.
     """
     if device not in ("cuda", "cpu"):
         raise MemplanError(f"device {device!r}: the baselines model 'cuda' or 'cpu'")
     out = _call(_memplan.baselines_json, _text(graph, "graph"), device)
-    return {"baselines": {b["name"]: {"peak_bytes": b["peak_bytes"], "description": b["description"]}
+    return {"baselines": {b["name"]: Renamed({"footprint_bytes": b["footprint_bytes"],
+                                              "description": b["description"]},
+                                             {"peak_bytes": "footprint_bytes"})
                           for b in out["baselines"]},
             "best_eager": out["best_eager"]}
 

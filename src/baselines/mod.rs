@@ -41,11 +41,37 @@ use crate::lower::{self, Lowered};
 use crate::plan::{Plan, PlanStats};
 
 /// One baseline's figure.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Baseline {
     pub name: String,
-    pub peak_bytes: u64,
+    /// The memory the configuration holds at its worst: an arena for a
+    /// layout, a caching allocator's reserved (or allocated) bytes, max
+    /// live bytes for an order alone. Not "peak", which means max live.
+    pub footprint_bytes: u64,
     pub description: String,
+}
+
+impl Baseline {
+    /// The old name of [`Baseline::footprint_bytes`].
+    #[deprecated(since = "0.1.0", note = "use `footprint_bytes`")]
+    pub fn peak_bytes(&self) -> u64 {
+        self.footprint_bytes
+    }
+}
+
+/// `{"name", "footprint_bytes", "peak_bytes", "description"}`:
+/// `peak_bytes`, the old name of `footprint_bytes`, is written for one more
+/// release.
+impl Serialize for Baseline {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut m = s.serialize_struct("Baseline", 4)?;
+        m.serialize_field("name", &self.name)?;
+        m.serialize_field("footprint_bytes", &self.footprint_bytes)?;
+        m.serialize_field("peak_bytes", &self.footprint_bytes)?;
+        m.serialize_field("description", &self.description)?;
+        m.end()
+    }
 }
 
 /// Program order without reuse, laid out greedily by size.
@@ -163,7 +189,7 @@ pub fn best_eager(base: &[Baseline]) -> Option<&Baseline> {
     EAGER
         .iter()
         .filter_map(|n| base.iter().find(|b| b.name == *n))
-        .min_by_key(|b| b.peak_bytes)
+        .min_by_key(|b| b.footprint_bytes)
 }
 
 /// Runs program order through the caching-allocator simulation (default
@@ -356,19 +382,19 @@ pub fn all_with(g: &Graph, device: fsdp_eager::Device) -> Vec<Baseline> {
     out.extend([
         Baseline {
             name: "program-order".into(),
-            peak_bytes: order_max_live_holding(g, eager, held),
+            footprint_bytes: order_max_live_holding(g, eager, held),
             description: format!("{what}, max live bytes (no layout loss)"),
         },
         Baseline {
             name: "program-order+greedy".into(),
-            peak_bytes: order_greedy(g, eager).arena_bytes,
+            footprint_bytes: order_greedy(g, eager).arena_bytes,
             description: format!("{what} + greedy-by-size offsets"),
         },
     ]);
     for (name, order) in &g.extra_orders {
         out.push(Baseline {
             name: format!("{name}+memplan-layout"),
-            peak_bytes: order_with_layout(g, order, name).arena_bytes,
+            footprint_bytes: order_with_layout(g, order, name).arena_bytes,
             description: format!("the graph's {name} order, laid out by memplan"),
         });
         // An HLO module imported with XLA's allocations: what XLA's buffer
@@ -376,7 +402,7 @@ pub fn all_with(g: &Graph, device: fsdp_eager::Device) -> Vec<Baseline> {
         if let Some(e) = xla_estimate::estimate(g, order) {
             out.push(Baseline {
                 name: format!("{name}, xla-estimate"),
-                peak_bytes: e.total,
+                footprint_bytes: e.total,
                 description: format!(
                     "the graph's {name} order, XLA's total bytes as memplan estimates them"
                 ),
@@ -386,7 +412,7 @@ pub fn all_with(g: &Graph, device: fsdp_eager::Device) -> Vec<Baseline> {
     for (name, bytes) in &g.reference_peaks {
         out.push(Baseline {
             name: name.clone(),
-            peak_bytes: *bytes,
+            footprint_bytes: *bytes,
             description: format!("{name}: as reported by the tool that made the graph"),
         });
     }
@@ -442,24 +468,24 @@ impl<'g> EagerRun<'g> {
         vec![
             Baseline {
                 name: "pytorch-reserved".into(),
-                peak_bytes: cs.max_reserved,
+                footprint_bytes: cs.max_reserved,
                 description: format!("{what} + simulated PyTorch caching allocator (reserved)"),
             },
             Baseline {
                 name: "pytorch-allocated".into(),
-                peak_bytes: cs.max_allocated,
+                footprint_bytes: cs.max_allocated,
                 description: format!("{what} + simulated PyTorch caching allocator (allocated)"),
             },
             Baseline {
                 name: "pytorch-expandable-segments".into(),
-                peak_bytes: expandable.max_reserved,
+                footprint_bytes: expandable.max_reserved,
                 description: format!(
                     "{what} + simulated PyTorch caching allocator with expandable_segments:True (reserved)"
                 ),
             },
             Baseline {
                 name: "eager-optimizer-in-backward".into(),
-                peak_bytes: eager_caching_holding(g, &in_backward, false, &held_in_backward)
+                footprint_bytes: eager_caching_holding(g, &in_backward, false, &held_in_backward)
                     .max_reserved,
                 description: format!(
                     "{what}, each update right after its gradient + simulated PyTorch caching allocator (reserved)"
@@ -467,7 +493,7 @@ impl<'g> EagerRun<'g> {
             },
             Baseline {
                 name: "eager-optimizer-in-backward-expandable-segments".into(),
-                peak_bytes: eager_caching_holding(g, &in_backward, true, &held_in_backward)
+                footprint_bytes: eager_caching_holding(g, &in_backward, true, &held_in_backward)
                     .max_reserved,
                 description: format!(
                     "{what}, each update right after its gradient + simulated PyTorch caching allocator with expandable_segments:True (reserved)"

@@ -43,7 +43,7 @@ pub struct BenchArgs {
     /// --check and no value, each recorded graph's own budget).
     #[arg(long, value_name = "S", allow_negative_numbers = true)]
     pub time_limit: Option<f64>,
-    /// Write memplan's peaks and lower bounds into this record (created if
+    /// Write memplan's arenas and lower bounds into this record (created if
     /// missing). Without PATHs, re-benchmarks every graph the record holds.
     #[arg(long, value_name = "RECORD", conflicts_with = "check")]
     pub update: Option<PathBuf>,
@@ -51,8 +51,8 @@ pub struct BenchArgs {
     /// the graph itself changed.
     #[arg(long, requires = "update")]
     pub accept_worse: bool,
-    /// Re-plan every graph of this record (no baselines) and fail if a peak
-    /// grew or a lower bound shrank.
+    /// Re-plan every graph of this record (no baselines) and fail if an
+    /// arena grew or a lower bound shrank.
     #[arg(long, value_name = "RECORD")]
     pub check: Option<PathBuf>,
 }
@@ -288,7 +288,7 @@ fn check(path: &Path, as_json: bool) -> Result<()> {
         );
         if improved > 0 && failures == 0 {
             println!(
-                "peaks improved: record them with memplan bench --update {}",
+                "arenas improved: record them with memplan bench --update {}",
                 path.display()
             );
         }
@@ -319,8 +319,10 @@ fn to_json(rows: &[Row], s: &Summary, skipped: &[(String, String)], wall: f64) -
                 .map(|b| {
                     (
                         b.name.clone(),
-                        json!({"peak_bytes": b.peak_bytes, "description": b.description,
-                               "ratio_to_lower_bound": bench::ratio(b.peak_bytes, r.lower_bound_bytes)}),
+                        json!({"footprint_bytes": b.footprint_bytes,
+                               "peak_bytes": b.footprint_bytes,
+                               "description": b.description,
+                               "ratio_to_lower_bound": bench::ratio(b.footprint_bytes, r.lower_bound_bytes)}),
                     )
                 })
                 .collect();
@@ -334,7 +336,8 @@ fn to_json(rows: &[Row], s: &Summary, skipped: &[(String, String)], wall: f64) -
                 "lower_bound_kind": r.lower_bound_kind,
                 "baselines": b,
                 "best_baseline": r.best_baseline().map(|b| b.name.clone()),
-                "peak_bytes": r.peak_bytes,
+                "arena_bytes": r.arena_bytes,
+                "peak_bytes": r.arena_bytes,
                 "max_live_bytes": r.max_live_bytes,
                 "ratio_to_lower_bound": r.ratio_to_lower_bound(),
                 "ratio_to_best_baseline": r.ratio_to_best_baseline(),
@@ -394,7 +397,7 @@ fn cells(rows: &[Row], s: &Summary) -> (Vec<String>, Vec<Vec<String>>) {
         for n in &names {
             c.push(r.baseline(n).map(human_bytes).unwrap_or_else(|| "-".into()));
         }
-        c.push(human_bytes(r.peak_bytes));
+        c.push(human_bytes(r.arena_bytes));
         c.push(format!("{:.3}", r.ratio_to_lower_bound()));
         c.push(
             r.ratio_to_best_baseline()
@@ -440,7 +443,7 @@ fn cells(rows: &[Row], s: &Summary) -> (Vec<String>, Vec<Vec<String>>) {
     (header, out)
 }
 
-const FOOTNOTE: &str = "Peaks are arena bytes (max live bytes for program-order and pytorch-allocated); vs bound = memplan / lower bound, vs best baseline = memplan / smallest baseline, vs best eager = memplan / the least reserved of the simulated PyTorch eager configurations (pytorch-reserved, pytorch-expandable-segments, eager-optimizer-in-backward[-expandable-segments]). The geomean row gives each column's geometric mean of peak / lower bound and the total solve time.";
+const FOOTNOTE: &str = "Each figure is the memory a side needs: an arena for memplan and the layouts, reserved bytes for the simulated caching allocator, max live bytes for program-order and pytorch-allocated; vs bound = memplan / lower bound, vs best baseline = memplan / smallest baseline, vs best eager = memplan / the least reserved of the simulated PyTorch eager configurations (pytorch-reserved, pytorch-expandable-segments, eager-optimizer-in-backward[-expandable-segments]). The geomean row gives each column's geometric mean of figure / lower bound and the total solve time.";
 
 fn text(rows: &[Row], s: &Summary) -> String {
     let (header, body) = cells(rows, s);

@@ -33,22 +33,25 @@ pub(super) fn compare(
             .map(|b| {
                 (
                     b.name.clone(),
-                    json!({"peak_bytes": b.peak_bytes, "description": b.description,
-                           "ratio_to_lower_bound": b.peak_bytes as f64 / lb as f64}),
+                    json!({"footprint_bytes": b.footprint_bytes,
+                           "peak_bytes": b.footprint_bytes,
+                           "description": b.description,
+                           "ratio_to_lower_bound": b.footprint_bytes as f64 / lb as f64}),
                 )
             })
             .collect();
-        let best = base.iter().map(|b| b.peak_bytes).min().unwrap_or(0);
-        let mut v = plan_summary(&g, s);
-        v["ratio_to_lower_bound"] = json!(s.peak_bytes as f64 / lb as f64);
-        v["ratio_to_best_baseline"] = json!(s.peak_bytes as f64 / best.max(1) as f64);
+        let best = base.iter().map(|b| b.footprint_bytes).min().unwrap_or(0);
+        let arena = plan.arena_bytes;
+        let mut v = plan_summary(&g, &plan);
+        v["ratio_to_lower_bound"] = json!(arena as f64 / lb as f64);
+        v["ratio_to_best_baseline"] = json!(arena as f64 / best.max(1) as f64);
         v["baselines"] = json!(b);
-        v["best_eager"] = json!(
-            baselines::best_eager(&base)
-                .map(|b| json!({"name": b.name, "peak_bytes": b.peak_bytes}))
-        );
+        v["best_eager"] = json!(baselines::best_eager(&base).map(
+            |b| json!({"name": b.name, "footprint_bytes": b.footprint_bytes,
+                                 "peak_bytes": b.footprint_bytes})
+        ));
         v["ratio_to_best_eager"] = json!(
-            baselines::best_eager(&base).map(|b| s.peak_bytes as f64 / b.peak_bytes.max(1) as f64)
+            baselines::best_eager(&base).map(|b| arena as f64 / b.footprint_bytes.max(1) as f64)
         );
         v["xla_estimate_bytes"] = json!(xla.as_ref().map(|e| e.total));
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -77,17 +80,17 @@ pub(super) fn compare(
     for b in &base {
         rows.push(vec![
             b.name.clone(),
-            human_bytes(b.peak_bytes),
-            grouped(b.peak_bytes),
-            format!("{:.3}", b.peak_bytes as f64 / lb as f64),
+            human_bytes(b.footprint_bytes),
+            grouped(b.footprint_bytes),
+            format!("{:.3}", b.footprint_bytes as f64 / lb as f64),
             String::new(),
         ]);
     }
     rows.push(vec![
         format!("memplan ({} + {})", s.order_source, s.layout_source),
-        human_bytes(s.peak_bytes),
-        grouped(s.peak_bytes),
-        format!("{:.3}", s.peak_bytes as f64 / lb as f64),
+        human_bytes(plan.arena_bytes),
+        grouped(plan.arena_bytes),
+        format!("{:.3}", plan.arena_bytes as f64 / lb as f64),
         format!("{:.2} s", s.solve_seconds),
     ]);
     if let Some(e) = &xla {
@@ -101,9 +104,12 @@ pub(super) fn compare(
     }
     print!(
         "{}",
-        table(&["plan", "peak", "bytes", "vs bound", "solve time"], &rows)
+        table(
+            &["plan", "memory", "bytes", "vs bound", "solve time"],
+            &rows
+        )
     );
-    if let Some(line) = verdict(&g, &base, s.peak_bytes, xla.as_ref().map(|e| e.total)) {
+    if let Some(line) = verdict(&g, &base, plan.arena_bytes, xla.as_ref().map(|e| e.total)) {
         println!("{line}");
     }
     Ok(())
@@ -116,14 +122,18 @@ pub(super) fn compare(
 /// simulated configurations, [`baselines::best_eager`]), then PyTorch
 /// eager on its default allocator as a second figure. `xla_estimate` is
 /// memplan's plan in XLA's terms (`--xla-allocations`), compared with
-/// XLA's total.
+/// XLA's total. `arena` is memplan's plan.
 fn verdict(
     g: &Graph,
     base: &[baselines::Baseline],
-    peak: u64,
+    arena: u64,
     xla_estimate: Option<u64>,
 ) -> Option<String> {
-    let find = |name: &str| base.iter().find(|b| b.name == name).map(|b| b.peak_bytes);
+    let find = |name: &str| {
+        base.iter()
+            .find(|b| b.name == name)
+            .map(|b| b.footprint_bytes)
+    };
     let versus = |ours: u64, theirs: u64, what: &str| {
         let change = 1.0 - ours as f64 / theirs.max(1) as f64;
         if change >= 0.0 {
@@ -136,19 +146,19 @@ fn verdict(
     let (ours, theirs, what) = if hlo {
         if let Some(xla) = find("xla") {
             (
-                xla_estimate.unwrap_or(peak),
+                xla_estimate.unwrap_or(arena),
                 xla,
                 "XLA's own Total bytes (its memory-usage report)",
             )
         } else if let Some(x) = find("xla-order+memplan-layout") {
             (
-                peak,
+                arena,
                 x,
                 "XLA's own order of the module, laid out in one arena",
             )
         } else {
             (
-                peak,
+                arena,
                 find("program-order+greedy")?,
                 "the module's listed order, laid out greedily",
             )
@@ -158,8 +168,8 @@ fn verdict(
         let mut line = format!(
             "memplan needs {}",
             versus(
-                peak,
-                best.peak_bytes,
+                arena,
+                best.footprint_bytes,
                 &format!("the best eager configuration ({})", best.name)
             )
         );
@@ -169,7 +179,7 @@ fn verdict(
             line.push_str(&format!(
                 "; {}",
                 versus(
-                    peak,
+                    arena,
                     default,
                     "PyTorch eager on its default allocator (pytorch-reserved)"
                 )

@@ -81,17 +81,22 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
 /// name and size and every figure of the plan's [`memplan::PlanStats`]
 /// (through its own serialisation; `time_limit_hit` written even when
 /// false).
-pub fn plan_summary(g: &memplan::graph::Graph, s: &memplan::PlanStats) -> serde_json::Value {
+pub fn plan_summary(g: &memplan::graph::Graph, plan: &memplan::Plan) -> serde_json::Value {
+    let s = &plan.stats;
     let mut v = serde_json::json!({
         "graph": g.name,
         "ops": g.num_ops(),
         "tensors": g.num_tensors(),
     });
+    // The stats carry `peak_bytes`, the arena's deprecated copy, for one
+    // more release; `arena_bytes` is its name.
     if let Ok(serde_json::Value::Object(stats)) = serde_json::to_value(s) {
         for (k, x) in stats {
             v[k] = x;
         }
     }
+    v["arena_bytes"] = serde_json::json!(plan.arena_bytes);
+    v["gap"] = serde_json::json!(plan.gap());
     v["time_limit_hit"] = serde_json::json!(s.time_limit_hit);
     v
 }

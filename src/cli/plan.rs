@@ -41,8 +41,7 @@ pub(super) fn plan(
     }
     let s = &plan.stats;
     if as_json {
-        let mut v = plan_summary(&g, s);
-        v["gap"] = json!(s.gap());
+        let mut v = plan_summary(&g, &plan);
         v["plan_file"] = json!(output.as_ref().map(|p| p.display().to_string()));
         if split.tried.len() > 1 {
             v["split"] = json!({
@@ -50,7 +49,7 @@ pub(super) fn plan(
                 "chains": split.chains,
                 "added_flops": split.added_flops,
                 "step_flops": split.step_flops,
-                "tried": split.tried.iter().map(|&(k, b)| json!({"chunks": k, "peak_bytes": b})).collect::<Vec<_>>(),
+                "tried": split.tried.iter().map(|&(k, b)| json!({"chunks": k, "arena_bytes": b, "peak_bytes": b})).collect::<Vec<_>>(),
             });
         }
         if with_report {
@@ -68,14 +67,14 @@ pub(super) fn plan(
         sayln!(
             "{}: arena {} ({} bytes), max live {}, lower bound {} ({}, {:.2} s; simple bound {}), gap {:.2}%, solved in {:.2} s",
             g.name,
-            human_bytes(s.peak_bytes),
-            grouped(s.peak_bytes),
+            human_bytes(plan.arena_bytes),
+            grouped(plan.arena_bytes),
             human_bytes(s.max_live_bytes),
             human_bytes(s.lower_bound_bytes),
             s.lower_bound_kind,
             s.bound_seconds,
             human_bytes(s.simple_bound_bytes),
-            100.0 * s.gap(),
+            100.0 * plan.gap(),
             s.solve_seconds
         );
         if s.time_limit_hit {

@@ -204,25 +204,7 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     // Parameters, in the order `model.parameters()` lists them.
     let wte = net.param("wte", &[v, c], "normal:0.02");
     let wpe = net.param("wpe", &[t, c], "normal:0.01");
-    let mut blocks = Vec::new();
-    for l in 0..cfg.layers {
-        let p = |s: &str| format!("h{l}.{s}");
-        let resid_std = "normal_resid:0.02";
-        blocks.push(BlockParams {
-            ln1_g: net.param(&p("ln_1.weight"), &[c], "ones"),
-            ln1_b: net.param(&p("ln_1.bias"), &[c], "zeros"),
-            qkv_w: net.param(&p("attn.c_attn.weight"), &[c, 3 * c], "normal:0.02"),
-            qkv_b: net.param(&p("attn.c_attn.bias"), &[3 * c], "zeros"),
-            proj_w: net.param(&p("attn.c_proj.weight"), &[c, c], resid_std),
-            proj_b: net.param(&p("attn.c_proj.bias"), &[c], "zeros"),
-            ln2_g: net.param(&p("ln_2.weight"), &[c], "ones"),
-            ln2_b: net.param(&p("ln_2.bias"), &[c], "zeros"),
-            fc_w: net.param(&p("mlp.c_fc.weight"), &[c, 4 * c], "normal:0.02"),
-            fc_b: net.param(&p("mlp.c_fc.bias"), &[4 * c], "zeros"),
-            fc2_w: net.param(&p("mlp.c_proj.weight"), &[4 * c, c], resid_std),
-            fc2_b: net.param(&p("mlp.c_proj.bias"), &[c], "zeros"),
-        });
-    }
+    let blocks: Vec<BlockParams> = (0..cfg.layers).map(|l| block_params(&mut net, l)).collect();
     let lnf_g = net.param("ln_f.weight", &[c], "ones");
     let lnf_b = net.param("ln_f.bias", &[c], "zeros");
     let head = if cfg.tied {
@@ -303,6 +285,27 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
         layers: cfg.layers,
     });
     Ok(net.b.build()?)
+}
+
+/// Block `l`'s parameters, in the order `model.parameters()` lists them.
+fn block_params(net: &mut Net, l: u64) -> BlockParams {
+    let c = net.cfg.width;
+    let p = |s: &str| format!("h{l}.{s}");
+    let resid_std = "normal_resid:0.02";
+    BlockParams {
+        ln1_g: net.param(&p("ln_1.weight"), &[c], "ones"),
+        ln1_b: net.param(&p("ln_1.bias"), &[c], "zeros"),
+        qkv_w: net.param(&p("attn.c_attn.weight"), &[c, 3 * c], "normal:0.02"),
+        qkv_b: net.param(&p("attn.c_attn.bias"), &[3 * c], "zeros"),
+        proj_w: net.param(&p("attn.c_proj.weight"), &[c, c], resid_std),
+        proj_b: net.param(&p("attn.c_proj.bias"), &[c], "zeros"),
+        ln2_g: net.param(&p("ln_2.weight"), &[c], "ones"),
+        ln2_b: net.param(&p("ln_2.bias"), &[c], "zeros"),
+        fc_w: net.param(&p("mlp.c_fc.weight"), &[c, 4 * c], "normal:0.02"),
+        fc_b: net.param(&p("mlp.c_fc.bias"), &[4 * c], "zeros"),
+        fc2_w: net.param(&p("mlp.c_proj.weight"), &[4 * c, c], resid_std),
+        fc2_b: net.param(&p("mlp.c_proj.bias"), &[c], "zeros"),
+    }
 }
 
 /// The attention of every block: as many key/value heads as heads, scaled

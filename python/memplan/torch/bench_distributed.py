@@ -136,7 +136,7 @@ def _without_ranks(args) -> Dict[str, Any]:
     for name, graph in graphs.items():
         b = memplan.baselines(graph, "cuda")
         key = "baselines" if name == "captured" else "split_baselines"
-        out[key] = {k: v["peak_bytes"] for k, v in b["baselines"].items()}
+        out[key] = {k: v["footprint_bytes"] for k, v in b["baselines"].items()}
         out["best_eager" if name == "captured" else "split_best_eager"] = b["best_eager"]
     return out
 
@@ -193,7 +193,7 @@ def _rank(args) -> Dict[str, Any]:
                 # FSDP2 eager simulated on the captured graph (its order rebuilt:
                 # memplan.baselines), to set against the real fsdp2-eager row.
                 b = memplan.baselines(s.graph, "cuda" if cuda else "cpu")["baselines"]
-                row["simulated_eager"] = {k: b[k]["peak_bytes"] for k in
+                row["simulated_eager"] = {k: b[k]["footprint_bytes"] for k in
                                           ("program-order", "pytorch-allocated", "pytorch-reserved")}
             if side == "memplan-fit-0.1%":
                 f = s.fit(max_added=0.001, minimise="flops", time_limit=args.time_limit)

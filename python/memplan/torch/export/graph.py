@@ -38,7 +38,7 @@ def check(d: Dict[str, Any]) -> Dict[str, Any]:
 def program_order_max_live(d: Dict[str, Any]) -> int:
     """The max live bytes of `d`'s ops in the order listed (memplan's
     liveness rules: ``memplan compare``'s ``program-order``)."""
-    return int(check(d)["program-order"]["peak_bytes"])
+    return int(check(d)["program-order"]["footprint_bytes"])
 
 
 def write(d: Dict[str, Any], path: str) -> None:
