@@ -205,13 +205,7 @@ fn line(graph1_json: &str, b1: u64, graph2_json: &str, b2: u64) -> Result<BatchL
 /// without the `example:` prefix (`llama3-8b,world=8,mixed,checkpoint`:
 /// one rank's FSDP2 step).
 pub fn example_json(spec: &str) -> Result<String, Error> {
-    let spec = spec.trim();
-    let full = if spec.starts_with(crate::bench::EXAMPLE_PREFIX) {
-        spec.to_string()
-    } else {
-        format!("{}{spec}", crate::bench::EXAMPLE_PREFIX)
-    };
-    let g = crate::bench::Source::parse(&full)?.load()?;
+    let g = crate::example_spec::ExampleSpec::parse(spec)?.build()?;
     Ok(io::json::write_graph(&g))
 }
 

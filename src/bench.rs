@@ -24,27 +24,21 @@ use serde::{Deserialize, Serialize};
 
 use crate::baselines::{self, Baseline};
 use crate::error::Error;
+use crate::example_spec::ExampleSpec;
 use crate::graph::Graph;
-use crate::models::fsdp::ShardLayout;
-use crate::models::{DType, EXAMPLES, ExampleOptions};
+use crate::models::ExampleOptions;
 use crate::pipeline::Options;
 use crate::transforms::Transforms;
 
 /// The prefix that names a built-in example instead of a file.
-pub const EXAMPLE_PREFIX: &str = "example:";
+pub const EXAMPLE_PREFIX: &str = crate::example_spec::PREFIX;
 
 /// Where one benchmarked graph comes from.
 #[derive(Clone, Debug)]
 pub enum Source {
-    /// A built-in example: `example:NAME[,key=value...]`, keys `batch`,
-    /// `seq`, `layers`, `dtype`, `clip`, `split` (the loss chain in that
-    /// many chunks), `world` (one rank's step sharded FSDP-style over that
-    /// many ranks), `prefetch` (all-gathers issued ahead, default 1) and the
-    /// flags `noreshard` (keep gathered parameters from forward to
-    /// backward), `flat` (FSDP1's flat shards), `reduce=bf16`
-    /// (reduce-scatter in bf16 under mixed precision), `checkpoint`, `fused`
-    /// (fused attention) and `mixed` (mixed precision): the same graph as
-    /// the CLI's `--example NAME` with the matching flags.
+    /// A built-in example: `example:NAME[,key=value...]`
+    /// ([`ExampleSpec::parse`]): the same graph as the CLI's `--example
+    /// NAME` with the matching flags.
     Example {
         /// The spec as written, e.g. `example:gpt2-small,batch=4`.
         spec: String,
@@ -61,75 +55,14 @@ impl Source {
     /// Reads `arg`: an example spec when it starts with `example:`, else a
     /// file path.
     pub fn parse(arg: &str) -> Result<Source, Error> {
-        let Some(rest) = arg.strip_prefix(EXAMPLE_PREFIX) else {
+        if !arg.starts_with(EXAMPLE_PREFIX) {
             return Ok(Source::File(PathBuf::from(arg)));
-        };
-        let bad = |why: String| Error::InvalidArgument(format!("{arg:?}: {why}"));
-        let mut parts = rest.split(',');
-        let name = parts.next().unwrap_or_default().trim().to_string();
-        if !EXAMPLES.contains(&name.as_str()) {
-            return Err(bad(format!(
-                "unknown example {name:?}; known examples: {}",
-                EXAMPLES.join(", ")
-            )));
         }
-        let mut opts = ExampleOptions::default();
-        let mut transforms = Transforms::default();
-        let mut transforms_split = None;
-        let fsdp = &mut transforms.fsdp;
-        for part in parts {
-            let (key, value) = match part.split_once('=') {
-                Some((k, v)) => (k.trim(), Some(v.trim())),
-                None => (part.trim(), None),
-            };
-            let num = |v: Option<&str>| -> Result<u64, Error> {
-                let v = v.ok_or_else(|| bad(format!("{key} needs a value: {key}=N")))?;
-                match v.parse::<u64>() {
-                    Ok(n) if n > 0 => Ok(n),
-                    _ => Err(bad(format!("{key} must be a positive integer, got {v:?}"))),
-                }
-            };
-            match key {
-                "batch" => opts.batch = Some(num(value)?),
-                "seq" => opts.seq = Some(num(value)?),
-                "layers" => opts.layers = Some(num(value)?),
-                "world" => fsdp.world = num(value)?,
-                "split" => transforms_split = Some(num(value)?),
-                "prefetch" => {
-                    let v = value.unwrap_or_default();
-                    fsdp.prefetch = v
-                        .parse()
-                        .map_err(|_| bad(format!("prefetch must be a whole number, got {v:?}")))?;
-                }
-                "noreshard" if value.is_none() => fsdp.reshard_after_forward = false,
-                "flat" if value.is_none() => fsdp.layout = ShardLayout::Flat,
-                "reduce" if value == Some("bf16") => fsdp.reduce_in_compute_dtype = true,
-                "reduce" if value == Some("f32") => fsdp.reduce_in_compute_dtype = false,
-                "dtype" => {
-                    let v = value.unwrap_or_default();
-                    opts.dtype = Some(
-                        DType::parse(v)
-                            .ok_or_else(|| bad(format!("unknown dtype {v:?} (f32, bf16, f16)")))?,
-                    );
-                }
-                "checkpoint" if value.is_none() => opts.checkpoint = true,
-                "fused" if value.is_none() => opts.fused_attention = true,
-                "mixed" if value.is_none() => opts.mixed_precision = true,
-                "clip" => {
-                    let v = value.unwrap_or_default();
-                    match v.parse::<f64>().ok().map(crate::models::clip_grad_norm) {
-                        Some(Ok(x)) => opts.clip_grad_norm = Some(x),
-                        _ => return Err(bad(format!("clip must be a positive number, got {v:?}"))),
-                    }
-                }
-                _ => {
-                    return Err(bad(format!(
-                        "unknown option {part:?} (batch=N, seq=N, layers=N, dtype=T, clip=X, split=K, world=N, prefetch=N, noreshard, flat, reduce=bf16|f32, checkpoint, fused, mixed)"
-                    )));
-                }
-            }
-        }
-        transforms.split_chunks = transforms_split;
+        let ExampleSpec {
+            name,
+            opts,
+            transforms,
+        } = ExampleSpec::parse(arg)?;
         Ok(Source::Example {
             spec: arg.to_string(),
             name,
@@ -807,7 +740,7 @@ mod tests {
         assert_eq!(spec, "example:gpt2-small,batch=4,checkpoint,dtype=bf16");
         assert_eq!(opts.batch, Some(4));
         assert!(opts.checkpoint);
-        assert_eq!(opts.dtype, Some(DType::BF16));
+        assert_eq!(opts.dtype, Some(crate::models::DType::BF16));
         for bad in [
             "example:gpt9",
             "example:gpt2-tiny,batch=0",

@@ -23,6 +23,8 @@
 //! - [`pipeline`]: [`plan()`] itself; [`baselines`]: what users get without
 //!   memplan; [`models`]: built-in example graphs (GPT-2 family, Llama,
 //!   MLP).
+//! - [`example_spec`]: a built-in example with its options and transforms,
+//!   as the CLI's flags and the `example:NAME,key=value` text both name it.
 //! - [`transforms`]: what a command does to the graph it loads, in one
 //!   order: [`split`] (the loss chain in chunks), then FSDP sharding
 //!   ([`models::fsdp`]).
@@ -67,6 +69,7 @@ pub mod checker;
 pub mod cost;
 pub use memplan_runtime::dtype;
 pub mod error;
+pub mod example_spec;
 pub mod exec;
 pub mod fit;
 pub mod graph;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 
+use memplan::example_spec::ExampleSpec;
 use memplan::graph::Graph;
 use memplan::models::{DType, ExampleOptions};
 use memplan::{Options, Plan, baselines, checker};
@@ -50,32 +51,35 @@ fn transforms(
     })
 }
 
+/// The built-in example `--example NAME` and the flags name (unsharded,
+/// unsplit: [`load`] applies the transforms to files and examples alike).
+fn example(name: &str, src: &GraphArgs) -> Result<ExampleSpec> {
+    let mut spec = ExampleSpec::new(name)?;
+    spec.opts = ExampleOptions {
+        batch: src.batch,
+        seq: src.seq,
+        layers: src.layers,
+        dtype: match &src.dtype {
+            None => None,
+            Some(d) => Some(
+                DType::parse(d).ok_or_else(|| anyhow!("unknown --dtype {d:?} (f32, bf16, f16)"))?,
+            ),
+        },
+        checkpoint: src.checkpoint,
+        clip_grad_norm: src.clip_grad_norm,
+        fused_attention: src.fused_attention,
+        mixed_precision: src.mixed_precision,
+    };
+    Ok(spec)
+}
+
 pub fn load_unsharded(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
     match (&src.example, graph) {
         (Some(_), Some(p)) => bail!(
             "give either a graph file ({}) or --example, not both",
             p.display()
         ),
-        (Some(name), None) => {
-            let dtype = match &src.dtype {
-                None => None,
-                Some(d) => Some(
-                    DType::parse(d)
-                        .ok_or_else(|| anyhow!("unknown --dtype {d:?} (f32, bf16, f16)"))?,
-                ),
-            };
-            let opts = ExampleOptions {
-                batch: src.batch,
-                seq: src.seq,
-                layers: src.layers,
-                dtype,
-                checkpoint: src.checkpoint,
-                clip_grad_norm: src.clip_grad_norm,
-                fused_attention: src.fused_attention,
-                mixed_precision: src.mixed_precision,
-            };
-            Ok(memplan::models::example(name, &opts)?)
-        }
+        (Some(name), None) => Ok(example(name, src)?.build()?),
         (None, Some(p)) if src.xla_allocations => {
             let opts = memplan::io::hlo::ImportOptions {
                 xla_allocations: true,
