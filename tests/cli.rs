@@ -331,6 +331,13 @@ fn run_profile_reports_time_by_kernel() {
     assert!(secs.iter().sum::<f64>() <= step, "{secs:?} in {step}");
     let plain = json(&["run", "--example", "llama-tiny", "--steps", "1", "--json"]);
     assert!(plain["profile"].is_null(), "{plain}");
+    // Each step's planned arena, under its name and (for one release) the old one.
+    let first = &plain["steps"][0];
+    assert_eq!(
+        first["planned_arena_bytes"], plain["arena_bytes"],
+        "{plain}"
+    );
+    assert_eq!(first["planned_peak_bytes"], first["planned_arena_bytes"]);
     let o = memplan(&[
         "run",
         "--example",

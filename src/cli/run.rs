@@ -281,6 +281,8 @@ fn run_json(
                 "step": i + 1,
                 "loss": st.loss,
                 "seconds": st.seconds,
+                "planned_arena_bytes": plan.arena_bytes,
+                // The arena's old name here, written for one more release.
                 "planned_peak_bytes": plan.arena_bytes,
                 "measured_peak_bytes": st.measured_bytes,
             })
