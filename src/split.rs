@@ -173,7 +173,7 @@ fn chunk_kernel(k: &Kernel, n: u64) -> Kernel {
         Kernel::MatmulNt(mm) | Kernel::MatmulNn(mm) => mm.m = n,
         Kernel::MatmulTn(mm) | Kernel::MatmulTnAccumulate(mm) => mm.k = n,
         Kernel::CrossEntropy { rows, .. } | Kernel::CrossEntropyBackward { rows, .. } => *rows = n,
-        other => unreachable!("a loss chain has no {}", vocab::op_type(other)),
+        other => unreachable!("a loss chain has no {}", other.name()),
     }
     k
 }

@@ -13,8 +13,8 @@
 //! `eps` 1e-8, no weight decay, first step 1).
 //!
 //! Adding an op: a `Kernel` variant (its operands and formula in
-//! `docs/ops.md`), its name in [`OP_TYPES`] and its arms in [`op_type`],
-//! [`write`] and [`kernel`], its cost in [`crate::cost`], and one kernel
+//! `docs/ops.md`, its `op_type` in `Kernel::name`), its name in
+//! [`OP_TYPES`] and its arms in [`write`] and [`kernel`], its cost in [`crate::cost`], and one kernel
 //! per backend in `runtime/`.
 
 use serde_json::{Map, Value, json};
@@ -342,58 +342,10 @@ pub const OP_TYPES: &[&str] = &[
     "all_reduce",
 ];
 
-/// The `op_type` of a kernel.
-pub fn op_type(k: &Kernel) -> &'static str {
-    match k {
-        Kernel::Embedding { .. } => "embedding",
-        Kernel::EmbeddingBackward { .. } => "embedding_backward",
-        Kernel::LayerNorm { .. } => "layernorm",
-        Kernel::LayerNormBackward { .. } => "layernorm_backward",
-        Kernel::RmsNorm { .. } => "rmsnorm",
-        Kernel::RmsNormBackward { .. } => "rmsnorm_backward",
-        Kernel::Rope(r) if r.inverse => "rope_backward",
-        Kernel::Rope(_) => "rope",
-        Kernel::SwiGlu { .. } => "swiglu",
-        Kernel::SwiGluBackward { .. } => "swiglu_backward",
-        Kernel::Linear(_) => "linear",
-        Kernel::LinearBackwardData(_) => "linear_backward_data",
-        Kernel::LinearBackwardWeight(_) => "linear_backward_weight",
-        Kernel::MatmulNt(_) => "matmul_nt",
-        Kernel::MatmulNn(_) => "matmul_nn",
-        Kernel::MatmulTn(_) | Kernel::MatmulTnAccumulate(_) => "matmul_tn",
-        Kernel::AttentionScores(_) => "attention_scores",
-        Kernel::AttentionScoresBackward(_) => "attention_scores_backward",
-        Kernel::CausalSoftmax(_) => "causal_softmax",
-        Kernel::CausalSoftmaxBackward(_) => "causal_softmax_backward",
-        Kernel::AttentionValues(_) => "attention_values",
-        Kernel::AttentionValuesBackward(_) => "attention_values_backward",
-        Kernel::FusedAttention(_) => "fused_attention",
-        Kernel::FusedAttentionBackward(_) => "fused_attention_backward",
-        Kernel::Add { .. } => "add",
-        Kernel::Cast { .. } => "cast",
-        Kernel::Gelu { .. } => "gelu",
-        Kernel::GeluBackward { .. } => "gelu_backward",
-        Kernel::Relu { .. } => "relu",
-        Kernel::ReluBackward { .. } => "relu_backward",
-        Kernel::CrossEntropy { .. } => "cross_entropy",
-        Kernel::CrossEntropyBackward { .. } => "cross_entropy_backward",
-        Kernel::GradNorm { .. } => "grad_norm",
-        Kernel::Adam(p) if p.decoupled => "adamw",
-        Kernel::Adam(_) => "adam",
-        Kernel::View => "view",
-        Kernel::Pack { .. } => "pack",
-        Kernel::ChunkCat(_) => "chunk_cat",
-        Kernel::CopyOut(_) => "copy_out",
-        Kernel::AllGather { .. } => "all_gather",
-        Kernel::ReduceScatter { .. } => "reduce_scatter",
-        Kernel::AllReduce { .. } => "all_reduce",
-    }
-}
-
 /// A graph op that runs `k`: its `op_type` and every attribute of `k`
 /// (inputs, outputs and further attributes are the caller's).
 pub fn spec(name: impl Into<String>, kind: OpKind, k: &Kernel) -> OpSpec {
-    let mut s = OpSpec::new(name, kind, op_type(k));
+    let mut s = OpSpec::new(name, kind, k.name());
     write(k, &mut s.attrs);
     s
 }
@@ -423,6 +375,12 @@ pub fn write(k: &Kernel, attrs: &mut Map<String, Value>) {
         put("offsets", json!(c.offsets));
         put("chunks", json!(c.chunks));
     };
+    let embedding = |put: &mut dyn FnMut(&str, Value), [b, t, c, v]: [&u64; 4]| {
+        put("batch", json!(b));
+        put("seq", json!(t));
+        put("width", json!(c));
+        put("vocab", json!(v));
+    };
     let reduce = |op: &ReduceOp| match op {
         ReduceOp::Sum => json!("sum"),
         ReduceOp::Avg => json!("avg"),
@@ -435,10 +393,7 @@ pub fn write(k: &Kernel, attrs: &mut Map<String, Value>) {
             vocab,
             positions,
         } => {
-            put("batch", json!(batch));
-            put("seq", json!(seq));
-            put("width", json!(width));
-            put("vocab", json!(vocab));
+            embedding(&mut put, [batch, seq, width, vocab]);
             put("positions", json!(positions));
         }
         Kernel::EmbeddingBackward {
@@ -449,10 +404,7 @@ pub fn write(k: &Kernel, attrs: &mut Map<String, Value>) {
             accumulate,
             positions,
         } => {
-            put("batch", json!(batch));
-            put("seq", json!(seq));
-            put("width", json!(width));
-            put("vocab", json!(vocab));
+            embedding(&mut put, [batch, seq, width, vocab]);
             put("accumulate", json!(accumulate));
             put("positions", json!(positions));
         }

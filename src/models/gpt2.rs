@@ -254,27 +254,9 @@ pub fn build(cfg: &Gpt2Config) -> Result<Graph, Error> {
     }
     let dwpe = net.grad(wpe);
     let dwte = net.grad(wte);
-    let mut ins = vec![dx, tokens];
-    if cfg.tied {
-        ins.push(dhead);
-    }
-    let op = net.op(
-        "embed.backward",
-        OpKind::Backward,
-        Kernel::EmbeddingBackward {
-            batch: bsz,
-            seq: t,
-            width: c,
-            vocab: v,
-            accumulate: cfg.tied,
-            positions: true,
-        },
-        &ins,
-        &[dwte, dwpe],
-    );
-    if cfg.tied {
-        net.reuse(op, dwte, dhead);
-    }
+    let dhead = cfg.tied.then_some(dhead);
+    let dims = [bsz, t, c, v];
+    net.embedding_backward("embed.backward", dims, dx, tokens, dhead, &[dwte, dwpe]);
 
     net.optimizer_step(&Update {
         optimizer: cfg.optimizer,

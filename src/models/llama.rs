@@ -283,27 +283,9 @@ pub fn build(cfg: &LlamaConfig) -> Result<Graph, Error> {
         dx = block_backward(&mut net, l, bp, &acts, dx);
     }
     let dwte = net.grad(wte);
-    let mut ins = vec![dx, tokens];
-    if cfg.tied {
-        ins.push(dhead);
-    }
-    let op = net.op(
-        "tok_embeddings.backward",
-        OpKind::Backward,
-        Kernel::EmbeddingBackward {
-            batch: bsz,
-            seq: t,
-            width: c,
-            vocab: v,
-            accumulate: cfg.tied,
-            positions: false,
-        },
-        &ins,
-        &[dwte],
-    );
-    if cfg.tied {
-        net.reuse(op, dwte, dhead);
-    }
+    let dhead = cfg.tied.then_some(dhead);
+    let dims = [bsz, t, c, v];
+    net.embedding_backward("tok_embeddings.backward", dims, dx, tokens, dhead, &[dwte]);
 
     net.optimizer_step(&Update {
         optimizer: Optimizer::AdamW,

@@ -354,6 +354,35 @@ impl<C: StepConfig> Net<C> {
         (dy, dhead)
     }
 
+    /// The token embedding's backward `name`, `[B, T, C, V]` = `dims`: from
+    /// the gradient `dx` of its output, the gradients `outs` (`[dwte]`, or
+    /// `[dwte, dwpe]` with a position embedding). With a tied LM head,
+    /// `dwte` adds to the head's gradient `dhead`, in its bytes.
+    pub fn embedding_backward(
+        &mut self,
+        name: &str,
+        [batch, seq, width, vocab]: [u64; 4],
+        dx: TensorId,
+        tokens: TensorId,
+        dhead: Option<TensorId>,
+        outs: &[TensorId],
+    ) {
+        let mut ins = vec![dx, tokens];
+        ins.extend(dhead);
+        let k = Kernel::EmbeddingBackward {
+            batch,
+            seq,
+            width,
+            vocab,
+            accumulate: dhead.is_some(),
+            positions: outs.len() == 2,
+        };
+        let op = self.op(name, OpKind::Backward, k, &ins, outs);
+        if let Some(dhead) = dhead {
+            self.reuse(op, outs[0], dhead);
+        }
+    }
+
     /// The optimizer step over every parameter, in parameter order.
     pub fn optimizer_step(&mut self, u: &Update) {
         let grads: Vec<TensorId> = self
