@@ -121,8 +121,10 @@ def match(rank, world, only=None, dtype=torch.float32):
             arena = k >= 3  # three steps outside the arena, then two in it
             loss = step(batch, track=True, arena=arena)
             outside = step.place().outside_peak_bytes if arena else 0
-            tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"],
-                            step.plan["arena_bytes"] + outside, arena))
+            max_live = step.plan["stats"]["max_live_bytes"]
+            # What the peak held, when it is not the plan's max live.
+            held = step.tracked_peak_contents if not arena and step.tracked_peak_bytes != max_live else None
+            tracked.append((step.tracked_peak_bytes, max_live, step.plan["arena_bytes"] + outside, arena, held))
             want = loss_fn(ref, batch)
             want.backward()
             ref_opt.step()

@@ -226,7 +226,14 @@ class Harness:
         t = self.test
         for _ in range(steps):
             loss, want = self.paired(lambda: self.step(self.batch, track=True))
-            t.assertEqual(self.step.tracked_peak_bytes, self.step.plan["stats"]["max_live_bytes"])
+            held = self.step.tracked_peak_contents
+            t.assertEqual(self.step.tracked_peak_bytes, self.step.plan["stats"]["max_live_bytes"],
+                          f"the peak held (bytes, made by): {held}")
+            # What the tracker says the peak held adds up to it, largest
+            # first, each storage made by an op of the step or held before.
+            t.assertEqual(sum(n for n, _ in held), self.step.tracked_peak_bytes)
+            t.assertEqual([n for n, _ in held], sorted((n for n, _ in held), reverse=True))
+            t.assertTrue(all(op is None or "." in op for _, op in held), held)
             torch.testing.assert_close(loss, want, **self.tol)
             if self.clip is not None:
                 # A step whose gradients overflowed (a scaler's) has a NaN

@@ -78,9 +78,9 @@ class DataParallelStepsMatchEagerDDP(unittest.TestCase):
                 # make before their results are copied in (the first arena
                 # run also settles how each call runs: that one is not
                 # compared).
-                for k, (tracked, max_live, arena_bytes, in_arena) in enumerate(got["tracked"]):
+                for k, (tracked, max_live, arena_bytes, in_arena, held) in enumerate(got["tracked"]):
                     if not in_arena:
-                        self.assertEqual(tracked, max_live, f"step {k}")
+                        self.assertEqual(tracked, max_live, f"step {k}; the peak held (bytes, made by): {held}")
                     elif got["tracked"][k - 1][3]:
                         self.assertEqual(tracked, arena_bytes, f"step {k}")
                 self.assertEqual(got["checked_max_live"], got["tracked"][0][1])

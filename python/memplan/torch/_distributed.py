@@ -66,6 +66,12 @@ def _dist():
     return dist
 
 
+def _holders(bufs: List[torch.Tensor]) -> List[int]:
+    """How many hold each tensor, then how many hold each one's storage."""
+    return ([b._use_count() for b in bufs]
+            + [torch._C._storage_Use_Count(b.untyped_storage()._cdata) for b in bufs])
+
+
 class Collective:
     """A recorded collective, run at replay on the real tensors it
     updates and reads, over `group`: ``all_reduce`` (sum, of one tensor in
@@ -105,7 +111,7 @@ class Collective:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         bufs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        held = [b._use_count() for b in bufs]
+        held = _holders(bufs)
         try:
             work = self._issue(bufs)
             if self.gloo:
@@ -120,8 +126,10 @@ class Collective:
                 # on two cores) that moment has come late: a buffer then
                 # outlived its place in the plan by a few hundred bytes, so
                 # the wait allows 10 s (it ends as soon as they are let go).
+                # It counts the holders of each tensor and of its storage
+                # (a holder may keep another tensor over the same bytes).
                 deadline = time.monotonic() + 10.0
-                while any(b._use_count() > h for b, h in zip(bufs, held)) and time.monotonic() < deadline:
+                while any(now > then for now, then in zip(_holders(bufs), held)) and time.monotonic() < deadline:
                     time.sleep(1e-5)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)

@@ -37,9 +37,11 @@ class StorageTracker(TorchDispatchMode):
     def __init__(self, device: str) -> None:
         super().__init__()
         self.device = device
-        self._live: Dict[int, Any] = {}  # storage key -> (weak ref, bytes)
+        self._live: Dict[int, Any] = {}  # storage key -> (weak ref, bytes, the op that made it)
+        self._op: Any = None  # the op whose outputs are being tracked (None: held before the step)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._peak: List[Tuple[int, Any]] = []  # (bytes, the op that made it) of each storage at the peak
         self._whole: Optional[Tuple[int, int, Any]] = None  # (start, end, arena storage)
 
     def count_as_one(self, buffer: torch.Tensor) -> None:
@@ -60,22 +62,33 @@ class StorageTracker(TorchDispatchMode):
         ref = StorageWeakRef(st)
         seen = self._live.get(ref.cdata)
         if seen is None or seen[0].expired():  # new, or a dead one's address reused
-            self._live[ref.cdata] = (ref, st.nbytes())
+            self._live[ref.cdata] = (ref, st.nbytes(), self._op)
 
     def measure(self) -> int:
         total = 0
-        for key in [k for k, (r, _) in self._live.items() if r.expired()]:
+        for key in [k for k, (r, _, _) in self._live.items() if r.expired()]:
             del self._live[key]
-        for _, n in self._live.values():
+        for _, n, _ in self._live.values():
             total += n
         self.live_bytes = total
-        self.peak_bytes = max(self.peak_bytes, total)
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self._peak = [(n, op) for _, n, op in self._live.values()]
         return total
+
+    def peak_contents(self) -> List[Tuple[int, Optional[str]]]:
+        """The storages live at the peak: (bytes, the op that made it, or
+        None for one held before the step), largest first. Says what a
+        peak above the plan's max live held."""
+        return sorted(((n, None if op is None else str(op)) for n, op in self._peak),
+                      key=lambda e: (-e[0], e[1] or ""))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._op = func
         for x in tree_flatten(out)[0]:
             self.track(x)
+        self._op = None
         self.measure()
         return out
 

@@ -8,7 +8,7 @@ updates and the optimizers' step counters after it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -43,6 +43,9 @@ class Running:
         self._updated_by_member: Optional[List[List[torch.Tensor]]] = None  # made on the first scaled run
         self.grad_norm: Optional[torch.Tensor] = None
         self.tracked_peak_bytes: Optional[int] = None
+        # What the tracked peak held: (bytes, the op that made it, or None
+        # for a tensor held before the step) per storage, largest first.
+        self.tracked_peak_contents: Optional[List[Tuple[int, Optional[str]]]] = None
         self._graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
 
     def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False,
@@ -51,7 +54,8 @@ class Running:
         ``"eager"`` (the recorded order, for comparison). With `track`, a
         :class:`StorageTracker` measures the live tensor bytes on the step's
         device and :attr:`tracked_peak_bytes` holds its peak (with `arena`,
-        the arena counts as one storage). With `arena`, every tensor the
+        the arena counts as one storage), :attr:`tracked_peak_contents`
+        what it held. With `arena`, every tensor the
         plan places is made at its offset in one buffer (see
         :meth:`place`); the batch is copied into its place. With `graph`
         (CUDA; implies `arena`), the arena step is recorded once as a CUDA
@@ -110,6 +114,7 @@ class Running:
             with tracker:
                 env = go()
             self.tracked_peak_bytes = tracker.peak_bytes
+            self.tracked_peak_contents = tracker.peak_contents()
         else:
             env = go()
         self._updates_done(prog, snapshots)
