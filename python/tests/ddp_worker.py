@@ -184,8 +184,8 @@ def options(rank, world):
         ref_opt.zero_grad(set_to_none=True)
         torch.testing.assert_close(loss.detach(), (first + second).detach(), **TOL, msg=lambda m: f"loss {k}: {m}")
         torch.testing.assert_close(step.grad_norm, norm, **TOL, msg=lambda m: f"norm {k}: {m}")
-        assert step.tracked_peak_bytes == step.plan["stats"]["max_live_bytes"], (step.tracked_peak_bytes,
-                                                                                step.plan["stats"])
+        assert step.tracked_peak_bytes == step.plan["stats"]["max_live_bytes"], (
+            step.tracked_peak_bytes, step.plan["stats"], step.tracked_peak_contents)
         found["losses"].append(float(loss))
         found["norms"].append(float(norm))
     for (n, p), q in zip(mine.named_parameters(), ref.parameters()):
@@ -296,7 +296,9 @@ def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.flo
     tracked = []
     for k, batch in enumerate(batches):
         loss = step(batch, track=True)
-        tracked.append((step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"]))
+        max_live = step.plan["stats"]["max_live_bytes"]
+        held = step.tracked_peak_contents if step.tracked_peak_bytes != max_live else None  # what the peak held
+        tracked.append((step.tracked_peak_bytes, max_live, held))
         want = eager(ref, ref_opt, batch)
         torch.testing.assert_close(loss.detach(), want.detach(), **tol, msg=lambda m: f"{name} loss {k}: {m}")
     worst = 0.0

@@ -189,8 +189,8 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
         """What every captured FSDP2 step must show: tracked bytes equal to
         the plan's max live (which the checker confirms), one reduce-scatter
         per parameter, eager's state dict."""
-        for tracked, max_live in got["tracked"]:
-            self.assertEqual(tracked, max_live)
+        for k, (tracked, max_live, held) in enumerate(got["tracked"]):
+            self.assertEqual(tracked, max_live, f"step {k}; the peak held (bytes, made by): {held}")
         self.assertEqual(got["checked_max_live"], got["tracked"][0][1])
         self.assertEqual(got["reduce_scatters"], got["parameters"])
         self.assertEqual(got["state_dict_keys"], got["eager_state_dict_keys"])
