@@ -184,7 +184,8 @@ struct Piece {
 }
 
 /// Union-find roots: the reuse group of every buffer (its smallest index).
-fn groups(problem: &Problem) -> Vec<usize> {
+/// Reuses out of range are ignored here (see [`Problem::check`]).
+pub(crate) fn groups(problem: &Problem) -> Vec<usize> {
     let n = problem.buffers.len();
     let mut parent: Vec<usize> = (0..n).collect();
     fn find(p: &mut [usize], mut x: usize) -> usize {

@@ -57,23 +57,7 @@ impl Units {
     pub fn new(problem: &Problem) -> Units {
         let bufs = &problem.buffers;
         let n = bufs.len();
-        let mut parent: Vec<usize> = (0..n).collect();
-        fn find(p: &mut [usize], mut x: usize) -> usize {
-            while p[x] != x {
-                p[x] = p[p[x]];
-                x = p[x];
-            }
-            x
-        }
-        for r in &problem.reuses {
-            if r.output >= n || r.input >= n {
-                continue;
-            }
-            let (a, b) = (find(&mut parent, r.output), find(&mut parent, r.input));
-            if a != b {
-                parent[a.max(b)] = a.min(b);
-            }
-        }
+        let root = crate::problem::groups(problem);
         let mut unit_of = vec![None; n];
         let mut root_unit = vec![usize::MAX; n];
         let mut units: Vec<Unit> = Vec::new();
@@ -82,7 +66,7 @@ impl Units {
             if b.is_empty() {
                 continue;
             }
-            let r = find(&mut parent, i);
+            let r = root[i];
             if root_unit[r] == usize::MAX {
                 root_unit[r] = units.len();
                 units.push(Unit {
@@ -107,7 +91,7 @@ impl Units {
         // Empty buffers in a group still follow the group's pin.
         for (i, b) in bufs.iter().enumerate() {
             if b.is_empty() {
-                let r = find(&mut parent, i);
+                let r = root[i];
                 if root_unit[r] != usize::MAX {
                     unit_of[i] = Some(root_unit[r]);
                 }
