@@ -170,7 +170,7 @@ class NotSeparable(unittest.TestCase):
         step = mt.capture(m, torch.optim.SGD(m.parameters(), lr=0.1), torch.randn(16, 8),
                           lambda model, x: model(x).pow(2).mean(), split="auto")
         self.assertEqual(step.split["chunks"], 1)
-        self.assertIs(step.graph, step._captured.graph)
+        self.assertIs(step.graph, step._planning.captured.graph)
 
     def test_bad_split_argument(self):
         m = torch.nn.Linear(4, 4)
@@ -227,7 +227,7 @@ class RandomChains(unittest.TestCase):
                 (m1, s1, l1), (m2, s2, l2) = steps
                 self.assertEqual(s2.split["chunks"], k)
                 self.assertEqual(len(s2.split["chains"]), accumulate)
-                self.assertEqual(len(_split.split_step(s1.graph, s1._calls, s1._layouts, k)[3]), accumulate)
+                self.assertEqual(len(_split.split_step(s1.graph, s1._planning.calls, s1._planning.layouts, k)[3]), accumulate)
                 self.assertAlmostEqual(l1, l2, delta=1e-5 * max(1.0, abs(l1)))
                 self.assertLess(_rel(list(m1.parameters()), list(m2.parameters())), 1e-5)
 

@@ -467,7 +467,7 @@ class ViewsAndConstants(unittest.TestCase):
         # torchvision's ConvNeXt and Swin make such calls in their backward.
         torch.manual_seed(0)
         h = Harness(self, Strided(), (torch.randn(8, 6), torch.randint(0, 3, (8,))), classify)
-        calls = [c for c in h.step._calls if "as_strided" in str(c.func)]
+        calls = [c for c in h.step._planning.calls if "as_strided" in str(c.func)]
         self.assertTrue(calls)
         self.assertTrue(all(type(c.func).__name__ == "FromStorageStart" for c in calls), calls)
         h.run()
@@ -1260,7 +1260,7 @@ class RandomOpsDrawAsEager(unittest.TestCase):
         # copy), and factories (`ones`, `scalar_tensor`, `arange`...) write
         # into theirs through out= without their tensor options: none of
         # them falls back to a copy into place.
-        fallbacks = {str(h.step._calls[k].func) for k in h.step.place().fallbacks}
+        fallbacks = {str(h.step._planning.calls[k].func) for k in h.step.place().fallbacks}
         self.assertFalse({f for f in fallbacks if re.search(r"empty|ones|scalar_tensor|arange", f)},
                          fallbacks)
 
@@ -1445,48 +1445,59 @@ class _Logged(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 class _HostRecording:
-    def __init__(self, step, graph):
-        self.step, self.graph = step, graph
+    def __init__(self, placement, graph):
+        self.placement, self.graph = placement, graph
 
     def __enter__(self):
-        self.arena = self.step.place().buffer.clone()
+        self.arena = self.placement.place().buffer.clone()
         self.rng = torch.get_rng_state()
         self.mode = _Logged(self.graph)
         self.mode.__enter__()
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
-        self.step.place().buffer.copy_(self.arena)
+        self.placement.place().buffer.copy_(self.arena)
         torch.set_rng_state(self.rng)
+
+
+def _host_graphed(running):
+    """`running` (a step's :class:`~memplan.torch._stepping.Running`) takes
+    :class:`HostGraph` for CUDA graphs."""
+    from memplan.torch import _graph
+
+    placement = running._placement
+    running.graphed = _graph.Graphed(make_graph=HostGraph, recording=lambda g: _HostRecording(placement, g))
 
 
 def on_host_graphs(step):
     """`step` runs ``graph=True`` with :class:`HostGraph` for CUDA graphs
     (the step's own refusals, of its device, scaler and optimizer, are then
-    not checked: :meth:`Step._graph_checks` makes them before a step has
+    not checked: :meth:`Running._graph_checks` makes them before a step has
     its graph)."""
-    from memplan.torch import _graph
-
-    step._graphed = _graph.Graphed(make_graph=HostGraph, recording=lambda g: _HostRecording(step, g))
+    _host_graphed(step._running)
     return step
 
 
 class host_graphs:
     """Within it, every step's first ``graph=True`` run takes
-    :func:`on_host_graphs` (for steps made inside ``memplan.torch.compile``)."""
+    :func:`on_host_graphs` (for steps made inside ``memplan.torch.train_step``)."""
 
     def __enter__(self):
-        self.checks = mt.Step._graph_checks
+        from memplan.torch._stepping import Running
 
-        def checks(step, order, track):
-            if step._graphed is None:
-                on_host_graphs(step)
-            self.checks(step, order, track)
+        self.checks = Running._graph_checks
 
-        mt.Step._graph_checks = checks
+        def checks(running, order, track):
+            if running.graphed is None:
+                _host_graphed(running)
+            self.checks(running, order, track)
+
+        Running._graph_checks = checks
 
     def __exit__(self, *exc):
-        mt.Step._graph_checks = self.checks
+        from memplan.torch._stepping import Running
+
+        Running._graph_checks = self.checks
 
 
 class CudaGraphSteps(unittest.TestCase):
@@ -1528,7 +1539,7 @@ class CudaGraphSteps(unittest.TestCase):
                         # Another program (the same plan made anew): the
                         # graph of the old one is dropped, the new one
                         # settles, then is recorded.
-                        train.step._programs.pop("planned")
+                        train.step._planning.programs.pop("planned")
                     loss = train(b).clone()
                     sched.step()
                     want = eager_update(ref, ref_opt, causal_lm, b)
@@ -1572,7 +1583,7 @@ class CudaGraphSteps(unittest.TestCase):
                         sd = o.state_dict()
                         sd["param_groups"][0]["lr"] = torch.tensor(3e-3)
                         o.load_state_dict(sd)
-                    self.assertIsNot(opt.param_groups[0]["lr"], train.step._bound[train.step._group_slots[0][0]])
+                    self.assertIsNot(opt.param_groups[0]["lr"], train.step._bound[train.step._placement.group_slots[0][0]])
                 loss = train(b).clone()
                 sched.step()
                 want = eager_update(ref, ref_opt, causal_lm, b)
@@ -1597,7 +1608,7 @@ class CudaGraphSteps(unittest.TestCase):
         step = mt.capture(model, torch.optim.AdamW(model.parameters()), batch, classify, time_limit=5)
         with self.assertRaisesRegex(mt.UnsupportedStep, "CUDA graph, and this step runs on cpu"):
             step(batch, graph=True)
-        self.assertIsNone(step._arena)  # refused before anything moved into an arena
+        self.assertIsNone(step._placement.arena)  # refused before anything moved into an arena
         cuda = torch.device("cuda")
         dependent = mt._optim.step_dependent(step._optimizers)
         self.assertEqual(dependent, ["param group 0 (adamw)"])
@@ -1633,7 +1644,7 @@ class CudaGraphSteps(unittest.TestCase):
             def __exit__(self, *exc):
                 pass
 
-        step._graphed._recording = lambda g: Refusing()
+        step._running.graphed._recording = lambda g: Refusing()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for _ in range(3):
@@ -1979,7 +1990,7 @@ class OutOverloadsThatUseOutAsScratch(unittest.TestCase):
                     torch.testing.assert_close(got, want.detach(), **TOL)
                 for p, q in zip(model.parameters(), ref.parameters()):
                     torch.testing.assert_close(p.detach(), q.detach(), **TOL)
-                fallbacks = {str(step._calls[k].func) for k in step.place().fallbacks}
+                fallbacks = {str(step._planning.calls[k].func) for k in step.place().fallbacks}
                 self.assertIn(f"aten.{name}.default", fallbacks)
 
 
@@ -2037,6 +2048,37 @@ class GradientClipping(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "either clip_grad_norm or clip_grad_value"):
             mt.capture(model, torch.optim.AdamW(model.parameters()), batch, classify, clip_grad_norm=1.0,
                        clip_grad_value=1.0)
+
+    def test_bad_limits_are_refused_by_name(self):
+        # PyTorch runs a negative max_norm (flipping every gradient) and NaN;
+        # capture refuses them, and a norm type that is no norm, by name.
+        model = nn.Linear(4, 2)
+        batch = (torch.randn(3, 4), torch.tensor([0, 1, 0]))
+        bad = [(dict(clip_grad_norm=-1.0), "clip_grad_norm must be a finite number >= 0, not -1.0"),
+               (dict(clip_grad_norm=float("nan")), "clip_grad_norm must be .* not nan"),
+               (dict(clip_grad_norm=float("inf")), "clip_grad_norm must be .* not inf"),
+               (dict(clip_grad_norm="1"), "clip_grad_norm must be .* not '1'"),
+               (dict(clip_grad_norm=True), "clip_grad_norm must be .* not True"),
+               (dict(clip_grad_value=-0.5), "clip_grad_value must be a finite number >= 0, not -0.5"),
+               (dict(clip_grad_norm=1.0, norm_type=0), "norm_type must be a number > 0"),
+               (dict(clip_grad_norm=1.0, norm_type=float("nan")), "norm_type must be a number > 0")]
+        for options, message in bad:
+            with self.subTest(**{k: repr(v) for k, v in options.items()}):
+                with self.assertRaisesRegex(memplan.MemplanError, message):
+                    mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, classify, **options)
+        # The largest element's norm (inf) is a norm: as eager clips it.
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        step = mt.capture(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, classify,
+                          clip_grad_norm=0.01, norm_type=float("inf"), time_limit=2)
+        step(batch)
+        classify(ref, batch).backward()
+        total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, float("inf"))
+        ref_opt.step()
+        self.assertGreater(total.item(), 0.01)  # it clipped
+        torch.testing.assert_close(step.grad_norm, total)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
 
 
 class GradientAccumulation(unittest.TestCase):
@@ -2207,8 +2249,8 @@ class GradientScaling(unittest.TestCase):
         torch.testing.assert_close(scaler._growth_tracker, ref_scaler._growth_tracker, **EXACT)
         # The updates wait for the last gradient's check: every update op
         # reads the flag.
-        flag = step.graph["tensors"][step._scaling[2][0]]["id"]
-        updates = [op for op in step.graph["ops"] if op["id"] in step._scaling[3][0]]
+        flag = step.graph["tensors"][step._running.scaling.flags[0]]["id"]
+        updates = [op for op in step.graph["ops"] if op["id"] in step._running.scaling.gated[0]]
         self.assertTrue(updates)
         self.assertTrue(all(flag in op["inputs"] for op in updates))
 

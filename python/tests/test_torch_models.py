@@ -328,7 +328,7 @@ class TrainingLoops(unittest.TestCase):
         torch.manual_seed(0)
         h = Harness(self, Rotary(), (torch.randn(8, 10, 16), torch.randint(0, 3, (8,))), classify)
         h.run()
-        fallbacks = {str(h.step._calls[k].func) for k in h.step.place().fallbacks}
+        fallbacks = {str(h.step._planning.calls[k].func) for k in h.step.place().fallbacks}
         self.assertNotIn("aten.clone.default", fallbacks)
 
     def test_a_data_dependent_loss_is_refused_by_name(self):

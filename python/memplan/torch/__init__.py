@@ -40,7 +40,7 @@ another shape than the captured one is refused at run time (capture again).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -48,27 +48,30 @@ import memplan
 
 from . import _distributed, _optim, _scaler
 from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
+from ._clipping import Clipping
 from ._distributed import CollectiveTimeout, RankFailure
 from ._placement import Placement
 from ._planning import Planning
 from ._errors import UnsupportedStep
 from ._record import Recorder
+from ._run import Arena, Program
 from ._stepping import Running
 
 __all__ = ["capture", "train_step", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
 
 
-class Step(Planning, Placement, Running):
+class Step:
     """A captured, planned training step. Calling it with a batch of the
     captured shapes runs forward, loss, backward and the optimizer update in
     the planned order and returns the loss (a tensor).
 
-    Its roles live in one module each: planning, fitting and the program
-    (:class:`~memplan.torch._planning.Planning`), the arena and the binding
-    of the caller's tensors (:class:`~memplan.torch._placement.Placement`),
-    and the run (:class:`~memplan.torch._stepping.Running`). This class
-    holds what they share: the caller's model, optimizers and tensors, and
-    the captured step."""
+    Its three roles are objects, one module each, and each owns its state:
+    planning, fitting and the program (:class:`~memplan.torch._planning.Planning`),
+    the arena and the binding of the caller's tensors
+    (:class:`~memplan.torch._placement.Placement`, which reads the plan),
+    and the run (:class:`~memplan.torch._stepping.Running`, which reads
+    both). This class holds what they share (the caller's model, optimizers
+    and tensors, the data-parallel group) and the public names."""
 
     def __init__(self, model, optimizer: _optim.Optimizers, hyper: _optim.Hyper, captured: Captured,
                  scaling: Optional[_scaler.Scaling] = None,
@@ -80,23 +83,118 @@ class Step(Planning, Placement, Running):
         self._dist = dist
         self._optimizers = optimizer  # _optim.Optimizers over what the caller gave
         self.optimizer = optimizer.members[0] if len(optimizer.members) == 1 else list(optimizer.members)
-        self._hyper = hyper
         self.device = c.device
         self._bound = c.bound  # graph tensor index -> caller's tensor
-        self._loss = c.loss
-        self._norm = c.norm  # the clipped gradients' total norm, if clipping
         self.capture_seconds = c.seconds
-        # The step as captured: what `fit` starts from.
-        self._captured = c
-        self._start_planning(c)
-        self._start_placement(c, optimizer)
-        self._start_running(c, scaling)
+        self._planning = Planning(c, scaling, dist)
+        self._placement = Placement(c, self._planning, optimizer, dist)
+        self._running = Running(c, model, optimizer, hyper, self._planning, self._placement, scaling, dist)
+
+    # Planning: the graph the step runs, its plan, fitting and splitting.
+    @property
+    def graph(self) -> Dict[str, Any]:
+        """The graph the step runs (as captured, split or fitted)."""
+        return self._planning.graph
+
+    @property
+    def plan(self) -> Optional[Dict[str, Any]]:
+        """The graph's plan (None until planned)."""
+        return self._planning.plan
+
+    @property
+    def plan_seconds(self) -> float:
+        """What the last plan, split or fit took."""
+        return self._planning.plan_seconds
+
+    @property
+    def fitted(self) -> Optional[Dict[str, Any]]:
+        """What the last :meth:`fit` reported (None before one)."""
+        return self._planning.fitted
+
+    @property
+    def split(self) -> Optional[Dict[str, Any]]:
+        """What :meth:`split_loss` chose and tried (None before it)."""
+        return self._planning.split
+
+    def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
+        return self._planning.make_plan(time_limit)
+
+    make_plan.__doc__ = Planning.make_plan.__doc__
+
+    def split_loss(self, split: Any = "auto", time_limit: float = 10.0, *,
+                   only_if_lower: bool = True) -> Dict[str, Any]:
+        self._refuse_when_placed("split the step before fitting it or running it in its arena")
+        return self._planning.split_loss(split, time_limit, only_if_lower=only_if_lower)
+
+    split_loss.__doc__ = Planning.split_loss.__doc__
+
+    def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
+            *, max_added: Optional[float] = None) -> Dict[str, Any]:
+        self._refuse_when_placed("the step already runs in its arena; fit before the first arena run")
+        return self._planning.fit(budget, time_limit, minimise, max_added=max_added)
+
+    fit.__doc__ = Planning.fit.__doc__
+
+    def program(self, order: str = "planned") -> Program:
+        return self._planning.program(order)
+
+    program.__doc__ = Planning.program.__doc__
+
+    def _refuse_when_placed(self, why: str) -> None:
+        if self._placement.arena is not None:
+            raise ValueError(why)
+
+    # Placement: the arena.
+    def place(self) -> Arena:
+        return self._placement.place()
+
+    place.__doc__ = Placement.place.__doc__
+
+    # Running: one step, and what it leaves behind.
+    def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False,
+            graph: bool = False) -> torch.Tensor:
+        return self._running.run(batch, order, track=track, arena=arena, graph=graph)
+
+    run.__doc__ = Running.run.__doc__
+    __call__ = run
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per step."""
+        return self._running.accumulate
+
+    @property
+    def scaler(self):
+        """The gradient scaler the step was captured with (None without one)."""
+        scaling = self._running.scaling
+        return scaling.scaler if scaling is not None else None
+
+    @property
+    def grad_norm(self) -> Optional[torch.Tensor]:
+        """The last run's total gradient norm before clipping (with `clip_grad_norm`)."""
+        return self._running.grad_norm
+
+    @property
+    def skipped_update(self) -> Any:
+        """Whether the last run's scaler skipped the update (one per optimizer for a list)."""
+        return self._running.skipped_update
+
+    @property
+    def tracked_peak_bytes(self) -> Optional[int]:
+        """The last tracked run's peak of live bytes on the step's device."""
+        return self._running.tracked_peak_bytes
+
+    @property
+    def tracked_peak_contents(self) -> Optional[List[Tuple[int, Optional[str]]]]:
+        """What that peak held: (bytes, the op that made it, or None for a
+        tensor held before the step) per storage, largest first."""
+        return self._running.tracked_peak_contents
 
     @property
     def stats(self) -> Dict[str, Any]:
         """The plan's figures and the last run's tracked peak (bytes)."""
         s: Dict[str, Any] = {"capture_seconds": self.capture_seconds, "plan_seconds": self.plan_seconds,
-                             "ops": len(self._calls)}
+                             "ops": len(self._planning.calls)}
         if self.plan is not None:
             ps = self.plan["stats"]
             s.update(
@@ -106,8 +204,8 @@ class Step(Planning, Placement, Running):
             )
         if self.tracked_peak_bytes is not None:
             s["tracked_peak_bytes"] = self.tracked_peak_bytes
-        if self._graphed is not None:
-            g = self._graphed
+        g = self._running.graphed
+        if g is not None:
             s.update(graph_recordings=g.recordings, graph_launches=g.launches, graph_refused=g.refused)
         return s
 
@@ -166,7 +264,10 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     does (its kernels, ``_foreach_clamp_min_``/``_foreach_clamp_max_``,
     one gradient at a time): a gradient's update then waits for that
     gradient only, so the updates still run inside the backward pass.
-    Give at most one of `clip_grad_norm` and `clip_grad_value`.
+    Give at most one of `clip_grad_norm` and `clip_grad_value`; each is a
+    finite number ≥ 0 and `norm_type` a number > 0 (``inf``: the largest
+    element), else :class:`memplan.MemplanError` names the option
+    (:class:`~memplan.torch._clipping.Clipping`).
 
     With `accumulate` = N > 1 the step accumulates gradients over N
     micro-batches of `example_batch`'s shapes before clipping and updating,
@@ -199,8 +300,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     """
     if budget is not None and max_added is not None:
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
-    if clip_grad_norm is not None and clip_grad_value is not None:
-        raise TypeError("give either clip_grad_norm or clip_grad_value")
+    clip = Clipping.of(clip_grad_norm, norm_type, clip_grad_value)
     t0 = time.perf_counter()
     dist = _distributed.DataParallel.of(model, collective_timeout)
     optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
@@ -211,15 +311,12 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive number of micro-batches, not {accumulate!r}")
     if dist is not None:
-        dist.check_options(hyper.kinds, clip_grad_norm if clip_grad_norm is not None else clip_grad_value,
-                           _scaler.active(scaler))
+        dist.check_options(hyper.kinds, clip, _scaler.active(scaler))
     held = dist.inputs(params) if dist is not None else params  # FSDP2: each rank's local shards
     inputs = _Inputs(rec, traced, held, dict(model.named_buffers()), optimizer, example_batch, accumulate)
     rec.outside.fake_mode = inputs.fake
     if _scaler.active(scaler):
         inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))
-    clip = ("norm", clip_grad_norm, norm_type) if clip_grad_norm is not None else (
-        ("value", clip_grad_value) if clip_grad_value is not None else None)
     try:
         loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip, dist)
     except UnsupportedStep as e:

@@ -24,6 +24,7 @@ import memplan
 from . import _distributed, _optim, _scaler
 from ._captured import AsCaptured
 from ._calls import Call
+from ._clipping import Clipping
 from ._errors import UnsupportedStep
 from ._generators import GeneratorStates
 from ._record import Recorder
@@ -205,11 +206,10 @@ class _Inputs:
 
 
 def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hyper, loss_fn,
-           inputs: _Inputs, clip: Optional[tuple] = None,
+           inputs: _Inputs, clip: Optional[Clipping] = None,
            dist: Optional[_distributed.DataParallel] = None):
     """Records forward and backward (of every micro-batch, gradients
-    accumulated), gradient clipping (`clip`: ("norm", max_norm, norm_type)
-    or ("value", clip_value)) and each parameter's update on the fake
+    accumulated), gradient clipping (`clip`) and each parameter's update on the fake
     inputs; returns the loss's graph tensor, the parameters updated, the
     total norm's graph tensor (or None) and, with a gradient scaler, each
     optimizer's overflow flag's graph tensor and the ids of the update ops
@@ -247,14 +247,12 @@ def _trace(rec: Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                                           for p in group["params"] if name_of[id(p)] in grad_of], scale)
                          for o in optimizer.members]
         norm_index = None
-        if clip is not None and clip[0] == "norm":
-            total = dist.clip_norm(rec, grad_of, clip[1], clip[2]) if dist is not None else None
-            if total is not None:
-                norm_index = rec.table.mark(total, "output", persistent=True)
-            else:
-                norm_index = _clip(rec, fp, grad_of, clip[1], clip[2])
+        total = dist.clip_norm(rec, grad_of, clip.limit, clip.norm_type) if (
+            dist is not None and clip is not None and clip.kind == "norm") else None
+        if total is not None:
+            norm_index = rec.table.mark(total, "output", persistent=True)
         elif clip is not None:
-            _clip_values(grad_of, clip[1])
+            norm_index = clip.record(rec, fp, grad_of)
         updated, spans = _updates(rec, optimizer, hyper, name_of, fp, grad_of, inputs)
         gate = None
         if flags:
@@ -391,36 +389,3 @@ def _accumulate(rec: Recorder, model, loss_fn, fbatches: List[Any], fp: Dict[str
                 owned = rec.table.root(i) == i and roots[i] == 1 and g.stride() == fp[n].stride()
                 acc[n] = g if owned else g.clone(memory_format=torch.preserve_format)
     return total, acc
-
-
-def _clip(rec: Recorder, fp: Dict[str, torch.Tensor], grad_of: Dict[str, torch.Tensor], max_norm: float,
-          norm_type: float) -> int:
-    """Records ``torch.nn.utils.clip_grad_norm_`` over the gradients (held
-    as the fake parameters' ``.grad`` for the call): the norms, their total
-    and each gradient scaled in place. Returns the total's graph tensor."""
-    names = list(grad_of)
-    # Eager PyTorch takes the foreach kernels for CUDA (and CPU) tensors,
-    # but not for fake ones: ask for them where they are fused kernels
-    # (CUDA), so the step rounds as eager does. On the CPU they loop over
-    # the per-tensor kernels, which are what is recorded.
-    foreach = True if rec.device == "cuda" else None
-    try:
-        for n in names:
-            fp[n].grad = grad_of[n]
-        total = torch.nn.utils.clip_grad_norm_([fp[n] for n in names], max_norm, norm_type, foreach=foreach)
-    finally:
-        for n in names:
-            fp[n].grad = None
-    return rec.table.mark(total, "output", persistent=True)
-
-
-def _clip_values(grad_of: Dict[str, torch.Tensor], clip_value: float) -> None:
-    """Records ``torch.nn.utils.clip_grad_value_``: the kernels it calls on
-    lists of gradients (``_foreach_clamp_min_``, ``_foreach_clamp_max_``),
-    called on one gradient at a time (elementwise: the same bits), so no
-    gradient waits for another."""
-    c = float(clip_value)
-    with torch.no_grad():
-        for g in grad_of.values():
-            torch._foreach_clamp_min_([g], -c)
-            torch._foreach_clamp_max_([g], c)

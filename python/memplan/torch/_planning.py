@@ -7,6 +7,9 @@ its plan and its calls (:func:`_recomputed_program`), and fitting again
 starts from the captured step. With data parallelism every plan and fit is
 made on the group's first rank and sent to the others
 (:meth:`Planning._own_rank`), so every rank runs one order.
+
+:class:`Planning` reads nothing of the step's other roles; the step
+refuses to fit or split once its arena is placed, before asking it.
 """
 
 from __future__ import annotations
@@ -20,28 +23,37 @@ from torch.utils._pytree import tree_map
 import memplan
 
 from . import _split
+from . import _distributed, _scaler
 from ._capture import Captured
 from ._calls import Call, Ref
 from ._run import Gate, Program
 
 
 class Planning:
-    """The planning half of :class:`memplan.torch.Step`: it owns the graph
-    the step runs (the captured one, or the fitted one), its plan and its
-    programs. Reads the step's bound tensors, loss, norm, scaler gate and
-    data-parallel group, and refuses to fit once the arena is placed."""
+    """What a :class:`memplan.torch.Step` plans: it owns the graph the step
+    runs (the captured one, the split one or the fitted one), its calls and
+    tensor layouts, its plan and its programs. Made from the captured step,
+    the gradient scaler's gate (what the programs skip on an overflow) and
+    the data-parallel group (None on one process)."""
 
-    def _start_planning(self, c: Captured) -> None:
+    def __init__(self, c: Captured, scaling: Optional[_scaler.Scaling],
+                 dist: Optional[_distributed.DataParallel]) -> None:
+        self.captured = c  # what fit and split_loss start from (the split step once split)
         self.graph = c.graph
-        self._calls = c.calls  # one per op of `graph`, in its order
-        self._layouts = c.layouts  # per tensor of `graph`
-        self._optimizer_calls = c.optimizer_calls
+        self.calls: List[Call] = c.calls  # one per op of `graph`, in its order
+        self.layouts = c.layouts  # per tensor of `graph`
+        self.optimizer_calls = c.optimizer_calls  # per call: whether it reads the optimizer's numbers
         self.plan: Optional[Dict[str, Any]] = None
         self.plan_seconds = 0.0
-        self._programs: Dict[str, Program] = {}
-        self._captured_plan: Optional[Dict[str, Any]] = None  # the plan of the captured graph, once made
+        self.programs: Dict[str, Program] = {}
+        self.captured_plan: Optional[Dict[str, Any]] = None  # the plan of the captured graph, once made
         self.fitted: Optional[Dict[str, Any]] = None
         self.split: Optional[Dict[str, Any]] = None  # what split_loss chose and tried
+        # What every program keeps to its end: the caller's tensors, the
+        # loss and the clipped gradients' norm.
+        self._keep = list(c.bound) + [c.loss] + ([c.norm] if c.norm is not None else [])
+        self._scaling = scaling
+        self._dist = dist
 
     def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
         """Plans the graph with memplan (checked by its independent checker)."""
@@ -52,9 +64,9 @@ class Planning:
         else:
             self.plan = self._own_rank(self.graph, self._dist.from_first_rank(make, "planning the step"))
         self.plan_seconds = time.perf_counter() - t0
-        self._programs.pop("planned", None)
-        if self.graph is self._captured.graph:
-            self._captured_plan = self.plan
+        self.programs.pop("planned", None)
+        if self.graph is self.captured.graph:
+            self.captured_plan = self.plan
         return self.plan
 
     def split_loss(self, split: Any = "auto", time_limit: float = 10.0, *,
@@ -75,7 +87,7 @@ class Planning:
         was refused). With ``only_if_lower=False`` a number of chunks is
         kept even where it does not lower the arena (to measure or test
         the split itself)."""
-        if self._arena is not None or self.fitted is not None:
+        if self.fitted is not None:
             raise ValueError("split the step before fitting it or running it in its arena")
         if split == "auto":
             counts = _split.AUTO_CHUNKS
@@ -83,7 +95,7 @@ class Planning:
             counts = (split,)
         else:
             raise ValueError(f"split takes 'auto' or a number of chunks (2 or more), not {split!r}")
-        base = self._captured
+        base = self.captured
         t0 = time.perf_counter()
 
         def make():
@@ -115,12 +127,12 @@ class Planning:
             graph, calls, layouts, _ = _split.split_step(base.graph, base.calls, base.layouts, report["chunks"])
             base = dataclasses.replace(base, graph=graph, calls=calls, layouts=layouts,
                                        optimizer_calls=[op["kind"] == "optimizer" for op in graph["ops"]])
-            self._captured = base
-            self.graph, self._calls, self._layouts = graph, calls, layouts
-            self._optimizer_calls = base.optimizer_calls
+            self.captured = base
+            self.graph, self.calls, self.layouts = graph, calls, layouts
+            self.optimizer_calls = base.optimizer_calls
         self.plan = self._own_rank(self.graph, plan)
-        self._captured_plan = self.plan
-        self._programs.clear()
+        self.captured_plan = self.plan
+        self.programs.clear()
         self.plan_seconds = time.perf_counter() - t0
         self.split = report
         return report
@@ -159,15 +171,13 @@ class Planning:
         most 0.1% more FLOPs, recomputing cheap ops as ``torch.compile``
         does by default.
         """
-        if self._arena is not None:
-            raise ValueError("the step already runs in its arena; fit before the first arena run")
-        base = self._captured
+        base = self.captured
         t0 = time.perf_counter()
         make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
                                    max_added=max_added)
         fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
         self.plan_seconds = time.perf_counter() - t0
-        kept = self._captured_plan
+        kept = self.captured_plan
         if kept is not None and kept["arena_bytes"] <= fitted["plan"]["arena_bytes"] and (
                 budget is None or kept["arena_bytes"] <= budget):
             # Never worse than the step's own plan: the fit plans each of
@@ -179,17 +189,17 @@ class Planning:
         self.graph = _with_sizes_of(base.graph, fitted.pop("graph"))
         self.plan = self._own_rank(self.graph, fitted.pop("plan"))
         fitted["max_live_bytes"] = self.plan["stats"]["max_live_bytes"]  # this rank's
-        self._calls, self._layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
-        self._optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
-        self._programs.clear()
+        self.calls, self.layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
+        self.optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
+        self.programs.clear()
         self.fitted = fitted
         return fitted
 
     def program(self, order: str = "planned") -> Program:
         """The program in the planned order or in the recorded (eager) one."""
-        if order not in self._programs:
+        if order not in self.programs:
             if order == "eager":
-                seq = list(range(len(self._calls)))
+                seq = list(range(len(self.calls)))
             elif order == "planned":
                 if self.plan is None:
                     self.make_plan()
@@ -197,10 +207,9 @@ class Planning:
                 seq = [index[op] for op in self.plan["order"]]
             else:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
-            keep = list(self._bound) + [self._loss] + ([self._norm] if self._norm is not None else [])
             takes = self._taken_reuses() if order == "planned" else None
-            self._programs[order] = Program(self._calls, seq, keep, takes, self._gate())
-        return self._programs[order]
+            self.programs[order] = Program(self.calls, seq, self._keep, takes, self._gate())
+        return self.programs[order]
 
     def _gate(self) -> Optional[Gate]:
         """The gradient scaler's gate over this graph's update calls."""

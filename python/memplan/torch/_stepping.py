@@ -4,6 +4,10 @@ the batch and the caller's tensors, runs the program in the planned or the
 recorded order (outside the arena, in it, or as one CUDA graph, refusing
 what a graph cannot run), and settles the gradient scaler's skipped
 updates and the optimizers' step counters after it.
+
+:class:`Running` reads the program from the step's
+:class:`~memplan.torch._planning.Planning` and the places from its
+:class:`~memplan.torch._placement.Placement`.
 """
 
 from __future__ import annotations
@@ -13,30 +17,42 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from . import _graph, _optim, _scaler
+from . import _distributed, _graph, _optim, _scaler
 from ._capture import Captured, _not_a_tensor
 from ._captured import AsCaptured
 from ._errors import UnsupportedStep
+from ._placement import Placement
+from ._planning import Planning
 from ._run import Program, StorageTracker
 
 
 class Running:
-    """The running half of :class:`memplan.torch.Step`: it owns what a run
-    leaves behind (the loss's norm, the tracked peak, whether the scaler
-    skipped the update) and the step's CUDA graph. Reads the program
-    (:class:`~memplan.torch._planning.Planning`) and the places
-    (:class:`~memplan.torch._placement.Placement`)."""
+    """How a :class:`memplan.torch.Step` runs: it owns what a run leaves
+    behind (the loss's norm, the tracked peak, whether the scaler skipped
+    the update) and the step's CUDA graph. Made from the captured step,
+    the caller's model and optimizers, the step's other two roles, the
+    gradient scaler (None without one) and the data-parallel group (None
+    on one process)."""
 
-    def _start_running(self, c: Captured, scaling: Optional[_scaler.Scaling]) -> None:
-        self._as_captured = AsCaptured(self.model)
+    def __init__(self, c: Captured, model, optimizers: _optim.Optimizers, hyper: _optim.Hyper,
+                 planning: Planning, placement: Placement, scaling: Optional[_scaler.Scaling],
+                 dist: Optional[_distributed.DataParallel]) -> None:
+        self._as_captured = AsCaptured(model)
+        self._optimizers = optimizers
+        self._hyper = hyper
+        self._planning = planning
+        self._placement = placement
+        self._dist = dist
+        self._device = c.device
+        self._loss = c.loss
+        self._norm = c.norm
         self._batch_spec = c.batch_spec
         self._batch_layouts = c.batch_layouts
         self.accumulate = c.accumulate  # micro-batches per step
         self._updated = c.updated
         # With a gradient scaler: the scaler, its settings at capture, its
         # flags and the ops they gate.
-        self._scaling = scaling
-        self.scaler = scaling.scaler if scaling is not None else None
+        self.scaling = scaling
         # Whether the last run skipped the update (a gradient overflowed): a
         # bool, or one per optimizer when there are several.
         self.skipped_update: Any = False
@@ -46,7 +62,7 @@ class Running:
         # What the tracked peak held: (bytes, the op that made it, or None
         # for a tensor held before the step) per storage, largest first.
         self.tracked_peak_contents: Optional[List[Tuple[int, Optional[str]]]] = None
-        self._graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
+        self.graphed: Optional[_graph.Graphed] = None  # made by the first run(graph=True)
 
     def run(self, batch, order: str = "planned", track: bool = False, arena: bool = False,
             graph: bool = False) -> torch.Tensor:
@@ -57,17 +73,18 @@ class Running:
         the arena counts as one storage), :attr:`tracked_peak_contents`
         what it held. With `arena`, every tensor the
         plan places is made at its offset in one buffer (see
-        :meth:`place`); the batch is copied into its place. With `graph`
+        :meth:`~memplan.torch._placement.Placement.place`); the batch is copied into its place. With `graph`
         (CUDA; implies `arena`), the arena step is recorded once as a CUDA
         graph and launched as one (see :mod:`memplan.torch._graph`; the
         first run settles the arena without a graph); the loss returned is
         then overwritten by the next step."""
-        self._refuse_meta()
+        placement, planning = self._placement, self._planning
+        placement.refuse_meta()
         self._as_captured.check()
-        self._refresh_outside()
-        self._rebind_state()
-        prog = self.program(order)
-        env: Dict[int, torch.Tensor] = dict(self._bound)
+        placement.refresh_outside()
+        placement.rebind_state()
+        prog = planning.program(order)
+        env: Dict[int, torch.Tensor] = dict(placement.bound)
         self._bind_batch(batch, env)
         if graph and self._dist is not None and not self._dist.supports_graph:
             raise UnsupportedStep("a step sharded with FSDP2 is not launched as one CUDA graph yet (its "
@@ -80,8 +97,8 @@ class Running:
         if arena:
             if order != "planned":
                 raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
-            self.place()
-            for i, slot in self._batch_slots.items():
+            placement.place()
+            for i, slot in placement.batch_slots.items():
                 slot.copy_(env[i])
                 env[i] = slot
         if graph:
@@ -93,21 +110,21 @@ class Running:
             try:
                 with AsCaptured.without_autocast():  # the recorded ops carry their casts
                     if graph:
-                        return self._graphed.run(self._arena, prog, self._placed, env, numbers,
-                                                 self._optimizer_calls)
+                        return self.graphed.run(placement.arena, prog, placement.placed, env, numbers,
+                                                planning.optimizer_calls)
                     if arena:
-                        self._arena.run(prog, self._placed, env, numbers, self._optimizer_calls)
+                        placement.arena.run(prog, placement.placed, env, numbers, planning.optimizer_calls)
                     else:
-                        prog.run(env, numbers, self._optimizer_calls)
+                        prog.run(env, numbers, planning.optimizer_calls)
                     return env
             except RuntimeError:
-                self._same_layouts()  # a tensor converted since capture: say which
+                placement.same_layouts()  # a tensor converted since capture: say which
                 raise
 
         if track:
-            tracker = StorageTracker(self.device)
+            tracker = StorageTracker(self._device)
             if arena:
-                tracker.count_as_one(self._arena.buffer)
+                tracker.count_as_one(placement.arena.buffer)
             for x in env.values():
                 tracker.track(x)
             tracker.measure()
@@ -122,26 +139,15 @@ class Running:
             self.grad_norm = env[self._norm]
         return env[self._loss]
 
-    __call__ = run
-
-    def _refuse_meta(self) -> None:
-        """Refuses to run (or place) a step traced from a model on the meta
-        device, saying how to get one that runs."""
-        if self._captured.meta:
-            raise UnsupportedStep(
-                "the model is on the meta device, which holds no values: this step can be planned "
-                "(step.plan, step.stats, step.fit) but not run; to run it, make the model on a real device "
-                "(or model.to_empty(device=...) and initialise its weights) and capture it again"
-            )
-
     def _graph_checks(self, order: str, track: bool) -> None:
         """Refuses, saying why, a call a CUDA graph cannot run (see
         :func:`_graph.refusal`): the call's arguments every time, the
         step's device, scaler and optimizer until it has a graph."""
-        if self._graphed is not None:
+        if self.graphed is not None:
             _graph.refuse_unless_graphable(track=track, order=order)
             return
-        _graph.refuse_unless_graphable(device=self._layouts[self._loss].device, scaled=self._scaling is not None,
+        _graph.refuse_unless_graphable(device=self._planning.layouts[self._loss].device,
+                                       scaled=self.scaling is not None,
                                        track=track, order=order,
                                        dependent=_optim.step_dependent(self._optimizers))
 
@@ -149,12 +155,12 @@ class Running:
         """Refuses a step that reads host tensors, checked with its tensors
         in their places (the arena moves a host tensor learning rate to the
         device); makes the step's :class:`_graph.Graphed`."""
-        if self._graphed is not None:
+        if self.graphed is not None:
             return
-        device = self._layouts[self._loss].device
-        host = [self.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
+        device = self._planning.layouts[self._loss].device
+        host = [self._planning.graph["tensors"][i]["id"] for i, x in env.items() if x.device.type != device.type]
         _graph.refuse_unless_graphable(host_inputs=host)
-        self._graphed = _graph.Graphed()
+        self.graphed = _graph.Graphed()
 
     def _bind_batch(self, batch, env: Dict[int, torch.Tensor]) -> None:
         micro = self.accumulate
@@ -185,9 +191,9 @@ class Running:
         """With a gradient scaler: checks its settings, resets the gate and
         returns each optimizer's step counters as they are before the step
         advances them (None without a scaler)."""
-        if self._scaling is None:
+        if self.scaling is None:
             return None
-        _scaler.check_unchanged(self._scaling.scaler, self._scaling.settings)
+        _scaler.check_unchanged(self.scaling.scaler, self.scaling.settings)
         prog.gate.reset()
         if self._updated_by_member is None:
             self._updated_by_member = [[p for p in self._updated if self._optimizers.owner(p) is o]
