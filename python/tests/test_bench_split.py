@@ -11,7 +11,7 @@ from memplan.torch import bench_split, bench_split_device
 
 def _args(**kw):
     base = dict(meta=True, layers=1, hidden=32, intermediate=64, heads=2, kv_heads=1, vocab=512, tied=True,
-                seq=64, batch=2, bf16=False, chunks=None, time_limit=5.0)
+                seq=64, batch=2, bf16=False, chunks=None, time_limit=5.0, fit=None)
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -33,6 +33,20 @@ class BenchSplit(unittest.TestCase):
         self.assertLessEqual(out["split"]["arena_bytes"], out["unsplit"]["arena_bytes"])
         self.assertEqual(out["split"]["split"]["tried"][0]["chunks"], 1)
         self.assertGreaterEqual(out["summary"]["split_below_unsplit"], 0.0)
+        self.assertNotIn("fitted", out)
+
+    def test_meta_comparison_with_fits(self):
+        # Both fits keep to the share of the unsplit step's FLOPs, the split
+        # one counting what its split added, and neither is above its plan.
+        out = bench_split.run(_args(fit=0.05))
+        for side in ("fitted", "split-fitted"):
+            self.assertLessEqual(out[side]["added_share"], 0.05 + 1e-12, side)
+            self.assertGreaterEqual(out[side]["max_live_bytes"], out[side]["lower_bound_bytes"])
+        self.assertLessEqual(out["fitted"]["arena_bytes"], out["unsplit"]["arena_bytes"])
+        self.assertGreaterEqual(out["split-fitted"]["added_flops"], out["split"]["added_flops"])
+        s = out["summary"]
+        self.assertAlmostEqual(s["split_fitted_below_fitted"],
+                               1 - out["split-fitted"]["arena_bytes"] / out["fitted"]["arena_bytes"])
 
 
 class BenchSplitDevice(unittest.TestCase):

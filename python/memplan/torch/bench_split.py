@@ -14,6 +14,12 @@ AdamW), each planned by memplan:
 - ``split``: the first step captured with ``split="auto"`` (or
   ``--chunks K``), memplan's own splitting.
 
+With ``--fit SHARE`` (e.g. 0.001), two more: ``fitted``, the unsplit step
+fitted with ``fit(max_added=SHARE, minimise="flops")`` (recomputation
+alone), and ``split-fitted``, the split step fitted with what the split
+left of that share, so both add at most SHARE of the unsplit step's
+FLOPs (splitting and recomputation chosen together, as issue 40 asks).
+
 With ``--meta`` the model is on the meta device (nothing runs: Llama 3.2
 1B's shape at seq 4096 plans on a laptop); without it, each side also
 runs two real steps on the CPU, measured from the allocator's events
@@ -93,20 +99,35 @@ def run(args) -> Dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2)]
     split = "auto" if args.chunks is None else args.chunks
-    sides = (("unsplit", hf_loss(args), None), ("chunked-ce", chunked_ce_loss(args), None),
-             ("split", hf_loss(args), split))
-    for name, loss_fn, how in sides:
+    sides = [("unsplit", hf_loss(args), None, False), ("chunked-ce", chunked_ce_loss(args), None, False),
+             ("split", hf_loss(args), split, False)]
+    fit_share = getattr(args, "fit", None)
+    if fit_share is not None:
+        sides += [("fitted", hf_loss(args), None, True), ("split-fitted", hf_loss(args), split, True)]
+    step_flops = None  # the unsplit step's
+    for name, loss_fn, how, fit in sides:
         model = _model(args)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         t0 = time.perf_counter()
         step = mt.capture(model, opt, batches[0], loss_fn, time_limit=args.time_limit, split=how)
+        if step_flops is None:
+            step_flops = sum(op.get("flops", 0) for op in step.graph["ops"])
+        added = step.split["added_flops"] if step.split is not None else 0
+        if fit:
+            left = fit_share * step_flops - added  # of the unsplit step's FLOPs
+            base = sum(op.get("flops", 0) for op in step.graph["ops"])
+            fitted = step.fit(max_added=max(left, 0) / base, minimise="flops", time_limit=args.time_limit)
+            added += fitted["added_flops"]
         st = step.plan["stats"]
         row = {"seconds": time.perf_counter() - t0, "ops": len(step.graph["ops"]),
                "arena_bytes": step.plan["arena_bytes"], "max_live_bytes": st["max_live_bytes"],
-               "lower_bound_bytes": st["lower_bound_bytes"]}
+               "lower_bound_bytes": st["lower_bound_bytes"], "added_flops": added,
+               "added_share": added / step_flops}
         if step.split is not None:
             row["split"] = {k: step.split[k] for k in ("chunks", "tried", "added_flops")}
             row["split"]["step_flops"] = sum(op.get("flops", 0) for op in step.graph["ops"])
+        if step.fitted is not None:
+            row["recomputed_ops"] = len(step.fitted["recomputed_ops"])
         if not args.meta:
             losses = [float(step(batches[0]))]
             resident = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()]
@@ -131,6 +152,10 @@ def run(args) -> Dict[str, Any]:
         out[name] = row
     u, s, c = out["unsplit"]["arena_bytes"], out["split"]["arena_bytes"], out["chunked-ce"]["arena_bytes"]
     out["summary"] = {"split_below_unsplit": 1 - s / u, "split_below_chunked_ce": 1 - s / c}
+    if fit_share is not None:
+        f, sf = out["fitted"]["arena_bytes"], out["split-fitted"]["arena_bytes"]
+        out["summary"].update(split_fitted_below_unsplit=1 - sf / u, split_fitted_below_fitted=1 - sf / f,
+                              fitted_below_unsplit=1 - f / u)
     if not args.meta:
         e = out["eager-chunked-ce"]["allocator_peak_bytes"]
         out["summary"]["split_measured_below_eager_chunked_ce"] = 1 - out["split"]["allocator_peak_bytes"] / e
@@ -160,6 +185,8 @@ def main(argv=None) -> None:
     p.add_argument("--meta", action="store_true", help="the model on the meta device: plan only, nothing runs")
     model_arguments(p, layers=2, hidden=256, intermediate=1024, heads=4, kv_heads=2, vocab=32000, seq=256, batch=2,
                     time_limit=20.0)
+    p.add_argument("--fit", metavar="SHARE", type=float, default=None,
+                   help="also fit the unsplit and the split step at most SHARE of the step's FLOPs above it (0.001)")
     args = p.parse_args(argv)
     print(json.dumps(run(args), indent=1))
 
