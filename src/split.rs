@@ -1009,6 +1009,7 @@ pub fn fit_split(
         layouts: 1,
         ..Options::default()
     };
+    let start = std::time::Instant::now();
     let (sg, _, rep) = plan_split(g, &probe, split)?;
     if rep.chunks == 1 {
         return Ok(SplitFit {
@@ -1016,10 +1017,7 @@ pub fn fit_split(
             split: rep,
         });
     }
-    let half = crate::fit::FitOptions {
-        time_limit: opts.time_limit / 2,
-        ..opts.clone()
-    };
+    let half = halves(opts, start);
     let plain = fit(g, &half);
     let split_fit = fit(&sg, &half).map(|mut f| {
         let rate = if f.step.flops > 0.0 {
@@ -1052,5 +1050,92 @@ pub fn fit_split(
             split: rep,
         },
         (Err(_), Err(e)) => return Err(e),
+    })
+}
+
+/// `opts` with half of what is left of its time limit since `start` (the
+/// split's probe), for each of the two fits.
+fn halves(opts: &crate::fit::FitOptions, start: std::time::Instant) -> crate::fit::FitOptions {
+    crate::fit::FitOptions {
+        time_limit: opts.time_limit.saturating_sub(start.elapsed()) / 2,
+        ..opts.clone()
+    }
+}
+
+/// The smallest arena found whose added cost is at most `max_added` times
+/// the step's ([`crate::fit::fit_within`]), splitting as `split` asks where
+/// that lowers it. The split's own additions count against the share (the
+/// unsplit step's cost, in `opts.objective`'s unit): the split with the
+/// smallest planned arena (if any is smaller than the unsplit step's) is
+/// fitted with what the split leaves of it, the unsplit step with all of
+/// it, each with half the time, and the smaller arena is kept (ties go to
+/// the unsplit step). A split whose additions alone exceed the share is
+/// not fitted.
+pub fn fit_within_split(
+    g: &Graph,
+    max_added: f64,
+    opts: &crate::fit::FitOptions,
+    split: Split,
+) -> Result<SplitFit, Error> {
+    use crate::fit::fit_within;
+    let probe = Options {
+        time_limit: opts.probe_time,
+        layouts: 1,
+        ..Options::default()
+    };
+    let start = std::time::Instant::now();
+    let (sg, _, rep) = plan_split(g, &probe, split)?;
+    let unsplit = SplitReport {
+        chunks: 1,
+        chains: 0,
+        added_flops: 0.0,
+        ..rep.clone()
+    };
+    let step = opts.cost_model.checked_total(g)?;
+    let rate = if step.flops > 0.0 {
+        step.seconds / step.flops
+    } else {
+        0.0
+    };
+    let split_added = crate::cost::OpCost {
+        flops: rep.added_flops,
+        seconds: rep.added_flops * rate,
+        bytes: 0,
+    };
+    let left = max_added * opts.objective.of(&step) - opts.objective.of(&split_added);
+    if rep.chunks == 1 || left.is_nan() || left < 0.0 {
+        return Ok(SplitFit {
+            fitted: fit_within(g, max_added, opts)?,
+            split: unsplit,
+        });
+    }
+    let half = halves(opts, start);
+    let plain = fit_within(g, max_added, &half);
+    let split_step = opts.objective.of(&opts.cost_model.checked_total(&sg)?);
+    let share = if split_step > 0.0 {
+        left / split_step
+    } else {
+        0.0
+    };
+    let split_fit = fit_within(&sg, share, &half).map(|mut f| {
+        f.added.flops += split_added.flops;
+        f.added.seconds += split_added.seconds;
+        f.max_added = Some(max_added);
+        f
+    });
+    Ok(match (plain, split_fit) {
+        (Ok(a), Ok(b)) if b.plan.arena_bytes < a.plan.arena_bytes => SplitFit {
+            fitted: b,
+            split: rep,
+        },
+        (Ok(a), _) => SplitFit {
+            fitted: a,
+            split: unsplit,
+        },
+        (Err(_), Ok(b)) => SplitFit {
+            fitted: b,
+            split: rep,
+        },
+        (Err(e), Err(_)) => return Err(e),
     })
 }

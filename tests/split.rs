@@ -574,6 +574,44 @@ fn fit_splits_where_that_is_the_cheaper_way_into_the_budget() {
     }
 }
 
+/// `fit --max-added --split`: the smallest arena within a share of the
+/// step's FLOPs, the split's own FLOPs counted in it. On a step whose
+/// peak is the logits, the split one is kept, below both the unsplit fit
+/// and the split plan's bound of the unsplit step; with a share smaller
+/// than the split's additions the step is not split.
+#[test]
+fn fit_within_a_share_splits_and_counts_the_split_in_it() {
+    let g = vocab_heavy();
+    let fit_opts = memplan::fit::FitOptions {
+        time_limit: Duration::from_secs(4),
+        probe_time: Duration::from_millis(300),
+        objective: memplan::fit::Objective::Flops,
+        ..Default::default()
+    };
+    let step = memplan::cost::CostModel::default()
+        .checked_total(&g)
+        .unwrap();
+    let plain = memplan::fit::fit_within(&g, 0.05, &fit_opts).unwrap();
+    let f = split::fit_within_split(&g, 0.05, &fit_opts, Split::Auto).unwrap();
+    assert!(f.split.chunks > 1, "{:?}", f.split);
+    assert!(f.split.added_flops > 0.0);
+    assert!(f.fitted.added.flops >= f.split.added_flops);
+    assert!(f.fitted.added.flops <= 0.05 * step.flops * (1.0 + 1e-9));
+    assert!(f.fitted.plan.arena_bytes < plain.plan.arena_bytes);
+    assert_eq!(f.fitted.max_added, Some(0.05));
+    checker::check(&f.fitted.graph, &f.fitted.plan).unwrap();
+    // A share below what the split adds: the unsplit fit, as fit_within.
+    let tiny = 0.5 * f.split.added_flops / step.flops;
+    let f = split::fit_within_split(&g, tiny, &fit_opts, Split::Auto).unwrap();
+    assert_eq!(f.split.chunks, 1);
+    assert!(f.fitted.added.flops <= tiny * step.flops * (1.0 + 1e-9));
+    checker::check(&f.fitted.graph, &f.fitted.plan).unwrap();
+    // Off: fit_within itself.
+    let f = split::fit_within_split(&g, 0.05, &fit_opts, Split::Off).unwrap();
+    assert_eq!(f.split.chunks, 1);
+    checker::check(&f.fitted.graph, &f.fitted.plan).unwrap();
+}
+
 /// The bindings' entry point: a graph document in, the planned (split)
 /// graph, its plan and the split's figures out; bad `split` text refused.
 #[test]

@@ -60,14 +60,16 @@ pub struct FitArgs {
     /// List every recomputed op.
     #[arg(long)]
     pub list: bool,
-    /// With --budget: may also split the loss chain (`auto`, or K chunks)
-    /// where that is the cheaper way into the budget (docs/splitting.md);
-    /// the step and plan written are then the split step's.
+    /// May also split the loss chain (`auto`, or K chunks): with --budget
+    /// where that is the cheaper way into the budget, with --max-added
+    /// where that gives the smaller arena, the split's added FLOPs counted
+    /// in the share (docs/splitting.md); the step and plan written are
+    /// then the split step's.
     #[arg(
         long,
         value_name = "auto|K|off",
         default_value = "off",
-        conflicts_with_all = ["max_added", "pareto", "max_batch"]
+        conflicts_with_all = ["pareto", "max_batch"]
     )]
     pub split: memplan::split::Split,
     /// What to minimise: the estimated added time, or the added FLOPs.
@@ -164,7 +166,14 @@ pub fn run(a: FitArgs) -> Result<()> {
     let guard = super::progress::watch_fit(progress);
     let mut split = None;
     let f = match &a.max_added {
-        Some(share) => fit_within(&g, parse_share(share)?, &opts)?,
+        Some(share) if a.split == memplan::split::Split::Off => {
+            fit_within(&g, parse_share(share)?, &opts)?
+        }
+        Some(share) => {
+            let s = memplan::split::fit_within_split(&g, parse_share(share)?, &opts, a.split)?;
+            split = Some(s.split);
+            s.fitted
+        }
         None => {
             let budget_text = a.budget.as_deref().unwrap_or("100%");
             opts.budget = parse_budget(budget_text, || base_arena(&g))?;
@@ -197,6 +206,8 @@ pub fn run(a: FitArgs) -> Result<()> {
                         s.chunks,
                         super::format::grouped(s.added_flops as u64)
                     )
+                } else if f.max_added.is_some() {
+                    "none (the unsplit step fits at least as small)".to_string()
                 } else {
                     "none (the unsplit step fits at least as cheaply)".to_string()
                 }
