@@ -120,24 +120,41 @@ class HuggingFaceSplitSteps(unittest.TestCase):
 
     def test_split_then_fitted(self):
         """``capture(split=..., max_added=...)``: the fit starts from the
-        split step (recomputing its chunks' ops too) and goes below both."""
+        split step (recomputing its chunks' ops too) and goes below both;
+        the share is of the step as captured, the split's FLOPs counted in
+        it, and a share the split used up leaves no recomputation."""
         torch.manual_seed(0)
         m0 = _hf_models()[1][1]()
         b = torch.randint(0, 1000, (2, 32))
-        arena, losses = {}, {}
-        for key, kw in (("split", {"split": 4}), ("fit", {"max_added": 0.001}),
-                        ("both", {"split": 4, "max_added": 0.001})):
+        arena, losses, steps = {}, {}, {}
+        share = 0.01
+        for key, kw in (("split", {"split": 4}), ("fit", {"max_added": share}),
+                        ("both", {"split": 4, "max_added": share})):
             m = copy.deepcopy(m0)
             step = mt.capture(m, torch.optim.AdamW(m.parameters()), b, _hf_loss, **kw)
             losses[key] = float(step.run(b, track=True))
             self.assertEqual(step.tracked_peak_bytes, step.plan["stats"]["max_live_bytes"])
             _checked(step)
-            arena[key] = step.plan["arena_bytes"]
+            arena[key], steps[key] = step.plan["arena_bytes"], step
             if key == "both":
                 self.assertEqual(step.split["chunks"], 4)
                 self.assertGreater(len(step.fitted["recomputed_ops"]), 0)
         self.assertLess(arena["both"], min(arena["split"], arena["fit"]))
         self.assertAlmostEqual(losses["both"], losses["fit"], delta=1e-5 * abs(losses["fit"]))
+        flops = lambda g: sum(op.get("flops", 0) for op in g["ops"])  # noqa: E731
+        captured = flops(steps["fit"]._planning.captured.graph)
+        split_added = steps["split"].split["added_flops"]
+        both = steps["both"].fitted
+        self.assertEqual(both["split_added_flops"], split_added)
+        self.assertGreater(split_added, 0)
+        self.assertLessEqual(both["added_flops"] + split_added, share * captured * (1 + 1e-9))
+        # A share below the split's own additions: nothing is recomputed.
+        step = steps["split"]
+        fitted = step.fit(max_added=0.5 * split_added / captured, minimise="flops", time_limit=5)
+        self.assertEqual(fitted["recomputed_ops"], [])
+        self.assertEqual(fitted["added_flops"], 0)
+        self.assertEqual(fitted["split_added_flops"], split_added)
+        _checked(step)
 
 
 class NotSeparable(unittest.TestCase):

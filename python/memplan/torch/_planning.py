@@ -169,9 +169,15 @@ class Planning:
         memplan finds whose recomputation adds at most that share of the
         step's cost: ``step.fit(max_added=0.001, minimise="flops")`` is at
         most 0.1% more FLOPs, recomputing cheap ops as ``torch.compile``
-        does by default.
+        does by default. On a split step (:meth:`split_loss`) the share is
+        of the step as captured, and what the split added counts against
+        it (the report's ``split_added_flops``; its ``added_flops`` are the
+        recomputation's): a split that used it all leaves no recomputation.
         """
         base = self.captured
+        split_added = self.split["added_flops"] if self.split is not None else 0
+        if max_added is not None and split_added > 0:
+            max_added = _share_left(base.graph, split_added, max_added)
         t0 = time.perf_counter()
         make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
                                    max_added=max_added)
@@ -192,6 +198,8 @@ class Planning:
         self.calls, self.layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
         self.optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
         self.programs.clear()
+        if split_added > 0:
+            fitted["split_added_flops"] = split_added
         self.fitted = fitted
         return fitted
 
@@ -233,6 +241,22 @@ class Planning:
             k, o, i = hinted[r["output"]]
             takes[k] = (o, i)
         return takes
+
+
+def _share_left(split: Dict[str, Any], split_added: float, max_added: float) -> float:
+    """What a split step may add by recomputation, as a share of its own
+    cost, when at most `max_added` of the step before the split may be
+    added in all and the split added `split_added` FLOPs (of `split`'s).
+    In time as in FLOPs: the split's additions are taken to run at the
+    step's own rate, as ``memplan fit --split`` counts them. Never below 0
+    (a share the split used up allows no recomputation)."""
+    if not (isinstance(max_added, (int, float)) and not isinstance(max_added, bool) and max_added >= 0):
+        return max_added  # memplan.fit names what is wrong with it
+    total = sum(op.get("flops", 0) for op in split["ops"])
+    before = total - split_added
+    if total <= 0 or before <= 0:
+        return max_added
+    return max(max_added * before - split_added, 0.0) / total
 
 
 def _copy_of(fitted: Dict[str, Any]) -> Dict[str, str]:

@@ -16,9 +16,10 @@ AdamW), each planned by memplan:
 
 With ``--fit SHARE`` (e.g. 0.001), two more: ``fitted``, the unsplit step
 fitted with ``fit(max_added=SHARE, minimise="flops")`` (recomputation
-alone), and ``split-fitted``, the split step fitted with what the split
-left of that share, so both add at most SHARE of the unsplit step's
-FLOPs (splitting and recomputation chosen together, as issue 40 asks).
+alone), and ``split-fitted``, the split step fitted the same way, which
+leaves it what the split left of that share, so both add at most SHARE
+of the unsplit step's FLOPs (splitting and recomputation chosen
+together, as issue 40 asks).
 
 With ``--meta`` the model is on the meta device (nothing runs: Llama 3.2
 1B's shape at seq 4096 plans on a laptop); without it, each side also
@@ -114,9 +115,8 @@ def run(args) -> Dict[str, Any]:
             step_flops = sum(op.get("flops", 0) for op in step.graph["ops"])
         added = step.split["added_flops"] if step.split is not None else 0
         if fit:
-            left = fit_share * step_flops - added  # of the unsplit step's FLOPs
-            base = sum(op.get("flops", 0) for op in step.graph["ops"])
-            fitted = step.fit(max_added=max(left, 0) / base, minimise="flops", time_limit=args.time_limit)
+            # On the split step, the share counts the split's FLOPs (Step.fit).
+            fitted = step.fit(max_added=fit_share, minimise="flops", time_limit=args.time_limit)
             added += fitted["added_flops"]
         st = step.plan["stats"]
         row = {"seconds": time.perf_counter() - t0, "ops": len(step.graph["ops"]),
