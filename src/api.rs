@@ -63,15 +63,19 @@ pub fn plan_split_json(graph_json: &str, time_limit_s: f64, split: &str) -> Resu
     Ok(json!({
         "graph": doc(io::json::write_graph(&g))?,
         "plan": doc(plan.to_json(&g))?,
-        "split": {
-            "chunks": rep.chunks,
-            "chains": rep.chains,
-            "tried": rep.tried,
-            "added_flops": rep.added_flops,
-            "step_flops": rep.step_flops,
-        },
+        "split": split_report(&rep),
     })
     .to_string())
+}
+
+fn split_report(rep: &crate::split::SplitReport) -> serde_json::Value {
+    json!({
+        "chunks": rep.chunks,
+        "chains": rep.chains,
+        "tried": rep.tried,
+        "added_flops": rep.added_flops,
+        "step_flops": rep.step_flops,
+    })
 }
 
 /// What a user gets without memplan on the graph in `graph_json`
@@ -167,6 +171,48 @@ pub fn fit_within_json(
 }
 
 /// A fit's report with the fitted graph and plan as documents.
+/// [`fit_json`] (with `budget`) or [`fit_within_json`] (with `max_added`:
+/// exactly one of the two) that may also split the loss chain as `split`
+/// asks (`"auto"`, `"off"` or a number of chunks): with a budget where
+/// that is the cheaper way into it ([`crate::split::fit_split`]), within a
+/// share where that gives the smaller arena, the split's FLOPs counted in
+/// the share ([`crate::split::fit_within_split`]). The report is the fit's,
+/// its `graph` the split step's when split, its `added_flops` the split's
+/// and the recomputation's, with `split` as [`plan_split_json`] gives it
+/// (`chunks` 1: not split).
+pub fn fit_split_json(
+    graph_json: &str,
+    budget: Option<u64>,
+    max_added: Option<f64>,
+    time_limit_s: f64,
+    minimise: &str,
+    split: &str,
+) -> Result<String, Error> {
+    let split: crate::split::Split = split.parse().map_err(Error::InvalidArgument)?;
+    let g = graph(graph_json)?;
+    let mut opts = FitOptions {
+        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
+        objective: objective(minimise)?,
+        ..FitOptions::default()
+    };
+    let f = match (budget, max_added) {
+        (Some(b), None) => {
+            opts.budget = b;
+            crate::split::fit_split(&g, &opts, split)?
+        }
+        (None, Some(share)) => crate::split::fit_within_split(&g, share, &opts, split)?,
+        _ => {
+            return Err(Error::InvalidArgument(
+                "give either a budget (bytes) or max_added (a share of the step's cost)".into(),
+            ));
+        }
+    };
+    let mut report: serde_json::Value = serde_json::from_str(&fitted_json(&f.fitted)?)
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    report["split"] = split_report(&f.split);
+    Ok(report.to_string())
+}
+
 fn fitted_json(f: &Fitted) -> Result<String, Error> {
     let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&f.graph))
         .map_err(|e| Error::Internal(e.to_string()))?;

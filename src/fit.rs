@@ -830,11 +830,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
 /// without recomputation. See [`memplan_solver::remat::select_within`].
 pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted, Error> {
     let start = Instant::now();
-    if !(max_added.is_finite() && max_added >= 0.0) {
-        return Err(Error::InvalidArgument(format!(
-            "the added cost allowed must be a share of the step's cost, 0 or more, not {max_added}"
-        )));
-    }
+    check_share(max_added)?;
     let cands = candidates(g, &opts.cost_model);
     let mut planner = Planner::new(g, &cands, opts);
     let time = Budget::new(opts.time_limit);
@@ -853,6 +849,16 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
     f.max_added = Some(max_added);
     f.seconds = start.elapsed().as_secs_f64();
     Ok(f)
+}
+
+/// Refuses an added-cost share that is negative or not finite.
+pub(crate) fn check_share(max_added: f64) -> Result<(), Error> {
+    if max_added.is_finite() && max_added >= 0.0 {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "the added cost allowed must be a share of the step's cost, 0 or more, not {max_added}"
+    )))
 }
 
 /// One point of the budget / added-cost curve.

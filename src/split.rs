@@ -1078,6 +1078,7 @@ pub fn fit_within_split(
     split: Split,
 ) -> Result<SplitFit, Error> {
     use crate::fit::fit_within;
+    crate::fit::check_share(max_added)?;
     let probe = Options {
         time_limit: opts.probe_time,
         layouts: 1,
@@ -1103,7 +1104,7 @@ pub fn fit_within_split(
         bytes: 0,
     };
     let left = max_added * opts.objective.of(&step) - opts.objective.of(&split_added);
-    if rep.chunks == 1 || left.is_nan() || left < 0.0 {
+    if rep.chunks == 1 || left < 0.0 {
         return Ok(SplitFit {
             fitted: fit_within(g, max_added, opts)?,
             split: unsplit,

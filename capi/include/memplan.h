@@ -82,6 +82,19 @@ int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double 
 int memplan_fit_within(const char *graph_json, double max_added, double time_limit_seconds,
                        const char *minimise, char **out);
 
+/* memplan_fit (with `max_added` below 0: fits into `budget_bytes`) or
+ * memplan_fit_within (with `max_added` 0 or more; `budget_bytes` is then
+ * not read) that may also split the loss chain as memplan_plan_split does
+ * (`split` "auto", "off" or a number of chunks): with a budget where that
+ * is the cheaper way into it, within a share where that gives the smaller
+ * arena, the split's FLOPs counted in the share. On success *out is the
+ * fit's answer, its "graph" the split step's when split and its
+ * "added_flops" the split's and the recomputation's, with "split" as
+ * memplan_plan_split gives it ("chunks" 1: not split). A NaN `max_added`
+ * is an error. */
+int memplan_fit_split(const char *graph_json, unsigned long long budget_bytes, double max_added,
+                      double time_limit_seconds, const char *minimise, const char *split, char **out);
+
 /* The step at batch size `batch`, from the same step captured at two batch
  * sizes: `graph1_json` at `batch1` and `graph2_json` at `batch2` (0: the
  * batch that graph's metadata records as "batch", as memplan export and

@@ -241,6 +241,39 @@ pub unsafe extern "C" fn memplan_fit_within(
     }
 }
 
+/// `memplan_fit` (`max_added` negative) or `memplan_fit_within`
+/// (`budget_bytes` ignored) that may also split the loss chain; see
+/// `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for the three strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_fit_split(
+    graph_json: *const c_char,
+    budget_bytes: u64,
+    max_added: f64,
+    time_limit_seconds: f64,
+    minimise: *const c_char,
+    split: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let m = objective(minimise)?;
+            let s = text(split, "split")?;
+            let (budget, share) = if max_added < 0.0 {
+                (Some(budget_bytes), None)
+            } else {
+                (None, Some(max_added))
+            };
+            memplan::api::fit_split_json(g, budget, share, time_limit_seconds, m, s)
+                .map_err(Failure::from)
+        })
+    }
+}
+
 /// A batch size argument: 0 or more (0: the batch the graph's metadata
 /// records, where the function allows it), never negative.
 fn batch_size(n: i64, what: &str) -> Result<u64, String> {

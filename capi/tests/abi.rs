@@ -8,8 +8,8 @@ use std::ptr;
 
 use memplan_capi::{
     memplan_at_batch, memplan_baselines, memplan_check, memplan_example, memplan_fit,
-    memplan_fit_within, memplan_max_batch, memplan_plan, memplan_plan_split, memplan_string_free,
-    memplan_version,
+    memplan_fit_split, memplan_fit_within, memplan_max_batch, memplan_plan, memplan_plan_split,
+    memplan_string_free, memplan_version,
 };
 
 fn take(p: *mut c_char) -> String {
@@ -117,6 +117,79 @@ fn baselines_and_split_plans_through_the_c_abi() {
     let rc = unsafe { memplan_plan_split(step.as_ptr(), 2.0, ptr::null(), &mut out) };
     assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert!(error(rc, out).contains("split is NULL"));
+
+    // A fit that may split: within 1% more FLOPs (the split's counted),
+    // and into the split plan's arena; each answer's graph and plan check.
+    let flops = CString::new("flops").unwrap();
+    let auto = CString::new("auto").unwrap();
+    let rc = unsafe {
+        memplan_fit_split(
+            step.as_ptr(),
+            0,
+            0.01,
+            4.0,
+            flops.as_ptr(),
+            auto.as_ptr(),
+            &mut out,
+        )
+    };
+    let v = json(rc, out);
+    assert!(
+        v["split"]["chunks"].as_u64().unwrap() >= 1,
+        "{}",
+        v["split"]
+    );
+    assert!(
+        v["added_flops"].as_f64().unwrap()
+            <= 0.01 * v["split"]["step_flops"].as_f64().unwrap() * 1.000001,
+        "{v}"
+    );
+    let budget = v["arena_bytes"].as_u64().unwrap();
+    let rc = unsafe {
+        memplan_fit_split(
+            step.as_ptr(),
+            budget,
+            -1.0,
+            4.0,
+            flops.as_ptr(),
+            auto.as_ptr(),
+            &mut out,
+        )
+    };
+    let v = json(rc, out);
+    assert!(v["arena_bytes"].as_u64().unwrap() <= budget, "{v}");
+    let (fg, fp) = (
+        CString::new(v["graph"].to_string()).unwrap(),
+        CString::new(v["plan"].to_string()).unwrap(),
+    );
+    let rc = unsafe { memplan_check(fg.as_ptr(), fp.as_ptr(), &mut out) };
+    json(rc, out);
+    let rc = unsafe {
+        memplan_fit_split(
+            step.as_ptr(),
+            0,
+            f64::NAN,
+            4.0,
+            ptr::null(),
+            auto.as_ptr(),
+            &mut out,
+        )
+    };
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
+    assert!(error(rc, out).contains("share of the step's cost"));
+    let rc = unsafe {
+        memplan_fit_split(
+            step.as_ptr(),
+            0,
+            0.01,
+            4.0,
+            ptr::null(),
+            bad.as_ptr(),
+            &mut out,
+        )
+    };
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
+    error(rc, out);
 }
 
 /// `h` (4096 bytes) is read again by the backward op `b2`: recomputing `f`

@@ -130,10 +130,15 @@ def plan_split(graph, split="auto", time_limit=10.0):
     not split), ``chains``, ``tried`` (``[chunks, arena bytes]`` of each
     candidate), ``added_flops`` and ``step_flops``.
     """
+    return _call(_memplan.plan_split_json, _text(graph, "graph"), _seconds(time_limit), _split(split))
+
+
+def _split(split) -> str:
+    """`split` as the core reads it: "auto", "off" or a number of chunks."""
     if isinstance(split, bool) or not isinstance(split, (str, int)):
         raise MemplanError(f"split must be 'auto', 'off' or a number of chunks, not {_shown(split)}",
                            "invalid_argument")
-    return _call(_memplan.plan_split_json, _text(graph, "graph"), _seconds(time_limit), str(split))
+    return str(split)
 
 
 def baselines(graph, device="cuda"):
@@ -254,7 +259,7 @@ def _objective(minimise):
     return minimise
 
 
-def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None):
+def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None, split="off"):
     """The cheapest recomputation that fits `graph` into `budget` bytes.
 
     memplan chooses forward ops to run again in the backward pass, then
@@ -273,9 +278,22 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None)
     partitioner recomputes cheap ops without being given a budget. The
     report then has ``max_added_share``; `optimal` says no affordable
     choice peaks lower.
+
+    With `split` (``"auto"`` or a number of chunks) it may also split the
+    loss chain (:func:`plan_split`): with a budget where that is the
+    cheaper way into it, with `max_added` where that gives the smaller
+    arena, the split's FLOPs counted in the share. The report then has
+    ``split`` (``chunks`` 1: not split), its `graph` is the split step's
+    when split, and its ``added_flops`` are the split's and the
+    recomputation's.
     """
     if (budget is None) == (max_added is None):
         raise TypeError("give either budget (bytes) or max_added (a share of the step's cost)")
+    if _split(split) != "off":
+        return _call(_memplan.fit_split_json, _text(graph, "graph"),
+                     None if budget is None else _budget(budget),
+                     None if max_added is None else _share(max_added), _seconds(time_limit),
+                     _objective(minimise), _split(split))
     if max_added is not None:
         return _call(_memplan.fit_within_json, _text(graph, "graph"), _share(max_added),
                      _seconds(time_limit), _objective(minimise))

@@ -87,6 +87,28 @@ fn fit_within_json(
         .map_err(err)
 }
 
+/// A fit (`budget`) or a fit within a share (`max_added`) that may also
+/// split the loss chain as `split` asks (JSON report with `split`).
+#[pyfunction]
+#[pyo3(signature = (graph_json, budget, max_added, time_limit, minimise, split))]
+fn fit_split_json(
+    py: Python<'_>,
+    graph_json: &str,
+    budget: Option<u64>,
+    max_added: Option<f64>,
+    time_limit: f64,
+    minimise: &str,
+    split: &str,
+) -> PyResult<String> {
+    let (g, m, s) = (
+        graph_json.to_string(),
+        minimise.to_string(),
+        split.to_string(),
+    );
+    py.detach(move || memplan::api::fit_split_json(&g, budget, max_added, time_limit, &m, &s))
+        .map_err(err)
+}
+
 /// The step at `batch` from two captures at batches `b1` and `b2` (0: the
 /// batch the graph's metadata records).
 #[pyfunction]
@@ -139,6 +161,7 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_text, m)?)?;
     m.add_function(wrap_pyfunction!(fit_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_within_json, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_split_json, m)?)?;
     m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(max_batch_json, m)?)?;
     m.add_function(wrap_pyfunction!(example_json, m)?)?;

@@ -93,6 +93,31 @@ class PlanAndCheck(unittest.TestCase):
             self.assertEqual(e.exception.kind, "invalid_argument")
             self.assertIn("split", str(e.exception))
 
+    def test_fit_may_split(self):
+        # Within a share of the step's FLOPs the split's own FLOPs count; the
+        # split step fitted into the split plan's arena recomputes nothing;
+        # each answer checks; bad split values are refused as for plan_split.
+        g = memplan.example("gpt2-tiny")
+        split = memplan.plan_split(g, split=2, time_limit=2)
+        within = memplan.fit(g, max_added=0.01, minimise="flops", time_limit=4, split=2)
+        self.assertIn(within["split"]["chunks"], (1, 2))
+        self.assertLessEqual(within["added_flops"], 0.01 * within["split"]["step_flops"] * (1 + 1e-9))
+        plain = memplan.fit(g, max_added=0.01, minimise="flops", time_limit=2)
+        self.assertLessEqual(within["arena_bytes"], plain["arena_bytes"])
+        memplan.check(within["graph"], within["plan"])
+        budget = split["plan"]["arena_bytes"]
+        into = memplan.fit(g, budget, minimise="flops", time_limit=4, split=2)
+        self.assertLessEqual(into["arena_bytes"], budget)
+        self.assertGreaterEqual(into["added_flops"], into["split"]["added_flops"])
+        if into["split"]["chunks"] == 2:  # the split step fits as it is (or recomputation was cheaper)
+            self.assertTrue(any(op["id"].endswith(".chunk1") for op in into["graph"]["ops"]))
+        memplan.check(into["graph"], into["plan"])
+        for bad in (True, 1.5, "some"):
+            with self.subTest(split=bad), self.assertRaises(memplan.MemplanError) as e:
+                memplan.fit(g, max_added=0.01, split=bad, time_limit=1)
+            self.assertEqual(e.exception.kind, "invalid_argument")
+        self.assertNotIn("split", memplan.fit(g, max_added=0.01, time_limit=1))
+
     def test_a_broken_plan_is_refused_with_the_reason(self):
         p = memplan.plan(TWO_OPS, time_limit=1)
         swapped = copy.deepcopy(p)
