@@ -1004,62 +1004,21 @@ pub fn fit_split(
     split: Split,
 ) -> Result<SplitFit, Error> {
     use crate::fit::fit;
-    let probe = Options {
-        time_limit: opts.probe_time,
-        layouts: 1,
-        ..Options::default()
-    };
-    let start = std::time::Instant::now();
-    let (sg, _, rep) = plan_split(g, &probe, split)?;
-    if rep.chunks == 1 {
+    let p = Probe::new(g, opts, split)?;
+    if p.rep.chunks == 1 {
         return Ok(SplitFit {
             fitted: fit(g, opts)?,
-            split: rep,
+            split: p.rep,
         });
     }
-    let half = halves(opts, start);
+    let half = p.halves(opts);
     let plain = fit(g, &half);
-    let split_fit = fit(&sg, &half).map(|mut f| {
-        let rate = if f.step.flops > 0.0 {
-            f.step.seconds / f.step.flops
-        } else {
-            0.0
-        };
-        f.added.flops += rep.added_flops;
-        f.added.seconds += rep.added_flops * rate;
-        f
+    let split_fit = fit(&p.graph, &half).map(|f| {
+        let added = split_cost(p.rep.added_flops, &f.step);
+        with_split_added(f, &added)
     });
     let cost = |f: &crate::fit::Fitted| opts.objective.of(&f.added);
-    let unsplit = SplitReport {
-        chunks: 1,
-        chains: 0,
-        added_flops: 0.0,
-        ..rep.clone()
-    };
-    Ok(match (plain, split_fit) {
-        (Ok(a), Ok(b)) if cost(&b) < cost(&a) => SplitFit {
-            fitted: b,
-            split: rep,
-        },
-        (Ok(a), _) => SplitFit {
-            fitted: a,
-            split: unsplit,
-        },
-        (Err(_), Ok(b)) => SplitFit {
-            fitted: b,
-            split: rep,
-        },
-        (Err(_), Err(e)) => return Err(e),
-    })
-}
-
-/// `opts` with half of what is left of its time limit since `start` (the
-/// split's probe), for each of the two fits.
-fn halves(opts: &crate::fit::FitOptions, start: std::time::Instant) -> crate::fit::FitOptions {
-    crate::fit::FitOptions {
-        time_limit: opts.time_limit.saturating_sub(start.elapsed()) / 2,
-        ..opts.clone()
-    }
+    p.choose(plain, split_fit, |a, b| cost(b) < cost(a))
 }
 
 /// The smallest arena found whose added cost is at most `max_added` times
@@ -1079,64 +1038,118 @@ pub fn fit_within_split(
 ) -> Result<SplitFit, Error> {
     use crate::fit::fit_within;
     crate::fit::check_share(max_added)?;
-    let probe = Options {
-        time_limit: opts.probe_time,
-        layouts: 1,
-        ..Options::default()
-    };
-    let start = std::time::Instant::now();
-    let (sg, _, rep) = plan_split(g, &probe, split)?;
-    let unsplit = SplitReport {
-        chunks: 1,
-        chains: 0,
-        added_flops: 0.0,
-        ..rep.clone()
-    };
+    let p = Probe::new(g, opts, split)?;
     let step = opts.cost_model.checked_total(g)?;
-    let rate = if step.flops > 0.0 {
-        step.seconds / step.flops
-    } else {
-        0.0
-    };
-    let split_added = crate::cost::OpCost {
-        flops: rep.added_flops,
-        seconds: rep.added_flops * rate,
-        bytes: 0,
-    };
+    let split_added = split_cost(p.rep.added_flops, &step);
     let left = max_added * opts.objective.of(&step) - opts.objective.of(&split_added);
-    if rep.chunks == 1 || left < 0.0 {
+    if p.rep.chunks == 1 || left < 0.0 {
         return Ok(SplitFit {
             fitted: fit_within(g, max_added, opts)?,
-            split: unsplit,
+            split: p.unsplit(),
         });
     }
-    let half = halves(opts, start);
+    let half = p.halves(opts);
     let plain = fit_within(g, max_added, &half);
-    let split_step = opts.objective.of(&opts.cost_model.checked_total(&sg)?);
+    let split_step = opts.objective.of(&opts.cost_model.checked_total(&p.graph)?);
     let share = if split_step > 0.0 {
         left / split_step
     } else {
         0.0
     };
-    let split_fit = fit_within(&sg, share, &half).map(|mut f| {
-        f.added.flops += split_added.flops;
-        f.added.seconds += split_added.seconds;
+    let split_fit = fit_within(&p.graph, share, &half).map(|f| {
+        let mut f = with_split_added(f, &split_added);
         f.max_added = Some(max_added);
         f
     });
-    Ok(match (plain, split_fit) {
-        (Ok(a), Ok(b)) if b.plan.arena_bytes < a.plan.arena_bytes => SplitFit {
-            fitted: b,
-            split: rep,
-        },
-        (Ok(a), _) => SplitFit {
-            fitted: a,
-            split: unsplit,
-        },
-        (Err(_), Ok(b)) => SplitFit {
-            fitted: b,
-            split: rep,
-        },
-        (Err(e), Err(_)) => return Err(e),
+    p.choose(plain, split_fit, |a, b| {
+        b.plan.arena_bytes < a.plan.arena_bytes
     })
+}
+
+/// What both fits that may split start from: the split step `plan_split`
+/// keeps under the fit's probe time, and when that probe started.
+struct Probe {
+    graph: Graph,
+    rep: SplitReport,
+    start: std::time::Instant,
+}
+
+impl Probe {
+    fn new(g: &Graph, opts: &crate::fit::FitOptions, split: Split) -> Result<Probe, Error> {
+        let probe = Options {
+            time_limit: opts.probe_time,
+            layouts: 1,
+            ..Options::default()
+        };
+        let start = std::time::Instant::now();
+        let (graph, _, rep) = plan_split(g, &probe, split)?;
+        Ok(Probe { graph, rep, start })
+    }
+
+    /// `opts` with half of what is left of its time limit since the probe
+    /// started, for each of the two fits.
+    fn halves(&self, opts: &crate::fit::FitOptions) -> crate::fit::FitOptions {
+        crate::fit::FitOptions {
+            time_limit: opts.time_limit.saturating_sub(self.start.elapsed()) / 2,
+            ..opts.clone()
+        }
+    }
+
+    /// The report of the step left unsplit.
+    fn unsplit(&self) -> SplitReport {
+        SplitReport {
+            chunks: 1,
+            chains: 0,
+            added_flops: 0.0,
+            ..self.rep.clone()
+        }
+    }
+
+    /// The split fit where `split_better(plain, split)` (or where only it
+    /// succeeded), else the unsplit one; when both fail, the split's error.
+    fn choose(
+        self,
+        plain: Result<crate::fit::Fitted, Error>,
+        split_fit: Result<crate::fit::Fitted, Error>,
+        split_better: impl Fn(&crate::fit::Fitted, &crate::fit::Fitted) -> bool,
+    ) -> Result<SplitFit, Error> {
+        let unsplit = self.unsplit();
+        Ok(match (plain, split_fit) {
+            (Ok(a), Ok(b)) if split_better(&a, &b) => SplitFit {
+                fitted: b,
+                split: self.rep,
+            },
+            (Ok(a), _) => SplitFit {
+                fitted: a,
+                split: unsplit,
+            },
+            (Err(_), Ok(b)) => SplitFit {
+                fitted: b,
+                split: self.rep,
+            },
+            (Err(_), Err(e)) => return Err(e),
+        })
+    }
+}
+
+/// `flops` the split adds, and their time at the rate of `step` (its
+/// seconds per FLOP).
+fn split_cost(flops: f64, step: &crate::cost::OpCost) -> crate::cost::OpCost {
+    let rate = if step.flops > 0.0 {
+        step.seconds / step.flops
+    } else {
+        0.0
+    };
+    crate::cost::OpCost {
+        flops,
+        seconds: flops * rate,
+        bytes: 0,
+    }
+}
+
+/// `f` with the split's `added` cost counted in its own.
+fn with_split_added(mut f: crate::fit::Fitted, added: &crate::cost::OpCost) -> crate::fit::Fitted {
+    f.added.flops += added.flops;
+    f.added.seconds += added.seconds;
+    f
 }
