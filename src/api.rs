@@ -72,6 +72,7 @@ fn split_report(rep: &crate::split::SplitReport) -> serde_json::Value {
     json!({
         "chunks": rep.chunks,
         "chains": rep.chains,
+        "regions": rep.regions,
         "tried": rep.tried,
         "added_flops": rep.added_flops,
         "step_flops": rep.step_flops,

@@ -603,9 +603,10 @@ fn a_large_vocabulary_embedding_gradient_matches_the_cpu_executor() {
     matches_cpu_within(&gpt2::build(&cfg).unwrap(), 1, bf16);
 }
 
-/// Split loss chains (docs/splitting.md): the chunks' `cross_entropy` with
-/// a divisor, the accumulating `matmul_tn` (cuBLAS with β = 1), the views
-/// of `y` and the targets and the `pack` of `dy` lower and match the CPU
+/// Split loss chains and MLP regions (docs/splitting.md): the chunks'
+/// `cross_entropy` with a divisor, the accumulating `matmul_tn` (cuBLAS
+/// with β = 1), SwiGLU and its backward on row chunks, the views of row
+/// inputs and the `pack`s of row outputs lower and match the CPU
 /// executor.
 #[test]
 fn split_steps_lowered_for_the_gpu_match_the_cpu_executor() {
@@ -630,4 +631,11 @@ fn split_steps_lowered_for_the_gpu_match_the_cpu_executor() {
         ..LlamaConfig::preset("llama-tiny").unwrap()
     };
     matches_cpu(&split(llama::build(&llama).unwrap(), 4), 2);
+    let checkpointed = LlamaConfig {
+        checkpoint: true,
+        ..llama
+    };
+    let g = split(llama::build(&checkpointed).unwrap(), 3);
+    assert_eq!(g.metadata["split"]["regions"], 2);
+    matches_cpu(&g, 2);
 }

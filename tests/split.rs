@@ -222,9 +222,11 @@ fn auto_splits_where_the_peak_drops_and_every_split_plan_checks() {
 
 #[test]
 fn without_a_gain_the_graph_is_left_as_it_was() {
-    // A tiny vocabulary: the logits are small and the peak is elsewhere.
+    // A tiny vocabulary: the logits are small and the peak is elsewhere;
+    // an MLP no wider than the model has no up projection to split around.
     let g = llama::build(&LlamaConfig {
         vocab: 8,
+        ffn: 8,
         ..tiny_llama()
     })
     .unwrap();

@@ -39,11 +39,12 @@ extern "C" {
 int memplan_plan(const char *graph_json, double time_limit_seconds, char **out);
 
 /* memplan_plan, with the loss chain (LM head, cross-entropy and their
- * backward) split into chunks of rows where that lowers the arena
+ * backward) and the row-wise regions around up projections (a block's MLP)
+ * split into chunks of rows where that lowers the arena
  * (docs/splitting.md): `split` is "auto" (2 to 32 chunks tried), "off", or
  * a number of chunks. On success *out is {"graph": the graph planned (split
  * or not), "plan": its checked plan, "split": {"chunks" (1: not split),
- * "chains", "tried" ([chunks, arena bytes] each), "added_flops",
+ * "chains", "regions", "tried" ([chunks, arena bytes] each), "added_flops",
  * "step_flops"}}. */
 int memplan_plan_split(const char *graph_json, double time_limit_seconds, const char *split,
                        char **out);

@@ -60,7 +60,8 @@ pub struct FitArgs {
     /// List every recomputed op.
     #[arg(long)]
     pub list: bool,
-    /// May also split the loss chain (`auto`, or K chunks): with --budget
+    /// May also split the loss chain and the row-wise regions around up
+    /// projections (a block's MLP) (`auto`, or K chunks): with --budget
     /// where that is the cheaper way into the budget, with --max-added
     /// where that gives the smaller arena, the split's added FLOPs counted
     /// in the share (docs/splitting.md); the step and plan written are

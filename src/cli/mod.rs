@@ -206,9 +206,9 @@ pub struct GraphArgs {
     #[arg(long, requires = "world_size")]
     pub flat_shards: bool,
     /// Split the loss chain (LM head, cross-entropy and their backward)
+    /// and the row-wise regions around up projections (a block's MLP)
     /// into K chunks of rows after loading, and after sharding with
-    /// --world-size (docs/splitting.md); a graph without a separable chain
-    /// is refused.
+    /// --world-size (docs/splitting.md); a graph with neither is refused.
     #[arg(long, value_name = "K")]
     pub split_chunks: Option<u64>,
 }
@@ -242,7 +242,8 @@ pub enum Command {
         #[arg(long)]
         report: bool,
         /// Split token-wise chains (the loss: LM head, cross-entropy and
-        /// their backward) into chunks where that lowers the planned arena:
+        /// their backward; the row-wise regions around up projections, a
+        /// block's MLP) into chunks where that lowers the planned arena:
         /// `auto` tries 2 to 32 chunks, `K` tries K, `off` never splits
         /// (docs/splitting.md). The plan is then the split graph's.
         #[arg(long, value_name = "auto|K|off", default_value = "off")]

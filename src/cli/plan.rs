@@ -47,6 +47,7 @@ pub(super) fn plan(
             v["split"] = json!({
                 "chunks": split.chunks,
                 "chains": split.chains,
+                "regions": split.regions,
                 "added_flops": split.added_flops,
                 "step_flops": split.step_flops,
                 "tried": split.tried.iter().map(|&(k, b)| json!({"chunks": k, "arena_bytes": b, "peak_bytes": b})).collect::<Vec<_>>(),
@@ -100,7 +101,10 @@ pub(super) fn plan(
             sayln!(
                 "split: {} (arena by chunks: {}; {} FLOPs added, {:.4}% of the step's)",
                 if split.chunks > 1 {
-                    format!("{} chain(s) into {} chunks", split.chains, split.chunks)
+                    format!(
+                        "{} loss chain(s) and {} row-wise region(s) into {} chunks",
+                        split.chains, split.regions, split.chunks
+                    )
                 } else {
                     "none (no split lowered the arena)".to_string()
                 },

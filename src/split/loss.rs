@@ -1,12 +1,5 @@
-//! Splitting ("fission"): rewrite a chain of ops that is independent along
-//! its rows into `k` chunks, joined by the reductions the chunks need.
-//!
-//! Order, layout and recomputation cannot make one tensor smaller; in a
-//! language model's step the largest tensors are often the logits
-//! `[B·T, V]` and their gradient. Nothing in the loss region mixes rows
-//! (tokens) except two sums: the loss itself and the LM head's weight
-//! gradient. So the region can run on `k` slices of the rows in turn, each
-//! holding `[B·T/k, V]` instead of `[B·T, V]`, with the same math.
+//! The loss chain: the LM head, cross-entropy and their backward, split
+//! into chunks of rows (tokens).
 //!
 //! # The chain it splits
 //! The loss chain of the built-in language models (`src/models/step.rs`,
@@ -59,37 +52,17 @@
 //! `y`, `H` or `targets`. Anything else is left alone.
 //!
 //! Not split (yet): other pointwise ops between the logits and the loss
-//! (a soft-capping, a temperature), pointwise chains elsewhere, MLP
-//! projections.
-//!
-//! # Choosing `k`
-//! [`plan_split`] plans the graph as it is and split into each `k` of
-//! [`AUTO_CHUNKS`] (or the `k` asked for; `auto` stops once doubling `k`
-//! no longer lowers the arena), sharing the time limit among them, and
-//! keeps the split graph only if its planned arena is smaller: without a
-//! gain the graph is left as it was. Splitting recomputes nothing; it adds the `k − 1` partial-loss
-//! additions and the `(k − 1)·V·C` additions of the accumulation
-//! ([`added_flops`]).
+//! (a soft-capping, a temperature). MLP projections are split as row-wise
+//! regions ([`super::rows`]).
 
 use std::collections::HashMap;
 
 use memplan_runtime::{Kernel, Matmul};
-use serde_json::json;
 
+use super::{Piece, chunk_rows, elem_bytes, row_views};
 use crate::error::Error;
-use crate::graph::{
-    Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorId, TensorSpec,
-};
-use crate::pipeline::{self, Options};
-use crate::plan::Plan;
+use crate::graph::{Graph, GraphBuilder, Lifetime, OpId, OpSpec, Role, TensorId, TensorSpec};
 use crate::vocab;
-
-// What `--split` asks for lives with the pipeline's options (so the
-// pipeline does not depend on this pass, which plans through it).
-pub use crate::pipeline::Split;
-
-/// The chunk counts `auto` tries.
-pub const AUTO_CHUNKS: [u64; 5] = [2, 4, 8, 16, 32];
 
 /// A loss chain found in a graph (see the module docs).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -398,114 +371,44 @@ pub fn find_chains(g: &Graph) -> Vec<LossChain> {
         .collect()
 }
 
-/// Rows `[r₀, r₁)` of each of `k` chunks of `rows` (sizes differ by at most
-/// one, larger first).
-pub fn chunk_rows(rows: u64, k: u64) -> Vec<(u64, u64)> {
-    let (q, r) = (rows / k, rows % k);
-    let mut out = Vec::with_capacity(k as usize);
-    let mut lo = 0;
-    for i in 0..k {
-        let n = q + u64::from(i < r);
-        out.push((lo, lo + n));
-        lo += n;
-    }
-    out
-}
-
-fn elem_bytes(x: &TensorSpec, elements: u64) -> u64 {
-    x.size / elements.max(1)
-}
-
 /// `g` with each chain of `chains` split into `k` chunks (`2 ≤ k ≤ rows`).
 /// The chunks' ops take the place of the chain's first op in the program
 /// order, chunk by chunk; the rest of the graph is unchanged.
 pub fn split_chains(g: &Graph, chains: &[LossChain], k: u64) -> Result<Graph, Error> {
-    if k < 2 {
-        return Err(Error::InvalidArgument(format!(
-            "split into {k} chunks: need at least 2"
-        )));
+    super::Splits {
+        chains: chains.to_vec(),
+        regions: Vec::new(),
     }
-    for c in chains {
-        if k > c.rows {
-            return Err(Error::InvalidArgument(format!(
-                "split into {k} chunks: the chain at {:?} has only {} rows",
-                g.op(c.ops[0]).name,
-                c.rows
-            )));
-        }
+    .apply(g, k)
+}
+
+impl Piece for LossChain {
+    fn replaced_ops(&self) -> Vec<OpId> {
+        self.all_ops()
     }
-    let mut dropped_ops = vec![false; g.num_ops()];
-    let mut dropped_tensors = vec![false; g.num_tensors()];
-    let mut first: HashMap<OpId, &LossChain> = HashMap::new();
-    for c in chains {
-        let all = c.all_ops();
-        for &o in &all {
-            dropped_ops[o.index()] = true;
-        }
-        for t in c.replaced() {
-            dropped_tensors[t.index()] = true;
-        }
-        let lead = *g
-            .program_order()
+
+    fn replaced_tensors(&self) -> Vec<TensorId> {
+        self.replaced()
+    }
+
+    fn position(&self, pos: &[usize]) -> usize {
+        self.all_ops()
             .iter()
-            .find(|o| all.contains(o))
-            .expect("a chain's ops are in the graph");
-        first.insert(lead, c);
+            .map(|o| pos[o.index()])
+            .min()
+            .expect("a chain has ops")
     }
-    let mut b = GraphBuilder::new(g.name.clone());
-    let mut tmap: Vec<Option<TensorId>> = vec![None; g.num_tensors()];
-    // Bases before views: tensors in id order, views of dropped tensors
-    // cannot exist (the chain's tensors are plain).
-    for t in g.tensor_ids() {
-        if dropped_tensors[t.index()] {
-            continue;
-        }
-        let mut spec = TensorSpec::from(g.tensor(t));
-        spec.view_of = spec
-            .view_of
-            .map(|v| tmap[v.index()].expect("a view's base is kept"));
-        tmap[t.index()] = Some(b.add_tensor(spec));
+
+    fn emit(
+        &self,
+        g: &Graph,
+        b: &mut GraphBuilder,
+        k: u64,
+        tm: &dyn Fn(TensorId) -> TensorId,
+        _om: &dyn Fn(OpId) -> Vec<OpId>,
+    ) -> Vec<OpId> {
+        emit_chunks(g, b, self, k, tm)
     }
-    let tm = |t: TensorId| tmap[t.index()].expect("kept tensor");
-    let mut omap: Vec<Vec<OpId>> = vec![Vec::new(); g.num_ops()];
-    for &o in g.program_order() {
-        if let Some(c) = first.get(&o) {
-            let new = emit_chunks(g, &mut b, c, k, &tm);
-            for old in c.all_ops() {
-                omap[old.index()] = new.clone();
-            }
-            continue;
-        }
-        if dropped_ops[o.index()] {
-            continue;
-        }
-        let op = g.op(o);
-        let mut spec = OpSpec::from(op);
-        spec.inputs = op.inputs.iter().map(|&t| tm(t)).collect();
-        spec.outputs = op.outputs.iter().map(|&t| tm(t)).collect();
-        spec.updates = op.updates.iter().map(|&t| tm(t)).collect();
-        spec.reuse = op.reuse.iter().map(|&(x, y)| (tm(x), tm(y))).collect();
-        spec.after = op
-            .after
-            .iter()
-            .flat_map(|a| omap[a.index()].iter().copied())
-            .collect();
-        if op.after.iter().any(|a| omap[a.index()].is_empty()) {
-            return Err(Error::Unsupported(format!(
-                "op {:?} runs after an op that comes later in program order",
-                op.name
-            )));
-        }
-        omap[o.index()] = vec![b.add_op(spec)];
-    }
-    let mut out = b.build()?;
-    out.reference_peaks = g.reference_peaks.clone();
-    out.metadata = g.metadata.clone();
-    out.metadata.insert(
-        "split".into(),
-        json!({ "chunks": k, "chains": chains.len() }),
-    );
-    Ok(out)
 }
 
 /// Adds chain `c`'s `k` chunks to `b`; returns the ops added: the views
@@ -586,35 +489,9 @@ impl<'a> Chunks<'a> {
         x.map(|v| v * n as f64 / self.c.rows as f64)
     }
 
-    /// Views of the chunks' rows of `base` (`row` elements a row), made
-    /// by one `view` op.
+    /// Views of the chunks' rows of `base` (`row` elements a row).
     fn view(&self, b: &mut GraphBuilder, base: TensorId, row: u64) -> (OpId, Vec<TensorId>) {
-        let spec = self.spec(base);
-        let ebytes = self.elem(base, self.c.rows * row);
-        let mut out = Vec::new();
-        let mut offsets = Vec::new();
-        for (i, &(lo, hi)) in self.parts.iter().enumerate() {
-            let mut s =
-                TensorSpec::new(format!("{}.chunk{i}", spec.name), (hi - lo) * row * ebytes)
-                    .role(spec.role)
-                    .align(spec.align)
-                    .view_of((self.tm)(base));
-            s.dtype = spec.dtype.clone();
-            s.shape = Some(if row == 1 {
-                vec![hi - lo]
-            } else {
-                vec![hi - lo, row]
-            });
-            out.push(b.add_tensor(s));
-            offsets.push(lo * row);
-        }
-        let op = b.add_op(
-            OpSpec::new(format!("{}.chunks", spec.name), OpKind::Other, "view")
-                .inputs([(self.tm)(base)])
-                .outputs(out.clone())
-                .attr("offsets", offsets),
-        );
-        (op, out)
+        row_views(self.g, b, base, (self.tm)(base), &self.parts, row)
     }
 
     /// Chunk `i` of tensor `t`: a transient tensor of `shape` like `t`.
@@ -796,19 +673,6 @@ impl<'a> Chunks<'a> {
     }
 }
 
-/// `g` with every separable chain split into `k` chunks (`--split-chunks`);
-/// an error if it has none, or `k` is not between 2 and a chain's rows.
-pub fn split_graph(g: &Graph, k: u64) -> Result<Graph, Error> {
-    let chains = find_chains(g);
-    if chains.is_empty() {
-        return Err(Error::Unsupported(format!(
-            "{}: no separable loss chain to split (docs/splitting.md)",
-            g.name
-        )));
-    }
-    split_chains(g, &chains, k)
-}
-
 /// Chunk `i` (`elements` elements) of the chain's `cast` op `cast` (whose
 /// output is `out`), reading `from`; adds the op to `ops` and returns its
 /// output.
@@ -868,288 +732,4 @@ pub fn added_flops(chains: &[LossChain], k: u64) -> f64 {
         .iter()
         .map(|c| ((k - 1) * (1 + c.classes * c.width)) as f64)
         .sum()
-}
-
-/// What [`plan_split`] chose.
-#[derive(Clone, Debug)]
-pub struct SplitReport {
-    /// Chunks of the kept graph (1: not split).
-    pub chunks: u64,
-    /// Chains split.
-    pub chains: usize,
-    /// `(k, arena bytes)` of every candidate planned (`k = 1`: unsplit).
-    pub tried: Vec<(u64, u64)>,
-    /// FLOPs the split adds (0 when not split).
-    pub added_flops: f64,
-    /// FLOPs of the unsplit step (the cost model's, [`crate::cost`]).
-    pub step_flops: f64,
-}
-
-/// Plans `g` and, as `split` asks, its splits; returns the graph with the
-/// smallest planned arena (the unsplit one unless a split is strictly
-/// smaller), its plan and what was tried. Each candidate gets
-/// `opts.time_limit` divided by the number of candidates.
-pub fn plan_split(
-    g: &Graph,
-    opts: &Options,
-    split: Split,
-) -> Result<(Graph, Plan, SplitReport), Error> {
-    let (g, p, (), rep) = plan_split_with(g, split, |g, n| {
-        let mut o = opts.clone();
-        o.time_limit = opts.time_limit / n;
-        Ok::<_, Error>((pipeline::plan(g, &o)?, ()))
-    })?;
-    // Every plan leaves through the independent checker.
-    crate::checker::check(&g, &p)
-        .map_err(|e| Error::Internal(format!("the split plan is invalid: {e}")))?;
-    Ok((g, p, rep))
-}
-
-/// [`plan_split`] with `opts.split`: the graph that was planned (split or
-/// not), its plan, and what was tried.
-pub fn plan(g: &Graph, opts: &Options) -> Result<(Graph, Plan, SplitReport), Error> {
-    plan_split(g, opts, opts.split)
-}
-
-/// [`plan_split`] with any planner: `plan(graph, n)` plans one candidate of
-/// `n` (to share a time budget) and returns its plan and whatever else it
-/// reports, kept for the chosen graph.
-pub fn plan_split_with<R, E: From<Error>>(
-    g: &Graph,
-    split: Split,
-    mut plan: impl FnMut(&Graph, u32) -> Result<(Plan, R), E>,
-) -> Result<(Graph, Plan, R, SplitReport), E> {
-    let chains = find_chains(g);
-    let min_rows = chains.iter().map(|c| c.rows).min().unwrap_or(0);
-    let ks: Vec<u64> = match split {
-        _ if chains.is_empty() => Vec::new(),
-        Split::Off => Vec::new(),
-        Split::Auto => AUTO_CHUNKS
-            .iter()
-            .copied()
-            .filter(|&k| k <= min_rows)
-            .collect(),
-        Split::Chunks(k) => vec![k.min(min_rows)],
-    };
-    let n = 1 + ks.len() as u32;
-    let step_flops: f64 = g.op_ids().map(|o| crate::cost::op_flops(g, o)).sum();
-    let (base, r) = plan(g, n)?;
-    let mut tried = vec![(1, base.arena_bytes)];
-    let mut best: Option<(Graph, Plan, R, u64)> = None;
-    for &k in &ks {
-        // `auto` stops once more chunks no longer lower the arena.
-        if split == Split::Auto
-            && let [.., (_, a), (_, b)] = tried[..]
-            && tried.len() > 2
-            && b >= a
-        {
-            break;
-        }
-        let sg = split_chains(g, &chains, k)?;
-        let (p, r) = plan(&sg, n)?;
-        tried.push((k, p.arena_bytes));
-        let cur = best.as_ref().map_or(base.arena_bytes, |b| b.1.arena_bytes);
-        if p.arena_bytes < cur {
-            best = Some((sg, p, r, k));
-        }
-    }
-    Ok(match best {
-        Some((sg, p, r, k)) => (
-            sg,
-            p,
-            r,
-            SplitReport {
-                chunks: k,
-                chains: chains.len(),
-                tried,
-                added_flops: added_flops(&chains, k),
-                step_flops,
-            },
-        ),
-        None => (
-            g.clone(),
-            base,
-            r,
-            SplitReport {
-                chunks: 1,
-                chains: 0,
-                tried,
-                added_flops: 0.0,
-                step_flops,
-            },
-        ),
-    })
-}
-
-/// A fit ([`crate::fit::fit`]) that may split as well as recompute.
-#[derive(Clone, Debug)]
-pub struct SplitFit {
-    /// The fitted step: split (if that was cheaper) and with its
-    /// recomputation. Its `added` includes the split's FLOPs (and their
-    /// time at the step's FLOP rate).
-    pub fitted: crate::fit::Fitted,
-    /// The split chosen (`chunks` 1: not split).
-    pub split: SplitReport,
-}
-
-/// Fits `g` into `opts.budget`, splitting as `split` asks where that is the
-/// cheaper way in: the split with the smallest planned arena (if any is
-/// smaller than the unsplit step's) and the unsplit step are each fitted
-/// with half the time, and the one that fits with the least added cost
-/// (recomputation plus the split's additions, in `opts.objective`'s unit)
-/// is kept; ties go to the unsplit step.
-pub fn fit_split(
-    g: &Graph,
-    opts: &crate::fit::FitOptions,
-    split: Split,
-) -> Result<SplitFit, Error> {
-    use crate::fit::fit;
-    let p = Probe::new(g, opts, split)?;
-    if p.rep.chunks == 1 {
-        return Ok(SplitFit {
-            fitted: fit(g, opts)?,
-            split: p.rep,
-        });
-    }
-    let half = p.halves(opts);
-    let plain = fit(g, &half);
-    let split_fit = fit(&p.graph, &half).map(|f| {
-        let added = split_cost(p.rep.added_flops, &f.step);
-        with_split_added(f, &added)
-    });
-    let cost = |f: &crate::fit::Fitted| opts.objective.of(&f.added);
-    p.choose(plain, split_fit, |a, b| cost(b) < cost(a))
-}
-
-/// The smallest arena found whose added cost is at most `max_added` times
-/// the step's ([`crate::fit::fit_within`]), splitting as `split` asks where
-/// that lowers it. The split's own additions count against the share (the
-/// unsplit step's cost, in `opts.objective`'s unit): the split with the
-/// smallest planned arena (if any is smaller than the unsplit step's) is
-/// fitted with what the split leaves of it, the unsplit step with all of
-/// it, each with half the time, and the smaller arena is kept (ties go to
-/// the unsplit step). A split whose additions alone exceed the share is
-/// not fitted.
-pub fn fit_within_split(
-    g: &Graph,
-    max_added: f64,
-    opts: &crate::fit::FitOptions,
-    split: Split,
-) -> Result<SplitFit, Error> {
-    use crate::fit::fit_within;
-    crate::fit::check_share(max_added)?;
-    let p = Probe::new(g, opts, split)?;
-    let step = opts.cost_model.checked_total(g)?;
-    let split_added = split_cost(p.rep.added_flops, &step);
-    let left = max_added * opts.objective.of(&step) - opts.objective.of(&split_added);
-    if p.rep.chunks == 1 || left < 0.0 {
-        return Ok(SplitFit {
-            fitted: fit_within(g, max_added, opts)?,
-            split: p.unsplit(),
-        });
-    }
-    let half = p.halves(opts);
-    let plain = fit_within(g, max_added, &half);
-    let split_step = opts.objective.of(&opts.cost_model.checked_total(&p.graph)?);
-    let share = if split_step > 0.0 {
-        left / split_step
-    } else {
-        0.0
-    };
-    let split_fit = fit_within(&p.graph, share, &half).map(|f| {
-        let mut f = with_split_added(f, &split_added);
-        f.max_added = Some(max_added);
-        f
-    });
-    p.choose(plain, split_fit, |a, b| {
-        b.plan.arena_bytes < a.plan.arena_bytes
-    })
-}
-
-/// What both fits that may split start from: the split step `plan_split`
-/// keeps under the fit's probe time, and when that probe started.
-struct Probe {
-    graph: Graph,
-    rep: SplitReport,
-    start: std::time::Instant,
-}
-
-impl Probe {
-    fn new(g: &Graph, opts: &crate::fit::FitOptions, split: Split) -> Result<Probe, Error> {
-        let probe = Options {
-            time_limit: opts.probe_time,
-            layouts: 1,
-            ..Options::default()
-        };
-        let start = std::time::Instant::now();
-        let (graph, _, rep) = plan_split(g, &probe, split)?;
-        Ok(Probe { graph, rep, start })
-    }
-
-    /// `opts` with half of what is left of its time limit since the probe
-    /// started, for each of the two fits.
-    fn halves(&self, opts: &crate::fit::FitOptions) -> crate::fit::FitOptions {
-        crate::fit::FitOptions {
-            time_limit: opts.time_limit.saturating_sub(self.start.elapsed()) / 2,
-            ..opts.clone()
-        }
-    }
-
-    /// The report of the step left unsplit.
-    fn unsplit(&self) -> SplitReport {
-        SplitReport {
-            chunks: 1,
-            chains: 0,
-            added_flops: 0.0,
-            ..self.rep.clone()
-        }
-    }
-
-    /// The split fit where `split_better(plain, split)` (or where only it
-    /// succeeded), else the unsplit one; when both fail, the split's error.
-    fn choose(
-        self,
-        plain: Result<crate::fit::Fitted, Error>,
-        split_fit: Result<crate::fit::Fitted, Error>,
-        split_better: impl Fn(&crate::fit::Fitted, &crate::fit::Fitted) -> bool,
-    ) -> Result<SplitFit, Error> {
-        let unsplit = self.unsplit();
-        Ok(match (plain, split_fit) {
-            (Ok(a), Ok(b)) if split_better(&a, &b) => SplitFit {
-                fitted: b,
-                split: self.rep,
-            },
-            (Ok(a), _) => SplitFit {
-                fitted: a,
-                split: unsplit,
-            },
-            (Err(_), Ok(b)) => SplitFit {
-                fitted: b,
-                split: self.rep,
-            },
-            (Err(_), Err(e)) => return Err(e),
-        })
-    }
-}
-
-/// `flops` the split adds, and their time at the rate of `step` (its
-/// seconds per FLOP).
-fn split_cost(flops: f64, step: &crate::cost::OpCost) -> crate::cost::OpCost {
-    let rate = if step.flops > 0.0 {
-        step.seconds / step.flops
-    } else {
-        0.0
-    };
-    crate::cost::OpCost {
-        flops,
-        seconds: flops * rate,
-        bytes: 0,
-    }
-}
-
-/// `f` with the split's `added` cost counted in its own.
-fn with_split_added(mut f: crate::fit::Fitted, added: &crate::cost::OpCost) -> crate::fit::Fitted {
-    f.added.flops += added.flops;
-    f.added.seconds += added.seconds;
-    f
 }
