@@ -78,6 +78,7 @@ class PlanAndCheck(unittest.TestCase):
         whole = memplan.plan(g, time_limit=2)["arena_bytes"]
         two = memplan.plan_split(g, split=2, time_limit=2)
         self.assertEqual(two["split"]["chunks"], 2)
+        self.assertEqual((two["split"]["chains"], two["split"]["regions"]), (1, 0))  # GPT-2's MLP: linear ops
         self.assertLess(two["plan"]["arena_bytes"], whole)
         self.assertEqual(memplan.check(two["graph"], two["plan"])["max_live_bytes"],
                          two["plan"]["stats"]["max_live_bytes"])
@@ -85,6 +86,12 @@ class PlanAndCheck(unittest.TestCase):
         self.assertLessEqual(auto["plan"]["arena_bytes"], two["plan"]["arena_bytes"])
         self.assertEqual(auto["split"]["tried"][0][0], 1)  # the step as it is, first
         self.assertEqual(memplan.plan_split(g, split="off", time_limit=2)["split"]["chunks"], 1)
+        # A checkpointed Llama's MLPs split too (row-wise regions), each
+        # block's forward and its recomputed forward with its backward.
+        llama = memplan.plan_split(memplan.example("llama-tiny,checkpoint"), split=2, time_limit=2)
+        self.assertEqual((llama["split"]["chains"], llama["split"]["regions"]), (1, 4))
+        self.assertEqual(memplan.check(llama["graph"], llama["plan"])["max_live_bytes"],
+                         llama["plan"]["stats"]["max_live_bytes"])
         # A graph with no loss chain is planned as it is.
         self.assertEqual(memplan.plan_split(TWO_OPS, time_limit=1)["split"]["chunks"], 1)
         for bad in (True, 1.5, None, "some", 0):
