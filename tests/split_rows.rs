@@ -72,6 +72,11 @@ fn regions_only(g: &Graph) -> Splits {
 }
 
 fn tiny_llama(checkpoint: bool, mixed: bool) -> Graph {
+    let dtype = if mixed {
+        memplan::models::DType::BF16
+    } else {
+        memplan::models::DType::F32
+    };
     llama::build(&LlamaConfig {
         layers: 2,
         width: 32,
@@ -83,20 +88,36 @@ fn tiny_llama(checkpoint: bool, mixed: bool) -> Graph {
         batch: 2,
         checkpoint,
         mixed_precision: mixed,
+        dtype,
         ..LlamaConfig::preset("llama-tiny").unwrap()
     })
     .unwrap()
 }
 
+/// One rank of `g` sharded over two (FSDP2-style per-parameter shards).
+fn sharded(g: Graph) -> Graph {
+    let mut t = memplan::transforms::Transforms::default();
+    t.fsdp.world = 2;
+    t.apply(g).unwrap()
+}
+
 /// The MLP regions of the built-in Llama: the backward's (`dh = dy W₂ᵀ`,
 /// SwiGLU's backward, the gate/up products' gradients) in every block,
 /// and with checkpointing the forward's and the recomputed forward's with
-/// them. Split into 3 chunks, with and without the loss chain, the steps
-/// equal the unsplit ones over 3 steps.
+/// them; also one rank of the step sharded over two (the weights gathered,
+/// the gradients reduce-scattered after their chunks are summed). Split
+/// into 3 chunks, with and without the loss chain, the steps equal the
+/// unsplit ones over 3 steps.
 #[test]
 fn llama_mlp_regions_split_and_equal_the_unsplit_step() {
-    for (checkpoint, mixed) in [(false, false), (true, false), (true, true)] {
+    for (checkpoint, mixed, shard) in [
+        (false, false, false),
+        (true, false, false),
+        (true, true, false),
+        (true, false, true),
+    ] {
         let g = tiny_llama(checkpoint, mixed);
+        let g = if shard { sharded(g) } else { g };
         let s = regions_only(&g);
         let per_block = if checkpoint { 2 } else { 1 };
         assert_eq!(s.regions.len(), 2 * per_block, "{}", g.name);
