@@ -1,6 +1,6 @@
 """Splitting the loss chain of a captured step (``capture(..., split=...)``).
 
-memplan's splitting pass (``src/split.rs``, docs/splitting.md) rewrites the
+memplan's splitting pass (``src/split/loss.rs``, docs/splitting.md) rewrites the
 loss chain of a graph in memplan's own op vocabulary, which its executors
 run. A captured step's graph names aten ops instead, and only PyTorch can
 run them, so this module is the same transform over aten calls: it finds
