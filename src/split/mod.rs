@@ -9,16 +9,22 @@
 //! holding `[B·T/k, V]` instead of `[B·T, V]`, with the same math.
 //!
 //! [`loss`] splits the loss chain; [`rows`] splits the row-wise regions
-//! around an expanding projection (a transformer block's MLP).
+//! around an expanding projection (a transformer block's MLP). Both are
+//! [`Splits`], found together (a region never takes a chain's op) and
+//! written into one new graph by one rewrite: each replaced part's ops and
+//! tensors go, its chunks' ops take their place in the program order, and
+//! every other op and tensor is copied.
 //!
 //! # Choosing `k`
 //! [`plan_split`] plans the graph as it is and split into each `k` of
 //! [`AUTO_CHUNKS`] (or the `k` asked for; `auto` stops once doubling `k`
 //! no longer lowers the arena), sharing the time limit among them, and
 //! keeps the split graph only if its planned arena is smaller: without a
-//! gain the graph is left as it was. Splitting recomputes nothing; it adds the `k − 1` partial-loss
-//! additions and the `(k − 1)·V·C` additions of the accumulation
-//! ([`added_flops`]).
+//! gain the graph is left as it was. One `k` serves every chain and
+//! region. Splitting recomputes nothing; it adds the `k − 1` partial-loss
+//! additions and the `(k − 1)·V·C` additions of the head's gradient
+//! ([`added_flops`]), and `k − 1` additions into each weight gradient a
+//! region sums ([`rows::Region::added_flops`]).
 
 pub mod loss;
 pub mod rows;
