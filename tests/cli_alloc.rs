@@ -61,8 +61,58 @@ fn writes_a_layout_the_checker_accepts() {
     let sol = Solution { offsets, height };
     assert_eq!(height, 12);
     validate(&problem, &sol, Some(12)).unwrap();
-    // And the written file parses as a problem again (offset column ignored).
+    // And the written file parses as a problem again (offset column left
+    // out of the problem).
     assert_eq!(minimalloc_csv::read(&out_csv).unwrap(), problem);
+    // Given to `alloc`, its offsets are laid out anew and reported.
+    let again = memplan(&["alloc", s(&out_csv)]);
+    assert!(
+        text(&again.stdout).contains(
+            "the file's own offset column (not used; pin offsets with `pinned`): a valid layout, arena 12"
+        ),
+        "{}",
+        text(&again.stdout)
+    );
+    // Offsets that overlap, or are missing, are said to be so.
+    let mut lines: Vec<String> = written.lines().map(String::from).collect();
+    let zeroed: Vec<String> = lines[1..]
+        .iter()
+        .map(|l| format!("{},0", l.rsplit_once(',').unwrap().0))
+        .collect();
+    let bad = d.join("bad.csv");
+    std::fs::write(
+        &bad,
+        [lines[0].clone()]
+            .into_iter()
+            .chain(zeroed)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+    .unwrap();
+    let v: serde_json::Value =
+        serde_json::from_slice(&memplan(&["alloc", s(&bad), "--json"]).stdout).unwrap();
+    assert_eq!(v["given_layout"]["valid"], false);
+    assert!(
+        v["given_layout"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("share bytes"),
+        "{v}"
+    );
+    assert_eq!(v["arena_bytes"], 12);
+    let last = lines.len() - 1;
+    lines[last] = format!("{},", lines[last].rsplit_once(',').unwrap().0);
+    std::fs::write(&bad, lines.join("\n")).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_slice(&memplan(&["alloc", s(&bad), "--json"]).stdout).unwrap();
+    assert_eq!(
+        v["given_layout"]["error"],
+        format!("1 of {} buffers have no offset", last)
+    );
+    // Without an offset column there is nothing to report.
+    let v: serde_json::Value =
+        serde_json::from_slice(&memplan(&["alloc", s(&example()), "--json"]).stdout).unwrap();
+    assert!(v["given_layout"].is_null());
     std::fs::remove_dir_all(&d).unwrap();
 }
 

@@ -15,6 +15,60 @@ use memplan_solver as solver;
 
 use super::format::{grouped, table};
 
+/// What the input's own `offset` column (a previous layout, as `-o`
+/// writes) is worth: memplan lays the buffers out anew, and says whether
+/// the given offsets are a valid layout and how high, to set beside its own.
+enum GivenLayout {
+    /// Every buffer has an offset and they are a valid layout this high.
+    Valid(u64),
+    /// Every buffer has an offset, but they overlap (or break an alignment,
+    /// a pin or the capacity): what is wrong.
+    Invalid(String),
+    /// Buffers without an offset, of how many.
+    Incomplete(usize, usize),
+}
+
+fn given_layout(problem: &Problem, given: &[Option<u64>], capacity: Option<u64>) -> GivenLayout {
+    let offsets: Vec<u64> = given.iter().flatten().copied().collect();
+    if offsets.len() < given.len() {
+        return GivenLayout::Incomplete(given.len() - offsets.len(), given.len());
+    }
+    let height = problem
+        .buffers
+        .iter()
+        .zip(&offsets)
+        .filter(|(b, _)| b.size > 0)
+        .map(|(b, &o)| o.saturating_add(b.size))
+        .max()
+        .unwrap_or(0);
+    let sol = alloc::Solution { offsets, height };
+    match alloc::validate(problem, &sol, capacity) {
+        Ok(()) => GivenLayout::Valid(height),
+        Err(e) => GivenLayout::Invalid(e.to_string()),
+    }
+}
+
+impl GivenLayout {
+    fn line(&self) -> String {
+        let what = match self {
+            GivenLayout::Valid(h) => format!("a valid layout, arena {}", grouped(*h)),
+            GivenLayout::Invalid(e) => format!("not a valid layout ({e})"),
+            GivenLayout::Incomplete(n, of) => format!("incomplete ({n} of {of} buffers have none)"),
+        };
+        format!("the file's own offset column (not used; pin offsets with `pinned`): {what}")
+    }
+
+    fn json(&self) -> Value {
+        match self {
+            GivenLayout::Valid(h) => json!({"valid": true, "arena_bytes": h}),
+            GivenLayout::Invalid(e) => json!({"valid": false, "error": e}),
+            GivenLayout::Incomplete(n, of) => {
+                json!({"valid": false, "error": format!("{n} of {of} buffers have no offset")})
+            }
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct AllocArgs {
     /// The problem (CSV: id,lower,upper,size[,align][,pinned]); with
@@ -115,7 +169,8 @@ pub fn run(a: AllocArgs) -> Result<()> {
         bail!("give one PROBLEM.csv (or use --report for several)");
     };
     super::claim_stdout(&[("-o", a.output.as_deref())])?;
-    let problem = minimalloc_csv::read(input)?;
+    let (problem, given) = minimalloc_csv::read_with_layout(input)?;
+    let given = given.map(|g| given_layout(&problem, &g, a.capacity));
     let mode = a.capacity.map_or(Mode::Minimize, Mode::Capacity);
     let out = alloc::solve(&problem, mode, &p).with_context(|| format!("{}", input.display()))?;
     // Every layout leaves through the independent checker.
@@ -141,6 +196,7 @@ pub fn run(a: AllocArgs) -> Result<()> {
             "search_nodes": out.stats.nodes,
             "time_limit_hit": out.stats.time_limit_hit,
             "output": a.output.as_ref().filter(|_| fits).map(|p| p.display().to_string()),
+            "given_layout": given.as_ref().map(GivenLayout::json),
         });
         sayln!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -168,6 +224,9 @@ pub fn run(a: AllocArgs) -> Result<()> {
             out.source,
             out.stats.seconds
         );
+        if let Some(g) = &given {
+            sayln!("{}", g.line());
+        }
         if out.stats.time_limit_hit && out.status != Status::Optimal {
             sayln!(
                 "stopped at the time limit ({} s): the best layout found by then (checked)",

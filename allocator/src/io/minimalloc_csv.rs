@@ -3,9 +3,12 @@
 //! Input: a header row, then one buffer per row. Columns, in any order:
 //! `id` (or `buffer`), `lower` (or `begin`), `upper` (or `end`), `size`
 //! (all required); memplan adds the optional `align` (≥ 1) and `pinned`
-//! (an offset, or empty for none). An `offset` column (a previous layout)
-//! is read, checked to be a number, and ignored. A buffer occupies
-//! `[offset, offset + size)` during the times `[lower, upper)`.
+//! (an offset, or empty for none). An `offset` column (a previous layout,
+//! as this module writes) is read and checked to be numbers; [`parse`]
+//! leaves it out of the problem, [`parse_with_layout`] returns it too (so
+//! `memplan alloc` can say whether it is a valid layout, and its height,
+//! beside the one it finds). A buffer occupies `[offset, offset + size)`
+//! during the times `[lower, upper)`.
 //!
 //! Output: the same columns (`align` and `pinned` only when some buffer
 //! uses them) plus `offset`.
@@ -43,8 +46,21 @@ fn column(name: &str) -> Option<Col> {
     })
 }
 
-/// Reads a problem from CSV text; `file` names it in errors.
+/// Reads a problem from CSV text; `file` names it in errors. An `offset`
+/// column is checked and left out ([`parse_with_layout`] returns it).
 pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
+    parse_with_layout(text, file).map(|(p, _)| p)
+}
+
+/// The layout an `offset` column gives: each buffer's offset (`None`
+/// where its field is empty).
+pub type GivenOffsets = Vec<Option<u64>>;
+
+/// [`parse`], and the `offset` column's values, if the file has one.
+pub fn parse_with_layout(
+    text: &str,
+    file: &str,
+) -> Result<(Problem, Option<GivenOffsets>), AllocError> {
     let err = |line: u64, what: String| AllocError::Csv {
         file: file.to_string(),
         line,
@@ -69,6 +85,7 @@ pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
     let hline = header.position().map_or(1, |p| p.line());
     let cols = columns(&header).map_err(|what| err(hline, what))?;
     let mut buffers = Vec::new();
+    let mut offsets = Vec::new();
     let mut seen = std::collections::HashMap::new();
     for rec in records {
         let rec = rec.map_err(|e| csv_err(file, e))?;
@@ -76,7 +93,7 @@ pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
         if rec.iter().all(|f| f.is_empty()) {
             continue;
         }
-        let b = buffer(&cols, &rec).map_err(|what| err(line, what))?;
+        let (b, offset) = buffer(&cols, &rec).map_err(|what| err(line, what))?;
         if let Some(prev) = seen.insert(b.id.clone(), line) {
             return Err(err(
                 line,
@@ -84,8 +101,10 @@ pub fn parse(text: &str, file: &str) -> Result<Problem, AllocError> {
             ));
         }
         buffers.push(b);
+        offsets.push(offset);
     }
-    Ok(Problem::new(buffers))
+    let given = cols.contains(&Col::Offset).then_some(offsets);
+    Ok((Problem::new(buffers), given))
 }
 
 /// The header's columns: each known, none twice, the four required ones
@@ -116,8 +135,8 @@ fn columns(header: &csv::StringRecord) -> Result<Vec<Col>, String> {
     Ok(cols)
 }
 
-/// One row's buffer, its fields read by `cols` and checked.
-fn buffer(cols: &[Col], rec: &csv::StringRecord) -> Result<Buffer, String> {
+/// One row's buffer and its `offset` field, read by `cols` and checked.
+fn buffer(cols: &[Col], rec: &csv::StringRecord) -> Result<(Buffer, Option<u64>), String> {
     if rec.len() != cols.len() {
         return Err(format!(
             "{} fields, but the header has {}",
@@ -126,6 +145,7 @@ fn buffer(cols: &[Col], rec: &csv::StringRecord) -> Result<Buffer, String> {
         ));
     }
     let mut b = Buffer::new("", 0, 0, 0);
+    let mut offset = None;
     for (c, field) in cols.iter().zip(rec.iter()) {
         let num = |what: &str| -> Result<u64, String> {
             field
@@ -155,7 +175,7 @@ fn buffer(cols: &[Col], rec: &csv::StringRecord) -> Result<Buffer, String> {
             }
             Col::Offset => {
                 if !field.is_empty() {
-                    num("offset")?;
+                    offset = Some(num("offset")?);
                 }
             }
         }
@@ -174,7 +194,7 @@ fn buffer(cols: &[Col], rec: &csv::StringRecord) -> Result<Buffer, String> {
             b.id, b.align
         ));
     }
-    Ok(b)
+    Ok((b, offset))
 }
 
 fn csv_err(file: &str, e: csv::Error) -> AllocError {
@@ -188,11 +208,16 @@ fn csv_err(file: &str, e: csv::Error) -> AllocError {
 
 /// Reads a problem from a CSV file.
 pub fn read(path: &Path) -> Result<Problem, AllocError> {
+    read_with_layout(path).map(|(p, _)| p)
+}
+
+/// [`read`], and the file's `offset` column ([`parse_with_layout`]).
+pub fn read_with_layout(path: &Path) -> Result<(Problem, Option<GivenOffsets>), AllocError> {
     let text = std::fs::read_to_string(path).map_err(|e| AllocError::Io {
         file: path.display().to_string(),
         source: e,
     })?;
-    parse(&text, &path.display().to_string())
+    parse_with_layout(&text, &path.display().to_string())
 }
 
 /// Writes `problem` with the offsets of `solution` as CSV.
