@@ -29,6 +29,12 @@ class SimulatedAgainstTheBestEager(unittest.TestCase):
         self.assertLessEqual(sides["memplan"]["lower_bound_bytes"], sides["memplan"]["peak_bytes"])
         self.assertLessEqual(sides["memplan-fit-0.1%"]["added_flops_share"], 0.001)
         self.assertLessEqual(sides["memplan-fit-0.1%"]["peak_bytes"], sides["memplan"]["peak_bytes"])
+        # The loss split (where it lowers the plan) and then fitted: the
+        # split's FLOPs and the recomputation's within the same 0.1%.
+        split_fit = sides["memplan-split-fit-0.1%"]
+        self.assertLessEqual(split_fit["added_flops_share"], 0.001 + 1e-12)
+        self.assertLessEqual(split_fit["peak_bytes"], sides["memplan"]["peak_bytes"])
+        self.assertGreaterEqual(split_fit["chunks"], 1)
         # Full checkpointing runs the forward's products again; the selective
         # policy keeps their outputs.
         self.assertGreater(sides["full-ac/pytorch-reserved"]["added_flops_share"], 0.1)

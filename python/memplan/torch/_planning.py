@@ -39,6 +39,7 @@ class Planning:
     def __init__(self, c: Captured, scaling: Optional[_scaler.Scaling],
                  dist: Optional[_distributed.DataParallel]) -> None:
         self.captured = c  # what fit and split_loss start from (the split step once split)
+        self._unsplit = c  # the step as captured, before any split
         self.graph = c.graph
         self.calls: List[Call] = c.calls  # one per op of `graph`, in its order
         self.layouts = c.layouts  # per tensor of `graph`
@@ -137,6 +138,18 @@ class Planning:
         self.split = report
         return report
 
+    def _drop_split(self, why: str) -> Captured:
+        """Undoes :meth:`split_loss`: the step is the captured one again;
+        :attr:`split` keeps what was tried, with ``chunks`` 1 and why."""
+        base = self._unsplit
+        self.captured = base
+        self.graph, self.calls, self.layouts = base.graph, base.calls, base.layouts
+        self.optimizer_calls = base.optimizer_calls
+        self.captured_plan = None
+        self.programs.clear()
+        self.split = {**self.split, "chunks": 1, "chains": [], "added_flops": 0, "dropped": why}
+        return base
+
     def _own_rank(self, graph: Dict[str, Any], plan: Dict[str, Any]) -> Dict[str, Any]:
         """The first rank's plan as this rank runs it: its order and places,
         checked against this rank's graph (FSDP2's later shards may be
@@ -172,12 +185,21 @@ class Planning:
         does by default. On a split step (:meth:`split_loss`) the share is
         of the step as captured, and what the split added counts against
         it (the report's ``split_added_flops``; its ``added_flops`` are the
-        recomputation's): a split that used it all leaves no recomputation.
+        recomputation's). A split whose own FLOPs exceed the share is
+        undone (as ``memplan fit --split --max-added`` leaves such a split
+        out): the step is fitted as captured, and :attr:`split` says so
+        (``chunks`` 1, ``dropped``).
         """
         base = self.captured
         split_added = self.split["added_flops"] if self.split is not None else 0
         if max_added is not None and split_added > 0:
-            max_added = _share_left(base.graph, split_added, max_added)
+            left = _share_left(base.graph, split_added, max_added)
+            if left is None:
+                base = self._drop_split(f"the split adds {split_added:,.0f} FLOPs, more than max_added={max_added} "
+                                        "of the step allows")
+                split_added = 0
+            else:
+                max_added = left
         t0 = time.perf_counter()
         make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
                                    max_added=max_added)
@@ -243,20 +265,21 @@ class Planning:
         return takes
 
 
-def _share_left(split: Dict[str, Any], split_added: float, max_added: float) -> float:
+def _share_left(split: Dict[str, Any], split_added: float, max_added: float) -> Optional[float]:
     """What a split step may add by recomputation, as a share of its own
     cost, when at most `max_added` of the step before the split may be
     added in all and the split added `split_added` FLOPs (of `split`'s).
     In time as in FLOPs: the split's additions are taken to run at the
-    step's own rate, as ``memplan fit --split`` counts them. Never below 0
-    (a share the split used up allows no recomputation)."""
+    step's own rate, as ``memplan fit --split`` counts them. None when the
+    split alone adds more than the share."""
     if not (isinstance(max_added, (int, float)) and not isinstance(max_added, bool) and max_added >= 0):
         return max_added  # memplan.fit names what is wrong with it
     total = sum(op.get("flops", 0) for op in split["ops"])
     before = total - split_added
     if total <= 0 or before <= 0:
         return max_added
-    return max(max_added * before - split_added, 0.0) / total
+    left = max_added * before - split_added
+    return None if left < 0 else left / total
 
 
 def _copy_of(fitted: Dict[str, Any]) -> Dict[str, str]:
