@@ -171,6 +171,33 @@ pub fn fit_within_json(
     fitted_json(&fit_within(&g, max_added, &opts)?)
 }
 
+/// [`fit_within_json`] for a graph that already adds `already_flops` FLOPs
+/// to the step it was made from (a split made outside the core, as
+/// `memplan.torch` splits a captured step): `max_added` is a share of that
+/// step's cost and those FLOPs count against it
+/// ([`crate::fit::fit_within_after`]); an error of kind `does_not_fit` when
+/// they alone exceed it.
+pub fn fit_within_after_json(
+    graph_json: &str,
+    max_added: f64,
+    already_flops: f64,
+    time_limit_s: f64,
+    minimise: &str,
+) -> Result<String, Error> {
+    let g = graph(graph_json)?;
+    let opts = FitOptions {
+        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
+        objective: objective(minimise)?,
+        ..FitOptions::default()
+    };
+    fitted_json(&crate::fit::fit_within_after(
+        &g,
+        max_added,
+        already_flops,
+        &opts,
+    )?)
+}
+
 /// A fit's report with the fitted graph and plan as documents.
 /// [`fit_json`] (with `budget`) or [`fit_within_json`] (with `max_added`:
 /// exactly one of the two) that may also split the loss chain as `split`

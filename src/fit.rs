@@ -851,6 +851,63 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
     Ok(f)
 }
 
+/// The share of `g`'s own cost that recomputation may add when `g`
+/// already adds `already_flops` FLOPs to the step it was made from (a
+/// split's additions) and at most `max_added` of that step's cost may be
+/// added in all: `already_flops` count at `g`'s own FLOP rate (their time
+/// too, with the time objective). `None` when they alone exceed the share.
+pub fn share_after(
+    g: &Graph,
+    max_added: f64,
+    already_flops: f64,
+    opts: &FitOptions,
+) -> Result<Option<f64>, Error> {
+    check_share(max_added)?;
+    if !(already_flops.is_finite() && already_flops >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "the FLOPs a graph already adds must be 0 or more, not {already_flops}"
+        )));
+    }
+    let step = opts.cost_model.checked_total(g)?;
+    let rate = if step.flops > 0.0 {
+        step.seconds / step.flops
+    } else {
+        0.0
+    };
+    let already = opts.objective.of(&crate::cost::OpCost {
+        flops: already_flops,
+        seconds: already_flops * rate,
+        bytes: 0,
+    });
+    let whole = opts.objective.of(&step);
+    let left = max_added * (whole - already) - already;
+    if left < 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(if whole > 0.0 { left / whole } else { 0.0 }))
+}
+
+/// [`fit_within`] for a graph that already adds `already_flops` FLOPs to
+/// the step it was made from ([`share_after`]): `max_added` is a share of
+/// that step's cost, and those FLOPs count against it. An error
+/// ([`Error::DoesNotFit`]) when they alone exceed it.
+pub fn fit_within_after(
+    g: &Graph,
+    max_added: f64,
+    already_flops: f64,
+    opts: &FitOptions,
+) -> Result<Fitted, Error> {
+    let Some(share) = share_after(g, max_added, already_flops, opts)? else {
+        return Err(Error::DoesNotFit(format!(
+            "{}: the graph already adds {already_flops:.0} FLOPs to the step it was made from, more than max_added={max_added} of that step's cost allows",
+            g.name
+        )));
+    };
+    let mut f = fit_within(g, share, opts)?;
+    f.max_added = Some(max_added);
+    Ok(f)
+}
+
 /// Refuses an added-cost share that is negative or not finite.
 pub(crate) fn check_share(max_added: f64) -> Result<(), Error> {
     if max_added.is_finite() && max_added >= 0.0 {

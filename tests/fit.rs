@@ -165,6 +165,49 @@ fn fitted_within_a_flops_share_runs_like_the_reference() {
     }
 }
 
+/// A graph that already adds FLOPs to the step it was made from (a split
+/// made outside the core): the share is of that step, those FLOPs count
+/// against it, and a share they alone exceed is refused (`does_not_fit`).
+#[test]
+fn a_share_after_what_a_graph_already_adds() {
+    let g = gpt2::build(&Gpt2Config::small_config(3, 32, 2, 16, 2, 64)).unwrap();
+    let o = FitOptions {
+        objective: Objective::Flops,
+        time_limit: Duration::from_secs(4),
+        ..opts(0)
+    };
+    let total = o.cost_model.checked_total(&g).unwrap().flops;
+    // Nothing added already: the share itself.
+    assert_eq!(
+        memplan::fit::share_after(&g, 0.01, 0.0, &o).unwrap(),
+        Some(0.01)
+    );
+    // Of a step of `total − a` FLOPs, 1% less the `a` already added,
+    // as a share of this graph's `total`.
+    let a = 0.004 * total;
+    let share = memplan::fit::share_after(&g, 0.01, a, &o).unwrap().unwrap();
+    let want = (0.01 * (total - a) - a) / total;
+    assert!((share - want).abs() <= 1e-12, "{share} vs {want}");
+    let f = memplan::fit::fit_within_after(&g, 0.01, a, &o).unwrap();
+    assert!(f.added.flops + a <= 0.01 * (total - a) * (1.0 + 1e-9));
+    assert_eq!(f.max_added, Some(0.01));
+    checker::check(&f.graph, &f.plan).unwrap();
+    // More already added than the share allows.
+    assert_eq!(
+        memplan::fit::share_after(&g, 0.01, 0.02 * total, &o).unwrap(),
+        None
+    );
+    let e = memplan::fit::fit_within_after(&g, 0.01, 0.02 * total, &o).unwrap_err();
+    assert!(matches!(e, Error::DoesNotFit(_)), "{e}");
+    assert!(e.to_string().contains("more than max_added=0.01"), "{e}");
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        assert!(matches!(
+            memplan::fit::share_after(&g, 0.01, bad, &o),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}
+
 #[test]
 fn fitted_mlp_runs_like_the_reference() {
     let cfg = MlpConfig {

@@ -83,6 +83,14 @@ int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double 
 int memplan_fit_within(const char *graph_json, double max_added, double time_limit_seconds,
                        const char *minimise, char **out);
 
+/* memplan_fit_within for a graph made from another step that it already
+ * adds `already_flops` FLOPs to (a split made outside memplan): `max_added`
+ * is a share of that other step's cost, and those FLOPs count against it.
+ * MEMPLAN_E_DOES_NOT_FIT when they alone exceed it; a negative or
+ * non-finite count is an error. */
+int memplan_fit_within_after(const char *graph_json, double max_added, double already_flops,
+                             double time_limit_seconds, const char *minimise, char **out);
+
 /* memplan_fit (with `max_added` below 0: fits into `budget_bytes`) or
  * memplan_fit_within (with `max_added` 0 or more; `budget_bytes` is then
  * not read) that may also split the loss chain as memplan_plan_split does

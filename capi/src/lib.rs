@@ -241,6 +241,31 @@ pub unsafe extern "C" fn memplan_fit_within(
     }
 }
 
+/// `memplan_fit_within` for a graph that already adds `already_flops`
+/// FLOPs to the step it was made from; see `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_fit_within_after(
+    graph_json: *const c_char,
+    max_added: f64,
+    already_flops: f64,
+    time_limit_seconds: f64,
+    minimise: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let m = objective(minimise)?;
+            memplan::api::fit_within_after_json(g, max_added, already_flops, time_limit_seconds, m)
+                .map_err(Failure::from)
+        })
+    }
+}
+
 /// `memplan_fit` (`max_added` negative) or `memplan_fit_within`
 /// (`budget_bytes` ignored) that may also split the loss chain; see
 /// `memplan.h`.

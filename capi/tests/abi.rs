@@ -8,8 +8,8 @@ use std::ptr;
 
 use memplan_capi::{
     memplan_at_batch, memplan_baselines, memplan_check, memplan_example, memplan_fit,
-    memplan_fit_split, memplan_fit_within, memplan_max_batch, memplan_plan, memplan_plan_split,
-    memplan_string_free, memplan_version,
+    memplan_fit_split, memplan_fit_within, memplan_fit_within_after, memplan_max_batch,
+    memplan_plan, memplan_plan_split, memplan_string_free, memplan_version,
 };
 
 fn take(p: *mut c_char) -> String {
@@ -259,6 +259,30 @@ fn fits_through_the_c_abi() {
     let rc = unsafe { memplan_fit_within(g.as_ptr(), -0.5, 5.0, ptr::null(), &mut out) };
     assert_eq!(rc, code("INVALID_ARGUMENT"));
     assert!(take(out).contains("share of the step's cost"));
+    // The cost model counts the step at 2,522 FLOPs (`b1` and `b2` carry
+    // no count: elementwise estimates). After 5 FLOPs the graph already
+    // adds, 1% of the 2,517 before less 5 leaves 20.17, so `f` (10) is
+    // still recomputed; after 16, 1% of 2,506 less 16 leaves 9.06, and it
+    // is not; after 25 the share is spent before any recomputation.
+    let rc =
+        unsafe { memplan_fit_within_after(g.as_ptr(), 0.01, 5.0, 5.0, flops.as_ptr(), &mut out) };
+    let v: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0, "{v}");
+    assert_eq!(v["recomputed_ops"], serde_json::json!(["f"]));
+    let rc =
+        unsafe { memplan_fit_within_after(g.as_ptr(), 0.01, 16.0, 5.0, flops.as_ptr(), &mut out) };
+    let v: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0, "{v}");
+    assert_eq!(v["recomputed_ops"], serde_json::json!([]));
+    let rc =
+        unsafe { memplan_fit_within_after(g.as_ptr(), 0.01, 25.0, 5.0, flops.as_ptr(), &mut out) };
+    assert_eq!(rc, code("DOES_NOT_FIT"));
+    assert!(take(out).contains("more than max_added=0.01"));
+    let rc = unsafe {
+        memplan_fit_within_after(g.as_ptr(), 0.01, f64::NAN, 5.0, flops.as_ptr(), &mut out)
+    };
+    assert_eq!(rc, code("INVALID_ARGUMENT"));
+    take(out);
 }
 
 /// `REMAT` at batch `b`: every size `b` times its own, the batch recorded

@@ -253,13 +253,27 @@ def _share(max_added):
     return share
 
 
+def _flops(n, what="already_added_flops"):
+    """A FLOP count: a finite number, 0 or more."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise MemplanError(f"{what} must be a number of FLOPs, not {n!r}")
+    try:
+        x = float(n)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x) or x < 0:
+        raise MemplanError(f"{what} must be a number of FLOPs, 0 or more, not {_shown(n)}")
+    return x
+
+
 def _objective(minimise):
     if not isinstance(minimise, str):
         raise MemplanError(f"minimise must be 'time' or 'flops', not {_shown(minimise)}")
     return minimise
 
 
-def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None, split="off"):
+def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None, split="off",
+        already_added_flops=0.0):
     """The cheapest recomputation that fits `graph` into `budget` bytes.
 
     memplan chooses forward ops to run again in the backward pass, then
@@ -286,6 +300,13 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None,
     ``split`` (``chunks`` 1: not split), its `graph` is the split step's
     when split, and its ``added_flops`` are the split's and the
     recomputation's.
+
+    With `max_added` and `already_added_flops`, `graph` is a step made
+    from another that it already adds that many FLOPs to (a split made
+    outside this function, as ``memplan.torch`` splits a captured step):
+    `max_added` is then a share of that other step's cost, and those
+    FLOPs count against it. Raises `MemplanError` (kind ``does_not_fit``)
+    when they alone exceed it.
     """
     if (budget is None) == (max_added is None):
         raise TypeError("give either budget (bytes) or max_added (a share of the step's cost)")
@@ -294,9 +315,11 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None,
                      None if budget is None else _budget(budget),
                      None if max_added is None else _share(max_added), _seconds(time_limit),
                      _objective(minimise), _split(split))
+    if already_added_flops and max_added is None:
+        raise TypeError("already_added_flops goes with max_added")
     if max_added is not None:
         return _call(_memplan.fit_within_json, _text(graph, "graph"), _share(max_added),
-                     _seconds(time_limit), _objective(minimise))
+                     _seconds(time_limit), _objective(minimise), _flops(already_added_flops))
     return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), _seconds(time_limit),
                  _objective(minimise))
 

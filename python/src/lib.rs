@@ -73,18 +73,28 @@ fn fit_json(
         .map_err(err)
 }
 
-/// The smallest arena within `max_added` of the step's cost (JSON report).
+/// The smallest arena within `max_added` of the step's cost (JSON report);
+/// with `already_flops`, of the cost of the step the graph was made from,
+/// which it already adds that many FLOPs to.
 #[pyfunction]
+#[pyo3(signature = (graph_json, max_added, time_limit, minimise, already_flops=0.0))]
 fn fit_within_json(
     py: Python<'_>,
     graph_json: &str,
     max_added: f64,
     time_limit: f64,
     minimise: &str,
+    already_flops: f64,
 ) -> PyResult<String> {
     let (g, m) = (graph_json.to_string(), minimise.to_string());
-    py.detach(move || memplan::api::fit_within_json(&g, max_added, time_limit, &m))
-        .map_err(err)
+    py.detach(move || {
+        if already_flops == 0.0 {
+            memplan::api::fit_within_json(&g, max_added, time_limit, &m)
+        } else {
+            memplan::api::fit_within_after_json(&g, max_added, already_flops, time_limit, &m)
+        }
+    })
+    .map_err(err)
 }
 
 /// A fit (`budget`) or a fit within a share (`max_added`) that may also

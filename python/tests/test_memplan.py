@@ -100,6 +100,26 @@ class PlanAndCheck(unittest.TestCase):
             self.assertEqual(e.exception.kind, "invalid_argument")
             self.assertIn("split", str(e.exception))
 
+    def test_fit_within_a_share_after_what_the_graph_already_adds(self):
+        # A step split outside memplan.fit (as memplan.torch splits a
+        # captured one): the share is of the step before, the split's FLOPs
+        # count against it, and a share they alone exceed is refused.
+        g = memplan.example("gpt2-tiny")
+        step = memplan.fit(g, max_added=0.0, minimise="flops", time_limit=1)["step_flops"]
+        added = 0.004 * step
+        f = memplan.fit(g, max_added=0.01, minimise="flops", time_limit=2, already_added_flops=added)
+        self.assertLessEqual(f["added_flops"] + added, 0.01 * (step - added) * (1 + 1e-9))
+        self.assertEqual(memplan.check(f["graph"], f["plan"])["max_live_bytes"], f["max_live_bytes"])
+        with self.assertRaises(memplan.MemplanError) as e:
+            memplan.fit(g, max_added=0.01, minimise="flops", time_limit=1, already_added_flops=0.02 * step)
+        self.assertEqual(e.exception.kind, "does_not_fit")
+        self.assertIn("more than max_added=0.01", str(e.exception))
+        for bad in (-1, float("nan"), True, "many"):
+            with self.subTest(already=bad), self.assertRaises(memplan.MemplanError):
+                memplan.fit(g, max_added=0.01, time_limit=1, already_added_flops=bad)
+        with self.assertRaises(TypeError):
+            memplan.fit(g, budget=10 ** 9, already_added_flops=1.0)
+
     def test_fit_may_split(self):
         # Within a share of the step's FLOPs the split's own FLOPs count; the
         # split step fitted into the split plan's arena recomputes nothing;

@@ -465,23 +465,19 @@ pub fn fit_within_split(
     use crate::fit::fit_within;
     crate::fit::check_share(max_added)?;
     let p = Probe::new(g, opts, split)?;
-    let step = opts.cost_model.checked_total(g)?;
-    let split_added = split_cost(p.rep.added_flops, &step);
-    let left = max_added * opts.objective.of(&step) - opts.objective.of(&split_added);
-    if p.rep.chunks == 1 || left < 0.0 {
+    let share = match p.rep.chunks {
+        1 => None,
+        _ => crate::fit::share_after(&p.graph, max_added, p.rep.added_flops, opts)?,
+    };
+    let Some(share) = share else {
         return Ok(SplitFit {
             fitted: fit_within(g, max_added, opts)?,
             split: p.unsplit(),
         });
-    }
+    };
     let half = p.halves(opts);
     let plain = fit_within(g, max_added, &half);
-    let split_step = opts.objective.of(&opts.cost_model.checked_total(&p.graph)?);
-    let share = if split_step > 0.0 {
-        left / split_step
-    } else {
-        0.0
-    };
+    let split_added = split_cost(p.rep.added_flops, &opts.cost_model.checked_total(&p.graph)?);
     let split_fit = fit_within(&p.graph, share, &half).map(|f| {
         let mut f = with_split_added(f, &split_added);
         f.max_added = Some(max_added);

@@ -192,18 +192,28 @@ class Planning:
         """
         base = self.captured
         split_added = self.split["added_flops"] if self.split is not None else 0
-        if max_added is not None and split_added > 0:
-            left = _share_left(base.graph, split_added, max_added)
-            if left is None:
-                base = self._drop_split(f"the split adds {split_added:,.0f} FLOPs, more than max_added={max_added} "
-                                        "of the step allows")
-                split_added = 0
-            else:
-                max_added = left
+        unsplit = self._unsplit
         t0 = time.perf_counter()
-        make = lambda: memplan.fit(base.graph, budget, time_limit=time_limit, minimise=minimise,  # noqa: E731
-                                   max_added=max_added)
+
+        def make():
+            # Within a share, the core counts the split's FLOPs against it
+            # (memplan.fit's already_added_flops) and refuses a split that
+            # alone exceeds it: then the step as captured is fitted.
+            fit = lambda graph, **kw: memplan.fit(graph, budget, time_limit=time_limit,  # noqa: E731
+                                                  minimise=minimise, max_added=max_added, **kw)
+            if split_added <= 0 or max_added is None:
+                return fit(base.graph)
+            try:
+                return fit(base.graph, already_added_flops=split_added)
+            except memplan.MemplanError as e:
+                if e.kind != "does_not_fit":
+                    raise
+                return {**fit(unsplit.graph), "dropped": str(e)}
+
         fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
+        if "dropped" in fitted:
+            base = self._drop_split(fitted.pop("dropped"))
+            split_added = 0
         self.plan_seconds = time.perf_counter() - t0
         kept = self.captured_plan
         if kept is not None and kept["arena_bytes"] <= fitted["plan"]["arena_bytes"] and (
@@ -263,23 +273,6 @@ class Planning:
             k, o, i = hinted[r["output"]]
             takes[k] = (o, i)
         return takes
-
-
-def _share_left(split: Dict[str, Any], split_added: float, max_added: float) -> Optional[float]:
-    """What a split step may add by recomputation, as a share of its own
-    cost, when at most `max_added` of the step before the split may be
-    added in all and the split added `split_added` FLOPs (of `split`'s).
-    In time as in FLOPs: the split's additions are taken to run at the
-    step's own rate, as ``memplan fit --split`` counts them. None when the
-    split alone adds more than the share."""
-    if not (isinstance(max_added, (int, float)) and not isinstance(max_added, bool) and max_added >= 0):
-        return max_added  # memplan.fit names what is wrong with it
-    total = sum(op.get("flops", 0) for op in split["ops"])
-    before = total - split_added
-    if total <= 0 or before <= 0:
-        return max_added
-    left = max_added * before - split_added
-    return None if left < 0 else left / total
 
 
 def _copy_of(fitted: Dict[str, Any]) -> Dict[str, str]:
