@@ -13,7 +13,8 @@ use crate::models::fsdp::{FsdpOptions, default_unit, shard_with};
 /// What to do to a loaded graph (nothing by default).
 #[derive(Clone, Debug)]
 pub struct Transforms {
-    /// Split the loss chain into this many chunks (`None`: leave it).
+    /// Split the loss chain and the row-wise (MLP) regions into this many
+    /// chunks (`None`: leave them).
     pub split_chunks: Option<u64>,
     /// Shard over `fsdp.world` ranks when that is more than one.
     pub fsdp: FsdpOptions,

@@ -193,6 +193,8 @@ pub fn run(a: FitArgs) -> Result<()> {
         let mut v = f.summary_json();
         if let Some(s) = &split {
             v["split_chunks"] = serde_json::json!(s.chunks);
+            v["split_chains"] = serde_json::json!(s.chains);
+            v["split_regions"] = serde_json::json!(s.regions);
             v["split_added_flops"] = serde_json::json!(s.added_flops);
         }
         sayln!("{}", serde_json::to_string_pretty(&v)?);
@@ -203,7 +205,9 @@ pub fn run(a: FitArgs) -> Result<()> {
                 "split: {}",
                 if s.chunks > 1 {
                     format!(
-                        "the loss chain into {} chunks ({} FLOPs added, counted above)",
+                        "{} loss chain(s) and {} row-wise region(s) into {} chunks ({} FLOPs added, counted above)",
+                        s.chains,
+                        s.regions,
                         s.chunks,
                         super::format::grouped(s.added_flops as u64)
                     )
