@@ -145,11 +145,19 @@ pub fn fit_json(
     let g = graph(graph_json)?;
     let opts = FitOptions {
         budget,
+        ..fit_options(time_limit_s, minimise)?
+    };
+    fitted_json(&fit(&g, &opts)?)
+}
+
+/// The fit's options for a time limit in seconds and an objective's name
+/// (`time` or `flops`), each checked.
+fn fit_options(time_limit_s: f64, minimise: &str) -> Result<FitOptions, Error> {
+    Ok(FitOptions {
         time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
         objective: objective(minimise)?,
         ..FitOptions::default()
-    };
-    fitted_json(&fit(&g, &opts)?)
+    })
 }
 
 /// The smallest arena found for the graph in `graph_json` whose
@@ -163,11 +171,7 @@ pub fn fit_within_json(
     minimise: &str,
 ) -> Result<String, Error> {
     let g = graph(graph_json)?;
-    let opts = FitOptions {
-        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
-        objective: objective(minimise)?,
-        ..FitOptions::default()
-    };
+    let opts = fit_options(time_limit_s, minimise)?;
     fitted_json(&fit_within(&g, max_added, &opts)?)
 }
 
@@ -185,11 +189,7 @@ pub fn fit_within_after_json(
     minimise: &str,
 ) -> Result<String, Error> {
     let g = graph(graph_json)?;
-    let opts = FitOptions {
-        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
-        objective: objective(minimise)?,
-        ..FitOptions::default()
-    };
+    let opts = fit_options(time_limit_s, minimise)?;
     fitted_json(&crate::fit::fit_within_after(
         &g,
         max_added,
@@ -218,11 +218,7 @@ pub fn fit_split_json(
 ) -> Result<String, Error> {
     let split: crate::split::Split = split.parse().map_err(Error::InvalidArgument)?;
     let g = graph(graph_json)?;
-    let mut opts = FitOptions {
-        time_limit: pipeline::time_limit(time_limit_s, "time limit")?,
-        objective: objective(minimise)?,
-        ..FitOptions::default()
-    };
+    let mut opts = fit_options(time_limit_s, minimise)?;
     let f = match (budget, max_added) {
         (Some(b), None) => {
             opts.budget = b;

@@ -14,42 +14,23 @@
 //! chunk instead of once, so the state is compared by relative L2 distance,
 //! within 1e-2 (measured 1.7e-4 at k = 3; the f32 steps: 6e-9 to 3e-7).
 
+mod common;
+
 use std::time::Duration;
 
+use common::{opts, plan, run_seeded, state_distance};
+use memplan::checker;
 use memplan::exec;
 use memplan::graph::{Graph, GraphBuilder, OpKind, OpSpec, Role, TensorSpec};
 use memplan::models::gpt2::{self, Gpt2Config};
 use memplan::models::llama::{self, LlamaConfig};
 use memplan::split::{self, Split};
-use memplan::{Options, Plan, checker};
 use memplan_runtime::runner::{RunConfig, RunReport, run_cpu};
 
-fn opts() -> Options {
-    Options {
-        time_limit: Duration::from_secs(1),
-        ..Options::default()
-    }
-}
-
-fn plan(g: &Graph) -> Plan {
-    let p = memplan::plan(g, &opts()).unwrap();
-    checker::check(g, &p).unwrap();
-    p
-}
-
 /// Runs `steps` steps of `g`'s plan on the CPU executor, in one arena of
-/// exactly the planned size.
+/// exactly the planned size (the runner's default batches).
 fn run(g: &Graph, steps: usize) -> RunReport {
-    let planned = plan(g);
-    let p = exec::program(g, &planned).unwrap();
-    let cfg = RunConfig {
-        steps,
-        keep_state: true,
-        ..RunConfig::default()
-    };
-    let r = run_cpu(&p, &cfg).unwrap();
-    assert_eq!(r.arena_bytes, planned.arena_bytes);
-    r
+    run_seeded(g, steps, RunConfig::default().data_seed)
 }
 
 fn close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) {
@@ -91,21 +72,6 @@ fn split_matches(g: &Graph, k: u64, steps: usize) {
     let dist = state_distance(&a, &b);
     eprintln!("{} split into {k}: state distance {dist:.2e}", g.name);
     assert!(dist < 1e-5, "state distance {dist}");
-}
-
-/// Relative L2 distance between the final states (every parameter, moment
-/// and the loss), after checking they name the same tensors.
-fn state_distance(a: &RunReport, b: &RunReport) -> f64 {
-    let (mut d, mut n) = (0.0f64, 0.0f64);
-    for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
-        assert_eq!(na, nb);
-        assert_eq!(va.len(), vb.len(), "{na}");
-        for (&x, &y) in va.iter().zip(vb) {
-            d += (x as f64 - y as f64).powi(2);
-            n += (y as f64).powi(2);
-        }
-    }
-    (d / n).sqrt()
 }
 
 fn tiny_gpt2() -> Gpt2Config {

@@ -12,57 +12,14 @@
 //! addition to a bf16 weight gradient rounds once more).
 
 use std::collections::HashSet;
-use std::time::Duration;
 
-use memplan::exec;
+mod common;
+
+use common::{opts, run_seeded as run, state_distance};
+use memplan::checker;
 use memplan::graph::{Graph, GraphBuilder, Lifetime, OpKind, OpSpec, Role, TensorSpec};
 use memplan::models::llama::{self, LlamaConfig};
 use memplan::split::{self, Split, Splits, rows};
-use memplan::{Options, Plan, checker};
-use memplan_runtime::runner::{RunConfig, RunReport, run_cpu};
-
-fn opts() -> Options {
-    Options {
-        time_limit: Duration::from_secs(1),
-        ..Options::default()
-    }
-}
-
-fn plan(g: &Graph) -> Plan {
-    let p = memplan::plan(g, &opts()).unwrap();
-    checker::check(g, &p).unwrap();
-    p
-}
-
-fn run(g: &Graph, steps: usize, seed: u64) -> RunReport {
-    let planned = plan(g);
-    let p = exec::program(g, &planned).unwrap();
-    let cfg = RunConfig {
-        steps,
-        keep_state: true,
-        data_seed: seed,
-        ..RunConfig::default()
-    };
-    let r = run_cpu(&p, &cfg).unwrap();
-    assert_eq!(r.arena_bytes, planned.arena_bytes);
-    r
-}
-
-/// Relative L2 distance between the final states, after checking they
-/// name the same tensors.
-fn state_distance(a: &RunReport, b: &RunReport) -> f64 {
-    let (mut d, mut n) = (0.0f64, 0.0f64);
-    assert_eq!(a.state[0].len(), b.state[0].len());
-    for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
-        assert_eq!(na, nb);
-        assert_eq!(va.len(), vb.len(), "{na}");
-        for (&x, &y) in va.iter().zip(vb) {
-            d += (x as f64 - y as f64).powi(2);
-            n += (y as f64).powi(2);
-        }
-    }
-    (d / n.max(f64::MIN_POSITIVE)).sqrt()
-}
 
 fn regions_only(g: &Graph) -> Splits {
     Splits {

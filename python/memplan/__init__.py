@@ -240,30 +240,29 @@ def _first_non_finite(doc, path="graph"):
     return None
 
 
-def _share(max_added):
-    if isinstance(max_added, bool) or not isinstance(max_added, (int, float)):
-        raise MemplanError(f"max_added must be a number (0.001 for 0.1%), not {max_added!r}")
+def _non_negative(x, not_a_number: str, out_of_range: str) -> float:
+    """`x` as a finite float, 0 or more; else a MemplanError with the
+    message for a non-number or for a value out of range (each followed by
+    the value)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise MemplanError(f"{not_a_number}, not {x!r}")
     try:
-        share = float(max_added)
+        v = float(x)
     except OverflowError:
-        share = math.inf
-    if not math.isfinite(share) or share < 0:
-        raise MemplanError("max_added must be a share of the step's cost, 0 or more "
-                         f"(0.001 for 0.1%), not {_shown(max_added)}")
-    return share
+        v = math.inf
+    if not math.isfinite(v) or v < 0:
+        raise MemplanError(f"{out_of_range}, not {_shown(x)}")
+    return v
+
+
+def _share(max_added):
+    return _non_negative(max_added, "max_added must be a number (0.001 for 0.1%)",
+                         "max_added must be a share of the step's cost, 0 or more (0.001 for 0.1%)")
 
 
 def _flops(n, what="already_added_flops"):
     """A FLOP count: a finite number, 0 or more."""
-    if isinstance(n, bool) or not isinstance(n, (int, float)):
-        raise MemplanError(f"{what} must be a number of FLOPs, not {n!r}")
-    try:
-        x = float(n)
-    except OverflowError:
-        x = math.inf
-    if not math.isfinite(x) or x < 0:
-        raise MemplanError(f"{what} must be a number of FLOPs, 0 or more, not {_shown(n)}")
-    return x
+    return _non_negative(n, f"{what} must be a number of FLOPs", f"{what} must be a number of FLOPs, 0 or more")
 
 
 def _objective(minimise):

@@ -164,11 +164,11 @@ fn reads_as_rows(g: &Graph, o: OpId, t: TensorId, ins: &[Along]) -> bool {
 /// The region grown from `seed` (an up projection), if it can be split;
 /// `taken` holds ops already in a region or chain.
 fn region_at(g: &Graph, seed: OpId, taken: &HashSet<OpId>, pos: &[usize]) -> Option<Region> {
-    let (mm, _, _) = match vocab::kernel(g.op(seed)).ok()? {
-        Kernel::MatmulNn(mm) | Kernel::MatmulNt(mm) => (mm, (), ()),
-        _ => return None,
+    let (Kernel::MatmulNn(Matmul { m: rows, k, n }) | Kernel::MatmulNt(Matmul { m: rows, k, n })) =
+        vocab::kernel(g.op(seed)).ok()?
+    else {
+        return None;
     };
-    let Matmul { m: rows, k, n } = mm;
     if rows < 2 || n <= k || taken.contains(&seed) {
         return None;
     }
