@@ -265,6 +265,38 @@ fn a_region_that_is_not_separable_is_never_split() {
     assert_eq!(s.num_ops(), g.num_ops());
 }
 
+/// Where the MLP step of [`mlp`] split into `k` chunks differs from the
+/// unsplit one on the CPU executor (batches from `seed`), if it does: f32,
+/// 1e-5 relative plus 1e-6 of the tensor's largest element. A regrouped
+/// f32 sum over rows errs by a few ulps of its terms' size, not of its
+/// own, so an element that cancels to near zero is judged against the
+/// tensor's scale.
+fn mlp_split_differs(r: u64, c: u64, f: u64, act: &str, k: u64, seed: u64) -> Option<String> {
+    let g = mlp(r, c, f, act, false);
+    let s = regions_only(&g);
+    assert_eq!(s.regions.len(), 1);
+    let sg = s.apply(&g, k).unwrap();
+    let (a, b) = (run(&sg, 1, seed), run(&g, 1, seed));
+    assert_eq!(a.state[0].len(), b.state[0].len());
+    for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
+        assert_eq!(na, nb);
+        let scale = vb.iter().fold(0f32, |m, &y| m.max(y.abs()));
+        for (&x, &y) in va.iter().zip(vb) {
+            if (x - y).abs() > 1e-6 * (1.0 + scale) + 1e-5 * y.abs() {
+                return Some(format!("{na}: {x} vs {y} (largest element {scale})"));
+            }
+        }
+    }
+    None
+}
+
+/// A case the random test found: an element of `dW₂` that cancels to
+/// 0.0029 among elements up to 42 differs by 1.7e-6 after 34 chunks.
+#[test]
+fn a_gradient_element_that_cancels_is_judged_at_its_tensors_scale() {
+    assert_eq!(mlp_split_differs(38, 7, 16, "relu", 34, 763), None);
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig {
         cases: 16,
@@ -275,8 +307,8 @@ proptest::proptest! {
     /// Random MLP regions (rows, width, hidden width, activation) split
     /// into a random number of chunks: the split graph's plan checks, and
     /// on random inputs the CPU executor gives the same outputs and
-    /// gradients (f32; 1e-5 relative + 1e-6 absolute: the weight
-    /// gradients' sums regrouped).
+    /// gradients ([`mlp_split_differs`]: the weight gradients' sums
+    /// regrouped).
     #[test]
     fn random_mlp_regions_split_into_random_chunks_equal_the_original(
         r in 2u64..40,
@@ -286,18 +318,8 @@ proptest::proptest! {
         kk in 0u64..1000,
         seed in 0u64..1000,
     ) {
-        let g = mlp(r, c, c + extra, if relu { "relu" } else { "gelu" }, false);
         let k = 2 + kk % (r - 1);
-        let s = regions_only(&g);
-        proptest::prop_assert_eq!(s.regions.len(), 1);
-        let sg = s.apply(&g, k).unwrap();
-        let (a, b) = (run(&sg, 1, seed), run(&g, 1, seed));
-        proptest::prop_assert_eq!(a.state[0].len(), b.state[0].len());
-        for ((na, va), (nb, vb)) in a.state[0].iter().zip(&b.state[0]) {
-            proptest::prop_assert_eq!(na, nb);
-            for (&x, &y) in va.iter().zip(vb) {
-                proptest::prop_assert!((x - y).abs() <= 1e-6 + 1e-5 * y.abs(), "{}: {} vs {}", na, x, y);
-            }
-        }
+        let act = if relu { "relu" } else { "gelu" };
+        proptest::prop_assert_eq!(mlp_split_differs(r, c, c + extra, act, k, seed), None);
     }
 }
