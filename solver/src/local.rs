@@ -52,6 +52,19 @@ fn allocates(p: &Problem, v: OpIdx) -> u64 {
         .sum()
 }
 
+/// Whether `v` makes no buffer and, moved to just before position `to`,
+/// keeps no buffer alive longer: each buffer it reads has another user at
+/// `to` or later. Such ops (views, mostly) move down with the op they
+/// feed, so they do not pin the value they view where it was made: a
+/// recomputed norm whose output is transposed for a weight gradient sinks
+/// to that gradient once the transpose has.
+fn rides_along(p: &Problem, v: OpIdx, pos: &[u32], to: usize) -> bool {
+    p.outputs(v).len() == 0
+        && p.uses(v).all(|b| {
+            p.buf(b).persistent || p.users(b).any(|u| u != v && pos[u.index()] as usize >= to)
+        })
+}
+
 /// The sink/hoist pass (see the module docs); returns an order whose peak
 /// is not above the input's.
 pub fn sink_hoist(p: &Problem, order: &[OpIdx], max_passes: usize) -> Vec<OpIdx> {
@@ -80,14 +93,14 @@ pub fn sink_hoist(p: &Problem, order: &[OpIdx], max_passes: usize) -> Vec<OpIdx>
         let snapshot = cur.clone();
         for &v in snapshot.iter().rev() {
             let i = pos[v.index()] as usize;
-            if allocates(p, v) <= freed(v, &pos) {
-                continue;
-            }
             let first = p
                 .succs(v)
                 .map(|s| pos[s.index()] as usize)
                 .min()
                 .unwrap_or(n);
+            if allocates(p, v) <= freed(v, &pos) && !(first < n && rides_along(p, v, &pos, first)) {
+                continue;
+            }
             if first > i + 1 {
                 relocate(&mut cur, &mut pos, i, first - 1);
                 moved = true;
@@ -145,15 +158,15 @@ pub fn tidy(p: &Problem, order: &[OpIdx]) -> Vec<OpIdx> {
             .map(|b| p.size(b))
             .sum();
         let alloc = allocates(p, v);
-        if alloc == 0 || alloc < freed {
-            continue;
-        }
         let first = p
             .succs(v)
             .map(|s| pos[s.index()] as usize)
             .min()
             .unwrap_or(n);
-        if first <= i + 1 {
+        if first <= i + 1
+            || alloc < freed
+            || (alloc == 0 && !(first < n && rides_along(p, v, &pos, first)))
+        {
             continue;
         }
         let mut next = cur.clone();
@@ -732,6 +745,59 @@ mod tests {
         let e = evaluate(&p, &after);
         assert!(e.peak < before);
         assert_eq!(e.pos[re.index()] + 1, e.pos[prev.index()]);
+    }
+
+    /// The same, with the big value read through a view op (no buffer of
+    /// its own, as a transpose lowers): the view moves down to its reader
+    /// first, then the allocator follows, in both `sink_hoist` and `tidy`.
+    /// Without the view riding along, both passes leave the order as it
+    /// is (the view pins the allocator).
+    #[test]
+    fn sinks_an_allocator_past_the_views_that_read_it() {
+        use crate::problem::{OpClass, ProblemBuilder};
+        let mut b = ProblemBuilder::new();
+        let x = b.add_buf(1, None, true);
+        let re = b.add_op(OpClass::Backward);
+        b.add_use(re, x);
+        let big = b.add_buf(50, Some(re), false);
+        let view = b.add_op(OpClass::Backward);
+        b.add_use(view, big);
+        b.add_edge(re, view);
+        let mut prev = b.add_op(OpClass::Forward);
+        let first = prev;
+        for _ in 0..5 {
+            let t = b.add_buf(40, Some(prev), false);
+            let nx = b.add_op(OpClass::Forward);
+            b.add_use(nx, t);
+            prev = nx;
+        }
+        // The last op reads the view (so the root buffer) and its own chain.
+        b.add_use(prev, big);
+        b.add_edge(view, prev);
+        let p = b.build().unwrap();
+        let mut order: Vec<OpIdx> = vec![re, view, first];
+        order.extend(
+            p.topo_order()
+                .iter()
+                .copied()
+                .filter(|&o| o != re && o != view && o != first),
+        );
+        assert!(p.is_valid_order(&order));
+        assert_eq!(evaluate(&p, &order).peak, 50 + 40 + 40 + 1);
+        for after in [sink_hoist(&p, &order, 4), tidy(&p, &order)] {
+            let e = evaluate(&p, &after);
+            assert_eq!(e.peak, 50 + 40 + 1, "{after:?}");
+            assert_eq!(e.pos[re.index()] + 1, e.pos[view.index()]);
+            assert_eq!(e.pos[view.index()] + 1, e.pos[prev.index()]);
+        }
+        // A view whose buffer nothing reads later stays where it is: moving
+        // it down would keep `big` alive longer for nothing.
+        assert!(!rides_along(
+            &p,
+            view,
+            &evaluate(&p, &order).pos,
+            order.len()
+        ));
     }
 
     /// Checkpointing's pile-up in miniature: per block, `fc` is recomputed,
