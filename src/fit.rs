@@ -29,8 +29,12 @@
 //! The search is [`memplan_solver::remat::select`]: exact over subsets for
 //! a few candidates, else greedy by bytes freed at the peak per unit of
 //! cost, then pruned; every probe is a real plan of the transformed step,
-//! so what it reports is what the plan needs. The result is checked by the
-//! independent checker like every plan.
+//! so what it reports is what the plan needs. Probes are planned in a
+//! short time each ([`FitOptions::probe_time`]); the search gets four
+//! fifths of the time limit, and the answer is planned once more with what
+//! is left, keeping the lower arena (a large step's probe stops in the
+//! planner's heuristics). The result is checked by the independent checker
+//! like every plan.
 //!
 //! [`fit_within`] asks the dual question, "how small does the step get for
 //! at most this share more cost?", through
@@ -622,6 +626,15 @@ impl Planner<'_> {
     }
 }
 
+/// The share of a fit's time limit held back from the search, to plan its
+/// answer once more ([`Planner::fitted`]).
+const ANSWER_SHARE: f64 = 0.2;
+
+/// The search's part of `opts.time_limit`: all but [`ANSWER_SHARE`] of it.
+fn search_time(opts: &FitOptions) -> Duration {
+    opts.time_limit.mul_f64(1.0 - ANSWER_SHARE)
+}
+
 /// Most candidates one greedy step takes together.
 const MAX_GROUP: usize = 8;
 
@@ -712,16 +725,44 @@ impl<'a> Planner<'a> {
         }
     }
 
-    /// The fitted step of the search's answer, checked, with its cost.
-    fn fitted(mut self, sel: &remat::Selection, opts: &FitOptions) -> Result<Fitted, Error> {
+    /// The fitted step of the search's answer, checked, with its cost. The
+    /// answer's probe was planned in a probe's time; unless that plan is
+    /// at its lower bound, the step is planned again with what is left of
+    /// the fit's time limit, counted from `start` (when that is longer than
+    /// a probe's), and the lower of the two arenas is kept. A large step's
+    /// probe stops before the planner's improvement passes are done.
+    fn fitted(
+        mut self,
+        sel: &remat::Selection,
+        opts: &FitOptions,
+        start: Instant,
+    ) -> Result<Fitted, Error> {
         let g = self.g;
         let base_arena = self.base_arena()?;
         let chosen = self.chosen_ops(&sel.chosen);
         let graph = recompute(g, &chosen)?;
-        let plan = self
+        let mut plan = self
             .plans
             .remove(&sel.chosen)
             .expect("the search planned its answer");
+        let left = opts.time_limit.saturating_sub(start.elapsed());
+        if plan.arena_bytes > plan.stats.lower_bound_bytes && left > self.opts.time_limit {
+            let again = pipeline::plan(
+                &graph,
+                &Options {
+                    time_limit: left,
+                    ..Options::default()
+                },
+            );
+            if let Ok(again) = again
+                && again.arena_bytes < plan.arena_bytes
+            {
+                plan = again;
+                if let Some(p) = &self.progress {
+                    p.best_peak.store(plan.arena_bytes, Ordering::Relaxed);
+                }
+            }
+        }
         crate::checker::check(&graph, &plan)?;
         // What was copied: chosen ops that nothing needs get no copy and cost
         // nothing; ops that only make views come with their base.
@@ -786,7 +827,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     }
     let cands = candidates(g, &opts.cost_model);
     let mut planner = Planner::new(g, &cands, opts);
-    let time = Budget::new(opts.time_limit);
+    let time = Budget::new(search_time(opts));
     let seeds = segment_seeds(g, &cands);
     let sel = remat::select(
         &search_candidates(&cands, opts.objective),
@@ -818,7 +859,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
             cands.len(),
         )));
     }
-    let mut f = planner.fitted(&sel, opts)?;
+    let mut f = planner.fitted(&sel, opts, start)?;
     f.seconds = start.elapsed().as_secs_f64();
     Ok(f)
 }
@@ -833,7 +874,7 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
     check_share(max_added)?;
     let cands = candidates(g, &opts.cost_model);
     let mut planner = Planner::new(g, &cands, opts);
-    let time = Budget::new(opts.time_limit);
+    let time = Budget::new(search_time(opts));
     let seeds = segment_seeds(g, &cands);
     let step = opts.objective.of(&opts.cost_model.checked_total(g)?);
     let sel = remat::select_within(
@@ -844,7 +885,7 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
         &time,
         &seeds,
     );
-    let mut f = planner.fitted(&sel, opts)?;
+    let mut f = planner.fitted(&sel, opts, start)?;
     f.budget = f.plan.arena_bytes;
     f.max_added = Some(max_added);
     f.seconds = start.elapsed().as_secs_f64();

@@ -165,6 +165,46 @@ fn fitted_within_a_flops_share_runs_like_the_reference() {
     }
 }
 
+/// Probes cut short (1 ms each) leave the answer planned far from what
+/// the planner finds with time; the fit plans its answer again with the
+/// time it held back, so the arena is what a full plan of the fitted step
+/// gets.
+#[test]
+fn the_answer_is_planned_again_after_short_probes() {
+    let g = gpt2::build(&Gpt2Config::small_config(6, 64, 4, 16, 2, 128)).unwrap();
+    let o = FitOptions {
+        objective: Objective::Flops,
+        time_limit: Duration::from_secs(20),
+        probe_time: Duration::from_millis(1),
+        ..opts(0)
+    };
+    let f = fit_within(&g, 0.01, &o).unwrap();
+    checker::check(&f.graph, &f.plan).unwrap();
+    let full = memplan::plan(&f.graph, &memplan::Options::default()).unwrap();
+    let short = memplan::plan(
+        &f.graph,
+        &memplan::Options {
+            time_limit: Duration::from_millis(1),
+            layouts: 1,
+            ..memplan::Options::default()
+        },
+    )
+    .unwrap();
+    assert!(
+        short.arena_bytes > full.arena_bytes,
+        "the test needs a step whose short plan is worse: {} vs {}",
+        short.arena_bytes,
+        full.arena_bytes
+    );
+    assert!(
+        f.plan.arena_bytes <= full.arena_bytes,
+        "{} > {}",
+        f.plan.arena_bytes,
+        full.arena_bytes
+    );
+    assert!(f.added.flops <= 0.01 * f.step.flops);
+}
+
 /// A graph that already adds FLOPs to the step it was made from (a split
 /// made outside the core): the share is of that step, those FLOPs count
 /// against it, and a share they alone exceed is refused (`does_not_fit`).
