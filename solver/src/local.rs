@@ -8,7 +8,10 @@
 //!   from the end of the order, hoists from the start, repeated until
 //!   nothing moves (or a pass limit). This undoes, for instance, a
 //!   recomputation scheduled right after the forward pass it repeats, or a
-//!   backward-only value computed early in the forward pass.
+//!   backward-only value computed early in the forward pass. An op that
+//!   makes no buffer (a view: a transpose of a recomputed norm's output)
+//!   also sinks to its first consumer when every buffer it reads is used
+//!   there or later, so it does not pin the value it views.
 //! - [`chain_hoist`]: an op that frees more than it allocates moves earlier
 //!   with its private producers (and, as a second variant, with the
 //!   consumers that free what it makes), to the best of a few insertion
@@ -135,10 +138,10 @@ pub fn sink_hoist(p: &Problem, order: &[OpIdx], max_passes: usize) -> Vec<OpIdx>
 }
 
 /// The tidy pass: from the end of the order, every op that allocates at
-/// least as much as it frees (and allocates something; neutral ops are
-/// included so chains of them follow) moves to just before its first
-/// consumer, one move at a
-/// time, each kept only if the peak does not rise. Unlike [`sink_hoist`],
+/// least as much as it frees (and allocates something, or makes no buffer
+/// and rides along, see `rides_along`, so chains of views follow) moves to
+/// just before its first consumer, one move at a time, each kept only if
+/// the peak does not rise. Unlike [`sink_hoist`],
 /// which keeps or drops a whole pass, this keeps every harmless move, so
 /// off-peak values (recomputed activations, backward-only values) are made
 /// just before their use even when the step's peak lies elsewhere. Returns
