@@ -43,7 +43,7 @@
 use crate::budget::Budget;
 use crate::exact::{self, ExactLimits};
 use crate::partition::extract_with;
-use crate::problem::{OpIdx, Problem};
+use crate::problem::{OpClass, OpIdx, Problem};
 use crate::profile::Profile;
 use crate::simulate::evaluate;
 
@@ -62,7 +62,8 @@ fn allocates(p: &Problem, v: OpIdx) -> u64 {
 /// recomputed norm whose output is transposed for a weight gradient sinks
 /// to that gradient once the transpose has.
 fn rides_along(p: &Problem, v: OpIdx, pos: &[u32], to: usize) -> bool {
-    p.outputs(v).len() == 0
+    matches!(p.class(v), OpClass::Forward | OpClass::Backward)
+        && p.outputs(v).len() == 0
         && p.uses(v).all(|b| {
             p.buf(b).persistent || p.users(b).any(|u| u != v && pos[u.index()] as usize >= to)
         })
