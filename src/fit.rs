@@ -32,8 +32,8 @@
 //! so what it reports is what the plan needs. Probes are planned in a
 //! short time each ([`FitOptions::probe_time`]); the search gets four
 //! fifths of the time limit, and the answer is planned once more with what
-//! is left, keeping the lower arena (a large step's probe stops in the
-//! planner's heuristics). The result is checked by the independent checker
+//! is left, keeping the lower arena (a large step's probe stops before the
+//! planner's improvement passes are done). The result is checked by the independent checker
 //! like every plan.
 //!
 //! [`fit_within`] asks the dual question, "how small does the step get for

@@ -57,19 +57,28 @@ fn allocates(p: &Problem, v: OpIdx) -> u64 {
 
 /// Whether `v` is a forward or backward op that makes no buffer and,
 /// moved to just before position `to`, keeps no buffer alive longer: each
-/// buffer it reads has another user at `to` or later. Optimizer and
-/// collective ops stay out: some that make no buffer in the graph do
-/// allocate when they run (an FSDP2 step captured by `memplan.torch`
-/// measured 1,988 bytes above its plan when they moved). Such ops (views, mostly) move down with the op they
-/// feed, so they do not pin the value they view where it was made: a
-/// recomputed norm whose output is transposed for a weight gradient sinks
-/// to that gradient once the transpose has.
+/// buffer it reads has another user at `to` or later. Such ops (views,
+/// mostly) move down with the op they feed, so they do not pin the value
+/// they view where it was made: a recomputed norm whose output is
+/// transposed for a weight gradient sinks to that gradient once the
+/// transpose has. Optimizer and collective ops stay out: some that make no
+/// buffer in the graph do allocate when they run (an FSDP2 step captured
+/// by `memplan.torch` measured 1,988 bytes above its plan when they moved).
 fn rides_along(p: &Problem, v: OpIdx, pos: &[u32], to: usize) -> bool {
     matches!(p.class(v), OpClass::Forward | OpClass::Backward)
         && p.outputs(v).len() == 0
         && p.uses(v).all(|b| {
             p.buf(b).persistent || p.users(b).any(|u| u != v && pos[u.index()] as usize >= to)
         })
+}
+
+/// Position of `v`'s first consumer in the order `pos` describes (`n`, the
+/// order's length, when it has none).
+fn first_consumer(p: &Problem, v: OpIdx, pos: &[u32], n: usize) -> usize {
+    p.succs(v)
+        .map(|s| pos[s.index()] as usize)
+        .min()
+        .unwrap_or(n)
 }
 
 /// The sink/hoist pass (see the module docs); returns an order whose peak
@@ -100,11 +109,7 @@ pub fn sink_hoist(p: &Problem, order: &[OpIdx], max_passes: usize) -> Vec<OpIdx>
         let snapshot = cur.clone();
         for &v in snapshot.iter().rev() {
             let i = pos[v.index()] as usize;
-            let first = p
-                .succs(v)
-                .map(|s| pos[s.index()] as usize)
-                .min()
-                .unwrap_or(n);
+            let first = first_consumer(p, v, &pos, n);
             if allocates(p, v) <= freed(v, &pos) && !(first < n && rides_along(p, v, &pos, first)) {
                 continue;
             }
@@ -165,11 +170,7 @@ pub fn tidy(p: &Problem, order: &[OpIdx]) -> Vec<OpIdx> {
             .map(|b| p.size(b))
             .sum();
         let alloc = allocates(p, v);
-        let first = p
-            .succs(v)
-            .map(|s| pos[s.index()] as usize)
-            .min()
-            .unwrap_or(n);
+        let first = first_consumer(p, v, &pos, n);
         if first <= i + 1
             || alloc < freed
             || (alloc == 0 && !(first < n && rides_along(p, v, &pos, first)))
@@ -719,6 +720,21 @@ mod tests {
         assert_eq!(evaluate(&p, &after).peak, 180);
     }
 
+    /// Six forward ops in a chain, each passing the next 40 bytes; returns
+    /// the first and the last.
+    fn chain(b: &mut crate::problem::ProblemBuilder) -> (OpIdx, OpIdx) {
+        use crate::problem::OpClass;
+        let first = b.add_op(OpClass::Forward);
+        let mut prev = first;
+        for _ in 0..5 {
+            let t = b.add_buf(40, Some(prev), false);
+            let nx = b.add_op(OpClass::Forward);
+            b.add_use(nx, t);
+            prev = nx;
+        }
+        (first, prev)
+    }
+
     /// A recomputation-like op (reads an early input, makes a big output
     /// used only at the end) placed early is sunk to just before its use.
     #[test]
@@ -729,14 +745,7 @@ mod tests {
         let re = b.add_op(OpClass::Forward);
         b.add_use(re, x);
         let big = b.add_buf(50, Some(re), false);
-        let mut prev = b.add_op(OpClass::Forward);
-        let first = prev;
-        for _ in 0..5 {
-            let t = b.add_buf(40, Some(prev), false);
-            let nx = b.add_op(OpClass::Forward);
-            b.add_use(nx, t);
-            prev = nx;
-        }
+        let (first, prev) = chain(&mut b);
         b.add_use(prev, big);
         let p = b.build().unwrap();
         let mut order: Vec<OpIdx> = vec![re, first];
@@ -770,14 +779,7 @@ mod tests {
         let view = b.add_op(OpClass::Backward);
         b.add_use(view, big);
         b.add_edge(re, view);
-        let mut prev = b.add_op(OpClass::Forward);
-        let first = prev;
-        for _ in 0..5 {
-            let t = b.add_buf(40, Some(prev), false);
-            let nx = b.add_op(OpClass::Forward);
-            b.add_use(nx, t);
-            prev = nx;
-        }
+        let (first, prev) = chain(&mut b);
         // The last op reads the view (so the root buffer) and its own chain.
         b.add_use(prev, big);
         b.add_edge(view, prev);
