@@ -2,9 +2,12 @@
 //!
 //! 1. Lower the graph for the solver ([`crate::lower`]).
 //! 2. Make candidate orders: the program order, the orders the graph
-//!    carries, the plain list schedule and the solver's order
-//!    ([`memplan_solver::solve`]: partition, per-part heuristics, exact
-//!    search and local improvement, within the time limit).
+//!    carries, the plain list schedule, the program order with each update
+//!    moved to right after its gradient (as eager runs the optimizer in the
+//!    backward pass: [`crate::baselines::optimizer_in_backward_order`]) and
+//!    the solver's order ([`memplan_solver::solve`]: partition, per-part
+//!    heuristics, exact search and local improvement, within the time
+//!    limit). A plan the limit cuts short is never above any of them.
 //! 3. Evaluate each (live-bytes peak, reuses taken) and lay out the best
 //!    few with the allocator.
 //! 4. Keep the smallest arena. The program order without reuses, laid out by
@@ -17,7 +20,7 @@ use std::time::{Duration, Instant};
 use memplan_solver as solver;
 
 use crate::error::Error;
-use crate::graph::Graph;
+use crate::graph::{Graph, OpKind};
 use crate::layout::{LAYOUT_BACKSTOP, layout_within};
 use crate::lower::{self, Lowered};
 use crate::plan::Plan;
@@ -230,12 +233,24 @@ fn candidates(
     let mut orders: Vec<(&'static str, Vec<solver::OpIdx>)> =
         vec![("program-order", Lowered::from_op_ids(g.program_order()))];
     orders.push(("list-schedule", solver::list_schedule(p)));
+    // Each update right after its gradient is complete, as an eager user
+    // with the optimizer in the backward pass runs it, so that a plan cut
+    // short by its limit is never above that configuration's order (on a
+    // large checkpointed step the solver may stop before its update
+    // placement). A candidate like the list schedule, not a seed of the
+    // solver: as a seed it displaced orders the solver improves further.
+    if g.ops().iter().any(|o| o.kind == OpKind::Optimizer) {
+        let oib = crate::baselines::optimizer_in_backward_order(g);
+        if oib != g.program_order() {
+            orders.push(("optimizer-in-backward", Lowered::from_op_ids(&oib)));
+        }
+    }
     for (_, order) in &g.extra_orders {
         orders.push(("given-order", Lowered::from_op_ids(order)));
     }
     let given: Vec<(String, Vec<solver::OpIdx>)> = orders
         .iter()
-        .filter(|(s, _)| *s != "list-schedule")
+        .filter(|(s, _)| !matches!(*s, "list-schedule" | "optimizer-in-backward"))
         .map(|(s, o)| (s.to_string(), o.clone()))
         .collect();
     // The work after the ordering (evaluating the candidates, the first

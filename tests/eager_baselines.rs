@@ -220,6 +220,55 @@ fn optimizer_in_backward_order_is_valid_on_the_built_in_steps() {
     }
 }
 
+/// The planner starts from the optimizer-in-backward order too: a plan cut
+/// at once by its time limit is never above that order's max live, and the
+/// candidate is reported. On the two-layer step program order holds both
+/// gradients at its end, and the seed does not.
+#[test]
+fn a_plan_cut_at_once_is_never_above_the_optimizer_in_backward_order() {
+    use memplan::models::{ExampleOptions, example};
+    use std::time::Duration;
+    let opts = ExampleOptions {
+        checkpoint: true,
+        ..Default::default()
+    };
+    for (g, lower) in [
+        (two_layers(), true),
+        (example("gpt2-tiny", &opts).unwrap(), false),
+    ] {
+        let low = memplan::lower::lower(&g, true);
+        let max_live = |order: &[OpId]| {
+            memplan_solver::evaluate(&low.problem, &memplan::lower::Lowered::from_op_ids(order))
+                .peak
+        };
+        let in_backward = max_live(&baselines::optimizer_in_backward_order(&g));
+        let (plan, report) = memplan::pipeline::plan_with_report(
+            &g,
+            &memplan::Options {
+                time_limit: Duration::ZERO,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        memplan::checker::check(&g, &plan).unwrap();
+        assert!(
+            plan.stats.max_live_bytes <= in_backward,
+            "{}: {} > {in_backward}",
+            g.name,
+            plan.stats.max_live_bytes
+        );
+        let seed = report
+            .candidates
+            .iter()
+            .find(|c| c.0 == "optimizer-in-backward")
+            .unwrap_or_else(|| panic!("{}: no optimizer-in-backward candidate", g.name));
+        assert_eq!(seed.1, in_backward, "{}", g.name);
+        if lower {
+            assert!(in_backward < max_live(g.program_order()), "{}", g.name);
+        }
+    }
+}
+
 /// `compare --json` reports the new baselines, and the closing line names
 /// the best eager configuration.
 #[test]
