@@ -337,8 +337,10 @@ split_liger() {
 baselines_cap() {
   # Issue 39: the largest batch within a cap (CAP_GIB, default 12) and its
   # tokens per second, for the sides in CAP_SIDES (default: memplan's plan
-  # and its fit at 0.1%, then the two eager sides the 2026-11-27 run did
-  # not reach), each in its own process stopped after CAP_SIDE_S seconds.
+  # and its fit at 0.1%, selective checkpointing with the optimizer in the
+  # backward (the strongest eager side that adds no matrix-product FLOPs),
+  # then the two eager sides the 2026-11-27 run did not reach), each in its
+  # own process stopped after CAP_SIDE_S seconds.
   # The model: CAP_MODEL (hf-llama or hf-gpt2) at CAP_SIZE (bench_baselines'
   # sizes; default medium: 8 layers, hidden 1024), seq CAP_SEQ (1024),
   # batches up to CAP_UPTO (16), bf16 autocast with CAP_BF16=1. Issue 39's
@@ -346,7 +348,7 @@ baselines_cap() {
   # (Llama 3.2 1B's shape), then CAP_MODEL=hf-gpt2 without CAP_BF16
   # (GPT-2 XL, f32).
   torch_ready || return
-  local sides=${CAP_SIDES:-memplan,memplan-fit-0.1%,eager-selective-ac,eager-optimizer-in-backward}
+  local sides=${CAP_SIDES:-memplan,memplan-fit-0.1%,eager-selective-ac+optimizer-in-backward,eager-selective-ac,eager-optimizer-in-backward}
   echo "== largest batch within ${CAP_GIB:-12} GiB: ${CAP_MODEL:-hf-llama} ${CAP_SIZE:-medium} seq ${CAP_SEQ:-1024} bf16 ${CAP_BF16:-0}: $sides"
   PYTHONPATH=python python3 -c "
 import json, sys

@@ -10,11 +10,17 @@ Per model, three captured steps: plain, op-level selective activation
 checkpointing and full per-block checkpointing (as
 `memplan.torch.bench_baselines` configures them). The best eager
 configuration is the smallest simulated reserved peak over every eager key
-of the plain step and the caching allocator's (with and without expandable
-segments) on each checkpointed step. memplan's sides: the plan of the plain
+of every step: the caching allocator with and without expandable segments,
+each also with the optimizer in the backward pass (on a checkpointed step
+that is torchtune's combination of activation checkpointing and
+`optimizer_in_bwd`). memplan's sides: the plan of the plain
 step, its fit at 0.1% more FLOPs, and its fit to each checkpointing side's
-simulated peak, whose added FLOPs are set beside the checkpointing side's
-(FLOPs counted on the captured graphs: matrix products and attention).
+least simulated peak (of its four configurations), whose added FLOPs are
+set beside the checkpointing side's
+(FLOPs counted on the captured graphs: matrix products and attention,
+for memplan's fits those the graph records for the ops run again; the
+share each fit kept to, of its cost model, which prices elementwise ops
+too, is `cost_model_added_share`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import torch
 
 EAGER_KEYS = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimizer-in-backward",
               "eager-optimizer-in-backward-expandable-segments")
-CHECKPOINTED_KEYS = ("pytorch-reserved", "pytorch-expandable-segments")
+# A checkpointed step with the optimizer in the backward too, as torchtune's
+# recipes combine them: with the activations recomputed, the gradients
+# held until the update are much of the peak.
+CHECKPOINTED_KEYS = EAGER_KEYS
 
 
 def models():
@@ -65,7 +74,7 @@ def _capture(make, batch, loss_fn, side: str):
     return mt.capture(model, opt, batch, loss_fn, plan=False)
 
 
-def _split_then_fit(step, time_limit: float) -> dict:
+def _split_then_fit(step, time_limit: float, plain_flops: float) -> dict:
     """The plain step with its loss split (`split_loss("auto")`, kept only
     where it lowers the plan) and then fitted within 0.1% more FLOPs, the
     split's own FLOPs counted in that share: through `memplan.torch`,
@@ -73,11 +82,18 @@ def _split_then_fit(step, time_limit: float) -> dict:
     built-in vocabulary's ops only."""
     step.split_loss("auto", time_limit)
     f = step.fit(max_added=0.001, minimise="flops", time_limit=time_limit)
+    from memplan.torch.bench_baselines import flops_of
+
     split_added = f.get("split_added_flops", 0)
-    # The share is of the step as captured: the fitted step's FLOPs (the
-    # core's cost model, as `memplan fit` counts them) less the split's.
+    # The share the fit kept to is of the step as captured: the fitted
+    # step's FLOPs (the core's cost model, as `memplan fit` counts them)
+    # less the split's.
     share = (f["added_flops"] + split_added) / (f["step_flops"] - split_added)
-    return {"peak_bytes": f["arena_bytes"], "added_flops_share": share, "chunks": step.split["chunks"]}
+    # In the checkpointing sides' unit: what the split step records for the
+    # ops run again, with the split's own additions.
+    counted = (flops_of(step.graph, f["recomputed_ops"]) + split_added) / plain_flops
+    return {"peak_bytes": f["arena_bytes"], "added_flops_share": counted, "cost_model_added_share": share,
+            "chunks": step.split["chunks"]}
 
 
 def _memplan(binary: str, *args: str) -> dict:
@@ -119,19 +135,27 @@ def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
         r.setdefault("ops", {})[side] = c["ops"]
     best = min((k for k in r["sides"] if "/" in k), key=lambda k: r["sides"][k]["peak_bytes"])
     r["best_eager"] = best
+    from memplan.torch.bench_baselines import flops_of
+
+    def added(f) -> dict:
+        """A fit's added FLOPs as the checkpointing sides' are counted (what
+        the captured graph records for the ops run again), and as its cost
+        model counts them (elementwise ops too; the unit of its share)."""
+        return {"added_flops_share": flops_of(plain_step.graph, f["recomputed_ops"]) / flops["plain"],
+                "cost_model_added_share": f["added_flops"] / f["step_flops"]}
+
     f = _memplan(binary, "fit", paths["plain"], "--max-added", "0.1%", "--minimise", "flops",
                  "--time-limit", str(time_limit))
-    r["sides"]["memplan-fit-0.1%"] = {"peak_bytes": f["arena_bytes"], "added_flops_share": f["added_flops"] / f["step_flops"]}
+    r["sides"]["memplan-fit-0.1%"] = {"peak_bytes": f["arena_bytes"], **added(f)}
     for side in ("selective-ac", "full-ac"):
         target = min(r["sides"][f"{side}/{k}"]["peak_bytes"] for k in CHECKPOINTED_KEYS)
         try:
             f = _memplan(binary, "fit", paths["plain"], "--budget", str(target), "--minimise", "flops",
                          "--time-limit", str(time_limit))
-            r["sides"][f"memplan-fit@{side}"] = {"peak_bytes": f["arena_bytes"], "budget_bytes": target,
-                                                 "added_flops_share": f["added_flops"] / f["step_flops"]}
+            r["sides"][f"memplan-fit@{side}"] = {"peak_bytes": f["arena_bytes"], "budget_bytes": target, **added(f)}
         except RuntimeError as e:
             r["sides"][f"memplan-fit@{side}"] = {"error": str(e), "budget_bytes": target}
-    r["sides"]["memplan-split-fit-0.1%"] = _split_then_fit(plain_step, time_limit)
+    r["sides"]["memplan-split-fit-0.1%"] = _split_then_fit(plain_step, time_limit, flops["plain"])
     return r
 
 
@@ -140,14 +164,16 @@ def report(name: str, r: dict) -> str:
     best = r["sides"][r["best_eager"]]["peak_bytes"]
     lines = [f"{name} ({r['model']}; {r['ops']['plain']:,} ops): simulated peaks, against the best eager "
              f"configuration ({r['best_eager']})",
-             f"{'side':60} {'GiB':>8} {'vs best':>8} {'added FLOPs':>12}"]
+             f"{'side':60} {'GiB':>8} {'vs best':>8} {'added FLOPs':>12} {'cost model':>11}"]
     for side, row in r["sides"].items():
         if "error" in row:
             lines.append(f"{side:60} {'':>8} {'':>8} {'':>12}  ({row['error'][:120]})")
             continue
         added = row.get("added_flops_share")
+        model = row.get("cost_model_added_share")
         lines.append(f"{side:60} {row['peak_bytes'] / gib:8.3f} {100 * (row['peak_bytes'] / best - 1):+7.1f}% "
-                     f"{'' if added is None else f'{100 * added:.3f}%':>12}")
+                     f"{'' if added is None else f'{100 * added:.3f}%':>12} "
+                     f"{'' if model is None else f'{100 * model:.3f}%':>11}")
     return "\n".join(lines)
 
 

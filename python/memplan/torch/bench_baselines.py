@@ -22,6 +22,12 @@ the batch) plus the highest running sum of the allocator's events
   the rest, as torchtitan's op-level selective checkpointing does (without
   its "every other ``mm``" refinement);
 - ``eager-full-ac``: every decoder block checkpointed whole;
+- ``eager-selective-ac+optimizer-in-backward``,
+  ``eager-full-ac+optimizer-in-backward``: each checkpointing with the
+  optimizer in the backward pass, as torchtune's recipes combine them
+  (``enable_activation_checkpointing`` with ``optimizer_in_bwd``): once
+  the activations are recomputed, the gradients held until the update are
+  often the peak, and these sides do not hold them;
 - ``eager-compile`` (with ``--compile``): ``torch.compile`` with Inductor's
   defaults, the optimizer's step compiled too;
 - ``memplan``: the captured step in memplan's order;
@@ -32,9 +38,12 @@ the batch) plus the highest running sum of the allocator's events
 
 Added FLOPs are counted on captured graphs: a checkpointing side's step
 is captured with its checkpointing (the recomputation is recorded like any
-op) and compared with the plain step's FLOPs; memplan's from its fit. The
-graph counts the FLOPs of matrix products and attention only, so
-elementwise ops run again add none: the ops run again are listed beside.
+op) and compared with the plain step's FLOPs; memplan's are the FLOPs the
+captured step records for the ops its fit runs again (:func:`flops_of`).
+The graph counts the FLOPs of matrix products and attention only, so on
+both sides elementwise ops run again add none: the ops run again are
+listed beside. (A fit's ``max_added`` share is of its cost model, which
+prices elementwise ops too: ``cost_model_added_share``.)
 
 With ``--cap MIB``: the largest batch whose step fits MIB MiB, for each
 eager side by its measured peak (batches tried in turn) and for memplan by
@@ -59,8 +68,23 @@ from . import capture, max_batch
 from ._run import allocator_peak
 from .workloads import GPT2_SHAPES, LLAMA_SHAPES, hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
 
-EAGER_SIDES = ("eager", "eager-optimizer-in-backward", "eager-selective-ac", "eager-full-ac")
-CHECKPOINTING = ("eager-selective-ac", "eager-full-ac")
+IN_BACKWARD = "optimizer-in-backward"
+CHECKPOINTING = ("eager-selective-ac", "eager-full-ac", f"eager-selective-ac+{IN_BACKWARD}",
+                 f"eager-full-ac+{IN_BACKWARD}")
+EAGER_SIDES = ("eager", f"eager-{IN_BACKWARD}", *CHECKPOINTING)
+
+
+def checkpointing_of(side: str) -> Optional[str]:
+    """The checkpointing side `side` runs (``eager-selective-ac`` or
+    ``eager-full-ac``, with or without the optimizer in the backward), or
+    None."""
+    base = side.split("+")[0]
+    return base if base in ("eager-selective-ac", "eager-full-ac") else None
+
+
+def optimizer_in_backward(side: str) -> bool:
+    """Whether `side` steps each parameter's optimizer in the backward pass."""
+    return side.endswith(IN_BACKWARD)
 
 
 _lm, _lm_bf16 = lm_loss, lm_loss_bf16
@@ -121,9 +145,10 @@ def _selective_context():
 def configured(make, side: str) -> torch.nn.Module:
     """The model as `side` runs it (checkpointing set on its blocks)."""
     model = make()
-    if side == "eager-full-ac":
+    ac = checkpointing_of(side)
+    if ac == "eager-full-ac":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif side == "eager-selective-ac":
+    elif ac == "eager-selective-ac":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                            "context_fn": _selective_context})
     return model
@@ -136,7 +161,7 @@ def _adamw(params):
 def _eager_step(model, side: str, lm=_lm):
     """(one training step on a batch, the tensors it holds between steps),
     its loss `lm(model, batch)`."""
-    if side == "eager-optimizer-in-backward":
+    if optimizer_in_backward(side):
         opts = {p: _adamw([p]) for p in model.parameters()}
 
         def hook(p):
@@ -185,6 +210,17 @@ def _flops(graph) -> int:
     return sum(int(op.get("flops", 0)) for op in graph["ops"])
 
 
+def flops_of(graph, ops) -> int:
+    """The FLOPs `graph` records for the ops named in `ops` (a fit's
+    ``recomputed_ops``): matrix products and attention, as :func:`_flops`
+    counts a checkpointing side's, so both sides' added FLOPs are in one
+    unit. (The fit's own ``added_flops`` also prices the elementwise ops it
+    runs again, at a few FLOPs an element; that share is kept as
+    ``cost_model_added_share``.)"""
+    names = set(ops)  # (a fitted graph keeps the ops it copies, under their names)
+    return sum(int(op.get("flops", 0)) for op in graph["ops"] if op["id"] in names)
+
+
 def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, compile: bool = False,
             lm=_lm) -> Dict[str, Any]:
     """Every side on one model at `batch` × `seq` tokens: peaks, losses,
@@ -199,14 +235,18 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
         peak, estimate, seconds = compiled(make(), batches[1], lm)
         rows["eager-compile"] = {"peak_bytes": peak, "inductor_estimate_bytes": estimate,
                                  "compile_seconds": seconds}
+    counted: Dict[str, tuple] = {}
     for side in EAGER_SIDES:
         model = configured(make, side)
         step, held = _eager_step(model, side, lm)
         rows[side] = _measure(model, step, held, batches)
-        if side in CHECKPOINTING:  # its recomputation, counted on its captured graph
-            m2 = configured(make, side)
-            graph = capture(m2, _adamw(m2.parameters()), batches[0], lm, plan=False).graph
-            rows[side]["flops"], rows[side]["ops"] = _flops(graph), len(graph["ops"])
+        ac = checkpointing_of(side)
+        if ac is not None:  # its recomputation, counted on its captured graph (once per checkpointing)
+            if ac not in counted:
+                m2 = configured(make, ac)
+                graph = capture(m2, _adamw(m2.parameters()), batches[0], lm, plan=False).graph
+                counted[ac] = (_flops(graph), len(graph["ops"]))
+            rows[side]["flops"], rows[side]["ops"] = counted[ac]
         model = step = None
     plain = make()
     graph = capture(plain, _adamw(plain.parameters()), batches[0], lm, plan=False).graph
@@ -229,9 +269,10 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
                 # checkpointing side's measured peak is the budget.
                 f = s.fit(rows[fit]["peak_bytes"], minimise="flops", time_limit=time_limit)
             if f is not None:
-                row["added_flops_share"] = f["added_flops"] / f["step_flops"]
                 ops = f["recomputed_ops"]
-                row["added_ops"] = len(ops) if isinstance(ops, (list, tuple)) else int(ops)
+                row["added_flops_share"] = flops_of(s.graph, ops) / plain_flops
+                row["cost_model_added_share"] = f["added_flops"] / f["step_flops"]
+                row["added_ops"] = len(ops)
         except memplan.MemplanError as e:  # nothing fits: the row says so
             row["error"] = str(e)
         row["max_live_bytes"] = s.plan["stats"]["max_live_bytes"]
@@ -247,7 +288,7 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
         if "losses" in row:  # (the compiled side is measured on one batch, its losses not kept)
             row["loss_difference"] = max(abs(a - b) for a, b in zip(row["losses"], rows["eager"]["losses"]))
     best = min((k for k in rows if k.startswith("eager")), key=lambda k: rows[k]["peak_bytes"])
-    best_no_recompute = min(("eager", "eager-optimizer-in-backward"), key=lambda k: rows[k]["peak_bytes"])
+    best_no_recompute = min(("eager", f"eager-{IN_BACKWARD}"), key=lambda k: rows[k]["peak_bytes"])
     return {"rows": rows, "best_eager": best, "best_eager_without_recomputation": best_no_recompute,
             "step_flops": plain_flops}
 

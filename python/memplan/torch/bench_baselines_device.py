@@ -39,7 +39,9 @@ import time
 from typing import Any, Callable, Dict, List
 
 EXPANDABLE = "expandable_segments:True"
-MEMPLAN_SIDES = ("memplan", "memplan-fit-0.1%", "memplan-fit@eager-selective-ac", "memplan-fit@eager-full-ac")
+MEMPLAN_SIDES = ("memplan", "memplan-fit-0.1%", "memplan-fit@eager-selective-ac", "memplan-fit@eager-full-ac",
+                 "memplan-fit@eager-selective-ac+optimizer-in-backward",
+                 "memplan-fit@eager-full-ac+optimizer-in-backward")
 
 
 def _batch(vocab: int, b: int, seq: int, device, seed: int):
@@ -331,11 +333,13 @@ def measure(model: str, size: str, batch: int, seq: int, steps: int, time_limit:
 
 def largest(model: str, size: str, seq: int, steps: int, time_limit: float, device: str, cap_gib: float,
             upto: int = 64, log: Callable[[str], None] = print,
-            sides=("eager", "eager-optimizer-in-backward", "eager-selective-ac", "eager-full-ac", "memplan",
+            sides=("eager", "eager-optimizer-in-backward", "eager-selective-ac", "eager-full-ac",
+                   "eager-selective-ac+optimizer-in-backward", "eager-full-ac+optimizer-in-backward", "memplan",
                    "memplan-fit-0.1%"), bf16: bool = False, timeout: float = 400.0) -> Dict[str, Any]:
     """The largest batch within `cap_gib` GiB and its tokens per second:
-    eager, optimizer in backward, both checkpointing sides (expandable
-    segments on), memplan's plan and its fit at 0.1%."""
+    eager, optimizer in backward, both checkpointing sides with and
+    without it (expandable segments on), memplan's plan and its fit at
+    0.1%."""
     base = dict(model=model, size=size, seq=seq, steps=steps, time_limit=time_limit, device=device,
                 cap_bytes=int(cap_gib * 2 ** 30), upto=upto, bf16=bf16)
     out: Dict[str, Any] = {"cap_bytes": base["cap_bytes"]}
