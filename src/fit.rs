@@ -451,6 +451,11 @@ fn segment_seeds(g: &Graph, cands: &[RematCandidate]) -> Vec<Vec<bool>> {
         .collect()
 }
 
+/// The shares of the step's cost a budget's search first caps its greedy
+/// descent at, in turn ([`remat::select`]'s ladder): a cheap fit is found
+/// before an expensive one.
+const LADDER_SHARES: [f64; 3] = [0.001, 0.01, 0.1];
+
 /// What the fit minimises.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
@@ -829,6 +834,8 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     let mut planner = Planner::new(g, &cands, opts);
     let time = Budget::new(search_time(opts));
     let seeds = segment_seeds(g, &cands);
+    let step = opts.objective.of(&opts.cost_model.checked_total(g)?);
+    let ladder = LADDER_SHARES.map(|share| share * step);
     let sel = remat::select(
         &search_candidates(&cands, opts.objective),
         opts.budget,
@@ -836,6 +843,7 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
         &opts.search,
         &time,
         &seeds,
+        &ladder,
     );
     planner.base_arena()?;
     if !sel.fits {
