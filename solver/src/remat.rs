@@ -26,9 +26,9 @@
 //!    peak by bytes freed per unit of cost until they cover the excess;
 //!    re-plan; repeat. Cheap, large values go first, which is what selective
 //!    activation checkpointing does by hand (norms and pointwise ops before
-//!    matrix products). The descent is first capped at each cost of the
-//!    caller's *ladder* in turn (the fit's: 0.1%, 1% and 10% of the step),
-//!    and runs uncapped only when no capped descent fits. Uncapped, a round
+//!    matrix products). The descent is capped at each cost of the caller's
+//!    *ladder* in turn (the fit's: 0.1%, 1% and 10% of the step), going on
+//!    from where it stopped when a cap is too low, and uncapped last. Uncapped from the start, a round
 //!    that covers a large excess at once can take matrix products that the
 //!    pointwise ops would have made unnecessary; on a large step, where a
 //!    probe takes seconds, the pruning and local search after it may have
@@ -620,9 +620,10 @@ impl<'a, O: Oracle> Search<'a, O> {
 /// Chooses candidates to recompute so that the planned peak is at most
 /// `budget_bytes`, at the least cost found; see the module docs.
 ///
-/// `ladder` holds costs (increasing) to cap the greedy descent at first,
-/// in turn, until a capped descent fits; only when none does are the
-/// uncapped descents run. `seeds` are sets worth trying as they are (e.g.
+/// `ladder` holds costs (increasing) to cap the greedy descent at, in
+/// turn: where it stops short of the budget, the next cap lets it go on,
+/// and the last rung is uncapped. When it fits within the ladder's top
+/// cost, the second (one group a round) descent is skipped. `seeds` are sets worth trying as they are (e.g.
 /// checkpointing at every segment boundary), probed unless a fitting
 /// start already costs less; the cheapest fitting start is then pruned.
 pub fn select<O: Oracle>(
@@ -660,23 +661,27 @@ pub fn select<O: Oracle>(
                 // rounds and can stop at a set far more expensive than
                 // needed, which on a large step (seconds a probe) the
                 // pruning has no time to undo.
-                let mut starts = Vec::new();
-                let mut fitted = false;
-                for &cap in ladder {
+                // One descent, its cap raised rung by rung where it stops
+                // short (each rung goes on from where the last stopped), and
+                // uncapped last.
+                let mut start = (none.clone(), p0.clone());
+                for &cap in ladder.iter().chain([f64::INFINITY].iter()) {
                     if s.time.expired() {
                         break;
                     }
                     s.cap = cap;
-                    let start = s.greedy(none.clone(), p0.clone(), budget_bytes, &none, false);
-                    s.cap = f64::INFINITY;
-                    fitted = start.1.peak <= budget_bytes;
-                    starts.push(start);
-                    if fitted {
+                    start = s.greedy(start.0, start.1, budget_bytes, &none, false);
+                    if start.1.peak <= budget_bytes {
                         break;
                     }
                 }
-                if !fitted {
-                    starts.push(s.greedy(none.clone(), p0.clone(), budget_bytes, &none, false));
+                s.cap = f64::INFINITY;
+                let fitted = start.1.peak <= budget_bytes;
+                let mut starts = vec![start];
+                // The one-group-a-round descent, unless the first fits at a
+                // cost below the ladder's top (its time then goes to the
+                // pruning and the local search).
+                if !fitted || ladder.last().is_none_or(|&top| s.cost(&starts[0].0) > top) {
                     starts.push(s.greedy(none.clone(), p0, budget_bytes, &none, true));
                 }
                 let cheapest = starts
