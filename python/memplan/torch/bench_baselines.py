@@ -322,10 +322,10 @@ def report(name: str, r: Dict[str, Any]) -> str:
     best = rows[r["best_eager"]]["peak_bytes"]
     lines = [f"{name}: per-step peak (allocator's events, CPU), against the best eager configuration "
              f"({r['best_eager']})",
-             f"{'side':34} {'peak':>10} {'vs best':>9} {'added FLOPs':>12} {'ops run again':>14}"]
+             f"{'side':52} {'peak':>10} {'vs best':>9} {'added FLOPs':>12} {'ops run again':>14}"]
     for side, row in rows.items():
         added = row.get("added_flops_share")
-        lines.append(f"{side:34} {row['peak_bytes'] / mib:9.2f}M {100 * (row['peak_bytes'] / best - 1):+8.1f}% "
+        lines.append(f"{side:52} {row['peak_bytes'] / mib:9.2f}M {100 * (row['peak_bytes'] / best - 1):+8.1f}% "
                      f"{'' if added is None else f'{100 * added:.3f}%':>12} {row.get('added_ops', ''):>14}"
                      + (f"  ({row['error']})" if "error" in row else ""))
     return "\n".join(lines)

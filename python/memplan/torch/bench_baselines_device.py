@@ -353,8 +353,8 @@ def largest(model: str, size: str, seq: int, steps: int, time_limit: float, devi
 def _line(side: str, r: Dict[str, Any]) -> str:
     gib = 2 ** 30
     if "error" in r:
-        return f"{side:38} error: {r['error']}"
-    parts = [f"{side:38}"]
+        return f"{side:54} error: {r['error']}"
+    parts = [f"{side:54}"]
     if "largest_batch" in r:
         parts.append(f"batch {r['largest_batch']:3}")
     if "allocated_bytes" in r:
@@ -376,14 +376,14 @@ def report(name: str, r: Dict[str, Any]) -> str:
     best = rows[r["best_eager"]]["allocated_bytes"]
     lines = [f"{name}: per-step peak on the GPU (max_memory_allocated / reserved), against the best eager "
              f"configuration by allocated bytes ({r['best_eager']})",
-             f"{'side':38} {'allocated':>10} {'reserved':>10} {'vs best':>8} {'step ms':>9} {'added FLOPs':>11} "
+             f"{'side':54} {'allocated':>10} {'reserved':>10} {'vs best':>8} {'step ms':>9} {'added FLOPs':>11} "
              f"{'loss diff':>9}"]
     for side, row in rows.items():
         if "error" in row:
-            lines.append(f"{side:38} error: {row['error']}")
+            lines.append(f"{side:54} error: {row['error']}")
             continue
         added = row.get("added_flops_share")
-        lines.append(f"{side:38} {row['allocated_bytes'] / gib:9.3f}G {(row['reserved_bytes'] or 0) / gib:9.3f}G "
+        lines.append(f"{side:54} {row['allocated_bytes'] / gib:9.3f}G {(row['reserved_bytes'] or 0) / gib:9.3f}G "
                      f"{100 * (row['allocated_bytes'] / best - 1):+7.1f}% {1000 * row['step_seconds']:9.1f} "
                      f"{'' if added is None else f'{100 * added:.3f}%':>11} {row.get('loss_difference', 0.0):9.2e}")
     return "\n".join(lines)
