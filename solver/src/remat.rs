@@ -28,9 +28,10 @@
 //!    activation checkpointing does by hand (norms and pointwise ops before
 //!    matrix products). The descent is capped at each cost of the caller's
 //!    *ladder* in turn (the fit's: 0.1%, 1% and 10% of the step), going on
-//!    from where it stopped when a cap is too low, and uncapped last. Uncapped from the start, a round
-//!    that covers a large excess at once can take matrix products that the
-//!    pointwise ops would have made unnecessary; on a large step, where a
+//!    from where it stopped when a cap is too low, and uncapped last.
+//!    Uncapped from the start, a round that covers a large excess at once
+//!    can take matrix products that the pointwise ops would have made
+//!    unnecessary; on a large step, where a
 //!    probe takes seconds, the pruning and local search after it may have
 //!    no time to undo that (Hugging Face GPT-2 XL at selective
 //!    checkpointing's simulated peak, 20 s: +17% FLOPs uncapped, +0.025%
@@ -623,9 +624,10 @@ impl<'a, O: Oracle> Search<'a, O> {
 /// `ladder` holds costs (increasing) to cap the greedy descent at, in
 /// turn: where it stops short of the budget, the next cap lets it go on,
 /// and the last rung is uncapped. When it fits within the ladder's top
-/// cost, the second (one group a round) descent is skipped. `seeds` are sets worth trying as they are (e.g.
-/// checkpointing at every segment boundary), probed unless a fitting
-/// start already costs less; the cheapest fitting start is then pruned.
+/// cost, the second (one group a round) descent is skipped. `seeds` are
+/// sets worth trying as they are (e.g. checkpointing at every segment
+/// boundary), probed unless a fitting start already costs less; the
+/// cheapest fitting start is then pruned.
 pub fn select<O: Oracle>(
     cands: &[Candidate],
     budget_bytes: u64,
