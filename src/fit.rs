@@ -818,7 +818,7 @@ impl Objective {
 /// Fits `g` into `opts.budget` bytes; see the module docs.
 pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     let start = Instant::now();
-    opts.cost_model.checked_total(g)?;
+    let step = opts.objective.of(&opts.cost_model.checked_total(g)?);
     let (floor, why) = fit_floor(g);
     if opts.budget < floor {
         return Err(Error::DoesNotFit(format!(
@@ -834,7 +834,6 @@ pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
     let mut planner = Planner::new(g, &cands, opts);
     let time = Budget::new(search_time(opts));
     let seeds = segment_seeds(g, &cands);
-    let step = opts.objective.of(&opts.cost_model.checked_total(g)?);
     let ladder = LADDER_SHARES.map(|share| share * step);
     let sel = remat::select(
         &search_candidates(&cands, opts.objective),

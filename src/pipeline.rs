@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use memplan_solver as solver;
 
 use crate::error::Error;
-use crate::graph::{Graph, OpKind};
+use crate::graph::Graph;
 use crate::layout::{LAYOUT_BACKSTOP, layout_within};
 use crate::lower::{self, Lowered};
 use crate::plan::Plan;
@@ -239,11 +239,10 @@ fn candidates(
     // large checkpointed step the solver may stop before its update
     // placement). A candidate like the list schedule, not a seed of the
     // solver: as a seed it displaced orders the solver improves further.
-    if g.ops().iter().any(|o| o.kind == OpKind::Optimizer) {
-        let oib = crate::baselines::optimizer_in_backward_order(g);
-        if oib != g.program_order() {
-            orders.push(("optimizer-in-backward", Lowered::from_op_ids(&oib)));
-        }
+    // (A step without updates gets its program order back: no candidate.)
+    let oib = crate::baselines::optimizer_in_backward_order(g);
+    if oib != g.program_order() {
+        orders.push(("optimizer-in-backward", Lowered::from_op_ids(&oib)));
     }
     for (_, order) in &g.extra_orders {
         orders.push(("given-order", Lowered::from_op_ids(order)));

@@ -220,10 +220,10 @@ fn optimizer_in_backward_order_is_valid_on_the_built_in_steps() {
     }
 }
 
-/// The planner starts from the optimizer-in-backward order too: a plan cut
-/// at once by its time limit is never above that order's max live, and the
-/// candidate is reported. On the two-layer step program order holds both
-/// gradients at its end, and the seed does not.
+/// The optimizer-in-backward order is one of the planner's candidates: a
+/// plan cut at once by its time limit is never above that order's max
+/// live, and the candidate is reported. On the two-layer step program
+/// order holds both gradients at its end, and that order does not.
 #[test]
 fn a_plan_cut_at_once_is_never_above_the_optimizer_in_backward_order() {
     use memplan::models::{ExampleOptions, example};

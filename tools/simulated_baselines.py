@@ -37,10 +37,6 @@ import torch
 
 EAGER_KEYS = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimizer-in-backward",
               "eager-optimizer-in-backward-expandable-segments")
-# A checkpointed step with the optimizer in the backward too, as torchtune's
-# recipes combine them: with the activations recomputed, the gradients
-# held until the update are much of the peak.
-CHECKPOINTED_KEYS = EAGER_KEYS
 
 
 def models():
@@ -124,8 +120,9 @@ def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
             json.dump(g, f)
         flops[side] = _flops(g)
         c = _memplan(binary, "compare", paths[side], "--time-limit", str(time_limit))
-        keys = EAGER_KEYS if side == "plain" else CHECKPOINTED_KEYS
-        for k in keys:
+        # Every key on every step: on a checkpointed one, the optimizer in
+        # the backward is torchtune's combination with checkpointing.
+        for k in EAGER_KEYS:
             row = {"peak_bytes": c["baselines"][k]["footprint_bytes"]}
             if side != "plain":
                 row["added_flops_share"] = flops[side] / flops["plain"] - 1
@@ -148,7 +145,7 @@ def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
                  "--time-limit", str(time_limit))
     r["sides"]["memplan-fit-0.1%"] = {"peak_bytes": f["arena_bytes"], **added(f)}
     for side in ("selective-ac", "full-ac"):
-        target = min(r["sides"][f"{side}/{k}"]["peak_bytes"] for k in CHECKPOINTED_KEYS)
+        target = min(r["sides"][f"{side}/{k}"]["peak_bytes"] for k in EAGER_KEYS)
         try:
             f = _memplan(binary, "fit", paths["plain"], "--budget", str(target), "--minimise", "flops",
                          "--time-limit", str(time_limit))

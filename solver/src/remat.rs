@@ -658,14 +658,12 @@ pub fn select<O: Oracle>(
                 proven = all_proven;
             }
             None => {
-                // Descents capped at each of `ladder`'s costs in turn, until
-                // one fits: the uncapped descent covers the excess in large
-                // rounds and can stop at a set far more expensive than
-                // needed, which on a large step (seconds a probe) the
-                // pruning has no time to undo.
-                // One descent, its cap raised rung by rung where it stops
-                // short (each rung goes on from where the last stopped), and
-                // uncapped last.
+                // One descent, capped at each of `ladder`'s costs in turn
+                // (each rung goes on from where the last stopped short of
+                // the budget), uncapped last: uncapped from the start it
+                // covers the excess in large rounds and can stop at a set
+                // far more expensive than needed, which on a large step
+                // (seconds a probe) the pruning has no time to undo.
                 let mut start = (none.clone(), p0.clone());
                 for &cap in ladder.iter().chain([f64::INFINITY].iter()) {
                     if s.time.expired() {

@@ -69,8 +69,8 @@ from ._run import allocator_peak
 from .workloads import GPT2_SHAPES, LLAMA_SHAPES, hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
 
 IN_BACKWARD = "optimizer-in-backward"
-CHECKPOINTING = ("eager-selective-ac", "eager-full-ac", f"eager-selective-ac+{IN_BACKWARD}",
-                 f"eager-full-ac+{IN_BACKWARD}")
+_AC = ("eager-selective-ac", "eager-full-ac")
+CHECKPOINTING = (*_AC, *(f"{ac}+{IN_BACKWARD}" for ac in _AC))
 EAGER_SIDES = ("eager", f"eager-{IN_BACKWARD}", *CHECKPOINTING)
 
 
@@ -79,7 +79,7 @@ def checkpointing_of(side: str) -> Optional[str]:
     ``eager-full-ac``, with or without the optimizer in the backward), or
     None."""
     base = side.split("+")[0]
-    return base if base in ("eager-selective-ac", "eager-full-ac") else None
+    return base if base in _AC else None
 
 
 def optimizer_in_backward(side: str) -> bool:
