@@ -8,6 +8,8 @@
 //!   program over scheduled sets, independent of the planner).
 //! - A budget below the bound is refused with the bound and the op that
 //!   sets it.
+//! - The floor within a share is never above that brute force, on those
+//!   steps and on random graphs with views, in-place updates and reuse.
 
 use std::time::Duration;
 
@@ -437,10 +439,11 @@ fn exact_fit_equals_brute_force_on_random_steps() {
 
 /// Within a cost, the exact search's arena is the least max live bytes of
 /// any recomputation set that costs no more, over every order (brute
-/// force), and it spends no more than allowed.
+/// force), and it spends no more than allowed. The floor within the cost
+/// is never above it, and equal to it on at least half the caps.
 #[test]
 fn exact_fit_within_a_cost_equals_brute_force_on_random_steps() {
-    let mut checked = 0;
+    let (mut checked, mut tight) = (0, 0);
     for seed in 0..30 {
         let g = random_step(seed, 2 + (seed % 3) as usize);
         let sets = every_set(&g, |c| c.seconds);
@@ -467,10 +470,20 @@ fn exact_fit_within_a_cost_equals_brute_force_on_random_steps() {
             assert_eq!(f.plan.arena_bytes, want, "seed {seed} cap {cap}");
             assert!(f.added.seconds <= cap * (1.0 + 1e-12), "seed {seed}");
             assert!(f.optimal, "seed {seed}: not proven");
+            // The floor within the share holds for every set and order.
+            let floor = f.share_floor.as_ref().unwrap();
+            assert!(floor.finished);
+            assert!(
+                floor.bytes <= want,
+                "seed {seed} cap {cap}: {floor:?} > {want}"
+            );
+            tight += usize::from(floor.bytes == want);
             checked += 1;
         }
     }
     assert!(checked >= 100, "{checked}");
+    eprintln!("floor within the share tight on {tight} of {checked}");
+    assert!(tight * 2 >= checked, "tight on only {tight} of {checked}");
 }
 
 /// With `Objective::Flops` the exact search minimises added FLOPs, which
@@ -624,4 +637,44 @@ fn each_copy_names_its_original() {
     )
     .unwrap();
     assert_eq!(back.metadata[COPY_OF], r.metadata[COPY_OF]);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+
+    /// On random graphs (views, in-place updates, reuse hints, persistent
+    /// outputs), the floor within a share is at most the least max live
+    /// bytes of every recomputation set within it over every order (brute
+    /// force), and at most what the fit's own plan keeps live.
+    #[test]
+    fn the_floor_within_a_share_holds_on_random_graphs(
+        g in memplan::testing::graph(7),
+        pick in 0usize..4,
+    ) {
+        // (The brute force counts bytes while ops run: none without ops.)
+        proptest::prop_assume!(g.num_ops() > 0);
+        let sets = every_set(&g, |c| c.seconds);
+        let step = memplan::cost::CostModel::default().total(&g).seconds;
+        let mut costs: Vec<f64> = sets.iter().map(|s| s.0).collect();
+        costs.sort_by(f64::total_cmp);
+        costs.dedup();
+        let i = pick * (costs.len() - 1) / 3;
+        let cap = match costs.get(i + 1) {
+            Some(next) => (costs[i] + next) / 2.0,
+            None => costs[i] * 1.5 + 1e-9,
+        };
+        let want = sets.iter().filter(|s| s.0 <= cap).map(|s| s.1).min().unwrap();
+        let prices: Vec<f64> = g
+            .op_ids()
+            .map(|o| memplan::cost::CostModel::default().op(&g, o).seconds)
+            .collect();
+        let floor = memplan::fit::floor_within(&g, &prices, cap, None);
+        proptest::prop_assert!(floor.bytes <= want, "{floor:?} > {want}");
+        if step > 0.0 {
+            let f = fit_within(&g, cap / step, &opts(0)).unwrap();
+            checker::check(&f.graph, &f.plan).unwrap();
+            let got = f.share_floor.as_ref().unwrap().bytes;
+            proptest::prop_assert!(got <= f.plan.stats.max_live_bytes, "{got} > {}", f.plan.stats.max_live_bytes);
+        }
+    }
 }

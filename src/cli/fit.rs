@@ -281,6 +281,22 @@ fn print_fitted(g: &Graph, f: &Fitted, list: bool) {
         f.probes,
         f.seconds
     );
+    if let Some(floor) = &f.share_floor {
+        sayln!(
+            "no recomputation within this share goes below {}{}: this plan is {:.2}% above it ({})",
+            human_bytes(floor.bytes),
+            if floor.finished {
+                ""
+            } else {
+                " (bound cut short by its deadline)"
+            },
+            pct(
+                f.plan.arena_bytes.saturating_sub(floor.bytes) as f64,
+                floor.bytes as f64
+            ),
+            floor.why
+        );
+    }
     if list {
         let rows: Vec<Vec<String>> = f.recomputed.iter().map(|n| vec![n.clone()]).collect();
         say!("{}", table(&["recomputed op"], &rows));

@@ -40,14 +40,14 @@
 //! at most this share more cost?", through
 //! [`memplan_solver::remat::select_within`] with the same oracle.
 //!
-//! # When nothing fits
-//! Any plan, with any recomputation, runs every op of the step at least
-//! once with its inputs and outputs live, and ends with every persistent
-//! tensor live. So the step needs at least the resident bytes plus the
-//! largest single op's working set, and at least all persistent bytes
-//! ([`fit_floor`]). A budget below that is refused with the op that sets
-//! it; a budget above it that the search could not reach is refused with
-//! the best peak found, saying that it is not proven.
+//! # When nothing fits, and how far from the best
+//! No recomputation takes a step below its resident bytes plus its largest
+//! op's working set ([`fit_floor`]). A budget below that is refused with
+//! the op that sets it; a budget above it that the search could not reach
+//! is refused with the best peak found, saying that it is not proven.
+//! [`fit_within`] also reports the floor of every recomputation within its
+//! share ([`floor_within`]): what the ops too costly to run again force to
+//! be live at once.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -63,6 +63,9 @@ use crate::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, TensorId
 use crate::pipeline::{self, Options};
 use crate::plan::Plan;
 use crate::timeline::{Timeline, human};
+
+mod floor;
+pub use floor::{ShareFloor, fit_floor, floor_within};
 
 /// Prefix of recomputed ops and tensors.
 pub const PREFIX: &str = "recompute.";
@@ -341,64 +344,6 @@ fn copied_ops(g: &Graph, recomputed: &Graph) -> Vec<OpId> {
         .collect()
 }
 
-/// The least bytes any plan of `g` needs with any recomputation, and why:
-/// see the module docs.
-pub fn fit_floor(g: &Graph) -> (u64, String) {
-    let resident = g.resident_bytes();
-    let persistent: u64 = g
-        .tensor_ids()
-        .filter(|&t| g.occupies_memory(t) && g.tensor(t).lifetime == Lifetime::Persistent)
-        .map(|t| g.tensor(t).size)
-        .sum();
-    let mut best = (
-        persistent,
-        format!(
-            "the step's persistent tensors take {} at its end",
-            human(persistent)
-        ),
-    );
-    for o in g.op_ids() {
-        let op = g.op(o);
-        let mut roots: Vec<TensorId> = op
-            .inputs
-            .iter()
-            .chain(&op.outputs)
-            .chain(&op.updates)
-            .map(|&t| g.root(t))
-            .filter(|&t| g.occupies_memory(t))
-            .collect();
-        roots.sort();
-        roots.dedup();
-        let resident_here = |t: &TensorId| {
-            let x = g.tensor(*t);
-            x.lifetime == Lifetime::Persistent && x.producer.is_none()
-        };
-        let work: u64 = roots
-            .iter()
-            .filter(|t| !resident_here(t))
-            .map(|&t| g.tensor(t).size)
-            .sum();
-        let shared: u64 = op
-            .reuse
-            .iter()
-            .map(|&(a, b)| g.tensor(a).size.min(g.tensor(g.root(b)).size))
-            .sum();
-        let need = resident + work.saturating_sub(shared);
-        if need > best.0 {
-            best = (
-                need,
-                format!(
-                    "op {:?} alone needs {} for its inputs and outputs, with {} resident (parameters, optimizer state)",
-                    op.name,
-                    human(work.saturating_sub(shared)),
-                    human(resident)
-                ),
-            );
-        }
-    }
-    best
-}
-
 /// Forward ops that no forward data flows around: every value an earlier
 /// forward op made and a later one reads is made by this op. They cut the
 /// forward pass into segments (a transformer's residual adds); keeping
@@ -523,6 +468,9 @@ pub struct Fitted {
     pub candidates: usize,
     pub probes: usize,
     pub seconds: f64,
+    /// With [`fit_within`]: no recomputation within the share, in any
+    /// order, needs less ([`floor_within`]).
+    pub share_floor: Option<ShareFloor>,
 }
 
 impl Fitted {
@@ -546,6 +494,10 @@ impl Fitted {
             "candidates": self.candidates,
             "probes": self.probes,
             "solve_seconds": self.seconds,
+            "share_floor_bytes": self.share_floor.as_ref().map(|f| f.bytes),
+            "share_floor_why": self.share_floor.as_ref().map(|f| f.why.clone()),
+            "share_floor_finished": self.share_floor.as_ref().map(|f| f.finished),
+            "share_floor_anchors": self.share_floor.as_ref().map(|f| f.anchors),
         })
     }
 }
@@ -787,6 +739,7 @@ impl<'a> Planner<'a> {
             candidates: self.cands.len(),
             probes: sel.probes,
             seconds: 0.0,
+            share_floor: None,
             graph,
             plan,
         })
@@ -814,6 +767,9 @@ impl Objective {
         }
     }
 }
+
+/// The share of the time limit [`fit_within`] gives [`floor_within`].
+const FLOOR_SHARE: f64 = 0.05;
 
 /// Fits `g` into `opts.budget` bytes; see the module docs.
 pub fn fit(g: &Graph, opts: &FitOptions) -> Result<Fitted, Error> {
@@ -884,6 +840,16 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
     let time = Budget::new(search_time(opts));
     let seeds = segment_seeds(g, &cands);
     let step = opts.objective.of(&opts.cost_model.checked_total(g)?);
+    let prices: Vec<f64> = g
+        .op_ids()
+        .map(|o| opts.objective.of(&opts.cost_model.op(g, o)))
+        .collect();
+    let floor = floor_within(
+        g,
+        &prices,
+        max_added * step,
+        Some(start + opts.time_limit.mul_f64(FLOOR_SHARE)),
+    );
     let sel = remat::select_within(
         &search_candidates(&cands, opts.objective),
         max_added * step,
@@ -895,6 +861,8 @@ pub fn fit_within(g: &Graph, max_added: f64, opts: &FitOptions) -> Result<Fitted
     let mut f = planner.fitted(&sel, opts, start)?;
     f.budget = f.plan.arena_bytes;
     f.max_added = Some(max_added);
+    f.optimal |= f.plan.arena_bytes <= floor.bytes;
+    f.share_floor = Some(floor);
     f.seconds = start.elapsed().as_secs_f64();
     Ok(f)
 }
