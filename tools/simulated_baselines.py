@@ -20,7 +20,10 @@ set beside the checkpointing side's
 (FLOPs counted on the captured graphs: matrix products and attention,
 for memplan's fits those the graph records for the ops run again; the
 share each fit kept to, of its cost model, which prices elementwise ops
-too, is `cost_model_added_share`).
+too, is `cost_model_added_share`). Beside the fits within 0.1%, `floor GiB`
+is the floor of every recomputation within that share, in any order
+(`share_floor_bytes`, docs/fit.md): how far the fit is from the best
+possible.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def _split_then_fit(step, time_limit: float, plain_flops: float) -> dict:
     # ops run again, with the split's own additions.
     counted = (flops_of(step.graph, f["recomputed_ops"]) + split_added) / plain_flops
     return {"peak_bytes": f["arena_bytes"], "added_flops_share": counted, "cost_model_added_share": share,
-            "chunks": step.split["chunks"]}
+            "chunks": step.split["chunks"], "share_floor_bytes": f.get("share_floor_bytes")}
 
 
 def _memplan(binary: str, *args: str) -> dict:
@@ -143,7 +146,8 @@ def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
 
     f = _memplan(binary, "fit", paths["plain"], "--max-added", "0.1%", "--minimise", "flops",
                  "--time-limit", str(time_limit))
-    r["sides"]["memplan-fit-0.1%"] = {"peak_bytes": f["arena_bytes"], **added(f)}
+    r["sides"]["memplan-fit-0.1%"] = {"peak_bytes": f["arena_bytes"], **added(f),
+                                      "share_floor_bytes": f["share_floor_bytes"]}
     for side in ("selective-ac", "full-ac"):
         target = min(r["sides"][f"{side}/{k}"]["peak_bytes"] for k in EAGER_KEYS)
         try:
@@ -161,16 +165,18 @@ def report(name: str, r: dict) -> str:
     best = r["sides"][r["best_eager"]]["peak_bytes"]
     lines = [f"{name} ({r['model']}; {r['ops']['plain']:,} ops): simulated peaks, against the best eager "
              f"configuration ({r['best_eager']})",
-             f"{'side':60} {'GiB':>8} {'vs best':>8} {'added FLOPs':>12} {'cost model':>11}"]
+             f"{'side':60} {'GiB':>8} {'vs best':>8} {'added FLOPs':>12} {'cost model':>11} {'floor GiB':>10}"]
     for side, row in r["sides"].items():
         if "error" in row:
             lines.append(f"{side:60} {'':>8} {'':>8} {'':>12}  ({row['error'][:120]})")
             continue
         added = row.get("added_flops_share")
         model = row.get("cost_model_added_share")
+        floor = row.get("share_floor_bytes")
         lines.append(f"{side:60} {row['peak_bytes'] / gib:8.3f} {100 * (row['peak_bytes'] / best - 1):+7.1f}% "
                      f"{'' if added is None else f'{100 * added:.3f}%':>12} "
-                     f"{'' if model is None else f'{100 * model:.3f}%':>11}")
+                     f"{'' if model is None else f'{100 * model:.3f}%':>11} "
+                     f"{'' if floor is None else f'{floor / gib:.3f}':>10}")
     return "\n".join(lines)
 
 

@@ -36,6 +36,10 @@ class SimulatedAgainstTheBestEager(unittest.TestCase):
         self.assertLessEqual(split_fit["cost_model_added_share"], 0.001 + 1e-12)
         self.assertLessEqual(split_fit["peak_bytes"], sides["memplan"]["peak_bytes"])
         self.assertGreaterEqual(split_fit["chunks"], 1)
+        # The floor within the share holds for both fits.
+        for row in (sides["memplan-fit-0.1%"], split_fit):
+            self.assertLessEqual(row["share_floor_bytes"], row["peak_bytes"])
+            self.assertGreater(row["share_floor_bytes"], 0)
         # Full checkpointing runs the forward's products again; the selective
         # policy keeps their outputs.
         self.assertGreater(sides["full-ac/pytorch-reserved"]["added_flops_share"], 0.1)

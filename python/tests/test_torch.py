@@ -2507,6 +2507,38 @@ class LargestBatch(unittest.TestCase):
         with self.assertRaisesRegex(memplan.MemplanError, "differ"):
             memplan.max_batch(r["graphs"][0], memplan.at_batch(*r["graphs"], 4) | {"ops": []}, budget)
 
+    def test_fully_checkpointed_eager_fits_a_larger_batch(self):
+        """The bench's `eager + full AC` column: every block checkpointed
+        computes the same gradients, runs the blocks' forward again (more
+        FLOPs in its capture) and fits a larger batch in eager than the
+        step without checkpointing."""
+        import torchvision
+
+        from memplan.torch.bench import fully_checkpointed
+
+        torch.manual_seed(0)
+        for model, batch, loss in (
+                (gpt2(layers=3), torch.randint(0, 256, (2, 64)), causal_lm),
+                (torchvision.models.resnet18(num_classes=10), (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))),
+                 classify)):
+            model.train()
+            ac = fully_checkpointed(model)
+            for m in (model, ac):
+                m.zero_grad(set_to_none=True)
+                loss(m, batch).backward()
+            for p, q in zip(model.parameters(), ac.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            flops = [sum(op.get("flops", 0) for op in mt.capture(
+                m, torch.optim.AdamW(m.parameters()), batch, loss, plan=False).graph["ops"]) for m in (model, ac)]
+            self.assertGreater(flops[1], 1.1 * flops[0])
+        model = gpt2(layers=3)
+        make = lambda b: torch.randint(0, 256, (b, 64))  # noqa: E731
+        plain, full = (mt.max_batch(m, torch.optim.AdamW(m.parameters()), make, causal_lm, 24 << 20, probe_time=0.5)
+                       for m in (model, fully_checkpointed(model)))
+        self.assertGreater(full["eager"], plain["eager"])
+        with self.assertRaisesRegex(ValueError, "no blocks"):
+            fully_checkpointed(nn.Linear(2, 2))
+
 
 class OnDevice(unittest.TestCase):
     """The side-by-side run behind issue 12's GPU targets
