@@ -36,8 +36,9 @@ parameters are apart (:func:`on_device`).
 ``--max-batch GIB`` captures each model at batch 2 and 3 and reports the
 largest batch whose step fits GIB GiB (:func:`memplan.torch.max_batch`):
 PyTorch eager's in its best configuration and on its default allocator
-(caching allocator simulated over the recorded order), memplan's plan's,
-and memplan's with recomputation; ``--gpt2-xl-batch``
+(caching allocator simulated over the recorded order), eager's with every
+block checkpointed (:func:`fully_checkpointed`, its best configuration),
+memplan's plan's, and memplan's with recomputation; ``--gpt2-xl-batch``
 does it for GPT-2 XL (sequence 1024, built on the meta device).
 """
 
