@@ -678,3 +678,86 @@ proptest::proptest! {
         }
     }
 }
+
+/// A forward op that updates a running statistic in place (batch norm in
+/// training) is recomputed only when the graph says a copy may skip the
+/// update (`rerun_without_updates`); the copy then lists no updates, so the
+/// statistic is updated once.
+#[test]
+fn an_op_whose_updates_a_copy_may_skip_is_recomputed_without_them() {
+    let step = |flag: bool| {
+        const S: u64 = 1 << 20;
+        let mut b = GraphBuilder::new("norm");
+        let x = b.add_tensor(TensorSpec::new("x", S).role(Role::Input).persistent());
+        let stats = b.add_tensor(
+            TensorSpec::new("running", 64)
+                .role(Role::Parameter)
+                .persistent(),
+        );
+        let y = b.add_tensor(TensorSpec::new("y", S));
+        let z = b.add_tensor(TensorSpec::new("z", S));
+        let l = b.add_tensor(TensorSpec::new("l", 4));
+        let gz = b.add_tensor(TensorSpec::new("gz", S));
+        let gx = b.add_tensor(TensorSpec::new("gx", S).role(Role::Output).persistent());
+        let mut norm = OpSpec::new("norm", OpKind::Forward, "batch_norm")
+            .inputs([x])
+            .outputs([y])
+            .updates([stats])
+            .cost(1e-6);
+        if flag {
+            norm = norm.attr(memplan::fit::RERUN_WITHOUT_UPDATES, true);
+        }
+        b.add_op(norm);
+        b.add_op(
+            OpSpec::new("f", OpKind::Forward, "f")
+                .inputs([y])
+                .outputs([z])
+                .cost(1.0),
+        );
+        b.add_op(
+            OpSpec::new("loss", OpKind::Forward, "loss")
+                .inputs([z])
+                .outputs([l])
+                .cost(1.0),
+        );
+        b.add_op(
+            OpSpec::new("bz", OpKind::Backward, "bz")
+                .inputs([l, z])
+                .outputs([gz])
+                .cost(1.0),
+        );
+        b.add_op(
+            OpSpec::new("by", OpKind::Backward, "by")
+                .inputs([gz, y])
+                .outputs([gx])
+                .cost(1.0),
+        );
+        b.build().unwrap()
+    };
+    let plain = step(false);
+    assert!(
+        candidates(&plain, &Default::default())
+            .iter()
+            .all(|c| plain.op(c.op).name != "norm")
+    );
+    let g = step(true);
+    let norm = g.op_by_name("norm").unwrap();
+    assert!(
+        candidates(&g, &Default::default())
+            .iter()
+            .any(|c| c.op == norm)
+    );
+    let r = recompute(&g, &[norm]).unwrap();
+    let copy = r.op_by_name("recompute.norm").unwrap();
+    assert!(r.op(copy).updates.is_empty());
+    assert_eq!(r.op(copy).inputs, vec![g.tensor_by_name("x").unwrap()]);
+    let updated = r.op_ids().filter(|&o| !r.op(o).updates.is_empty()).count();
+    assert_eq!(updated, 1, "the statistic is updated once");
+    // The fit uses it: within a tiny share, y (1 MiB) is made again for
+    // by instead of being kept across bz.
+    let f = fit_within(&g, 1e-4, &opts(0)).unwrap();
+    checker::check(&f.graph, &f.plan).unwrap();
+    assert_eq!(f.recomputed, vec!["norm".to_string()]);
+    let without = fit_within(&plain, 1e-4, &opts(0)).unwrap();
+    assert!(f.plan.arena_bytes < without.plan.arena_bytes);
+}

@@ -129,10 +129,11 @@ fn resident(g: &Graph, t: TensorId) -> bool {
 }
 
 /// Whether `o` may run a second time in a fit that adds at most `allowed`:
-/// it writes new transient tensors only, and costs no more than that.
+/// it writes new transient tensors only (or its updates may be skipped,
+/// [`super::RERUN_WITHOUT_UPDATES`]), and costs no more than that.
 fn may_rerun(g: &Graph, o: OpId, cost: f64, allowed: f64) -> bool {
     let op = g.op(o);
-    op.updates.is_empty()
+    (op.updates.is_empty() || super::reruns_without_updates(g, o))
         && !op.outputs.is_empty()
         && op
             .outputs

@@ -20,7 +20,8 @@
 //! its base alive.
 //!
 //! An op can be recomputed ([`candidates`]) when it is a forward op that
-//! updates nothing in place, its outputs are transient, some non-forward op
+//! updates nothing in place (or whose updates a copy may skip,
+//! [`RERUN_WITHOUT_UPDATES`]), its outputs are transient, some non-forward op
 //! reads one of them, nothing updates them in place, and none of its inputs
 //! is updated in place between the op and that reader (the copy must read
 //! the same values). Its price is its cost ([`crate::cost`]).
@@ -69,6 +70,14 @@ pub use floor::{ShareFloor, fit_floor, floor_within};
 
 /// Prefix of recomputed ops and tensors.
 pub const PREFIX: &str = "recompute.";
+
+/// An op attribute: `true` says the op's in-place updates are a side
+/// effect its outputs do not depend on, and that whoever runs the graph
+/// runs a copy without them (the copy lists no updates). Batch norm in
+/// training is one: it updates its running statistics, and its outputs
+/// use the batch's own; `memplan.torch` runs a copy with no running
+/// statistics, so they are updated once, as eager does.
+pub const RERUN_WITHOUT_UPDATES: &str = "rerun_without_updates";
 
 /// The recomputed graph's metadata key naming, for each added op, the op
 /// of the original step it copies (`{"recompute.p": "p"}`), so a caller
@@ -119,7 +128,7 @@ pub fn candidates(g: &Graph, model: &CostModel) -> Vec<RematCandidate> {
     for &o in g.program_order() {
         let op = g.op(o);
         if op.kind != OpKind::Forward
-            || !op.updates.is_empty()
+            || !(op.updates.is_empty() || reruns_without_updates(g, o))
             || op.outputs.is_empty()
             || is_pure_view(g, o)
         {
@@ -155,6 +164,16 @@ pub fn candidates(g: &Graph, model: &CostModel) -> Vec<RematCandidate> {
         }
     }
     out
+}
+
+/// Whether `o`'s in-place updates are a side effect its outputs do not
+/// depend on, so a copy may run without them ([`RERUN_WITHOUT_UPDATES`]).
+pub fn reruns_without_updates(g: &Graph, o: OpId) -> bool {
+    g.op(o)
+        .attrs
+        .get(RERUN_WITHOUT_UPDATES)
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false)
 }
 
 fn is_pure_view(g: &Graph, o: OpId) -> bool {

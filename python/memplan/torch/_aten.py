@@ -135,6 +135,24 @@ def undeclared_writes(func, args, kwargs) -> set:
             for x in (pos, name)}
 
 
+def rerun_without_writes(func, args, kwargs) -> bool:
+    """Whether `func` writes only arguments its results do not depend on,
+    and given ``None`` for them computes the same results without writing:
+    batch norm in training, whose outputs use the batch's statistics and
+    whose running statistics are optional (:func:`without_writes` makes
+    that call). A recomputed copy of it runs so, and the running statistics
+    are updated once, as in eager."""
+    return bool(undeclared_writes(func, args, kwargs))
+
+
+def without_writes(args, kwargs, writes):
+    """The arguments of a call of an op :func:`rerun_without_writes`
+    accepts, with ``None`` for those it writes (positions and names in
+    `writes`)."""
+    return (tuple(None if k in writes else a for k, a in enumerate(args)),
+            {k: (None if k in writes else v) for k, v in kwargs.items()})
+
+
 # Normalisations whose saved statistics (results 1 and 2) PyTorch keeps in
 # float32 when a low-precision input meets float32 weights ("mixed type",
 # as under CPU autocast), where the fake kernels give the input's dtype:

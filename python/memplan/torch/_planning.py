@@ -25,6 +25,7 @@ import memplan
 from . import _split
 from . import _distributed, _scaler
 from ._capture import Captured
+from ._aten import without_writes
 from ._calls import Call, Ref
 from ._run import Gate, Program
 
@@ -322,8 +323,12 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
             if k is None:
                 raise memplan.MemplanError(f"fitted step: op {oid!r} is neither captured nor a recomputation")
         was = graph["ops"][k]
+        # A copy of an op whose updates it may skip (batch norm's running
+        # statistics) lists none, and runs without them.
+        skip = (oid not in original and bool(was.get("updates")) and not op.get("updates")
+                and was.get("attrs", {}).get("rerun_without_updates") is True)
         remap: Dict[int, int] = {}
-        for field in ("inputs", "outputs", "updates"):
+        for field in ("inputs", "outputs") + (() if skip else ("updates",)):
             old, new = was.get(field, []), op.get(field, [])
             if len(old) != len(new):
                 raise memplan.MemplanError(f"fitted step: op {oid!r} has other {field} than {was['id']!r}")
@@ -336,6 +341,10 @@ def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitte
         def ref(x):
             return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
 
-        new_calls.append(Call(c.func, tree_map(ref, c.args), tree_map(ref, c.kwargs),
-                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random, c.writes))
+        args, kwargs, writes = c.args, c.kwargs, c.writes
+        if skip:
+            args, kwargs = without_writes(args, kwargs, writes)
+            writes = frozenset()
+        new_calls.append(Call(c.func, tree_map(ref, args), tree_map(ref, kwargs),
+                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random, writes))
     return new_calls, new_layouts

@@ -68,6 +68,7 @@ from ._aten import (
     op_flops,
     out_variant,
     real_results,
+    rerun_without_writes,
     writes_like_pointwise,
     written_arguments,
 )
@@ -208,6 +209,8 @@ class Recorder(TorchDispatchMode):
             return out
         flops = op_flops(func, args, kwargs, out)
         op = self._op(str(func), {"inputs": inputs, "outputs": outputs, "updates": updates}, flops)
+        if updates and rerun_without_writes(func, args, kwargs):
+            op["attrs"] = {"rerun_without_updates": True}  # (memplan's fit may run a copy without them)
         hint = self._reuse_hint(func, writes, outputs, new_roots, operands.objects, inputs)
         if hint is not None:
             ids = self.table.tensors
