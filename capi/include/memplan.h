@@ -79,7 +79,9 @@ int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double 
 /* The other way round: the smallest arena found whose recomputation adds
  * at most `max_added` times the step's cost (0.001: 0.1% more estimated
  * time, or FLOPs with `minimise` "flops"). The same answer as memplan_fit,
- * with "max_added_share"; a negative or non-finite share is an error. */
+ * with "max_added_share" and "share_floor_bytes" (no recomputation within
+ * the share, in any order, needs less; docs/fit.md); a negative or
+ * non-finite share is an error. */
 int memplan_fit_within(const char *graph_json, double max_added, double time_limit_seconds,
                        const char *minimise, char **out);
 

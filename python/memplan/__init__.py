@@ -289,8 +289,9 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None,
     share of the step's cost (``max_added=0.001``: 0.1% more estimated
     time, or FLOPs with ``minimise="flops"``), as ``torch.compile``'s
     partitioner recomputes cheap ops without being given a budget. The
-    report then has ``max_added_share``; `optimal` says no affordable
-    choice peaks lower.
+    report then has ``max_added_share``, and ``share_floor_bytes``: no
+    recomputation within the share, in any order, needs less (docs/fit.md);
+    `optimal` says no affordable choice peaks lower.
 
     With `split` (``"auto"`` or a number of chunks) it may also split the
     loss chain (:func:`plan_split`): with a budget where that is the
