@@ -62,45 +62,60 @@ pub fn fit_floor(g: &Graph) -> (u64, String) {
         ),
     );
     for o in g.op_ids() {
-        let op = g.op(o);
-        let mut roots: Vec<TensorId> = op
-            .inputs
-            .iter()
-            .chain(&op.outputs)
-            .chain(&op.updates)
-            .map(|&t| g.root(t))
-            .filter(|&t| g.occupies_memory(t))
-            .collect();
-        roots.sort();
-        roots.dedup();
-        let resident_here = |t: &TensorId| {
-            let x = g.tensor(*t);
-            x.lifetime == Lifetime::Persistent && x.producer.is_none()
-        };
-        let work: u64 = roots
-            .iter()
-            .filter(|t| !resident_here(t))
-            .map(|&t| g.tensor(t).size)
-            .sum();
-        let shared: u64 = op
-            .reuse
-            .iter()
-            .map(|&(a, b)| g.tensor(a).size.min(g.tensor(g.root(b)).size))
-            .sum();
-        let need = resident + work.saturating_sub(shared);
+        let (_, work) = working_set(g, o);
+        let need = resident + work;
         if need > best.0 {
             best = (
                 need,
                 format!(
                     "op {:?} alone needs {} for its inputs and outputs, with {} resident (parameters, optimizer state)",
-                    op.name,
-                    human(work.saturating_sub(shared)),
+                    g.op(o).name,
+                    human(work),
                     human(resident)
                 ),
             );
         }
     }
     best
+}
+
+/// The roots `o` reads, writes or updates that take memory and are not
+/// resident, and their bytes less what reuse lets outputs share with
+/// inputs: what is live while `o` runs, beyond the resident bytes.
+fn working_set(g: &Graph, o: OpId) -> (Vec<TensorId>, u64) {
+    let op = g.op(o);
+    let mut roots: Vec<TensorId> = op
+        .inputs
+        .iter()
+        .chain(&op.outputs)
+        .chain(&op.updates)
+        .map(|&t| g.root(t))
+        .filter(|&t| g.occupies_memory(t) && !resident(g, t))
+        .collect();
+    roots.sort();
+    roots.dedup();
+    let shared: u64 = op
+        .reuse
+        .iter()
+        .map(|&(a, b)| g.tensor(a).size.min(g.tensor(g.root(b)).size))
+        .sum();
+    let bytes = roots
+        .iter()
+        .map(|&t| g.tensor(t).size)
+        .sum::<u64>()
+        .saturating_sub(shared);
+    (roots, bytes)
+}
+
+/// Each op's successors: the ops whose [`Graph::deps`] name it.
+fn successors(g: &Graph) -> Vec<Vec<OpId>> {
+    let mut succs = vec![Vec::new(); g.num_ops()];
+    for o in g.op_ids() {
+        for &d in g.deps(o) {
+            succs[d.index()].push(o);
+        }
+    }
+    succs
 }
 
 /// What [`floor_within`] found.
@@ -181,8 +196,9 @@ fn program_live(g: &Graph) -> Vec<u64> {
 }
 
 /// The floor of every fit of `g` whose recomputation adds at most
-/// `allowed` (in the unit of `cost`, each op's price): see the module
-/// docs. Stops at `deadline` with the best bound so far.
+/// `allowed` (in the unit of `cost`, each op's price by index; an op past
+/// its end is never rerun): see the module docs. Stops at `deadline` with
+/// the best bound so far.
 pub fn floor_within(
     g: &Graph,
     cost: &[f64],
@@ -204,14 +220,13 @@ pub fn floor_within(
     let resident_bytes = g.resident_bytes();
     let rerun: Vec<bool> = g
         .op_ids()
-        .map(|o| may_rerun(g, o, cost[o.index()], allowed))
+        .map(|o| {
+            // (An op without a price is never rerun: the bound stays valid.)
+            let price = cost.get(o.index()).copied().unwrap_or(f64::INFINITY);
+            may_rerun(g, o, price, allowed)
+        })
         .collect();
-    let mut succs = vec![Vec::new(); n];
-    for o in g.op_ids() {
-        for &d in g.deps(o) {
-            succs[d.index()].push(o);
-        }
-    }
+    let succs = successors(g);
     let upper = program_live(g);
     let mut anchors: Vec<OpId> = g.op_ids().collect();
     anchors.sort_by_key(|o| std::cmp::Reverse(upper[o.index()]));
@@ -341,27 +356,7 @@ impl<'g> AnchorCut<'g> {
         self.net.clear();
         self.work.clear();
 
-        let op = g.op(l);
-        let mut roots: Vec<TensorId> = op
-            .inputs
-            .iter()
-            .chain(&op.outputs)
-            .chain(&op.updates)
-            .map(|&t| g.root(t))
-            .filter(|&t| g.occupies_memory(t) && !resident(g, t))
-            .collect();
-        roots.sort();
-        roots.dedup();
-        let shared: u64 = op
-            .reuse
-            .iter()
-            .map(|&(a, b)| g.tensor(a).size.min(g.tensor(g.root(b)).size))
-            .sum();
-        let work = roots
-            .iter()
-            .map(|&t| g.tensor(t).size)
-            .sum::<u64>()
-            .saturating_sub(shared);
+        let (roots, work) = working_set(g, l);
         for &t in &roots {
             self.own[t.index()] = self.stamp;
         }
@@ -482,21 +477,9 @@ mod tests {
                 .outputs([gc]),
         );
         let g = b.build().unwrap();
-        let (succs, cut_at) = (
-            |g: &Graph| {
-                let mut s = vec![Vec::new(); g.num_ops()];
-                for o in g.op_ids() {
-                    for &d in g.deps(o) {
-                        s[d.index()].push(o);
-                    }
-                }
-                s
-            },
-            |g: &Graph, rerun: &[bool], succs: &[Vec<OpId>], l: OpId| {
-                AnchorCut::new(g, rerun, succs).at(l)
-            },
-        );
-        let s = succs(&g);
+        let s = successors(&g);
+        let cut_at =
+            |g: &Graph, rerun: &[bool], s: &[Vec<OpId>], l: OpId| AnchorCut::new(g, rerun, s).at(l);
         // f0 too costly, f1 cheap: `b` is made again from `a`, half its
         // size. While `loss` runs, c and g (2 KiB) are its own.
         assert_eq!(
