@@ -265,17 +265,24 @@ def fsdp(rank, world, only=None, dtype=torch.float32):
     return found
 
 
+def sgd(params):
+    """Plain SGD: its update is linear in the gradient, so any gradient
+    scale (a mean where the framework sums) shows in the parameters."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
 def against_fsdp2_eager(name, rank, model, shard, make, loss_fn, dtype=torch.float32, tol=TOL, capture_kw=None,
-                        clip=None, arena=True):
+                        clip=None, arena=True, optim=adamw, ref_shard=None):
     """Shards a copy of `model` with `shard` for memplan and another for
     FSDP2 eager, runs 3 steps of each on this rank's batches and compares
     the losses and the parameters (``full_tensor()``) within `tol`;
     returns what it measured. `clip`: the max norm eager clips to, as
-    ``capture(clip_grad_norm=...)`` does."""
+    ``capture(clip_grad_norm=...)`` does. `ref_shard` shards eager's copy
+    where it differs from `shard`."""
     ref = copy.deepcopy(model)
     shard(model)
-    shard(ref)
-    opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
+    (ref_shard or shard)(ref)
+    opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.utils._pytree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, make(g))
                for _ in range(3)]
@@ -512,6 +519,70 @@ def hsdp(rank, world):
     return found
 
 
+def fsdp_settings(rank, world):
+    """FSDPModule settings that change the reduction, honoured: each
+    unit's set_gradient_divide_factor (torchtitan sets 1.0: gradients
+    summed over the ranks, not averaged) and
+    set_force_sum_reduction_for_comms, on FSDP2 and on HSDP, trained with
+    SGD (whose parameters show any gradient scale) and with clipping
+    (whose norm does), against FSDP2 eager with the same settings."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def settings(factor=None, force_sum=False, mesh=None):
+        def shard(m):
+            kw = {} if mesh is None else {"mesh": mesh}
+            units = [m[0], m[2], m]
+            for u in units:
+                fully_shard(u, **kw)
+            for u in units:
+                if factor is not None:
+                    u.set_gradient_divide_factor(factor)
+                if force_sum:
+                    u.set_force_sum_reduction_for_comms(True)
+        return shard
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    rows = lambda g: (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))  # noqa: E731
+    found = {}
+    hsdp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    # A factor other than the shard group's size makes FSDP2 reduce with
+    # NCCL's PREMUL_SUM, which gloo lacks: eager's copy then also forces
+    # sums (the same sum, divided after it). HSDP over (W, 1) reduces over
+    # its replicas with an all-reduce (SUM), which gloo runs as set.
+    cases = {
+        "sum": (dict(factor=1.0), dict(factor=1.0, force_sum=True)),
+        "divide-by-3": (dict(factor=3.0), dict(factor=3.0, force_sum=True)),
+        "force-sum": (dict(force_sum=True), None),
+        "sum-force-sum": (dict(factor=1.0, force_sum=True), None),
+        "hsdp-sum": (dict(factor=1.0, mesh=hsdp_mesh), None),
+        "mean": (dict(), None),
+    }
+    for name, (kw, ref_kw) in cases.items():
+        # In the arena too, but where the memplan model's own units reduce
+        # with PREMUL_SUM: FSDP2 eager could not run its step after them.
+        got = against_fsdp2_eager(f"sgd-{name}", rank, mlp(), settings(**kw), rows, classify, optim=sgd,
+                                  ref_shard=settings(**ref_kw) if ref_kw is not None else None,
+                                  arena=ref_kw is None)
+        found[f"sgd-{name}"] = got
+    # Clipping reads the reduced gradients' norm: summed, it is W times
+    # the mean's, so clipping engages where eager's does.
+    found["sgd-sum-clipped"] = against_fsdp2_eager("sgd-sum-clipped", rank, mlp(), settings(factor=1.0), rows,
+                                                   classify, optim=sgd, clip=0.05, arena=False,
+                                                   ref_shard=settings(factor=1.0, force_sum=True))
+    # The test can tell: eager summing and eager averaging end apart.
+    summed, mean = found["sgd-sum"]["model"], found["sgd-mean"]["model"]
+    found["sum_vs_mean"] = max(biggest_difference(p.full_tensor(), q.full_tensor())
+                               for p, q in zip(summed.parameters(), mean.parameters()))
+    for got in found.values():
+        if isinstance(got, dict):
+            got.pop("model", None)
+    return found
+
+
 def mismatch(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -585,8 +656,20 @@ def refusals(rank, world):
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     fully_shard(hsdp[0], mesh=mesh)
     fully_shard(hsdp, mesh=mesh)
+    def set_on_root(call, *args):
+        m = sharded()
+        getattr(m, call)(*args)
+        return m
+
     batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
     cases = {
+        "fsdp2-no-sync": (set_on_root("set_requires_gradient_sync", False), {}, None),
+        "fsdp2-no-all-reduce": (set_on_root("set_requires_all_reduce", False), {}, None),
+        "fsdp2-keep-after-backward": (set_on_root("set_reshard_after_backward", False), {}, None),
+        "fsdp2-unused-params": (set_on_root("set_reduce_scatter_unused_params", True), {}, None),
+        "fsdp2-no-unshard-in-backward": (set_on_root("set_unshard_in_backward", False), {}, None),
+        "fsdp2-keep-unsharded": (set_on_root("set_keep_unsharded_storage", True), {}, None),
+        "fsdp2-all-reduce-hook": (set_on_root("set_all_reduce_hook", lambda t: None), {}, None),
         "fsdp2-partly": (partly, {}, None),
         "fsdp2-cpu-offload": (sharded(offload_policy=CPUOffloadPolicy(pin_memory=False)), {}, None),
         "fsdp2-inf-norm": (sharded(), {"clip_grad_norm": 1.0, "norm_type": float("inf")}, None),
@@ -633,6 +716,8 @@ def main():
             result = fsdp_more(rank, world, port)
         elif case == "hsdp":
             result = hsdp(rank, world)
+        elif case == "fsdp-settings":
+            result = fsdp_settings(rank, world)
         elif case == "options":
             result = options(rank, world)
         elif case == "mismatch":

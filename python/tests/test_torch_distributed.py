@@ -93,6 +93,28 @@ class DataParallelStepsMatchEagerDDP(unittest.TestCase):
         self.assertEqual(set(found), {"random-mlp-0", "random-mlp-1", "random-mlp-2", "batchnorm-cnn", "hf-gpt2",
                                       "hf-llama", "hf-qwen2", "torchvision-resnet18"})
 
+    def test_gradient_divide_factor_and_sum_reduction_are_honoured(self):
+        # torchtitan's set_gradient_divide_factor(1.0) (gradients summed over
+        # the ranks), another factor, set_force_sum_reduction_for_comms, and
+        # HSDP summing over its replicas; trained with SGD, whose parameters
+        # carry any gradient scale, and with clipping, whose norm does.
+        for r, rep in enumerate(self.reports(300, "fsdp-settings", 2)):
+            got = rep["result"]
+            self.assertEqual({k for k in got if k.startswith("sgd-")},
+                             {"sgd-sum", "sgd-divide-by-3", "sgd-force-sum", "sgd-sum-force-sum", "sgd-hsdp-sum",
+                              "sgd-mean", "sgd-sum-clipped"})
+            for name, one in got.items():
+                if not isinstance(one, dict):
+                    continue
+                with self.subTest(rank=r, case=name):
+                    self.check_step(one)
+                    # Equal to FSDP2 eager with the same settings: a sum is
+                    # divided after it where FSDP2 may divide before it.
+                    self.assertLess(one["worst"], 1e-6)
+            # Summing and averaging end far apart, so the cases above can
+            # tell a wrong scale.
+            self.assertGreater(got["sum_vs_mean"], 1e-3)
+
     def test_four_ranks_in_float64(self):
         # Over four ranks gloo sums a tensor's elements in an order that
         # depends on where they sit in the buffer reduced: DDP's bucket here,
@@ -166,6 +188,17 @@ class RanksThatDisagreeOrFail(unittest.TestCase):
             self.assertRegex(got["fsdp2-adafactor"], r"^adafactor: its update is not elementwise")
             self.assertRegex(got["fsdp2-graph"], r"not launched as one CUDA graph yet")
             self.assertRegex(got["data-parallel"], r"torch.nn.DataParallel")
+            # FSDPModule settings memplan cannot honour, each named.
+            for case, call in (("fsdp2-no-sync", r"set_requires_gradient_sync\(False\)"),
+                               ("fsdp2-no-all-reduce", r"set_requires_all_reduce\(False\)"),
+                               ("fsdp2-keep-after-backward", r"set_reshard_after_backward\(False\)"),
+                               ("fsdp2-unused-params", r"set_reduce_scatter_unused_params\(True\)"),
+                               ("fsdp2-no-unshard-in-backward", r"set_unshard_in_backward\(False\)"),
+                               ("fsdp2-keep-unsharded", r"set_keep_unsharded_storage\(True\)"),
+                               ("fsdp2-all-reduce-hook", r"set_all_reduce_hook")):
+                with self.subTest(rank=r, case=case):
+                    self.assertIsNotNone(got[case], f"{case} was captured")
+                    self.assertRegex(got[case], call)
 
 
 class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
@@ -268,6 +301,28 @@ class FullyShardedStepsMatchEagerFSDP2(unittest.TestCase):
             # loaded into a freshly sharded model: the same parameters.
             self.assertEqual(got["dcp"], 0.0)
             self.assertEqual(got["dcp_tensors"], got["hf-llama-bf16"]["parameters"])
+
+    def test_gradient_divide_factor_and_sum_reduction_are_honoured(self):
+        # torchtitan's set_gradient_divide_factor(1.0) (gradients summed over
+        # the ranks), another factor, set_force_sum_reduction_for_comms, and
+        # HSDP summing over its replicas; trained with SGD, whose parameters
+        # carry any gradient scale, and with clipping, whose norm does.
+        for r, rep in enumerate(self.reports(300, "fsdp-settings", 2)):
+            got = rep["result"]
+            self.assertEqual({k for k in got if k.startswith("sgd-")},
+                             {"sgd-sum", "sgd-divide-by-3", "sgd-force-sum", "sgd-sum-force-sum", "sgd-hsdp-sum",
+                              "sgd-mean", "sgd-sum-clipped"})
+            for name, one in got.items():
+                if not isinstance(one, dict):
+                    continue
+                with self.subTest(rank=r, case=name):
+                    self.check_step(one)
+                    # Equal to FSDP2 eager with the same settings: a sum is
+                    # divided after it where FSDP2 may divide before it.
+                    self.assertLess(one["worst"], 1e-6)
+            # Summing and averaging end far apart, so the cases above can
+            # tell a wrong scale.
+            self.assertGreater(got["sum_vs_mean"], 1e-3)
 
     def test_four_ranks_in_float64(self):
         # Uneven shards (the MLP's 3-row head over 4 ranks: the last rank's

@@ -78,16 +78,21 @@ class Collective:
     place), ``broadcast`` (one tensor, from global rank `src`),
     ``all_gather`` (``out``, ``inp``: every rank's `inp` end to end into
     `out`) and ``reduce_scatter`` (``out``, ``inp``: this rank's chunk of
-    the ranks' mean of `inp`, FSDP2's ``ReduceOp.AVG``, a sum for one rank;
-    on gloo `inp` is summed in place, so the call updates it too). `what`
-    names the tensor in errors. On gloo each waits at most `timeout`
-    seconds."""
+    the ranks' sum of `inp` divided by `divide`, the group's size when
+    not given: the mean, FSDP2's ``ReduceOp.AVG``; on gloo `inp` is summed
+    in place, so the call updates it too). With `sum_only` (FSDP2's
+    ``set_force_sum_reduction_for_comms``) the collective only sums and
+    the division follows it. `what` names the tensor in errors. On gloo
+    each waits at most `timeout` seconds."""
 
-    __slots__ = ("kind", "group", "src", "timeout", "what", "rank", "gloo")
+    __slots__ = ("kind", "group", "src", "timeout", "what", "rank", "gloo", "divide", "sum_only")
 
-    def __init__(self, kind: str, group, what: str, timeout: float, src: int = 0) -> None:
+    def __init__(self, kind: str, group, what: str, timeout: float, src: int = 0,
+                 divide: Optional[float] = None, sum_only: bool = False) -> None:
         dist = _dist()
         self.kind, self.group, self.what, self.timeout, self.src = kind, group, what, float(timeout), src
+        self.divide = float(dist.get_world_size(group) if divide is None else divide)
+        self.sum_only = bool(sum_only)
         self.rank = dist.get_rank()
         # gloo's works wait at most the timeout; NCCL's wait() only orders
         # the stream (its watchdog enforces the group's timeout).
@@ -106,8 +111,15 @@ class Collective:
             # its timeout: sum the input in place instead (the call updates
             # it: the graph says so) and take this rank's chunk after.
             return dist.all_reduce(bufs[1], group=self.group, async_op=True)
-        op = dist.ReduceOp.AVG if dist.get_world_size(self.group) > 1 else dist.ReduceOp.SUM
+        world = dist.get_world_size(self.group)
+        # The mean as NCCL's AVG (FSDP2's default); any other divisor, or
+        # sums only, as a sum divided after it (see __call__).
+        op = dist.ReduceOp.AVG if self._averages(world) else dist.ReduceOp.SUM
         return dist.reduce_scatter_tensor(bufs[0], bufs[1], op=op, group=self.group, async_op=True)
+
+    def _averages(self, world: int) -> bool:
+        """Whether NCCL's reduce-scatter divides itself (AVG)."""
+        return world > 1 and self.divide == world and not self.sum_only
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         bufs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -145,7 +157,10 @@ class Collective:
         if self.kind == "reduce_scatter" and self.gloo:
             world, rank = dist_world_rank(self.group)
             rows = bufs[0].shape[0]
-            torch.div(bufs[1].narrow(0, rank * rows, rows), world, out=bufs[0])
+            torch.div(bufs[1].narrow(0, rank * rows, rows), self.divide, out=bufs[0])
+        elif self.kind == "reduce_scatter" and not self._averages(dist_world_rank(self.group)[0]) \
+                and self.divide != 1.0:
+            bufs[0].div_(self.divide)
         if bufs[0] is not tensors[0]:
             tensors[0].copy_(bufs[0])  # the written tensor, when it was not contiguous
 

@@ -111,11 +111,16 @@ class _Param:
     """One sharded parameter: its module path `name`, FSDP2's
     ``FSDPParam`` and whether its unit reshards after forward."""
 
-    __slots__ = ("name", "fp", "reshard", "unit", "rows", "chunk", "rest", "orig", "param_dtype", "reduce_dtype")
+    __slots__ = ("name", "fp", "reshard", "unit", "rows", "chunk", "rest", "orig", "param_dtype", "reduce_dtype",
+                 "divide", "sum_only")
 
-    def __init__(self, name: str, fp, reshard: bool, policy, unit: str = "") -> None:
+    def __init__(self, name: str, fp, reshard: bool, policy, unit: str = "", divide: Optional[float] = None,
+                 sum_only: bool = False) -> None:
         self.name, self.fp, self.reshard = name, fp, reshard
         self.unit = unit  # the fully_shard module's path ("" for the root)
+        # The unit's set_gradient_divide_factor (None: FSDP2's mean over
+        # every data-parallel rank) and set_force_sum_reduction_for_comms.
+        self.divide, self.sum_only = divide, sum_only
         size = tuple(fp._orig_size)
         self.rows, self.rest = size[0], size[1:]
         self.chunk = tuple(fp.padded_sharded_param_size)[0]  # rows of a padded shard
@@ -176,6 +181,61 @@ def _check_param(where: str, fp) -> None:
                               "captures dim-0 sharding only")
 
 
+# FSDPParamGroup's settings that memplan's recorded step cannot honour,
+# each with the value memplan runs as: (attribute, that value, the
+# FSDPModule call that changed it, why memplan does not follow it).
+_REFUSED_SETTINGS = (
+    ("reduce_grads", True, "set_requires_gradient_sync(False)",
+     "memplan's step reduces every gradient once per step; accumulate micro-batches with "
+     "capture(..., accumulate=N) instead of skipping the sync"),
+    ("all_reduce_grads", True, "set_requires_all_reduce(False)",
+     "memplan's HSDP step all-reduces every gradient chunk over the replicas once per step"),
+    ("reshard_after_backward", True, "set_reshard_after_backward(False)",
+     "memplan frees every gathered parameter within the step; keeping it into the next step is not planned"),
+    ("reduce_scatter_unused_params", False, "set_reduce_scatter_unused_params(True)",
+     "memplan reduces the gradients the step computes, not zeros for unused parameters"),
+    ("unshard_in_backward", True, "set_unshard_in_backward(False)",
+     "memplan gathers a resharded unit's parameters again where its backward reads them"),
+)
+
+
+def _check_group(where: str, pg) -> None:
+    """Refuses, naming the ``FSDPModule`` call, the settings of a unit's
+    ``FSDPParamGroup`` that memplan cannot honour (docs/fsdp-settings.md
+    lists each setting and what memplan does with it)."""
+    for attr, wanted, call, why in _REFUSED_SETTINGS:
+        if getattr(pg, attr, wanted) != wanted:
+            raise UnsupportedStep(f"{where}: FSDPModule.{call} is not captured: {why}")
+    if getattr(pg, "_all_reduce_hook", None) is not None:
+        raise UnsupportedStep(f"{where}: FSDPModule.set_all_reduce_hook(...) is not captured: memplan records "
+                              "FSDP2's own reduction; apply the hook's arithmetic in the optimizer instead")
+    for attr, default, call in (("_all_gather_comm", "DefaultAllGather", "set_custom_all_gather"),
+                                ("_reduce_scatter_comm", "DefaultReduceScatter", "set_custom_reduce_scatter")):
+        comm = getattr(pg, attr, None)
+        if comm is not None and type(comm).__name__ != default:
+            raise UnsupportedStep(f"{where}: a {type(comm).__name__} communicator (FSDPModule.{call}, "
+                                  "set_symm_mem_for_comm or set_allocate_memory_from_process_group_for_comm) "
+                                  "is not captured: memplan's collectives run on the process group into "
+                                  "buffers of its own plan")
+    for fp in pg.fsdp_params:
+        if getattr(fp, "keep_unsharded_storage", False):
+            raise UnsupportedStep(f"{where}: FSDPModule.set_keep_unsharded_storage(True) is not captured: memplan "
+                                  "frees each gathered parameter where its plan says")
+    factor = getattr(pg, "gradient_divide_factor", None)
+    if factor is not None and not (isinstance(factor, (int, float)) and 0 < float(factor) < float("inf")):
+        raise UnsupportedStep(f"{where}: set_gradient_divide_factor({factor!r}): memplan divides the summed "
+                              "gradients by a positive finite factor")
+
+
+def _param_groups(state) -> list:
+    """A unit's ``FSDPParamGroup``s (PyTorch 2.15 may hold several)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    pg = state._fsdp_param_group
+    return [] if pg is None else [pg]
+
+
 class FullySharded(RankGroup):
     """What capture needs of a model whose root is sharded with
     ``fully_shard``: every parameter's ``FSDPParam`` by name, each unit's
@@ -218,28 +278,30 @@ class FullySharded(RankGroup):
         for uname, m in units:
             where = uname or "the root"
             state = m._get_fsdp_state()
-            pg = state._fsdp_param_group
             policy = state._mp_policy
             policies.append((m, policy))
-            if pg is None:
-                continue
-            mesh_info = pg.mesh_info
-            kind = _mesh_kind(where, mesh_info)
-            reshard = _reshards_after_forward(where, m is model, state, pg)
-            for fp in pg.fsdp_params:
-                _check_param(where, fp)
-                name = owner.get(id(fp.sharded_param))
-                if name is None:
-                    raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
-                                          "replaced after fully_shard?)")
-                params[name] = _Param(name, fp, reshard, policy, uname)
-                if reshard:
-                    resharded.setdefault(id(m), (m, []))[1].append(name)
-            g = mesh_info.shard_process_group
-            r = getattr(mesh_info, "replicate_process_group", None) if kind == "HSDPMeshInfo" else None
-            if group is not None and (g is not group or r is not replicate):
-                raise UnsupportedStep(f"{where}: sharded over another device mesh than the other units")
-            group, replicate = g, r
+            for pg in _param_groups(state):
+                mesh_info = pg.mesh_info
+                kind = _mesh_kind(where, mesh_info)
+                _check_group(where, pg)
+                reshard = _reshards_after_forward(where, m is model, state, pg)
+                factor = getattr(pg, "gradient_divide_factor", None)
+                divide = None if factor is None else float(factor)
+                sum_only = bool(getattr(pg, "force_sum_reduction_for_comms", False))
+                for fp in pg.fsdp_params:
+                    _check_param(where, fp)
+                    name = owner.get(id(fp.sharded_param))
+                    if name is None:
+                        raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
+                                              "replaced after fully_shard?)")
+                    params[name] = _Param(name, fp, reshard, policy, uname, divide, sum_only)
+                    if reshard:
+                        resharded.setdefault(id(m), (m, []))[1].append(name)
+                g = mesh_info.shard_process_group
+                r = getattr(mesh_info, "replicate_process_group", None) if kind == "HSDPMeshInfo" else None
+                if group is not None and (g is not group or r is not replicate):
+                    raise UnsupportedStep(f"{where}: sharded over another device mesh than the other units")
+                group, replicate = g, r
         for n, p in model.named_parameters():
             if n not in params:
                 raise UnsupportedStep(f"parameter {n} is not sharded by any fully_shard unit")
@@ -414,15 +476,25 @@ class FullySharded(RankGroup):
             padded = g.new_zeros(full_shape, dtype=p.reduce_dtype)
             padded.narrow(0, 0, p.rows).copy_(g)
         chunk = padded.new_empty((p.chunk,) + p.rest)
+        # FSDP2's reduction: the sum over every data-parallel rank (the
+        # shard group, and HSDP's replicas) divided by the unit's
+        # set_gradient_divide_factor, or by the number of those ranks when
+        # unset (a mean). The reduce-scatter divides (its `divide`); HSDP's
+        # all-reduce then sums over the replicas, and without a factor the
+        # chunk is divided by their number.
+        replicas = dist_world_rank(self.replicate)[0] if self.replicate is not None else 1
+        divide = p.divide if p.divide is not None else float(self.world)
         # The padded gradient is updated too: gloo's form sums it in
         # place (it dies here either way).
-        rec.collective("reduce_scatter", self._collective("reduce_scatter", f"the gradient of {n}"),
+        rec.collective("reduce_scatter", Collective("reduce_scatter", self.group, f"the gradient of {n}",
+                                                    self.timeout, divide=divide, sum_only=p.sum_only),
                        [chunk, padded])
-        if self.replicate is not None:  # HSDP: the chunk's mean over the replicas too
+        if self.replicate is not None:  # HSDP: the chunk summed over the replicas too
             rec.collective("all_reduce", Collective("all_reduce", self.replicate,
                                                     f"the gradient chunk of {n} over the replicas",
                                                     self.timeout), [chunk])
-            chunk.div_(dist_world_rank(self.replicate)[0])
+            if p.divide is None and replicas > 1:
+                chunk.div_(replicas)
         if chunk.dtype != p.orig:  # reduced in another dtype: the shard's gradient is in its own
             chunk = chunk.to(p.orig)
         return chunk.narrow(0, 0, tuple(p.fp.sharded_size)[0])  # on every rank, as above
