@@ -266,18 +266,18 @@ json.dump(rows, open('$OUT/torch_graph_xl.json', 'w'), indent=1)" 2>&1 | tee "$O
 }
 
 split_cuda() {
-  # Issue 40: steps whose loss chain is split into chunks (--split-chunks),
+  # Issue 40: steps whose loss chain is split into chunks (--split),
   # on the CUDA executor against the CPU executor (MatmulTnAccumulate's
   # lowering), then Llama 3.2 1B's shape at seq 1024 split and unsplit.
-  run split_llama_tiny_cmp run --example llama-tiny --split-chunks 4 --device cuda --steps 3 --compare-cpu
-  run split_llama_tiny_bf16_cmp run --example llama-tiny --mixed-precision --split-chunks 4 --device cuda --steps 3 --compare-cpu
-  run split_gpt2_tiny_cmp run --example gpt2-tiny --split-chunks 3 --device cuda --steps 3 --compare-cpu
+  run split_llama_tiny_cmp run --example llama-tiny --split 4 --device cuda --steps 3 --compare-cpu
+  run split_llama_tiny_bf16_cmp run --example llama-tiny --mixed-precision --split 4 --device cuda --steps 3 --compare-cpu
+  run split_gpt2_tiny_cmp run --example gpt2-tiny --split 3 --device cuda --steps 3 --compare-cpu
   # MLP regions too (src/split/rows.rs): forward, recomputed and backward
   # SwiGLU MLPs of a checkpointed step in row chunks.
-  run split_llama_tiny_ckpt_cmp run --example llama-tiny --checkpoint --mixed-precision --split-chunks 4 --device cuda --steps 3 --compare-cpu
-  run split_llama_1b_16k run --example llama3-1b --seq 16384 --mixed-precision --checkpoint --split-chunks 16 --device cuda --steps 3 --json --time-limit 10
+  run split_llama_tiny_ckpt_cmp run --example llama-tiny --checkpoint --mixed-precision --split 4 --device cuda --steps 3 --compare-cpu
+  run split_llama_1b_16k run --example llama3-1b --seq 16384 --mixed-precision --checkpoint --split 16 --device cuda --steps 3 --json --time-limit 10
   run unsplit_llama_1b_16k run --example llama3-1b --seq 16384 --mixed-precision --checkpoint --device cuda --steps 3 --json --time-limit 10
-  run split_llama_1b_bf16 run --example llama3-1b --seq 1024 --mixed-precision --split-chunks 8 --device cuda --steps 3 --json --time-limit 5
+  run split_llama_1b_bf16 run --example llama3-1b --seq 1024 --mixed-precision --split 8 --device cuda --steps 3 --json --time-limit 5
   run unsplit_llama_1b_bf16 run --example llama3-1b --seq 1024 --mixed-precision --device cuda --steps 3 --json --time-limit 5
 }
 

@@ -175,6 +175,9 @@ pub struct Row {
     pub baseline_seconds: f64,
     /// The planner's time budget.
     pub time_limit_seconds: f64,
+    /// Chunks of the graph memplan planned (`Options::split`; 1: the
+    /// graph as given). Every figure of the row is that graph's.
+    pub split_chunks: u64,
 }
 
 impl Row {
@@ -231,14 +234,28 @@ pub fn geomean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
     (n > 0).then(|| (sum / n as f64).exp())
 }
 
-/// Plans `g`, checks the plan with the independent checker, and measures
-/// every baseline.
+/// Plans `g` (split as `opts.split` asks, [`crate::split::plan`]: kept
+/// where that lowers the arena), checks the plan with the independent
+/// checker, and measures every baseline on the step memplan planned
+/// (split or not: eager with a chunked loss).
 pub fn run(g: &Graph, source: &str, opts: &Options) -> Result<Row, Error> {
+    let split;
+    let (g, plan, split_chunks) = match opts.split {
+        crate::pipeline::Split::Off => {
+            let plan = crate::plan(g, opts)?;
+            crate::checker::check(g, &plan)?;
+            (g, plan, 1)
+        }
+        _ => {
+            // split::plan checks its plan against the split graph.
+            let (sg, plan, rep) = crate::split::plan(g, opts)?;
+            split = sg;
+            (&split, plan, rep.chunks)
+        }
+    };
     let start = Instant::now();
     let baselines = baselines::all(g);
     let baseline_seconds = start.elapsed().as_secs_f64();
-    let plan = crate::plan(g, opts)?;
-    crate::checker::check(g, &plan)?;
     let s = &plan.stats;
     Ok(Row {
         source: source.to_string(),
@@ -256,6 +273,7 @@ pub fn run(g: &Graph, source: &str, opts: &Options) -> Result<Row, Error> {
         solve_seconds: s.solve_seconds,
         baseline_seconds,
         time_limit_seconds: opts.time_limit.as_secs_f64(),
+        split_chunks,
     })
 }
 
@@ -694,7 +712,7 @@ mod tests {
         assert!(!fsdp.reshard_after_forward && fsdp.reduce_in_compute_dtype);
         let g = Source::parse(spec).unwrap().load().unwrap();
         assert_eq!(g.name, "llama-tiny-b2-mixed-fsdp2");
-        // split=K is the CLI's --split-chunks K: the same graph.
+        // split=K is the CLI's --split K: the same graph.
         let split = Source::parse("example:llama-tiny,split=4")
             .unwrap()
             .load()
@@ -703,7 +721,7 @@ mod tests {
         let by_hand = crate::split::split_graph(&unsplit, 4).unwrap();
         assert_eq!(split.ops().len(), by_hand.ops().len());
         assert!(split.ops().len() > unsplit.ops().len());
-        // Both: sharded, then split (the CLI's --world-size 2 --split-chunks 4).
+        // Both: sharded, then split (the CLI's --world-size 2 --split 4).
         let both = Source::parse("example:llama-tiny,split=4,world=2")
             .unwrap()
             .load()

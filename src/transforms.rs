@@ -1,7 +1,7 @@
 //! The whole-graph transforms a command applies to the graph it loads: the
 //! loss chain split into chunks ([`crate::split`]) or one rank's step
 //! sharded FSDP-style ([`crate::models::fsdp`]), not yet both. The
-//! CLI builds a [`Transforms`] from its flags (`--split-chunks`,
+//! CLI builds a [`Transforms`] from its flags (`--split`,
 //! `--world-size`...) and a bench source from its spec's keys (`split=K`,
 //! `world=N`...); both apply it here, so a graph named either way is the
 //! same graph.

@@ -235,6 +235,7 @@ const GRAPH_FLAGS: &[&str] = &[
     "--reduce-bf16",
     "--flat-shards",
     "--split-chunks",
+    "--split",
 ];
 
 const CMDS: &[Cmd] = &[
@@ -301,6 +302,7 @@ const CMDS: &[Cmd] = &[
             "--update",
             "--accept-worse",
             "--check",
+            "--split",
         ],
         timed: true,
     },

@@ -113,7 +113,7 @@ fn split_llama_equals_unsplit_untied_tied_and_checkpointed() {
 
 #[test]
 fn split_sharded_llama_equals_sharded_unsplit() {
-    // Sharded over two ranks, then split (`--world-size 2 --split-chunks
+    // Sharded over two ranks, then split (`--world-size 2 --split
     // K`): the head gradient's chunks are summed before its reduce-scatter,
     // so every rank's losses and state equal the unsplit sharded step's.
     let shard = |g: Graph| {
@@ -422,8 +422,9 @@ proptest::proptest! {
 
 /// `memplan plan --split`: `auto` reports each candidate's arena and keeps
 /// the smallest; the written split graph and plan pass `memplan check`;
-/// `--split-chunks` splits any command's graph, and refuses a graph
-/// without a loss chain.
+/// `--split K` splits any other command's graph (`--split-chunks K`, its
+/// deprecated old name, too, with a warning), refuses `auto` where the
+/// command does not plan, and refuses a graph without a loss chain.
 #[test]
 fn cli_plan_split_auto_writes_a_graph_and_plan_that_check() {
     use std::process::Command;
@@ -479,29 +480,130 @@ fn cli_plan_split_auto_writes_a_graph_and_plan_that_check() {
         "{}",
         String::from_utf8_lossy(&check.stderr)
     );
-    // --split-chunks on another command; refused without a chain.
-    let stats = Command::new(bin)
-        .args([
-            "stats",
-            "--example",
-            "gpt2-tiny",
-            "--split-chunks",
-            "4",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    // --split on another command; refused without a chain.
+    let stats_of = |flag: &str, value: &str| {
+        Command::new(bin)
+            .args([
+                "stats",
+                "--example",
+                "gpt2-tiny",
+                "--seq",
+                "256",
+                flag,
+                value,
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    let stats = stats_of("--split", "4");
     assert!(
         stats.status.success(),
         "{}",
         String::from_utf8_lossy(&stats.stderr)
     );
+    let ops = |out: &std::process::Output| {
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["ops"].clone()
+    };
+    let old = stats_of("--split-chunks", "4");
+    assert!(old.status.success());
+    assert_eq!(ops(&old), ops(&stats), "the old name splits the same");
+    assert!(String::from_utf8_lossy(&old.stderr).contains("--split-chunks is deprecated"));
+    assert!(!String::from_utf8_lossy(&stats.stderr).contains("deprecated"));
+    let auto = stats_of("--split", "auto");
+    assert!(!auto.status.success());
+    assert!(
+        String::from_utf8_lossy(&auto.stderr)
+            .contains("--split auto picks the chunk count while planning"),
+        "{}",
+        String::from_utf8_lossy(&auto.stderr)
+    );
     let mlp = Command::new(bin)
-        .args(["stats", "--example", "mlp", "--split-chunks", "4"])
+        .args(["stats", "--example", "mlp", "--split", "4"])
         .output()
         .unwrap();
     assert!(!mlp.status.success());
     assert!(String::from_utf8_lossy(&mlp.stderr).contains("no separable loss chain"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// One `--split auto|K|off` on `compare` and `bench` as on `plan`: memplan's
+/// plan is the split step's where that lowers its arena, and every
+/// baseline runs that same split step (the graph `plan --split
+/// --graph-output` writes); the JSON says how many chunks.
+#[test]
+fn compare_and_bench_take_the_same_split_flag_as_plan() {
+    use std::process::Command;
+    let bin = env!("CARGO_BIN_EXE_memplan");
+    let dir = std::env::temp_dir().join(format!("memplan-split-flag-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(bin).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    // Each baseline's footprint (the ratios beside them are to each
+    // plan's own bound).
+    let footprints = |v: &serde_json::Value| -> Vec<(String, u64)> {
+        let mut f: Vec<(String, u64)> = v["baselines"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, b)| (k.clone(), b["footprint_bytes"].as_u64().unwrap()))
+            .collect();
+        f.sort();
+        f
+    };
+    let ex = [
+        "--example",
+        "gpt2-tiny",
+        "--seq",
+        "256",
+        "--json",
+        "--time-limit",
+        "3",
+    ];
+    let plain = run(&[&["compare"][..], &ex].concat());
+    let split = run(&[&["compare"][..], &ex, &["--split", "4"]].concat());
+    assert!(plain.get("split").is_none());
+    assert_eq!(split["split"]["chunks"], 4, "{}", split["split"]);
+    assert!(split["arena_bytes"].as_u64() < plain["arena_bytes"].as_u64());
+    // The baselines are those of the split step as a file.
+    let graph = dir.join("split.json");
+    let graph_arg = graph.to_str().unwrap();
+    run(&[
+        &["plan"][..],
+        &ex,
+        &["--split", "4", "--graph-output", graph_arg],
+    ]
+    .concat());
+    let of_file = run(&["compare", graph_arg, "--json", "--time-limit", "3"]);
+    assert_eq!(footprints(&split), footprints(&of_file));
+    assert_ne!(footprints(&split), footprints(&plain));
+    let bench = |extra: &[&str]| {
+        let args = [
+            &[
+                "bench",
+                "example:gpt2-tiny,seq=256",
+                "--json",
+                "--time-limit",
+                "3",
+            ][..],
+            extra,
+        ]
+        .concat();
+        run(&args)["graphs"][0].clone()
+    };
+    let (b_plain, b_split) = (bench(&[]), bench(&["--split", "4"]));
+    assert_eq!(b_plain["split_chunks"], 1);
+    assert_eq!(b_split["split_chunks"], 4);
+    assert!(b_split["arena_bytes"].as_u64() < b_plain["arena_bytes"].as_u64());
+    assert_eq!(footprints(&b_split), footprints(&split));
+    assert_eq!(footprints(&b_plain), footprints(&plain));
     std::fs::remove_dir_all(&dir).ok();
 }
 

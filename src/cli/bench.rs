@@ -55,6 +55,14 @@ pub struct BenchArgs {
     /// arena grew or a lower bound shrank.
     #[arg(long, value_name = "RECORD")]
     pub check: Option<PathBuf>,
+    /// Split token-wise chains (the loss chain, row-wise MLP regions) of
+    /// every graph as `memplan plan --split` does: `auto` tries 2 to 32
+    /// chunks, `K` tries K, a split kept only where it lowers the arena;
+    /// the baselines then run the split step too (docs/splitting.md). A record
+    /// holds unsplit graphs: record a split one as
+    /// `example:NAME,split=K`.
+    #[arg(long, value_name = "auto|K|off", alias = "split-chunks", conflicts_with_all = ["update", "check"])]
+    pub split: Option<memplan::split::Split>,
 }
 
 fn progress() -> bool {
@@ -93,7 +101,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let (todo, record) = jobs(&a)?;
     let start = Instant::now();
-    let res = run_jobs(todo)?;
+    let res = run_jobs(todo, a.split)?;
     let wall = start.elapsed().as_secs_f64();
     print_results(&a, &res, wall)?;
     match record {
@@ -170,7 +178,7 @@ fn jobs(a: &BenchArgs) -> Result<(Vec<Job>, Option<Record>)> {
 }
 
 /// Plans every graph; files of a folder that are not graphs are skipped.
-fn run_jobs(todo: Vec<Job>) -> Result<Results> {
+fn run_jobs(todo: Vec<Job>, split: Option<memplan::split::Split>) -> Result<Results> {
     let mut res = Results {
         rows: Vec::new(),
         fresh: Vec::new(),
@@ -198,6 +206,7 @@ fn run_jobs(todo: Vec<Job>) -> Result<Results> {
         }
         let opts = Options {
             time_limit: job.limit,
+            split: split.unwrap_or_default(),
             ..Options::default()
         };
         let row = bench::run(&g, &label, &opts).with_context(|| format!("benchmarking {label}"))?;
@@ -346,6 +355,7 @@ fn to_json(rows: &[Row], s: &Summary, skipped: &[(String, String)], wall: f64) -
                 "solve_seconds": r.solve_seconds,
                 "baseline_seconds": r.baseline_seconds,
                 "time_limit_seconds": r.time_limit_seconds,
+                "split_chunks": r.split_chunks,
                 "order_source": r.order_source,
                 "layout_source": r.layout_source,
             })
@@ -387,6 +397,11 @@ fn cells(rows: &[Row], s: &Summary) -> (Vec<String>, Vec<Vec<String>>) {
             r.source.clone()
         } else {
             r.graph.clone()
+        };
+        // memplan's figures (and the bound) of a split graph say so.
+        let name = match r.split_chunks {
+            1 => name,
+            k => format!("{name} (split {k})"),
         };
         let mut c = vec![
             name,

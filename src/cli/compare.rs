@@ -9,8 +9,8 @@ use memplan::baselines;
 use memplan::graph::Graph;
 
 use super::GraphArgs;
-use super::format::{grouped, human_bytes, plan_summary, table};
-use super::load::{for_xla, load, solve};
+use super::format::{grouped, human_bytes, plan_summary, split_json, split_line, table};
+use super::load::{for_xla, load_for_planning, solve};
 
 pub(super) fn compare(
     graph: Option<PathBuf>,
@@ -18,9 +18,15 @@ pub(super) fn compare(
     as_json: bool,
     time_limit: f64,
 ) -> Result<()> {
-    let g = load(graph.as_deref(), src)?;
+    let (g, split) = load_for_planning(graph.as_deref(), src)?;
+    // memplan's plan is of the split step where `--split` lowers its
+    // arena; the baselines then run that split step too, as eager with a
+    // chunked loss does (torchtune's CEWithChunkedOutputLoss): the same
+    // step on every side.
+    let (g, mut plan, (), split) = memplan::split::plan_split_with(&g, split, |g, n| {
+        solve(g, time_limit / f64::from(n)).map(|p| (p, ()))
+    })?;
     let base = baselines::all(&g);
-    let mut plan = solve(&g, time_limit)?;
     let mut xla = None;
     if let (true, Some(path)) = (src.xla_allocations, graph.as_deref()) {
         (plan, xla) = for_xla(&g, path, plan, time_limit)?;
@@ -43,6 +49,9 @@ pub(super) fn compare(
         let best = base.iter().map(|b| b.footprint_bytes).min().unwrap_or(0);
         let arena = plan.arena_bytes;
         let mut v = plan_summary(&g, &plan);
+        if split.tried.len() > 1 {
+            v["split"] = split_json(&split);
+        }
         v["ratio_to_lower_bound"] = json!(arena as f64 / lb as f64);
         v["ratio_to_best_baseline"] = json!(arena as f64 / best.max(1) as f64);
         v["baselines"] = json!(b);
@@ -109,6 +118,10 @@ pub(super) fn compare(
             &rows
         )
     );
+    if split.tried.len() > 1 {
+        // Every row is the split step's.
+        println!("{}", split_line(&split));
+    }
     if let Some(line) = verdict(&g, &base, plan.arena_bytes, xla.as_ref().map(|e| e.total)) {
         println!("{line}");
     }

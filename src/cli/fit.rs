@@ -13,7 +13,7 @@ use memplan::graph::Graph;
 
 use super::GraphArgs;
 use super::format::{grouped_f64, human_bytes, table};
-use super::load::{load, shard};
+use super::load::{load, load_for_planning, shard};
 
 #[derive(Args, Debug)]
 pub struct FitArgs {
@@ -60,19 +60,6 @@ pub struct FitArgs {
     /// List every recomputed op.
     #[arg(long)]
     pub list: bool,
-    /// May also split the loss chain and the row-wise regions around up
-    /// projections (a block's MLP) (`auto`, or K chunks): with --budget
-    /// where that is the cheaper way into the budget, with --max-added
-    /// where that gives the smaller arena, the split's added FLOPs counted
-    /// in the share (docs/splitting.md); the step and plan written are
-    /// then the split step's.
-    #[arg(
-        long,
-        value_name = "auto|K|off",
-        default_value = "off",
-        conflicts_with_all = ["pareto", "max_batch"]
-    )]
-    pub split: memplan::split::Split,
     /// What to minimise: the estimated added time, or the added FLOPs.
     #[arg(long, value_enum, default_value = "time", alias = "minimize")]
     pub minimise: memplan::fit::Objective,
@@ -152,10 +139,17 @@ pub fn run(a: FitArgs) -> Result<()> {
     if a.max_batch {
         return max_batch(&a, limit);
     }
-    let g = load(a.graph.as_deref(), &a.source)?;
     if a.pareto {
-        return pareto(&g, &a, limit);
+        // The curve of one graph: `--split K` splits it first (`auto` is
+        // refused: it picks a count per budget).
+        return pareto(&load(a.graph.as_deref(), &a.source)?, &a, limit);
     }
+    // `--split` (GraphArgs): with --budget, split where that is the
+    // cheaper way into the budget; with --max-added, where that gives the
+    // smaller arena, the split's added FLOPs counted in the share
+    // (docs/splitting.md); the step and plan written are then the split
+    // step's.
+    let (g, split_arg) = load_for_planning(a.graph.as_deref(), &a.source)?;
     let progress = std::sync::Arc::new(memplan_solver::Progress::new());
     progress.start_phase("fit: trying recomputation sets", 0);
     let mut opts = FitOptions {
@@ -167,21 +161,21 @@ pub fn run(a: FitArgs) -> Result<()> {
     let guard = super::progress::watch_fit(progress);
     let mut split = None;
     let f = match &a.max_added {
-        Some(share) if a.split == memplan::split::Split::Off => {
+        Some(share) if split_arg == memplan::split::Split::Off => {
             fit_within(&g, parse_share(share)?, &opts)?
         }
         Some(share) => {
-            let s = memplan::split::fit_within_split(&g, parse_share(share)?, &opts, a.split)?;
+            let s = memplan::split::fit_within_split(&g, parse_share(share)?, &opts, split_arg)?;
             split = Some(s.split);
             s.fitted
         }
         None => {
             let budget_text = a.budget.as_deref().unwrap_or("100%");
             opts.budget = parse_budget(budget_text, || base_arena(&g))?;
-            if a.split == memplan::split::Split::Off {
+            if split_arg == memplan::split::Split::Off {
                 fit(&g, &opts)?
             } else {
-                let s = memplan::split::fit_split(&g, &opts, a.split)?;
+                let s = memplan::split::fit_split(&g, &opts, split_arg)?;
                 split = Some(s.split);
                 s.fitted
             }

@@ -113,3 +113,38 @@ mod tests {
         assert_eq!(grouped(12), "12");
     }
 }
+
+/// What `--split` chose, as `plan --json` and `compare --json` write it.
+pub fn split_json(split: &memplan::split::SplitReport) -> serde_json::Value {
+    serde_json::json!({
+        "chunks": split.chunks,
+        "chains": split.chains,
+        "regions": split.regions,
+        "added_flops": split.added_flops,
+        "step_flops": split.step_flops,
+        "tried": split.tried.iter().map(|&(k, b)| serde_json::json!({"chunks": k, "arena_bytes": b, "peak_bytes": b})).collect::<Vec<_>>(),
+    })
+}
+
+/// What `--split` chose, as `plan` and `compare` print it.
+pub fn split_line(split: &memplan::split::SplitReport) -> String {
+    let tried: Vec<String> = split
+        .tried
+        .iter()
+        .map(|&(k, b)| format!("{k}: {}", human_bytes(b)))
+        .collect();
+    format!(
+        "split: {} (arena by chunks: {}; {} FLOPs added, {:.4}% of the step's)",
+        if split.chunks > 1 {
+            format!(
+                "{} loss chain(s) and {} row-wise region(s) into {} chunks",
+                split.chains, split.regions, split.chunks
+            )
+        } else {
+            "none (no split lowered the arena)".to_string()
+        },
+        tried.join(", "),
+        grouped(split.added_flops as u64),
+        100.0 * split.added_flops / split.step_flops.max(1.0)
+    )
+}

@@ -9,16 +9,37 @@ use anyhow::{Context, Result, anyhow, bail};
 use memplan::example_spec::ExampleSpec;
 use memplan::graph::Graph;
 use memplan::models::{DType, ExampleOptions};
+use memplan::split::Split;
 use memplan::{Options, Plan, baselines, checker};
 
 use super::GraphArgs;
 
-/// Loads the graph a command names: a file or `--example`, its loss chain
-/// split if `--split-chunks` asks, sharded over `--world-size` ranks if
-/// given ([`memplan::transforms`], the bench's example specs' too).
+/// Loads the graph a command names: a file or `--example`, sharded over
+/// `--world-size` ranks if given, then split into the `--split K` chunks
+/// if asked ([`memplan::transforms`], the bench's example specs' too):
+/// the graph as commands that read a plan's graph (check, stats, run...)
+/// see it. `--split auto` is refused here: only planning picks a count.
 pub fn load(graph: Option<&Path>, src: &GraphArgs) -> Result<Graph> {
-    let t = transforms(src, src.split_chunks)?;
+    let chunks = match src.split {
+        None | Some(Split::Off) => None,
+        Some(Split::Chunks(k)) => Some(k),
+        Some(Split::Auto) => bail!(
+            "--split auto picks the chunk count while planning (memplan plan, compare and fit \
+             do); this command reads the graph split into a given count: pass --split K with \
+             the K the plan's summary names, or the graph `memplan plan --graph-output` wrote"
+        ),
+    };
+    let t = transforms(src, chunks)?;
     Ok(t.apply(load_unsharded(graph, src)?)?)
+}
+
+/// For commands that plan: the graph a command names, sharded but not
+/// split, and the `--split` to plan it with
+/// ([`memplan::split::plan_split_with`] keeps a split only where it
+/// lowers the arena).
+pub fn load_for_planning(graph: Option<&Path>, src: &GraphArgs) -> Result<(Graph, Split)> {
+    let g = transforms(src, None)?.apply(load_unsharded(graph, src)?)?;
+    Ok((g, src.split.unwrap_or_default()))
 }
 
 /// `g` sharded as --world-size asks (unchanged without it).

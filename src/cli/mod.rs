@@ -205,12 +205,18 @@ pub struct GraphArgs {
     /// instead of FSDP2's per-parameter shards.
     #[arg(long, requires = "world_size")]
     pub flat_shards: bool,
-    /// Split the loss chain (LM head, cross-entropy and their backward)
-    /// and the row-wise regions around up projections (a block's MLP)
-    /// into K chunks of rows after loading, and after sharding with
-    /// --world-size (docs/splitting.md); a graph with neither is refused.
-    #[arg(long, value_name = "K")]
-    pub split_chunks: Option<u64>,
+    /// Split token-wise chains (the loss: LM head, cross-entropy and
+    /// their backward; the row-wise regions around up projections, a
+    /// block's MLP) into chunks of rows, after sharding with --world-size
+    /// (docs/splitting.md). Where the command makes the plan (`plan`,
+    /// `compare`, `fit`) `auto` tries 2 to 32 chunks and `K` tries K, and
+    /// the split is kept only where it lowers the arena (`fit`: where it
+    /// fits cheaper or smaller); the other commands read the graph split
+    /// into exactly K chunks, the graph a plan made with `--split` holds
+    /// (its summary names K), and refuse `auto`. `off` (the default)
+    /// never splits. `--split-chunks K` is the deprecated old name.
+    #[arg(long, value_name = "auto|K|off", alias = "split-chunks")]
+    pub split: Option<memplan::split::Split>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -241,13 +247,6 @@ pub enum Command {
         /// Report where the time went and each part's size, bound, peak and gap.
         #[arg(long)]
         report: bool,
-        /// Split token-wise chains (the loss: LM head, cross-entropy and
-        /// their backward; the row-wise regions around up projections, a
-        /// block's MLP) into chunks where that lowers the planned arena:
-        /// `auto` tries 2 to 32 chunks, `K` tries K, `off` never splits
-        /// (docs/splitting.md). The plan is then the split graph's.
-        #[arg(long, value_name = "auto|K|off", default_value = "off")]
-        split: memplan::split::Split,
         /// Write the graph that was planned (split or not) as memplan JSON,
         /// to check or run the plan with.
         #[arg(long, value_name = "FILE")]
@@ -342,6 +341,14 @@ pub enum Command {
 
 /// Parses the arguments and runs; returns the process exit code.
 pub fn main() -> i32 {
+    if std::env::args_os().any(|a| {
+        a.to_str()
+            .is_some_and(|a| a == "--split-chunks" || a.starts_with("--split-chunks="))
+    }) {
+        eprintln!(
+            "memplan: warning: --split-chunks is deprecated and goes in the next release; use --split K (the same flag on plan, compare, fit, bench and every other command)"
+        );
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -383,7 +390,6 @@ fn run_command(cmd: Command) -> anyhow::Result<()> {
             json,
             time_limit,
             report,
-            split,
             graph_output,
         } => plan::plan(
             graph,
@@ -392,7 +398,6 @@ fn run_command(cmd: Command) -> anyhow::Result<()> {
             json,
             time_limit,
             report,
-            split,
         ),
         Command::Check {
             files,

@@ -6,8 +6,8 @@ use anyhow::Result;
 use serde_json::json;
 
 use super::GraphArgs;
-use super::format::{grouped, human_bytes, plan_summary};
-use super::load::{for_xla, load, solve_with_report};
+use super::format::{grouped, human_bytes, plan_summary, split_json, split_line};
+use super::load::{for_xla, load_for_planning, solve_with_report};
 
 pub(super) fn plan(
     graph: Option<PathBuf>,
@@ -16,13 +16,12 @@ pub(super) fn plan(
     as_json: bool,
     time_limit: f64,
     with_report: bool,
-    split: memplan::split::Split,
 ) -> Result<()> {
     super::claim_stdout(&[
         ("-o", output.as_deref()),
         ("--graph-output", graph_output.as_deref()),
     ])?;
-    let g = load(graph.as_deref(), src)?;
+    let (g, split) = load_for_planning(graph.as_deref(), src)?;
     let (g, (mut plan, report), split) = memplan::split::plan_split_with(&g, split, |g, n| {
         solve_with_report(g, time_limit / f64::from(n))
     })
@@ -44,14 +43,7 @@ pub(super) fn plan(
         let mut v = plan_summary(&g, &plan);
         v["plan_file"] = json!(output.as_ref().map(|p| p.display().to_string()));
         if split.tried.len() > 1 {
-            v["split"] = json!({
-                "chunks": split.chunks,
-                "chains": split.chains,
-                "regions": split.regions,
-                "added_flops": split.added_flops,
-                "step_flops": split.step_flops,
-                "tried": split.tried.iter().map(|&(k, b)| json!({"chunks": k, "arena_bytes": b, "peak_bytes": b})).collect::<Vec<_>>(),
-            });
+            v["split"] = split_json(&split);
         }
         if with_report {
             v["report"] = super::report::json(&report);
@@ -93,25 +85,7 @@ pub(super) fn plan(
             );
         }
         if split.tried.len() > 1 {
-            let tried: Vec<String> = split
-                .tried
-                .iter()
-                .map(|&(k, b)| format!("{k}: {}", human_bytes(b)))
-                .collect();
-            sayln!(
-                "split: {} (arena by chunks: {}; {} FLOPs added, {:.4}% of the step's)",
-                if split.chunks > 1 {
-                    format!(
-                        "{} loss chain(s) and {} row-wise region(s) into {} chunks",
-                        split.chains, split.regions, split.chunks
-                    )
-                } else {
-                    "none (no split lowered the arena)".to_string()
-                },
-                tried.join(", "),
-                grouped(split.added_flops as u64),
-                100.0 * split.added_flops / split.step_flops.max(1.0)
-            );
+            sayln!("{}", split_line(&split));
         }
         if let Some(out) = &output {
             sayln!("plan written to {}", super::shown(out));

@@ -279,7 +279,7 @@ fn check_chunks(g: &Graph, k: u64, s: &Splits) -> Result<(), Error> {
 }
 
 /// `g` with every separable loss chain and row-wise region split into `k`
-/// chunks (`--split-chunks`); an error if it has none, or `k` is not
+/// chunks (`--split`); an error if it has none, or `k` is not
 /// between 2 and the rows of each.
 pub fn split_graph(g: &Graph, k: u64) -> Result<Graph, Error> {
     let s = Splits::find(g);
