@@ -320,3 +320,53 @@ class EntryPointsNeverCrash(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class OptionalDependencies(unittest.TestCase):
+    """A feature whose optional package is missing raises MemplanError (an
+    ImportError too) naming the feature and what to install."""
+
+    def run_without(self, blocked, code):
+        import subprocess
+        import sys
+
+        prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
+        return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120)
+
+    def test_memplan_torch_without_torch(self):
+        out = self.run_without(["torch"], """
+import memplan
+try:
+    import memplan.torch
+except memplan.MemplanError as e:
+    assert isinstance(e, ImportError), type(e).__mro__
+    assert e.kind == "unsupported", e.kind
+    print("refused:", e)
+else:
+    raise SystemExit("memplan.torch imported without torch")
+""")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("refused: memplan.torch needs torch, which is not installed", out.stdout)
+        self.assertIn("pip install torch", out.stdout)
+        # The rest of the package works without it.
+        out = self.run_without(["torch"], "import memplan; print(memplan.example('mlp')['name'])")
+        self.assertEqual(out.returncode, 0, out.stderr)
+
+    def test_require_names_each_optional_package(self):
+        from memplan._optional import MissingDependency, require
+
+        for module, install in (("transformers", "pip install transformers"),
+                                ("torchtitan", "pip install torchtitan"), ("jax", "pip install 'jax[cpu]'")):
+            with self.subTest(module=module):
+                out = self.run_without([module], f"""
+from memplan._optional import require
+try:
+    require({module!r}, "the estimator")
+except ImportError as e:
+    print(type(e).__name__, e)
+""")
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn(f"MissingDependency the estimator needs {module}", out.stdout)
+                self.assertIn(install, out.stdout)
+        self.assertIs(require("json", "a test").loads, json.loads)
+        self.assertTrue(issubclass(MissingDependency, memplan.MemplanError))

@@ -101,19 +101,6 @@ pub fn plan_summary(g: &memplan::graph::Graph, plan: &memplan::Plan) -> serde_js
     v
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn formats_numbers() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(3 << 29), "1.50 GiB");
-        assert_eq!(grouped(1234567), "1,234,567");
-        assert_eq!(grouped(12), "12");
-    }
-}
-
 /// What `--split` chose, as `plan --json` and `compare --json` write it.
 pub fn split_json(split: &memplan::split::SplitReport) -> serde_json::Value {
     serde_json::json!({
@@ -147,4 +134,17 @@ pub fn split_line(split: &memplan::split::SplitReport) -> String {
         grouped(split.added_flops as u64),
         100.0 * split.added_flops / split.step_flops.max(1.0)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_numbers() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 29), "1.50 GiB");
+        assert_eq!(grouped(1234567), "1,234,567");
+        assert_eq!(grouped(12), "12");
+    }
 }

@@ -42,9 +42,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
+from memplan._optional import require
 
-import memplan
+# Without PyTorch, a MemplanError that says what to install (before any
+# submodule's own `import torch`).
+torch = require("torch", "memplan.torch")
+
+import memplan  # noqa: E402
 
 from . import _distributed, _optim, _scaler
 from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
