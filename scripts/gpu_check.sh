@@ -17,7 +17,7 @@
 # step in PyTorch eager (tools/torch_eager_gpt2.py) for peak memory and step
 # time side by side; the same for a Llama 3 1B step (f32 and mixed
 # precision, tools/torch_eager_llama.py); then memplan.torch's arena step
-# against eager PyTorch (python -m memplan.torch.bench --device cuda). Logs
+# against eager PyTorch (python -m benchmarks.bench --device cuda). Logs
 # and JSON go to OUT_DIR (default gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -181,22 +181,22 @@ torch_step() {
   torch_ready || return
   local xl=
   python3 -c 'import transformers' 2>/dev/null && xl=--with-gpt2-xl
-  echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl \
+  echo "== python3 -m benchmarks.bench --device cuda --steps 5 $xl"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --steps 5 $xl \
     --json "$OUT/torch_step.json" 2>&1 | tee "$OUT/torch_step.out"
   # The same models with eager in single-tensor arithmetic and cuDNN
   # deterministic on both sides: any difference left is memplan's.
-  echo "== python3 -m memplan.torch.bench --device cuda --exact --steps 3"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --exact --steps 3 \
+  echo "== python3 -m benchmarks.bench --device cuda --exact --steps 3"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --exact --steps 3 \
     --json "$OUT/torch_step_exact.json" 2>&1 | tee "$OUT/torch_step_exact.out"
   # Width-32 decoders: the replay's per-op overhead against eager's
   # launches.
-  echo "== python3 -m memplan.torch.bench --device cuda --tiny --steps 50"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --tiny --steps 50 \
+  echo "== python3 -m benchmarks.bench --device cuda --tiny --steps 50"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --tiny --steps 50 \
     --json "$OUT/torch_step_tiny.json" 2>&1 | tee "$OUT/torch_step_tiny.out"
   # Mixed precision as users write it: bf16 autocast, f32 master weights.
-  echo "== python3 -m memplan.torch.bench --device cuda --autocast --steps 5"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --autocast --steps 5 \
+  echo "== python3 -m benchmarks.bench --device cuda --autocast --steps 5"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --autocast --steps 5 \
     --json "$OUT/torch_step_bf16.json" 2>&1 | tee "$OUT/torch_step_bf16.out"
 }
 
@@ -209,17 +209,17 @@ torch_step_loops() {
   # Training as Hugging Face's Trainer runs it by default: dropout at 0.1
   # (native_dropout and SDPA with dropout on CUDA; eager and memplan draw
   # the same masks) and gradients clipped to norm 1.0 (foreach kernels).
-  echo "== python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5 \
+  echo "== python3 -m benchmarks.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --dropout 0.1 --clip-grad-norm 1.0 --steps 5 \
     --json "$OUT/torch_step_dropout.json" 2>&1 | tee "$OUT/torch_step_dropout.out"
   # AdamW(fused=True) on both sides: eager's fused kernel, memplan's
   # single-tensor update with its step counters on the GPU.
-  echo "== python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fused-optimizer --steps 5 \
+  echo "== python3 -m benchmarks.bench --device cuda --fused-optimizer --steps 5"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --fused-optimizer --steps 5 \
     --json "$OUT/torch_step_fused.json" 2>&1 | tee "$OUT/torch_step_fused.out"
   # The same with cheap recomputation: at most 0.01% more FLOPs.
-  echo "== python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --steps 5 $xl --max-added 0.0001 \
+  echo "== python3 -m benchmarks.bench --device cuda --steps 5 $xl --max-added 0.0001"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --steps 5 $xl --max-added 0.0001 \
     --json "$OUT/torch_step_fit.json" 2>&1 | tee "$OUT/torch_step_fit.out"
 }
 
@@ -228,13 +228,13 @@ torch_step_precision() {
   torch_ready || return
   # Float16 training with a GradScaler on both sides (cudnn batch norm,
   # the unscale kernels, updates skipped on overflow).
-  echo "== python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5 \
+  echo "== python3 -m benchmarks.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --fp16 --clip-grad-norm 1.0 --steps 5 \
     --json "$OUT/torch_step_fp16.json" 2>&1 | tee "$OUT/torch_step_fp16.out"
   # Adafactor (its norms as float64 tensors on the GPU; eager runs its
   # foreach kernels there, so the two agree to rounding).
-  echo "== python3 -m memplan.torch.bench --device cuda --optimizer adafactor --steps 3"
-  PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --optimizer adafactor --steps 3 \
+  echo "== python3 -m benchmarks.bench --device cuda --optimizer adafactor --steps 3"
+  PYTHONPATH=python python3 -m benchmarks.bench --device cuda --optimizer adafactor --steps 3 \
     --json "$OUT/torch_step_adafactor.json" 2>&1 | tee "$OUT/torch_step_adafactor.out"
 }
 
@@ -250,15 +250,15 @@ torch_step_graph() {
   for args in "--steps 5" "--exact --steps 3" "--tiny --steps 20" "--dropout 0.1 --clip-grad-norm 1.0 --steps 5" \
       "--autocast --steps 5"; do
     i=$((i + 1)) name=torch_graph_$i
-    echo "== python3 -m memplan.torch.bench --device cuda --cuda-graph $args"
-    PYTHONPATH=python python3 -m memplan.torch.bench --device cuda --cuda-graph $args \
+    echo "== python3 -m benchmarks.bench --device cuda --cuda-graph $args"
+    PYTHONPATH=python python3 -m benchmarks.bench --device cuda --cuda-graph $args \
       --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.out"
   done
   if [ -n "$xl" ]; then
     echo "== GPT-2 XL b1 as one CUDA graph"
     PYTHONPATH=python python3 -c "
 import json
-from memplan.torch import bench
+from benchmarks import bench
 rows = bench.on_device('cuda', 5, 10.0, bench._gpt2_xl_case('cuda'), graph=True)
 bench._print_device_rows(rows)
 json.dump(rows, open('$OUT/torch_graph_xl.json', 'w'), indent=1)" 2>&1 | tee "$OUT/torch_graph_xl.out"
@@ -291,8 +291,8 @@ fsdp_nccl() {
   torch_ready || return
   local l1b="--layers 16 --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --vocab 128256 --tied --seq 2048"
   for conf in "" "expandable_segments:True"; do
-    echo "== PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m memplan.torch.bench_distributed --device cuda --world 1 --fsdp --mixed-precision --arena $l1b"
-    PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH=python timeout 240 python3 -m memplan.torch.bench_distributed --device cuda \
+    echo "== PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m benchmarks.bench_distributed --device cuda --world 1 --fsdp --mixed-precision --arena $l1b"
+    PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH=python timeout 240 python3 -m benchmarks.bench_distributed --device cuda \
       --world 1 --fsdp --mixed-precision --arena $l1b --batch 1 --time-limit 5 --timeout 230 2>&1 \
       | grep -v "^USDT\|gpuGetDeviceCount" | tee -a "$OUT/fsdp_nccl.out"
   done
@@ -300,8 +300,8 @@ fsdp_nccl() {
   v=$(python3 -c 'import torch; print("%d.%d.%d" % torch.cuda.nccl.version())' 2>&1)
   echo "NCCL $v"
   if python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.nccl.version() >= (2, 30, 0) else 1)'; then
-    echo "== NCCL_MULTI_RANK_GPU_ENABLE=1 python3 -m memplan.torch.bench_distributed --device cuda --world 2 --fsdp"
-    NCCL_MULTI_RANK_GPU_ENABLE=1 PYTHONPATH=python timeout 150 python3 -m memplan.torch.bench_distributed --device cuda \
+    echo "== NCCL_MULTI_RANK_GPU_ENABLE=1 python3 -m benchmarks.bench_distributed --device cuda --world 2 --fsdp"
+    NCCL_MULTI_RANK_GPU_ENABLE=1 PYTHONPATH=python timeout 150 python3 -m benchmarks.bench_distributed --device cuda \
       --world 2 --fsdp --layers 4 --hidden 1024 --seq 1024 --time-limit 5 --timeout 140 2>&1 \
       | grep -v "^USDT\|gpuGetDeviceCount" | tee -a "$OUT/fsdp_nccl.out"
     NCCL_MULTI_RANK_GPU_ENABLE=1 run w2_shared_cuda run --example gpt2-tiny --device cuda --world-size 2 --steps 3
@@ -314,8 +314,8 @@ baselines_gpu() {
   # its own process with expandable segments off and on, against memplan,
   # then the largest batch in 12 GiB and its tokens per second.
   torch_ready || return
-  echo "== python3 -m memplan.torch.bench_baselines --device cuda --models hf-llama --size medium --batch 4 --seq 1024 --compile --cap 12288"
-  PYTHONPATH=python python3 -m memplan.torch.bench_baselines --device cuda --models hf-llama --size medium \
+  echo "== python3 -m benchmarks.bench_baselines --device cuda --models hf-llama --size medium --batch 4 --seq 1024 --compile --cap 12288"
+  PYTHONPATH=python python3 -m benchmarks.bench_baselines --device cuda --models hf-llama --size medium \
     --batch 4 --seq 1024 --steps 3 --time-limit 4 --compile --cap 12288 --json \
     > "$OUT/baselines.json" 2> >(grep -v "^USDT\|gpuGetDeviceCount" | tee "$OUT/baselines.log" >&2)
 }
@@ -327,8 +327,8 @@ split_liger() {
   # on PYTHONPATH), with torchtune's chunked loss, and memplan's split step
   # in its arena (SPLIT_CHUNKS chunks, default 16).
   torch_ready || return
-  echo "== python3 -m memplan.torch.bench_split_device --tied --bf16 --chunks ${SPLIT_CHUNKS:-16}"
-  PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH} timeout ${SPLIT_S:-220} python3 -m memplan.torch.bench_split_device \
+  echo "== python3 -m benchmarks.bench_split_device --tied --bf16 --chunks ${SPLIT_CHUNKS:-16}"
+  PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH} timeout ${SPLIT_S:-220} python3 -m benchmarks.bench_split_device \
     --tied --bf16 --chunks ${SPLIT_CHUNKS:-16} --time-limit 5 --steps 3 --json "$OUT/split_liger.json" 2>&1 \
     | grep -v "^USDT\|gpuGetDeviceCount" > "$OUT/split_liger.out"
   head -8 "$OUT/split_liger.out"
@@ -352,7 +352,7 @@ baselines_cap() {
   echo "== largest batch within ${CAP_GIB:-12} GiB: ${CAP_MODEL:-hf-llama} ${CAP_SIZE:-medium} seq ${CAP_SEQ:-1024} bf16 ${CAP_BF16:-0}: $sides"
   PYTHONPATH=python python3 -c "
 import json, sys
-from memplan.torch import bench_baselines_device as d
+from benchmarks import bench_baselines_device as d
 base = dict(model='${CAP_MODEL:-hf-llama}', size='${CAP_SIZE:-medium}', seq=int('${CAP_SEQ:-1024}'), steps=3,
             time_limit=4.0, device='cuda', cap_bytes=int(float('${CAP_GIB:-12}') * 2 ** 30),
             upto=int('${CAP_UPTO:-16}'), bf16=bool('${CAP_BF16:-}'))

@@ -8,7 +8,7 @@ in the backward pass) and `memplan fit` fits it.
 
 Per model, three captured steps: plain, op-level selective activation
 checkpointing and full per-block checkpointing (as
-`memplan.torch.bench_baselines` configures them). The best eager
+`benchmarks.bench_baselines` configures them). The best eager
 configuration is the smallest simulated reserved peak over every eager key
 of every step: the caching allocator with and without expandable segments,
 each also with the optimizer in the backward pass (on a checkpointed step
@@ -45,7 +45,7 @@ EAGER_KEYS = ("pytorch-reserved", "pytorch-expandable-segments", "eager-optimize
 def models():
     """name -> (make the model on the meta device, batch, loss function, description),
     from memplan.torch's one catalogue of shapes."""
-    from memplan.torch.workloads import hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
+    from memplan.torch.export.workloads import hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
 
     def on_meta(build, shape):
         def make():
@@ -66,7 +66,7 @@ def models():
 def _capture(make, batch, loss_fn, side: str):
     """The captured step (not planned) of `side`'s configuration."""
     import memplan.torch as mt
-    from memplan.torch.bench_baselines import configured
+    from benchmarks.baselines import configured
 
     model = configured(make, "eager-" + side)  # (plain: "eager-plain", no checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -81,7 +81,7 @@ def _split_then_fit(step, time_limit: float, plain_flops: float) -> dict:
     built-in vocabulary's ops only."""
     step.split_loss("auto", time_limit)
     f = step.fit(max_added=0.001, minimise="flops", time_limit=time_limit)
-    from memplan.torch.bench_baselines import flops_of
+    from benchmarks.baselines import flops_of
 
     split_added = f.get("split_added_flops", 0)
     # The share the fit kept to is of the step as captured: the fitted
@@ -135,7 +135,7 @@ def measure(name: str, binary: str, time_limit: float, d: str) -> dict:
         r.setdefault("ops", {})[side] = c["ops"]
     best = min((k for k in r["sides"] if "/" in k), key=lambda k: r["sides"][k]["peak_bytes"])
     r["best_eager"] = best
-    from memplan.torch.bench_baselines import flops_of
+    from benchmarks.baselines import flops_of
 
     def added(f) -> dict:
         """A fit's added FLOPs as the checkpointing sides' are counted (what

@@ -1,4 +1,4 @@
-"""memplan.torch.bench_baselines: eager PyTorch as experts configure it
+"""benchmarks.bench_baselines: eager PyTorch as experts configure it
 (optimizer in backward, selective and full activation checkpointing, and
 each checkpointing with the optimizer in backward)
 measured by the allocator's events beside memplan's plan and fits, on a
@@ -9,7 +9,7 @@ import io
 import json
 import unittest
 
-from memplan.torch import bench_baselines
+from benchmarks import bench_baselines
 
 
 class BaselinesAsExpertsRunThem(unittest.TestCase):
@@ -89,12 +89,12 @@ if __name__ == "__main__":
 
 
 class EachSideInItsOwnProcess(unittest.TestCase):
-    """memplan.torch.bench_baselines_device (the GPU bench) on the CPU: each
+    """benchmarks.bench_baselines_device (the GPU bench) on the CPU: each
     side in a child process with its allocator configuration, the same
     losses on every side, memplan's arena step beside eager's."""
 
     def test_sides_in_child_processes(self):
-        from memplan.torch import bench_baselines_device as dev
+        from benchmarks import bench_baselines_device as dev
 
         base = dict(model="hf-llama", size="tiny", batch=2, seq=16, steps=2, time_limit=2.0, device="cpu")
         eager = dev.spawn(dict(base, side="eager"), dev.EXPANDABLE, timeout=300)
@@ -121,8 +121,8 @@ class EachSideInItsOwnProcess(unittest.TestCase):
         within the cap; the batch after it not."""
         import torch
 
-        from memplan.torch import bench_baselines_device as dev
-        from memplan.torch.bench_baselines import model_configs
+        from benchmarks import bench_baselines_device as dev
+        from benchmarks.baselines import model_configs
 
         make = model_configs("tiny")["hf-llama"]
         spec = dict(model="hf-llama", size="tiny", side="memplan", seq=16, steps=2, time_limit=2.0, device="cpu", upto=8,
@@ -139,7 +139,7 @@ class EachSideInItsOwnProcess(unittest.TestCase):
         """--bf16: every side's loss under bf16 autocast (mixed precision as
         Hugging Face's Trainer runs it), so eager and memplan take the same
         bf16 steps; not the f32 step's losses."""
-        from memplan.torch import bench_baselines_device as dev
+        from benchmarks import bench_baselines_device as dev
 
         base = dict(model="hf-llama", size="tiny", batch=2, seq=16, steps=2, time_limit=2.0, device="cpu")
         f32 = dev.spawn(dict(base, side="eager"), timeout=300)

@@ -1,4 +1,4 @@
-"""memplan.torch.bench_split: its torchtune-style chunked loss is the
+"""benchmarks.bench_split: its torchtune-style chunked loss is the
 Hugging Face loss, and its meta-device comparison runs end to end."""
 
 import types
@@ -6,7 +6,7 @@ import unittest
 
 import torch
 
-from memplan.torch import bench_split, bench_split_device
+from benchmarks import bench_split, bench_split_device
 
 
 def _args(**kw):

@@ -11,7 +11,7 @@ import os
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DIRS = ("python/memplan", "tools")
+DIRS = ("python/memplan", "tools", "benchmarks")
 LIMIT = 120
 CLASS_LIMIT = 250
 

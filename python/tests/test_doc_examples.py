@@ -103,7 +103,7 @@ def language_model():
 def export_workload():
     """What docs/torch-export.md's fragment runs: a workload of the export
     catalogue, its model, batch and optimizer."""
-    from memplan.torch import workloads
+    from memplan.torch.export import workloads
 
     w = workloads.mlp(batch=4)
     return {

@@ -1,7 +1,9 @@
-"""No import rings in the Python package (issue 38, "Layering"; the Rust
-side is tests/layering.rs): no module imports, when it is imported, a
-module that imports it back. Imports under ``if TYPE_CHECKING:`` and inside
-functions (made when called, not when imported) do not count;
+"""No import rings in the Python package nor in the benchmarks (issues 38
+and 59, "Layering"; the Rust side is tests/layering.rs): no module imports
+a module that imports it back. Every import counts: at import time, inside
+a function (made when called) and under ``if TYPE_CHECKING:`` (a type
+that needs the other module is a ring in the design even where Python
+tolerates it; a structural type, ``typing.Protocol``, breaks it);
 ``from package import submodule`` counts as importing the submodule."""
 
 import ast
@@ -24,24 +26,18 @@ def modules(root: str, package: str = "memplan"):
     return out
 
 
-def _import_time_nodes(tree: ast.Module):
-    """The import statements run when the module is imported."""
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        if isinstance(node, (ast.If, ast.Try, ast.With)):
-            yield from (n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
+def _import_nodes(tree: ast.Module):
+    """Every import statement of the module, wherever it is."""
+    return (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
 
 
 def imports(name: str, path: str, mods) -> set:
-    """The modules of `mods` that module `name` imports when imported."""
+    """The modules of `mods` that module `name` imports."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
     out = set()
-    for node in _import_time_nodes(tree):
+    for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
             continue
@@ -96,25 +92,40 @@ class Layering(unittest.TestCase):
         self.assertGreater(count, 30, "the package's modules were not found")
         self.assertEqual(found, [], f"import rings: {found}")
 
-    def test_a_ring_is_found_and_lazy_imports_are_not_one(self):
+    def test_the_benchmarks_have_no_import_rings(self):
+        found, count = rings(os.path.dirname(ROOT), "benchmarks")
+        self.assertGreater(count, 5, "the benchmarks' modules were not found")
+        self.assertEqual(found, [], f"import rings: {found}")
+
+    def test_the_package_holds_no_benchmarks(self):
+        # What `pip install ./python` installs: the library. The benchmarks
+        # live in the repository's benchmarks/ (issue 59).
+        names = modules(ROOT)
+        self.assertEqual(sorted(n for n in names if "bench" in n.rsplit(".", 1)[-1]), [])
+        self.assertNotIn("memplan.torch.workloads", names)
+        self.assertIn("memplan.torch.export.workloads", names)  # the export's named models
+
+    def test_a_ring_is_found_through_lazy_and_type_checking_imports(self):
         with tempfile.TemporaryDirectory() as root:
             pkg = os.path.join(root, "p")
             os.makedirs(pkg)
             files = {
                 "__init__.py": "from . import a\n",
                 "a.py": "from .b import f\n",
-                "b.py": "from . import c\ndef f():\n    from . import a\n",
-                "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import f\n"
-                        "try:\n    from .a import f\nexcept ImportError:\n    pass\n",
+                "b.py": "from . import c\ndef f():\n    pass\n",
+                "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import f\n",
+                "d.py": "def g():\n    from . import e\n",
+                "e.py": "try:\n    from .d import g\nexcept ImportError:\n    pass\n",
+                "f.py": "from . import a\n",
             }
             for name, text in files.items():
                 with open(os.path.join(pkg, name), "w") as f:
                     f.write(text)
             found, count = rings(root, "p")
-            self.assertEqual(count, 4)
-            # a -> b -> c -> a (c's import in `try` runs; b's in `f` and c's
-            # under TYPE_CHECKING do not).
-            self.assertEqual(found, [["p.a", "p.b", "p.c"]])
+            self.assertEqual(count, 7)
+            # b <-> c through c's TYPE_CHECKING import; d <-> e through d's
+            # import inside a function; f imports a ring without being in it.
+            self.assertEqual(sorted(found), [["p.b", "p.c"], ["p.d", "p.e"]])
 
 
 if __name__ == "__main__":

@@ -2521,7 +2521,7 @@ class LargestBatch(unittest.TestCase):
         step without checkpointing."""
         import torchvision
 
-        from memplan.torch.bench import fully_checkpointed
+        from benchmarks.bench import fully_checkpointed
 
         torch.manual_seed(0)
         for model, batch, loss in (
@@ -2549,13 +2549,13 @@ class LargestBatch(unittest.TestCase):
 
 class OnDevice(unittest.TestCase):
     """The side-by-side run behind issue 12's GPU targets
-    (``python -m memplan.torch.bench --device cuda``), here on the CPU:
+    (``python -m benchmarks.bench --device cuda``), here on the CPU:
     eager and the arena step from the same weights end with the same
     losses and parameters, and the measured peaks are consistent with the
     plan (the arena is held for the whole memplan run)."""
 
     def test_eager_and_the_arena_step_side_by_side(self):
-        from memplan.torch.bench import on_device
+        from benchmarks.bench import on_device
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 64), Residual(64, 256, True), nn.Linear(64, 3))
@@ -2588,7 +2588,7 @@ class OnDevice(unittest.TestCase):
     def test_fused_adamw_side_by_side(self):
         # `--fused-optimizer`: eager's fused kernel against memplan's
         # single-tensor update; equal to rounding.
-        from memplan.torch.bench import on_device
+        from benchmarks.bench import on_device
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 64), Residual(64, 256, True), nn.Linear(64, 3))
@@ -2600,7 +2600,7 @@ class OnDevice(unittest.TestCase):
     def test_with_cheap_recomputation(self):
         # `--max-added`: the arena step runs the smallest step memplan finds
         # for at most 0.1% more FLOPs, with eager's results.
-        from memplan.torch.bench import on_device
+        from benchmarks.bench import on_device
 
         batch = torch.randint(0, 256, (8, 64))
         model = gpt2()
@@ -2620,9 +2620,9 @@ class OnDevice(unittest.TestCase):
     def test_tiny_decoders_replay_with_eagers_results(self):
         # `--tiny`: the width-32 decoders whose step time is per-op
         # overhead; many steps through the settled arena replay.
-        from memplan.torch.bench import on_device, tiny_models
+        from benchmarks.bench import on_device, tiny_models
 
-        from memplan.torch.bench import _autocast
+        from benchmarks.bench import _autocast
 
         rows = on_device("cpu", 5, 5.0, tiny_models())
         self.assertEqual([r["model"] for r in rows], ["tiny-gpt2-4l-32", "tiny-llama-4l-32"])
@@ -2664,7 +2664,7 @@ class OnDevice(unittest.TestCase):
         sides capturable AdamW, bit for bit with `exact`, and the rows say
         how often the step was recorded and launched. The command line
         refuses it without CUDA."""
-        from memplan.torch.bench import main, on_device, tiny_models
+        from benchmarks.bench import main, on_device, tiny_models
 
         with _CapturableOnTheHost(), host_graphs():
             rows = on_device("cpu", 3, 5.0, tiny_models(), exact=True, graph=True)
@@ -2681,11 +2681,11 @@ class OnDevice(unittest.TestCase):
 
 class AgainstTorchCompile(unittest.TestCase):
     """The measurement behind the torch.compile comparison
-    (``python -m memplan.torch.bench --compile``)."""
+    (``python -m benchmarks.bench --compile``)."""
 
     def test_allocator_events_agree_with_the_storage_tracker(self):
         from memplan.torch._run import allocator_peak
-        from memplan.torch.bench import eager_tracked
+        from benchmarks.bench import eager_tracked
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 64), Residual(64, 256, True), nn.Linear(64, 3))
@@ -2707,7 +2707,7 @@ class AgainstTorchCompile(unittest.TestCase):
         self.assertLess(events - tracked, 4096, (events, tracked))
 
     def test_a_compiled_step_is_measured_with_inductors_estimates(self):
-        from memplan.torch.bench import compiled
+        from benchmarks.bench import compiled
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 64), nn.GELU(), nn.Linear(64, 3))
@@ -2727,7 +2727,7 @@ class InductorOrdering(unittest.TestCase):
 
     def test_compiled_step_with_memplans_order_matches_eager(self):
         from memplan.torch import inductor
-        from memplan.torch.bench import InductorEstimates
+        from benchmarks.bench import InductorEstimates
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 64), Residual(64, 128, True), nn.GELU(),

@@ -350,7 +350,7 @@ class DataParallelBench(unittest.TestCase):
         # The bench's own processes, on a tiny Llama: every side measured,
         # memplan's step at its plan's max live plus DDP's buckets (which
         # the wrapper holds), and never above eager DDP's.
-        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--world", "2", "--layers",
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_distributed", "--world", "2", "--layers",
                               "1", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit", "2", "--json",
                               "--timeout", "240"], capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
@@ -368,7 +368,7 @@ class DataParallelBench(unittest.TestCase):
     def test_one_ranks_fsdp2_step_planned_without_the_ranks(self):
         # A meta-device model and PyTorch's fake process group of 8 ranks:
         # one process captures and plans rank 0's step, nothing runs.
-        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--without-ranks", "--world",
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_distributed", "--without-ranks", "--world",
                               "8", "--layers", "2", "--hidden", "256", "--vocab", "4096", "--seq", "256", "--autocast",
                               "--json"], capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
@@ -388,7 +388,7 @@ class DataParallelBench(unittest.TestCase):
         self.assertLessEqual(base["pytorch-allocated"], base["pytorch-reserved"])
 
     def test_per_rank_peaks_of_fsdp2_eager_and_memplan(self):
-        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--fsdp", "--world", "2",
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_distributed", "--fsdp", "--world", "2",
                               "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit",
                               "2", "--steps", "5", "--json", "--timeout", "240"], capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
@@ -420,7 +420,7 @@ class DataParallelBench(unittest.TestCase):
         # MixedPrecisionPolicy(bf16, reduce float32): bf16 gathers, float32
         # flat reduce-scatter inputs. Measured 0.8% above the real peak (the
         # simulation holds one bf16 activation cast longer than eager does).
-        out = subprocess.run([sys.executable, "-m", "memplan.torch.bench_distributed", "--fsdp", "--world", "2",
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_distributed", "--fsdp", "--world", "2",
                               "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit",
                               "2", "--steps", "5", "--mixed-precision", "--json", "--timeout", "240"],
                              capture_output=True, text=True, timeout=300)

@@ -391,7 +391,7 @@ class StepTest(unittest.TestCase):
     def test_flops_are_pytorchs_formulas(self):
         from torch.utils.flop_counter import FlopCounterMode
 
-        from memplan.torch import workloads
+        from memplan.torch.export import workloads
 
         w = workloads.mlp(batch=8)
         with FlopCounterMode(display=False) as counter:

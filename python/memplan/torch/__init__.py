@@ -50,7 +50,7 @@ torch = require("torch", "memplan.torch")
 
 import memplan  # noqa: E402
 
-from . import _distributed, _optim, _scaler
+from . import _distributed, _optim, _parallel, _scaler
 from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
 from ._clipping import Clipping
 from ._distributed import CollectiveTimeout, RankFailure
@@ -306,7 +306,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
     clip = Clipping.of(clip_grad_norm, norm_type, clip_grad_value)
     t0 = time.perf_counter()
-    dist = _distributed.DataParallel.of(model, collective_timeout)
+    dist = _parallel.rank_group(model, collective_timeout)
     optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
     hyper = _optim.Hyper(optimizer)
     params = dict(model.named_parameters())

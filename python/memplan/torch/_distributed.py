@@ -329,25 +329,6 @@ class DataParallel(RankGroup):
                                                                             True))
         self.ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
 
-    @staticmethod
-    def of(model, timeout: float) -> Optional[RankGroup]:
-        """The model's data parallelism: :class:`DataParallel` for a DDP
-        model, :class:`memplan.torch._fsdp.FullySharded` for one whose root
-        is sharded with ``fully_shard``, None for neither; refuses wrappers
-        it cannot capture."""
-        if not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
-            raise ValueError(f"collective_timeout must be a positive number of seconds, not {timeout!r}")
-        if _is_ddp(model):
-            refuse_unsupported_wrappers(model.module)
-            return DataParallel(model, timeout)
-        from . import _fsdp
-
-        sharded = _fsdp.FullySharded.of(model, timeout)
-        if sharded is not None:
-            return sharded
-        refuse_unsupported_wrappers(model)
-        return None
-
     # ---- recording -------------------------------------------------------
 
     class _Forwarding:

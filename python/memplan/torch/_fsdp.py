@@ -236,6 +236,52 @@ def _param_groups(state) -> list:
     return [] if pg is None else [pg]
 
 
+def _read_units(model: torch.nn.Module, units) -> tuple:
+    """What :class:`FullySharded` holds, read from FSDP2's state of every
+    unit (``units``: (path, module) of each ``FSDPModule``): each
+    parameter's :class:`_Param`, the shard group, each unit's policy, the
+    resharded units' parameters and HSDP's replicate group; refuses, by
+    name, what is not captured."""
+    params: Dict[str, _Param] = {}
+    policies = []
+    resharded: Dict[int, Tuple[torch.nn.Module, List[str]]] = {}
+    owner = {id(p): n for n, p in model.named_parameters()}
+    group = replicate = None
+    for uname, m in units:
+        where = uname or "the root"
+        state = m._get_fsdp_state()
+        policy = state._mp_policy
+        policies.append((m, policy))
+        for pg in _param_groups(state):
+            mesh_info = pg.mesh_info
+            kind = _mesh_kind(where, mesh_info)
+            _check_group(where, pg)
+            reshard = _reshards_after_forward(where, m is model, state, pg)
+            factor = getattr(pg, "gradient_divide_factor", None)
+            divide = None if factor is None else float(factor)
+            sum_only = bool(getattr(pg, "force_sum_reduction_for_comms", False))
+            for fp in pg.fsdp_params:
+                _check_param(where, fp)
+                name = owner.get(id(fp.sharded_param))
+                if name is None:
+                    raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
+                                          "replaced after fully_shard?)")
+                params[name] = _Param(name, fp, reshard, policy, uname, divide, sum_only)
+                if reshard:
+                    resharded.setdefault(id(m), (m, []))[1].append(name)
+            g = mesh_info.shard_process_group
+            r = getattr(mesh_info, "replicate_process_group", None) if kind == "HSDPMeshInfo" else None
+            if group is not None and (g is not group or r is not replicate):
+                raise UnsupportedStep(f"{where}: sharded over another device mesh than the other units")
+            group, replicate = g, r
+    for n, p in model.named_parameters():
+        if n not in params:
+            raise UnsupportedStep(f"parameter {n} is not sharded by any fully_shard unit")
+        if type(p).__name__ != "DTensor":
+            raise UnsupportedStep(f"parameter {n}: not a DTensor; capture before changing FSDP2's parameters")
+    return params, group, policies, list(resharded.values()), replicate
+
+
 class FullySharded(RankGroup):
     """What capture needs of a model whose root is sharded with
     ``fully_shard``: every parameter's ``FSDPParam`` by name, each unit's
@@ -243,8 +289,8 @@ class FullySharded(RankGroup):
 
     supports_graph = False
 
-    def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, timeout: float,
-                 policies=(), resharded=(), replicate=None) -> None:
+    def __init__(self, model: torch.nn.Module, params: Dict[str, _Param], group, policies=(), resharded=(),
+                 replicate=None, *, timeout: float) -> None:
         super().__init__(group, timeout)
         self.model = model
         self.params = params
@@ -270,44 +316,7 @@ class FullySharded(RankGroup):
         if not isinstance(model, cls):
             raise UnsupportedStep(f"{units[0][0]} is sharded with fully_shard but the model's root is not: shard the "
                                   "root too (fully_shard(model) after its blocks, as torchtitan does)")
-        params: Dict[str, _Param] = {}
-        policies = []
-        resharded: Dict[int, Tuple[torch.nn.Module, List[str]]] = {}
-        owner = {id(p): n for n, p in model.named_parameters()}
-        group = replicate = None
-        for uname, m in units:
-            where = uname or "the root"
-            state = m._get_fsdp_state()
-            policy = state._mp_policy
-            policies.append((m, policy))
-            for pg in _param_groups(state):
-                mesh_info = pg.mesh_info
-                kind = _mesh_kind(where, mesh_info)
-                _check_group(where, pg)
-                reshard = _reshards_after_forward(where, m is model, state, pg)
-                factor = getattr(pg, "gradient_divide_factor", None)
-                divide = None if factor is None else float(factor)
-                sum_only = bool(getattr(pg, "force_sum_reduction_for_comms", False))
-                for fp in pg.fsdp_params:
-                    _check_param(where, fp)
-                    name = owner.get(id(fp.sharded_param))
-                    if name is None:
-                        raise UnsupportedStep(f"{where}: an FSDP parameter the model does not list (a parameter "
-                                              "replaced after fully_shard?)")
-                    params[name] = _Param(name, fp, reshard, policy, uname, divide, sum_only)
-                    if reshard:
-                        resharded.setdefault(id(m), (m, []))[1].append(name)
-                g = mesh_info.shard_process_group
-                r = getattr(mesh_info, "replicate_process_group", None) if kind == "HSDPMeshInfo" else None
-                if group is not None and (g is not group or r is not replicate):
-                    raise UnsupportedStep(f"{where}: sharded over another device mesh than the other units")
-                group, replicate = g, r
-        for n, p in model.named_parameters():
-            if n not in params:
-                raise UnsupportedStep(f"parameter {n} is not sharded by any fully_shard unit")
-            if type(p).__name__ != "DTensor":
-                raise UnsupportedStep(f"parameter {n}: not a DTensor; capture before changing FSDP2's parameters")
-        return FullySharded(model, params, group, timeout, policies, list(resharded.values()), replicate)
+        return FullySharded(model, *_read_units(model, units), timeout=timeout)
 
     def placed(self) -> None:
         """FSDP2 keeps a flat view of each padded shard

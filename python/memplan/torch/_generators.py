@@ -12,17 +12,15 @@ when the step runs (:func:`read_generator`, :func:`write_generator`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._calls import Call, Ref
 from ._errors import UnsupportedStep
+from ._recording import Recording
 from ._tensors import Layout
-
-if TYPE_CHECKING:
-    from ._record import Recorder
 
 
 
@@ -63,7 +61,7 @@ class GeneratorStates:
     dropout in its recomputation with the forward's masks. Reseeding
     inside the step (``torch.manual_seed``) is refused."""
 
-    def __init__(self, rec: "Recorder") -> None:
+    def __init__(self, rec: Recording) -> None:
         self.rec = rec
         self._saved: List[Tuple[Any, str, Any]] = []
 
@@ -111,7 +109,7 @@ class Generators:
     states read inside the step, as graph tensors of the recorder's
     table."""
 
-    def __init__(self, rec: "Recorder") -> None:
+    def __init__(self, rec: Recording) -> None:
         self.rec = rec
         self._generators: Dict[str, int] = {}  # device -> its rng:<device> tensor
         self._states: Dict[int, int] = {}  # id of a recorded generator state -> its tensor

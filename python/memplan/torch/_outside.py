@@ -6,7 +6,7 @@ value copied at capture and bound at every run)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -14,10 +14,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._aten import DETACHING
 from ._errors import UnsupportedStep
+from ._recording import Recording
 from ._tensors import storage_key
-
-if TYPE_CHECKING:
-    from ._record import Recorder
 
 
 class Outside:
@@ -26,7 +24,7 @@ class Outside:
     tensor is replaced); ``roots`` are the constant inputs made here, which
     no op of the step may write."""
 
-    def __init__(self, rec: "Recorder") -> None:
+    def __init__(self, rec: Recording) -> None:
         self.rec = rec
         self.fake_mode = None
         self.roots: set = set()

@@ -15,5 +15,5 @@ Modules: :mod:`.graph` (graph files; checks through memplan's core),
 :mod:`.step` (the recorded
 step in either mode, and the real measurement). Importing this package
 does not import torch. The named workloads are
-:mod:`memplan.torch.workloads`, the catalogue the benchmarks share.
+:mod:`memplan.torch.export.workloads`, the catalogue the benchmarks share.
 """

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         print("error: torch is not installed (pip install torch torchvision transformers)",
               file=sys.stderr)
         return 2
-    from .. import workloads
+    from . import workloads
     from . import graph, step
 
     if args.list:

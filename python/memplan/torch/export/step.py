@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .. import workloads
+from . import workloads
 from . import emulate
 from .._record import Recorder
 from .._tensors import TORCH_DTYPES

@@ -1,12 +1,12 @@
 """Benchmark: memplan's planned step against eager PyTorch on real models.
 
-    python -m memplan.torch.bench                 # small real models, run on the CPU
-    python -m memplan.torch.bench --gpt2-xl out/  # GPT-2 XL b1 capture + plan (meta)
-    python -m memplan.torch.bench --max-batch 2   # largest batch in 2 GiB, small models
-    python -m memplan.torch.bench --max-batch 80 --gpt2-xl-batch   # GPT-2 XL in 80 GiB
-    python -m memplan.torch.bench --compile       # against torch.compile (Inductor)
-    python -m memplan.torch.bench --device cuda --with-gpt2-xl   # eager vs the arena step on a GPU
-    python -m memplan.torch.bench --device cpu --tiny --steps 30  # the replay's per-op overhead
+    python -m benchmarks.bench                 # small real models, run on the CPU
+    python -m benchmarks.bench --gpt2-xl out/  # GPT-2 XL b1 capture + plan (meta)
+    python -m benchmarks.bench --max-batch 2   # largest batch in 2 GiB, small models
+    python -m benchmarks.bench --max-batch 80 --gpt2-xl-batch   # GPT-2 XL in 80 GiB
+    python -m benchmarks.bench --compile       # against torch.compile (Inductor)
+    python -m benchmarks.bench --device cuda --with-gpt2-xl   # eager vs the arena step on a GPU
+    python -m benchmarks.bench --device cpu --tiny --steps 30  # the replay's per-op overhead
 
 For each small model (Hugging Face GPT-2 and Llama from configs, torchvision
 ResNet-50 and ViT) it runs three steps from the same weights and measures
@@ -63,11 +63,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
 
-from . import capture, inductor, max_batch
-from ._run import StorageTracker, allocator_peak
-from .workloads import classify_loss as _classify
-from .workloads import hf_gpt2, hf_llama
-from .workloads import lm_loss as _causal_lm
+from memplan.torch import capture, inductor, max_batch
+from memplan.torch._run import StorageTracker, allocator_peak
+from memplan.torch.export.workloads import classify_loss as _classify
+from memplan.torch.export.workloads import hf_gpt2, hf_llama
+from memplan.torch.export.workloads import lm_loss as _causal_lm
 
 
 def models(dropout: float = 0.0):

@@ -1,5 +1,5 @@
 """What splitting the loss chain buys on a Hugging Face Llama (issue 40):
-``python -m memplan.torch.bench_split``.
+``python -m benchmarks.bench_split``.
 
 Three steps of the same model (HF ``LlamaForCausalLM``, random weights,
 AdamW), each planned by memplan:
@@ -165,7 +165,7 @@ def run(args) -> Dict[str, Any]:
 def model_arguments(p: argparse.ArgumentParser, *, layers: int, hidden: int, intermediate: int, heads: int,
                     kv_heads: int, vocab: int, seq: int, batch: int, time_limit: float) -> None:
     """The model, batch and split options both split benches take (this
-    one and :mod:`memplan.torch.bench_split_device`), with their defaults."""
+    one and :mod:`benchmarks.bench_split_device`), with their defaults."""
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--hidden", type=int, default=hidden)
     p.add_argument("--intermediate", type=int, default=intermediate)
@@ -181,7 +181,7 @@ def model_arguments(p: argparse.ArgumentParser, *, layers: int, hidden: int, int
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m memplan.torch.bench_split", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_split", description=__doc__.split("\n\n")[0])
     p.add_argument("--meta", action="store_true", help="the model on the meta device: plan only, nothing runs")
     model_arguments(p, layers=2, hidden=256, intermediate=1024, heads=4, kv_heads=2, vocab=32000, seq=256, batch=2,
                     time_limit=20.0)

@@ -1,5 +1,5 @@
 """Splitting the loss chain on a GPU, against Liger-Kernel's fused linear
-cross-entropy (issue 40): ``python -m memplan.torch.bench_split_device``.
+cross-entropy (issue 40): ``python -m benchmarks.bench_split_device``.
 
 The same Hugging Face Llama (random weights, AdamW, bf16 autocast with
 ``--bf16``) trained on CUDA four ways, in this order, each from the same
@@ -12,7 +12,7 @@ weights on the same batches:
   ``liger-kernel``), which never holds more than a chunk of logits, as
   Liger's Hugging Face integration does;
 - ``eager-chunked-ce``: torchtune's ``CEWithChunkedOutputLoss`` (8 chunks,
-  :func:`memplan.torch.bench_split.chunked_ce_loss`);
+  :func:`benchmarks.bench_split.chunked_ce_loss`);
 - ``memplan-split``: the step with Hugging Face's loss captured with
   ``split="auto"`` (or ``--chunks K``) and run in its arena.
 
@@ -67,7 +67,7 @@ def _measure(step, batches, steps: int, resident) -> Dict[str, Any]:
     and every loss."""
     import torch
 
-    from ._run import allocator_peak
+    from memplan.torch._run import allocator_peak
 
     cuda = batches[0].is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -179,7 +179,7 @@ def run(args) -> Dict[str, Any]:
 def main(argv=None) -> None:
     from .bench_split import model_arguments
 
-    p = argparse.ArgumentParser(prog="python -m memplan.torch.bench_split_device",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_split_device",
                                 description=__doc__.split("\n\n")[0])
     model_arguments(p, layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256, seq=4096,
                     batch=1, time_limit=10.0)

@@ -2,7 +2,7 @@
 training step on the CPU: eager PyTorch against memplan's captured step,
 measured with real ranks (gloo).
 
-    python -m memplan.torch.bench_distributed --world 2 --layers 4 --hidden 512 --seq 512
+    python -m benchmarks.bench_distributed --world 2 --layers 4 --hidden 512 --seq 512
 
 starts `--world` processes on this machine (one rank each, a free port) and
 prints, from rank 0, each side's per-rank peak for one Hugging Face Llama
@@ -51,6 +51,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List
+
+from . import child_env
 
 SIDES = ("eager-ddp", "eager-ddp-bucket-view", "memplan", "memplan-fit-0.1%")
 FSDP_SIDES = ("fsdp2-eager", "memplan", "memplan-fit-0.1%")
@@ -266,7 +268,7 @@ def _free_port() -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_distributed", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_distributed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, help="ranks (processes), default 2")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
@@ -390,9 +392,9 @@ def _spawn_ranks(args, argv):
     port = str(_free_port())
     with tempfile.TemporaryDirectory() as d:
         outs = [os.path.join(d, f"{r}.json") for r in range(args.world)]
-        cmd = [sys.executable, "-m", "memplan.torch.bench_distributed"] + (argv if argv is not None else sys.argv[1:])
+        cmd = [sys.executable, "-m", "benchmarks.bench_distributed"] + (argv if argv is not None else sys.argv[1:])
         procs = [subprocess.Popen(cmd + ["--rank", str(r), "--port", port, "--out", outs[r]],
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                  env=child_env(dict(os.environ, OMP_NUM_THREADS="1")))
                  for r in range(args.world)]
         try:
             codes = [p.wait(timeout=args.timeout) for p in procs]

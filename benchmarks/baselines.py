@@ -2,8 +2,10 @@
 knowledgeable user would choose, against memplan's planned and fitted step,
 on real Hugging Face models on the CPU.
 
-    python -m memplan.torch.bench_baselines                     # GPT-2 and Llama, small configs
-    python -m memplan.torch.bench_baselines --cap 64 --json     # and the largest batch in 64 MiB
+    python -m benchmarks.bench_baselines                     # GPT-2 and Llama, small configs
+    python -m benchmarks.bench_baselines --cap 64 --json     # and the largest batch in 64 MiB
+
+(the command is :mod:`benchmarks.bench_baselines`; the sides are here).
 
 For each model every side runs from the same weights on the same batches
 (three steps; the same losses are checked), and each side's peak is the
@@ -55,18 +57,15 @@ each in its own process: not run here.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 import memplan
 
-from . import capture, max_batch
-from ._run import allocator_peak
-from .workloads import GPT2_SHAPES, LLAMA_SHAPES, hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
+from memplan.torch import capture, max_batch
+from memplan.torch._run import allocator_peak
+from memplan.torch.export.workloads import GPT2_SHAPES, LLAMA_SHAPES, hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
 
 IN_BACKWARD = "optimizer-in-backward"
 _AC = ("eager-selective-ac", "eager-full-ac")
@@ -94,7 +93,7 @@ def loss_fn(bf16: bool = False):
     return _lm_bf16 if bf16 else _lm
 
 
-# --size: the catalogue's shape of each model (memplan.torch.workloads).
+# --size: the catalogue's shape of each model (memplan.torch.export.workloads).
 SIZES = {
     "tiny": ("tiny-64", "tiny-64", {}),  # for the tests
     "small": ("4l-256-v8192", "4l-256-v8192", {}),
@@ -225,7 +224,7 @@ def measure(make, batch: int, seq: int, vocab: int, time_limit: float = 5.0, com
             lm=_lm) -> Dict[str, Any]:
     """Every side on one model at `batch` × `seq` tokens: peaks, losses,
     FLOPs (see the module's doc). With `compile`, also ``torch.compile``
-    with Inductor's defaults (:func:`memplan.torch.bench.compiled`)."""
+    with Inductor's defaults (:func:`benchmarks.bench.compiled`)."""
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(3)]
     rows: Dict[str, Dict[str, Any]] = {}
@@ -329,72 +328,3 @@ def report(name: str, r: Dict[str, Any]) -> str:
                      f"{'' if added is None else f'{100 * added:.3f}%':>12} {row.get('added_ops', ''):>14}"
                      + (f"  ({row['error']})" if "error" in row else ""))
     return "\n".join(lines)
-
-
-def _on_device(args) -> int:
-    from . import bench_baselines_device as dev
-
-    out = {}
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
-    for name in [n for n in args.models.split(",") if n]:
-        r = dev.measure(name, args.size, args.batch, args.seq, args.steps, args.time_limit, args.device,
-                        compile=args.compile, log=log, bf16=args.bf16)
-        if args.cap is not None:
-            r["largest_batch"] = dev.largest(name, args.size, args.seq, args.steps, args.time_limit, args.device,
-                                             args.cap / 1024, log=log, bf16=args.bf16)
-        out[name] = r
-        if not args.json:
-            print(dev.report(name, r))
-    if args.json:
-        print(json.dumps(out, indent=1))
-    return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memplan.torch.bench_baselines", description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="hf-gpt2,hf-llama", help="comma-separated: hf-gpt2, hf-llama")
-    ap.add_argument("--size", choices=("tiny", "small", "medium", "1b"), default="small",
-                    help="1b: GPT-2 XL and Llama 3.2 1B's shape (for a GPU)")
-    ap.add_argument("--bf16", action="store_true", help="the loss under bf16 autocast on every side")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--cap", type=float, metavar="MIB", help="also the largest batch whose step fits MIB MiB")
-    ap.add_argument("--time-limit", type=float, default=5.0, help="seconds for each plan and fit")
-    ap.add_argument("--compile", action="store_true",
-                    help="also torch.compile with Inductor's defaults (minutes of compiling on a CPU)")
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    ap.add_argument("--device", default="cpu",
-                    help="cuda: every side in its own process, expandable segments off and on, "
-                         "torch.cuda.max_memory_*, timed (memplan.torch.bench_baselines_device)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps of each side (with --device)")
-    args = ap.parse_args(argv)
-    if args.device != "cpu":
-        return _on_device(args)
-    torch.set_num_threads(1)
-    configs = model_configs(args.size)
-    names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in configs]
-    if unknown:
-        ap.error(f"unknown model {unknown[0]!r}: choose from {', '.join(configs)}")
-    out = {}
-    for name in names:
-        make = configs[name]
-        vocab = make.vocab_size
-        r = measure(make, args.batch, args.seq, vocab, args.time_limit, args.compile, loss_fn(args.bf16))
-        if args.cap is not None:
-            r["largest_batch"] = largest_batches(make, args.seq, vocab, int(args.cap * 2 ** 20),
-                                                 time_limit=args.time_limit, lm=loss_fn(args.bf16))
-        out[name] = r
-        if not args.json:
-            print(report(name, r))
-            if "largest_batch" in r:
-                lb = r["largest_batch"]
-                print(f"largest batch in {args.cap:g} MiB: " + ", ".join(
-                    f"{k} {v}" for k, v in lb.items() if k != "cap_bytes"))
-    if args.json:
-        print(json.dumps(out, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,12 @@
-"""The sides of :mod:`memplan.torch.bench_baselines` on a GPU: each side in
+"""The sides of :mod:`benchmarks.bench_baselines` on a GPU: each side in
 its own process, with the caching allocator's ``expandable_segments`` off
 and on, measured by ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved``, timed; and, with a memory cap, the largest batch
 each side runs within it and its tokens per second.
 
-    python -m memplan.torch.bench_baselines --device cuda --size medium --batch 4 --seq 1024 --cap 12
+    python -m benchmarks.bench_baselines --device cuda --size medium --batch 4 --seq 1024 --cap 12
 
-Each side runs as ``python -m memplan.torch.bench_baselines_device SPEC``
+Each side runs as ``python -m benchmarks.bench_baselines_device SPEC``
 (SPEC a JSON object), so no side inherits another's cached segments, and
 ``PYTORCH_CUDA_ALLOC_CONF`` is set before the child imports torch. A side
 runs one untimed step (it makes the optimizer state; for
@@ -38,6 +38,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
+from . import child_env
+
 EXPANDABLE = "expandable_segments:True"
 MEMPLAN_SIDES = ("memplan", "memplan-fit-0.1%", "memplan-fit@eager-selective-ac", "memplan-fit@eager-full-ac",
                  "memplan-fit@eager-selective-ac+optimizer-in-backward",
@@ -55,15 +57,15 @@ def _eager(spec, make, device):
     """(model, step function, optimizer-state function) of an eager side."""
     import torch
 
-    from .bench_baselines import _eager_step, configured
+    from .baselines import _eager_step, configured
 
-    from .bench_baselines import loss_fn
+    from .baselines import loss_fn
 
     side, lm = spec["side"], loss_fn(spec.get("bf16", False))
     if side != "eager-compile":
         model = configured(make, side).to(device)
         return model, _eager_step(model, side, lm)[0]
-    from .bench_baselines import _adamw
+    from .baselines import _adamw
 
     model = make().to(device)
     compiled = torch.compile(model)  # Inductor's defaults; the optimizer's update as eager runs it
@@ -80,13 +82,13 @@ def _eager(spec, make, device):
 
 def _memplan(spec, make, device, batch):
     """(model, planned step in its arena, step object, fit figures) at `batch`."""
-    from . import capture
-    from .bench_baselines import _adamw, loss_fn
+    from memplan.torch import capture
+    from .baselines import _adamw, loss_fn
 
     model = make().to(device)
     opt = _adamw(model.parameters())
     s = capture(model, opt, batch, loss_fn(spec.get("bf16", False)), time_limit=spec["time_limit"])
-    from .bench_baselines import flops_of
+    from .baselines import flops_of
 
     side, f = spec["side"], None
     step_flops = sum(int(op.get("flops", 0)) for op in s.graph["ops"])  # as captured: products and attention
@@ -252,7 +254,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     """One side in this process (see the module's doc)."""
     import torch
 
-    from .bench_baselines import model_configs
+    from .baselines import model_configs
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -285,12 +287,12 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 def spawn(spec: Dict[str, Any], alloc_conf: str = "", timeout: float = 300.0) -> Dict[str, Any]:
     """`spec` run by :func:`child` in a new process with
     ``PYTORCH_CUDA_ALLOC_CONF=alloc_conf``; its result, or ``{"error"}``."""
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
+    env = child_env(dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf))
     if not alloc_conf:
         env.pop("PYTORCH_CUDA_ALLOC_CONF")
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-m", "memplan.torch.bench_baselines_device", json.dumps(spec)],
+        p = subprocess.run([sys.executable, "-m", "benchmarks.bench_baselines_device", json.dumps(spec)],
                            env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"stopped after {timeout:g} s"}
@@ -308,7 +310,7 @@ def measure(model: str, size: str, batch: int, seq: int, steps: int, time_limit:
     """Every side at `batch`: eager sides with expandable segments off and
     on, memplan's (one arena allocation: the default allocator), each fit
     to a checkpointing side's allocated peak with expandable segments."""
-    from .bench_baselines import EAGER_SIDES
+    from .baselines import EAGER_SIDES
 
     base = dict(model=model, size=size, batch=batch, seq=seq, steps=steps, time_limit=time_limit, device=device,
                 bf16=bf16)
