@@ -27,6 +27,16 @@ if ! .venv/bin/python -c 'import jax, pypjrt, lammps_jax_pjrt_cpu' >/dev/null 2>
   echo "installing jax[cpu], pypjrt and lammps-jax-pjrt-cpu into .venv (XLA's CPU plugin, once)"
   .venv/bin/pip install --quiet "jax[cpu]>=0.10,<0.11" pypjrt lammps-jax-pjrt-cpu
 fi
+# The documentation site's builder (mkdocs-material, API pages from the
+# docstrings by mkdocstrings), pinned: the site is built below with
+# warnings as errors.
+if ! .venv/bin/python -c 'import mkdocs, material, mkdocstrings_handlers.python' >/dev/null 2>&1; then
+  .venv/bin/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" \
+    "mkdocstrings-python==2.0.11"
+fi
 export VIRTUAL_ENV="$PWD/.venv"
 (cd python && ../.venv/bin/maturin develop --quiet --no-default-features)
 .venv/bin/python -m unittest discover -s python/tests -v
+# The docs site (mkdocs.yml): broken links between pages, missing anchors
+# and API pages whose objects are gone fail the build.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet

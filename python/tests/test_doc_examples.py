@@ -45,6 +45,16 @@ def blocks(lang):
     return out
 
 
+TORCHRUN = re.compile(r"^# (\w+\.py): (torchrun .*)$", re.M)
+
+
+def torchrun_block(text):
+    """(file name, torchrun command) of a block that is a multi-rank
+    script (its first line ``# NAME.py: torchrun ...``), else None."""
+    m = TORCHRUN.match(text)
+    return (m.group(1), m.group(2)) if m else None
+
+
 def shell_commands(prefix):
     """(file, line, argv) of every command of a fenced shell block whose
     program part starts with one of `prefix` (continuations joined,
@@ -145,9 +155,46 @@ class DocExamples(unittest.TestCase):
 
     def test_every_python_block_runs(self):
         for doc, line, text in blocks({"python"}):
+            if torchrun_block(text):
+                continue  # a script for several ranks: the next test runs it
             with self.subTest(f"{doc}:{line}"):
                 ns = NAMESPACES.get(doc, language_model)()
                 exec(compile(text, f"{doc}:{line}", "exec"), ns)
+
+    def test_every_multi_rank_script_runs_under_torchrun(self):
+        # A block whose first line names its file and its torchrun command
+        # (the README's FSDP2 quick start) runs as written, on its ranks
+        # (gloo on the CPU; torchrun --standalone picks a free port),
+        # and every rank prints its line.
+        scripts = [(doc, line, text) for doc, line, text in blocks({"python"}) if torchrun_block(text)]
+        self.assertIn("README.md", {doc for doc, _, _ in scripts})
+        torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+        for doc, line, text in scripts:
+            with self.subTest(f"{doc}:{line}"):
+                name, command = torchrun_block(text)
+                (self.tmp / name).write_text(text)
+                words = shlex.split(command)
+                ranks = int(words[words.index("--nproc-per-node") + 1])
+                r = subprocess.run([str(torchrun), *words[1:]], cwd=self.tmp, capture_output=True, text=True,
+                                   timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+                for rank in range(ranks):
+                    self.assertIn(f"rank {rank}:", r.stdout)
+
+    def test_every_relative_link_of_the_readmes_exists(self):
+        # README.md and python/README.md are outside the docs site, whose
+        # build (mkdocs build --strict, scripts/python_tests.sh) checks the
+        # links between its own pages: their links are checked here.
+        link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+        found = 0
+        for doc in (ROOT / "README.md", ROOT / "python" / "README.md"):
+            for target in link.findall(doc.read_text()):
+                if "://" in target or target.startswith("mailto:"):
+                    continue
+                found += 1
+                with self.subTest(f"{doc.relative_to(ROOT)}: {target}"):
+                    self.assertTrue((doc.parent / target).exists(), f"{target} does not exist")
+        self.assertGreater(found, 10)
 
     def test_the_package_docstring_example_runs(self):
         exec(compile(package_docstring_example(), "memplan.__doc__", "exec"), {})
