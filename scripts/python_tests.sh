@@ -11,32 +11,46 @@
 # for users (`maturin build --release`) has it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-if ! .venv/bin/python -c 'import maturin' >/dev/null 2>&1; then
-  .venv/bin/pip install --quiet "maturin>=1.7,<2"
-fi
-if ! .venv/bin/python -c 'import torch, torchvision, transformers' >/dev/null 2>&1; then
-  echo "installing torch, torchvision and transformers into .venv (about 3.5 GB, once)"
-  .venv/bin/pip install --quiet "torch>=2.5,<3" torchvision "transformers>=4.45"
-fi
-# XLA's CPU compiler through its PJRT C API plugin, for the test that XLA
-# runs memplan's order (tools/test_xla_run_scheduled.py; docs/hlo.md).
-if ! .venv/bin/python -c 'import jax, pypjrt, lammps_jax_pjrt_cpu' >/dev/null 2>&1; then
-  echo "installing jax[cpu], pypjrt and lammps-jax-pjrt-cpu into .venv (XLA's CPU plugin, once)"
-  .venv/bin/pip install --quiet "jax[cpu]>=0.10,<0.11" pypjrt lammps-jax-pjrt-cpu
-fi
-# The documentation site's builder (mkdocs-material, API pages from the
-# docstrings by mkdocstrings), pinned: the site is built below with
-# warnings as errors.
-if ! .venv/bin/python -c 'import mkdocs, material, mkdocstrings_handlers.python' >/dev/null 2>&1; then
-  .venv/bin/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" \
-    "mkdocstrings-python==2.0.11"
-fi
+# Each phase's seconds, added to target/test-times/phases.tsv (scripts/test.sh
+# prints the table).
+mkdir -p target/test-times
+phase() {
+  local name=$1 t0=$SECONDS
+  shift
+  "$@"
+  printf '%s\t%s\n' "$((SECONDS - t0))" "$name" >> target/test-times/phases.tsv
+}
+# What the tests need in .venv, installed when missing.
+venv() {
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+  fi
+  if ! .venv/bin/python -c 'import maturin' >/dev/null 2>&1; then
+    .venv/bin/pip install --quiet "maturin>=1.7,<2"
+  fi
+  if ! .venv/bin/python -c 'import torch, torchvision, transformers' >/dev/null 2>&1; then
+    echo "installing torch, torchvision and transformers into .venv (about 3.5 GB, once)"
+    .venv/bin/pip install --quiet "torch>=2.5,<3" torchvision "transformers>=4.45"
+  fi
+  # XLA's CPU compiler through its PJRT C API plugin, for the test that XLA
+  # runs memplan's order (tools/test_xla_run_scheduled.py; docs/hlo.md).
+  if ! .venv/bin/python -c 'import jax, pypjrt, lammps_jax_pjrt_cpu' >/dev/null 2>&1; then
+    echo "installing jax[cpu], pypjrt and lammps-jax-pjrt-cpu into .venv (XLA's CPU plugin, once)"
+    .venv/bin/pip install --quiet "jax[cpu]>=0.10,<0.11" pypjrt lammps-jax-pjrt-cpu
+  fi
+  # The documentation site's builder (mkdocs-material, API pages from the
+  # docstrings by mkdocstrings), pinned: the site is built below with
+  # warnings as errors.
+  if ! .venv/bin/python -c 'import mkdocs, material, mkdocstrings_handlers.python' >/dev/null 2>&1; then
+    .venv/bin/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" \
+      "mkdocstrings-python==2.0.11"
+  fi
+}
+phase "Python: the .venv's packages (torch, transformers, jax, mkdocs)" venv
 export VIRTUAL_ENV="$PWD/.venv"
-(cd python && ../.venv/bin/maturin develop --quiet --no-default-features)
-.venv/bin/python -m unittest discover -s python/tests -v
+phase "Python: the extension (maturin develop)" \
+  bash -c 'cd python && ../.venv/bin/maturin develop --quiet --no-default-features'
+phase "Python: the package's tests" .venv/bin/python scripts/timed_unittest.py target/test-times/python.tsv -s python/tests
 # The docs site (mkdocs.yml): broken links between pages, missing anchors
 # and API pages whose objects are gone fail the build.
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+phase "the docs site (mkdocs build --strict)" env NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet

@@ -5,16 +5,34 @@
 # command; CI (.ci/run) calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# Where the time goes: each phase's seconds, printed at the end (and kept in
+# target/test-times/phases.tsv; docs/testing.md has a clean run's table).
+mkdir -p target/test-times
+: > target/test-times/phases.tsv
+phase() {
+  local name=$1 t0=$SECONDS
+  shift
+  "$@"
+  printf '%s\t%s\n' "$((SECONDS - t0))" "$name" >> target/test-times/phases.tsv
+}
+report() {
+  echo "test.sh: seconds by phase (total $SECONDS s):" >&2
+  awk -F'\t' '{ printf "  %6d s  %s\n", $1, $2 }' target/test-times/phases.tsv >&2
+}
+trap report EXIT
+phase "setup (apt packages)" bash scripts/setup.sh
 # `--features memplan/cuda` builds the CUDA executor too (CUDA is loaded at
 # run time, so no toolkit or GPU is needed), so it cannot rot unseen. The
 # Python extension is built and tested by maturin below, not by cargo test.
-cargo test --workspace --exclude memplan-python --all-targets --features memplan/cuda
+phase "Rust: build the tests" cargo test --workspace --exclude memplan-python --all-targets --features memplan/cuda --no-run
+phase "Rust: unit, property and integration tests" \
+  cargo test --workspace --exclude memplan-python --all-targets --features memplan/cuda
 # The CUDA kernels' source, compiled as host C++ against a shim of CUDA's
 # built-ins (no NVRTC here): typos and type errors in kernels.cu fail CI.
-bash tools/check_cuda_syntax.sh
-cargo test --workspace --exclude memplan-python --doc --features memplan/cuda
+phase "CUDA kernels' syntax (host C++)" bash tools/check_cuda_syntax.sh
+phase "Rust: doc tests" cargo test --workspace --exclude memplan-python --doc --features memplan/cuda
 # The Python package (PyO3 + maturin) in the ignored .venv.
+# (it times its own phases into the same table)
 bash scripts/python_tests.sh
 # The CUDA kernels compiled by NVRTC itself (it needs no GPU), with the
 # NVRTC that PyTorch's CUDA wheels put in .venv: machine code for sm_80,
@@ -24,7 +42,7 @@ if [ -z "$nvrtc" ]; then
   echo "no libnvrtc.so in .venv's nvidia packages (PyPI's torch wheel brings one)" >&2
   exit 1
 fi
-LD_LIBRARY_PATH="$(dirname "$nvrtc")" \
+phase "CUDA kernels compiled by NVRTC" env LD_LIBRARY_PATH="$(dirname "$nvrtc")" \
   cargo test --workspace --exclude memplan-python --lib --features memplan/cuda cuda::compile -- --ignored
 # The Python tools' tests, with the torch that python_tests.sh installed.
-.venv/bin/python -m unittest discover -s tools -t .
+phase "Python tools' tests" .venv/bin/python scripts/timed_unittest.py target/test-times/tools.tsv -s tools -t .
