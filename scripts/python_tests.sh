@@ -38,6 +38,13 @@ venv() {
     echo "installing jax[cpu], pypjrt and lammps-jax-pjrt-cpu into .venv (XLA's CPU plugin, once)"
     .venv/bin/pip install --quiet "jax[cpu]>=0.10,<0.11" pypjrt lammps-jax-pjrt-cpu
   fi
+  # torchtitan, pinned: its own Llama, FSDP2 wrapping and checkpointing are
+  # trained through memplan in test_torch_distributed (0.2.2: its debug
+  # model runs SDPA; 0.3.0's needs flex attention, whose backward PyTorch
+  # does not run on the CPU).
+  if ! .venv/bin/python -c 'import torchtitan; assert torchtitan.__version__ == "0.2.2"' >/dev/null 2>&1; then
+    .venv/bin/pip install --quiet "torchtitan==0.2.2"
+  fi
   # The documentation site's builder (mkdocs-material, API pages from the
   # docstrings by mkdocstrings), pinned: the site is built below with
   # warnings as errors.
@@ -46,7 +53,7 @@ venv() {
       "mkdocstrings-python==2.0.11"
   fi
 }
-phase "Python: the .venv's packages (torch, transformers, jax, mkdocs)" venv
+phase "Python: the .venv's packages (torch, transformers, jax, torchtitan, mkdocs)" venv
 export VIRTUAL_ENV="$PWD/.venv"
 phase "Python: the extension (maturin develop)" \
   bash -c 'cd python && ../.venv/bin/maturin develop --quiet --no-default-features'

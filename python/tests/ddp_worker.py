@@ -583,6 +583,91 @@ def fsdp_settings(rank, world):
     return found
 
 
+def torchtitan_steps(rank, world):
+    """torchtitan's own Llama 3 debug model (its registry, init_weights),
+    wrapped by torchtitan's own apply_ac and apply_fsdp (which sets every
+    unit's gradient divide factor to 1.0: gradients summed over the ranks),
+    trained with torchtitan's loss (the sum over local tokens divided by
+    the global token count) and clipping at 1.0, 3 steps through memplan
+    and through torchtitan's eager train step (forward, loss, backward,
+    torchtitan's clip_grad_norm_, step, zero_grad): per AC mode with SGD
+    (any gradient scale shows), with AdamW (torchtitan's hyperparameters),
+    and with torchtitan's mixed precision (bf16 parameters, f32
+    reduction).
+
+    On gloo, FSDP2 eager cannot reduce with a divide factor (PREMUL_SUM):
+    eager's copy forces sums (the same sum, divided by 1.0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3 import Transformer, llama3_args
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    B, T = 2, 32
+
+    def build(ac, param_dtype):
+        torch.manual_seed(0)
+        args = copy.deepcopy(llama3_args["debugmodel"])
+        args.max_seq_len = T
+        m = Transformer(args)
+        with torch.no_grad():  # as torchtitan's trainer initialises
+            m.init_weights()
+        if ac != "none":
+            apply_ac(m, ActivationCheckpoint(mode=ac))
+        apply_fsdp(m, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, pp_enabled=False)
+        return m
+
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, 2048, (B, T + 1), generator=g) for _ in range(3)]
+    global_tokens = world * B * T  # every label is valid
+
+    def loss_fn(m, b):
+        return cross_entropy_loss(m(b[:, :-1]), b[:, 1:]) / global_tokens
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.5)
+
+    def adamw(params):  # torchtitan's defaults
+        return torch.optim.AdamW(params, lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    found = {}
+    cases = [("none", sgd, torch.float32), ("selective", sgd, torch.float32), ("full", sgd, torch.float32),
+             ("none", adamw, torch.float32), ("selective", sgd, torch.bfloat16)]
+    for ac, optim, param_dtype in cases:
+        name = f"{ac}-{optim.__name__}-{str(param_dtype).removeprefix('torch.')}"
+        model, ref = build(ac, param_dtype), build(ac, param_dtype)
+        factors = {float(pg.gradient_divide_factor) for mod in model.modules() if isinstance(mod, FSDPModule)
+                   for pg in mod._get_fsdp_state()._fsdp_param_groups}
+        for mod in ref.modules():
+            if isinstance(mod, FSDPModule):
+                mod.set_force_sum_reduction_for_comms(True)
+        opt, ref_opt = optim(model.parameters()), optim(ref.parameters())
+        step = mt.capture(model, opt, batches[0], loss_fn, clip_grad_norm=1.0, time_limit=5)
+        got = {"losses": [], "grad_norms": [], "tracked": [], "factors": sorted(factors)}
+        for b in batches:
+            loss = step(b, track=True)
+            want = loss_fn(ref, b)
+            want.backward()
+            norm = dist_utils.clip_grad_norm_(list(ref.parameters()), 1.0, foreach=True)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            got["losses"].append((float(loss), float(want)))
+            got["grad_norms"].append((float(step.grad_norm), float(norm)))
+            max_live = step.stats["max_live_bytes"]
+            held = step.tracked_peak_contents if step.tracked_peak_bytes != max_live else None  # what the peak held
+            got["tracked"].append((step.tracked_peak_bytes, max_live, held))
+        got["worst"] = max(biggest_difference(p.full_tensor(), q.full_tensor())
+                           for p, q in zip(model.parameters(), ref.parameters()))
+        got["checked_max_live"] = memplan.check(step.graph, step.plan)["max_live_bytes"]
+        found[name] = got
+    return found
+
+
 def mismatch(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -718,6 +803,8 @@ def main():
             result = hsdp(rank, world)
         elif case == "fsdp-settings":
             result = fsdp_settings(rank, world)
+        elif case == "torchtitan":
+            result = torchtitan_steps(rank, world)
         elif case == "options":
             result = options(rank, world)
         elif case == "mismatch":
