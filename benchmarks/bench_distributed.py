@@ -58,9 +58,38 @@ SIDES = ("eager-ddp", "eager-ddp-bucket-view", "memplan", "memplan-fit-0.1%")
 FSDP_SIDES = ("fsdp2-eager", "memplan", "memplan-fit-0.1%")
 
 
+def _torchtitan_model(args):
+    """torchtitan's own Llama 3 (its registry's flavor, --layers and
+    --hidden overriding its depth and width; init_weights as its trainer
+    runs it), checkpointed with its own apply_ac when --ac asks."""
+    import copy
+
+    import torch
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    torch.manual_seed(0)
+    a = copy.deepcopy(llama3_args[args.torchtitan])
+    if args.layers is not None:
+        a.n_layers = args.layers
+    if args.hidden is not None:
+        a.dim, a.n_heads = args.hidden, max(1, args.hidden // 64)
+    a.max_seq_len = args.seq
+    model = Transformer(a)
+    with torch.no_grad():
+        model.init_weights()
+    if args.ac != "none":
+        apply_ac(model, ActivationCheckpoint(mode=args.ac))
+    return model
+
+
 def _model(args):
     import torch
     import transformers as T
+
+    if args.torchtitan:
+        return _torchtitan_model(args)
 
     torch.manual_seed(0)
     heads = args.heads or max(1, args.hidden // 64)
@@ -81,6 +110,14 @@ def _shard(args, model) -> None:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if args.torchtitan:  # torchtitan's own wrapping (and its summed gradients)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+        mesh = init_device_mesh(args.device, (args.world,), mesh_dim_names=("dp_shard",))
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16 if args.mixed_precision else torch.float32,
+                   reduce_dtype=torch.float32, pp_enabled=False)
+        return
     kw = {}
     if args.mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -91,6 +128,20 @@ def _shard(args, model) -> None:
 
 def _loss(m, b):
     return m(input_ids=b, labels=b).loss
+
+
+class _TorchtitanLoss:
+    """torchtitan's loss: its cross-entropy (a sum over this rank's
+    tokens) divided by the global token count, on batches of seq + 1
+    tokens (inputs, then labels shifted by one)."""
+
+    def __init__(self, global_tokens: int) -> None:
+        self.global_tokens = global_tokens
+
+    def __call__(self, m, b):
+        from torchtitan.components.loss import cross_entropy_loss
+
+        return cross_entropy_loss(m(b[:, :-1]), b[:, 1:]) / self.global_tokens
 
 
 def _bf16_loss(m, b):
@@ -175,20 +226,31 @@ def _rank(args) -> Dict[str, Any]:
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1000 + rank)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(args.device) for _ in range(2)]
+    tokens = args.seq + (1 if args.torchtitan else 0)
+    batches = [torch.randint(0, args.vocab, (args.batch, tokens), generator=g).to(args.device) for _ in range(2)]
     cuda = args.device != "cpu"
+    loss_fn = _TorchtitanLoss(args.world * args.batch * args.seq) if args.torchtitan else \
+        _bf16_loss if args.autocast else _loss
+    clip = 1.0 if args.torchtitan else None  # torchtitan clips at 1.0 by default
     out: Dict[str, Any] = {}
     for side in (FSDP_SIDES if args.fsdp else SIDES):
         ddp = _wrapped(args, side)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         s = None
         if "eager" in side:
+            if args.torchtitan and not cuda:
+                _force_sums(ddp)  # gloo has no PREMUL_SUM: the same sum
+
             def step(b, ddp=ddp, opt=opt):
-                (_bf16_loss if args.autocast else _loss)(ddp, b).backward()
+                loss_fn(ddp, b).backward()
+                if clip is not None:
+                    from torchtitan.distributed import utils as dist_utils
+
+                    dist_utils.clip_grad_norm_(list(ddp.parameters()), clip, foreach=True)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         else:
-            s = mt.capture(ddp, opt, batches[0], _bf16_loss if args.autocast else _loss, time_limit=args.time_limit)
+            s = mt.capture(ddp, opt, batches[0], loss_fn, time_limit=args.time_limit, clip_grad_norm=clip)
             row = {"max_live_bytes": s.plan["stats"]["max_live_bytes"],
                    "lower_bound_bytes": s.plan["stats"]["lower_bound_bytes"]}
             if args.fsdp and side == "memplan":
@@ -255,6 +317,16 @@ def _rank(args) -> Dict[str, Any]:
     return out
 
 
+def _force_sums(model) -> None:
+    """FSDP2 eager on gloo cannot reduce with torchtitan's divide factor
+    (NCCL's PREMUL_SUM): every unit sums instead, the same sum (factor 1)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
 def _precision(args) -> str:
     return ((", bf16 autocast" if args.autocast else "")
             + (", MixedPrecisionPolicy(bf16, reduce float32)" if args.mixed_precision else "")
@@ -270,8 +342,8 @@ def _free_port() -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_distributed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, help="ranks (processes), default 2")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, help="decoder blocks (default 4; with --torchtitan the flavor's)")
+    ap.add_argument("--hidden", type=int, help="model width (default 512; with --torchtitan the flavor's)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
@@ -297,6 +369,11 @@ def _parser() -> argparse.ArgumentParser:
                          "process group of --world ranks (nothing runs)")
     ap.add_argument("--fsdp", action="store_true",
                     help="shard with FSDP2 (fully_shard on each block, then the root) instead of DDP")
+    ap.add_argument("--torchtitan", metavar="FLAVOR",
+                    help="torchtitan's own Llama 3 (e.g. debugmodel), wrapped by its apply_fsdp (summed gradients), "
+                         "its loss (sum over tokens / global tokens) and clipping at 1.0 (implies --fsdp)")
+    ap.add_argument("--ac", default="none", choices=("none", "selective", "full"),
+                    help="with --torchtitan: torchtitan's apply_ac on every side")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: one GPU per rank (rank r on GPU r), NCCL, the peaks from torch.cuda.max_memory_*")
     ap.add_argument("--json", action="store_true", help="print rank 0's figures as JSON")
@@ -312,6 +389,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world < 1:
         ap.error("--world must be at least 1")
+    if args.torchtitan:
+        if args.without_ranks or args.autocast or args.checkpoint or args.tied:
+            ap.error("--torchtitan takes its model's own settings: give no --without-ranks, --autocast, "
+                     "--checkpoint or --tied (--ac checkpoints as torchtitan does)")
+        args.fsdp = True
+        from torchtitan.models.llama3 import llama3_args
+
+        if args.torchtitan not in llama3_args:
+            ap.error(f"--torchtitan {args.torchtitan}: torchtitan's Llama 3 flavors are {', '.join(llama3_args)}")
+        args.vocab = llama3_args[args.torchtitan].vocab_size
+    elif args.ac != "none":
+        ap.error("--ac is torchtitan's activation checkpointing: give it with --torchtitan")
+    if not args.torchtitan:
+        args.layers = 4 if args.layers is None else args.layers
+        args.hidden = 512 if args.hidden is None else args.hidden
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     if args.device == "cuda" and not args.without_ranks:
@@ -416,8 +508,11 @@ def _print_rows(args, rows) -> None:
     mib = 2 ** 20
     sides = FSDP_SIDES if args.fsdp else SIDES
     where = "NCCL, CUDA: torch.cuda.max_memory_allocated" if args.device == "cuda" else "gloo, CPU"
-    print(f"HF Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch "
-          f"{args.batch} per rank, f32 parameters{_precision(args)}, AdamW, W={args.world} ({where}); per-rank "
+    what = (f"torchtitan Llama 3 {args.torchtitan} (its apply_fsdp, AC {args.ac}, clipping at 1.0)"
+            if args.torchtitan else "HF Llama")
+    flavor = "the flavor's"
+    print(f"{what}, {args.layers or flavor} layers, hidden {args.hidden or flavor}, vocab {args.vocab}, seq {args.seq}, "
+          f"batch {args.batch} per rank, f32 parameters{_precision(args)}, AdamW, W={args.world} ({where}); per-rank "
           "bytes of rank 0")
     print(f"{'side':24} {'peak':>10} {'buckets':>9} {'plan max live':>14} {'vs ' + sides[0]:>13}")
     base = rows[sides[0]]["peak_bytes"]
