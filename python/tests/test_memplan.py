@@ -370,3 +370,35 @@ except ImportError as e:
                 self.assertIn(install, out.stdout)
         self.assertIs(require("json", "a test").loads, json.loads)
         self.assertTrue(issubclass(MissingDependency, memplan.MemplanError))
+
+
+class Packaging(unittest.TestCase):
+    """What `pip install ./python` installs: the library with its licence
+    files, and no benchmark (issue 59). Builds the wheel from the
+    extension scripts/python_tests.sh compiled (maturin's dev profile: a
+    repackaging) and the sdist."""
+
+    def test_the_wheel_and_the_sdist_carry_the_licences_and_no_benchmarks(self):
+        import subprocess
+        import sys
+        import tarfile
+        import zipfile
+
+        maturin = pathlib.Path(sys.executable).with_name("maturin")
+        with tempfile.TemporaryDirectory() as out:
+            for what in (["build", "--profile", "dev", "--no-default-features"], ["sdist"]):
+                r = subprocess.run([str(maturin), *what, "-o", out], cwd=ROOT / "python", capture_output=True,
+                                   text=True, timeout=900)
+                self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+            wheel = next(pathlib.Path(out).glob("*.whl"))
+            names = zipfile.ZipFile(wheel).namelist()
+            for licence in ("LICENSE-MIT", "LICENSE-APACHE"):
+                self.assertIn(f"memplan-{memplan.__version__}.dist-info/licenses/{licence}", names)
+            self.assertEqual([n for n in names if "bench" in n], [])
+            self.assertIn("memplan/torch/__init__.py", names)
+            sdist = next(pathlib.Path(out).glob("*.tar.gz"))
+            with tarfile.open(sdist) as t:
+                files = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+            self.assertTrue({"LICENSE-MIT", "LICENSE-APACHE"} <= files, sorted(files)[:20])
+            text = (ROOT / "LICENSE-MIT").read_text()
+            self.assertIn("Permission is hereby granted", text)
