@@ -13,13 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each phase's seconds, added to target/test-times/phases.tsv (scripts/test.sh
 # prints the table).
-mkdir -p target/test-times
-phase() {
-  local name=$1 t0=$SECONDS
-  shift
-  "$@"
-  printf '%s\t%s\n' "$((SECONDS - t0))" "$name" >> target/test-times/phases.tsv
-}
+source scripts/phase.sh
 # What the tests need in .venv, installed when missing.
 venv() {
   if [ ! -x .venv/bin/python ]; then

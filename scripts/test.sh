@@ -7,14 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Where the time goes: each phase's seconds, printed at the end (and kept in
 # target/test-times/phases.tsv; docs/testing.md has a clean run's table).
-mkdir -p target/test-times
+source scripts/phase.sh
 : > target/test-times/phases.tsv
-phase() {
-  local name=$1 t0=$SECONDS
-  shift
-  "$@"
-  printf '%s\t%s\n' "$((SECONDS - t0))" "$name" >> target/test-times/phases.tsv
-}
 report() {
   echo "test.sh: seconds by phase (total $SECONDS s):" >&2
   awk -F'\t' '{ printf "  %6d s  %s\n", $1, $2 }' target/test-times/phases.tsv >&2
