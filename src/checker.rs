@@ -14,6 +14,13 @@
 //! 4. no two tensors live at the same step share a byte, unless they are a
 //!    claimed reuse pair meeting at the reusing op's step. Persistent tensors
 //!    are live to the end of the step, so nothing may take their bytes.
+//! 5. host memory (offload) is reached by copies alone: a tensor in host
+//!    memory has no offset in the arena; every op that names one is a copy
+//!    to the host (one device input, one host output or update of its
+//!    size) or to the device (one host input, one device output of its
+//!    size); a host tensor a copy reads was written before it (or is a step
+//!    input). The host pool's max live bytes is reported beside the
+//!    arena's.
 //!
 //! Lifetimes, in steps (closed intervals): birth = producer's step or 0;
 //! death = last step of any op that reads, updates, or reads/makes a view of
@@ -29,7 +36,7 @@ use std::fmt;
 // The error type lives with the crate's other errors (`crate::error`), so
 // `Error` wraps it without depending on the checker.
 pub use crate::error::CheckError;
-use crate::graph::{Graph, Lifetime, OpId, TensorId};
+use crate::graph::{COPY_TO_DEVICE, COPY_TO_HOST, Graph, Lifetime, OpId, Space, TensorId};
 use crate::plan::Plan;
 
 /// A summary of a plan that passed.
@@ -39,6 +46,8 @@ pub struct CheckReport {
     pub max_live_bytes: u64,
     /// The highest byte any tensor reaches (≤ the arena).
     pub used_bytes: u64,
+    /// The most bytes of host memory (offloaded tensors) live at one step.
+    pub host_max_live_bytes: u64,
     pub ops: usize,
     pub tensors_placed: usize,
 }
@@ -61,9 +70,11 @@ pub fn check(graph: &Graph, plan: &Plan) -> Result<CheckReport, CheckError> {
     let life = c.lifetimes(&step);
     let reuses = c.reuses(&step, &life)?;
     let max_live_bytes = c.sweep(&life, &reuses)?;
+    let host_max_live_bytes = c.host(&step, &life)?;
     Ok(CheckReport {
         max_live_bytes,
         used_bytes,
+        host_max_live_bytes,
         ops: graph.num_ops(),
         tensors_placed,
     })
@@ -103,10 +114,15 @@ impl Checker<'_> {
         }
         t
     }
-    /// Whether `t` occupies memory: not a view, and not empty.
+    /// Whether `t` occupies arena memory: not a view, not empty, not in
+    /// host memory.
     fn owns(&self, t: TensorId) -> bool {
         let x = self.graph.tensor(t);
-        x.view_of.is_none() && x.size > 0
+        x.view_of.is_none() && x.size > 0 && x.space == Space::Device
+    }
+    /// Whether `t`'s bytes are in host memory (its root's space).
+    fn in_host(&self, t: TensorId) -> bool {
+        self.graph.tensor(self.root_of(t)).space == Space::Host
     }
 
     /// Rule 1: every op once, after every op it depends on. The step of
@@ -286,6 +302,104 @@ impl Checker<'_> {
             }
         }
         Ok(r)
+    }
+
+    /// Rule 5: only copies reach host memory, each between the two spaces
+    /// with equal sizes, reading host bytes written earlier. The host
+    /// pool's max live bytes.
+    fn host(&self, step: &[usize], life: &Lifetimes) -> Result<u64, CheckError> {
+        let graph = self.graph;
+        let bad = |o: OpId, why: String| CheckError::BadCopy {
+            op: self.op_name(o),
+            why,
+        };
+        let mut written = vec![usize::MAX; graph.num_tensors()];
+        for o in graph.op_ids() {
+            for &t in graph.op(o).outputs.iter().chain(&graph.op(o).updates) {
+                let w = &mut written[self.root_of(t).index()];
+                *w = (*w).min(step[o.index()]);
+            }
+        }
+        for o in graph.op_ids() {
+            let op = graph.op(o);
+            let size = |t: TensorId| graph.tensor(t).size;
+            let named: Vec<TensorId> = op
+                .inputs
+                .iter()
+                .chain(&op.outputs)
+                .chain(&op.updates)
+                .copied()
+                .collect();
+            match op.op_type.as_str() {
+                COPY_TO_HOST => {
+                    let dst: Vec<TensorId> =
+                        op.outputs.iter().chain(&op.updates).copied().collect();
+                    let [src] = op.inputs[..] else {
+                        return Err(bad(
+                            o,
+                            format!("reads {} tensors, not one", op.inputs.len()),
+                        ));
+                    };
+                    let [dst] = dst[..] else {
+                        return Err(bad(o, format!("writes {} tensors, not one", dst.len())));
+                    };
+                    if self.in_host(src) || !self.in_host(dst) || size(src) != size(dst) {
+                        return Err(bad(
+                            o,
+                            "does not copy a device tensor into a host tensor of its size".into(),
+                        ));
+                    }
+                }
+                COPY_TO_DEVICE => {
+                    let ([src], [dst], []) = (&op.inputs[..], &op.outputs[..], &op.updates[..])
+                    else {
+                        return Err(bad(o, "does not read one tensor and write one".into()));
+                    };
+                    if !self.in_host(*src) || self.in_host(*dst) || size(*src) != size(*dst) {
+                        return Err(bad(
+                            o,
+                            "does not copy a host tensor into a device tensor of its size".into(),
+                        ));
+                    }
+                    let r = self.root_of(*src);
+                    let from_start = graph.tensor(r).producer.is_none();
+                    if !from_start && written[r.index()] >= step[o.index()] {
+                        return Err(bad(
+                            o,
+                            format!(
+                                "reads host tensor {:?} before anything writes it",
+                                self.name(r)
+                            ),
+                        ));
+                    }
+                }
+                _ => {
+                    if let Some(&t) = named.iter().find(|&&t| self.in_host(t)) {
+                        return Err(bad(
+                            o,
+                            format!(
+                                "names host tensor {:?}; only copies reach host memory",
+                                self.name(t)
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        let mut delta = vec![0i128; graph.num_ops().max(1) + 1];
+        for t in graph.tensor_ids() {
+            let x = graph.tensor(t);
+            if x.space == Space::Host && x.view_of.is_none() {
+                delta[life.birth[t.index()]] += x.size as i128;
+                delta[life.death[t.index()] + 1] -= x.size as i128;
+            }
+        }
+        let (mut cur, mut max) = (0i128, 0i128);
+        for d in delta {
+            cur += d;
+            max = max.max(cur);
+        }
+        Ok(max as u64)
     }
 
     /// Rule 4: a sweep in half-steps over the intervals

@@ -313,4 +313,6 @@ pub enum CheckError {
         b_end: u64,
         step: usize,
     },
+    #[error("copy {op:?} between host and device memory: {why}")]
+    BadCopy { op: String, why: String },
 }

@@ -158,6 +158,37 @@ impl OpKind {
     }
 }
 
+/// Which memory holds a tensor's bytes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Space {
+    /// The device arena (the memory a plan lays out).
+    #[default]
+    Device,
+    /// Host memory (pinned), reached over a link: only the copy ops of
+    /// [`crate::offload`] read or write it ([`COPY_TO_HOST`],
+    /// [`COPY_TO_DEVICE`]), and it takes no room in the device arena.
+    Host,
+}
+
+impl Space {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Space::Device => "device",
+            Space::Host => "host",
+        }
+    }
+}
+
+/// The op type that copies a device tensor to host memory: one device
+/// input, and one host output (a new host tensor) or one host update (a
+/// host tensor it overwrites, e.g. optimizer state written back), of the
+/// same size.
+pub const COPY_TO_HOST: &str = "copy_to_host";
+/// The op type that copies a host tensor to the device: one host input,
+/// one device output of the same size.
+pub const COPY_TO_DEVICE: &str = "copy_to_device";
+
 /// A tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
@@ -176,6 +207,8 @@ pub struct Tensor {
     pub dtype: Option<String>,
     /// Dimensions (informational; executors use it).
     pub shape: Option<Vec<u64>>,
+    /// Which memory holds it (the device unless offloaded).
+    pub space: Space,
 }
 
 impl Tensor {
@@ -326,10 +359,15 @@ impl Graph {
     pub fn root(&self, t: TensorId) -> TensorId {
         self.root[t.index()]
     }
-    /// Whether `t` owns bytes that need a place in the arena.
+    /// Whether `t` owns bytes that need a place in the (device) arena:
+    /// not a view, not empty, not in host memory.
     pub fn occupies_memory(&self, t: TensorId) -> bool {
         let x = self.tensor(t);
-        x.view_of.is_none() && x.size > 0
+        x.view_of.is_none() && x.size > 0 && x.space == Space::Device
+    }
+    /// Whether `t` lives in host memory ([`Space::Host`]).
+    pub fn on_host(&self, t: TensorId) -> bool {
+        self.tensor(t).space == Space::Host
     }
     /// Ops that list `t` among their inputs.
     pub fn readers(&self, t: TensorId) -> &[OpId] {
@@ -394,6 +432,7 @@ pub struct TensorSpec {
     pub view_of: Option<TensorId>,
     pub dtype: Option<String>,
     pub shape: Option<Vec<u64>>,
+    pub space: Space,
 }
 
 impl From<&Tensor> for TensorSpec {
@@ -409,6 +448,7 @@ impl From<&Tensor> for TensorSpec {
             view_of: x.view_of,
             dtype: x.dtype.clone(),
             shape: x.shape.clone(),
+            space: x.space,
         }
     }
 }
@@ -425,7 +465,13 @@ impl TensorSpec {
             view_of: None,
             dtype: None,
             shape: None,
+            space: Space::Device,
         }
+    }
+    /// In host memory ([`Space::Host`]).
+    pub fn host(mut self) -> Self {
+        self.space = Space::Host;
+        self
     }
     pub fn role(mut self, role: Role) -> Self {
         self.role = role;
@@ -626,6 +672,7 @@ impl GraphBuilder {
         let producer = s.producers()?;
         s.check_reads(&producer)?;
         s.check_reuse(&root)?;
+        s.check_host(&root)?;
         let (mut deps, readers) = s.data_deps(&producer)?;
         let program_order = stable_topo(ops.len(), &deps).map_err(|cycle| {
             GraphError::Cycle(cycle.iter().map(|o| ops[o.index()].name.clone()).collect())
@@ -653,6 +700,7 @@ impl GraphBuilder {
                     view_of: s.view_of,
                     dtype: s.dtype,
                     shape: s.shape,
+                    space: s.space,
                 })
                 .collect(),
             ops: ops
@@ -916,6 +964,91 @@ impl Specs<'_> {
                 if self.tensors[out.index()].size > self.tensors[root[inp.index()].index()].size {
                     return Err(bad("the output is larger than the input"));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Host memory is reached only by copies: a host tensor is no view and
+    /// has none; an op that names one is a [`COPY_TO_HOST`] (one device
+    /// input; one host output or one host update, of the input's size) or
+    /// a [`COPY_TO_DEVICE`] (one host input, one device output, same size),
+    /// with no reuse hints.
+    fn check_host(&self, root: &[TensorId]) -> Result<(), GraphError> {
+        let host = |t: TensorId| self.tensors[root[t.index()].index()].space == Space::Host;
+        for t in self.tensors {
+            if t.space == Space::Host && t.view_of.is_some() {
+                return Err(GraphError::Other(format!(
+                    "tensor {:?} is in host memory and a view: host tensors own their bytes (make it a device view, or copy its base)",
+                    t.name
+                )));
+            }
+        }
+        for (i, t) in self.tensors.iter().enumerate() {
+            if t.view_of.is_some() && host(TensorId(i as u32)) {
+                return Err(GraphError::Other(format!(
+                    "tensor {:?} views host memory: only copy ops read host tensors, and they read them whole",
+                    t.name
+                )));
+            }
+        }
+        for o in self.ops {
+            let named = o.inputs.iter().chain(&o.outputs).chain(&o.updates);
+            let touches = named.clone().any(|&t| host(t));
+            let bad = |why: &str| {
+                Err(GraphError::Other(format!(
+                    "op {:?} ({}): {why}",
+                    o.name, o.op_type
+                )))
+            };
+            let size = |t: TensorId| self.tensors[t.index()].size;
+            match o.op_type.as_str() {
+                COPY_TO_HOST => {
+                    let dst: Vec<TensorId> = o.outputs.iter().chain(&o.updates).copied().collect();
+                    if o.inputs.len() != 1 || dst.len() != 1 || !o.reuse.is_empty() {
+                        return bad(
+                            "a copy to the host reads one device tensor and writes one host tensor (one output or one update), with no reuse hints",
+                        );
+                    }
+                    if host(o.inputs[0]) || !host(dst[0]) {
+                        return bad(
+                            "a copy to the host reads a device tensor and writes a host one",
+                        );
+                    }
+                    if size(o.inputs[0]) != size(dst[0]) {
+                        return bad("its input and its host tensor differ in size");
+                    }
+                }
+                COPY_TO_DEVICE => {
+                    if o.inputs.len() != 1
+                        || o.outputs.len() != 1
+                        || !o.updates.is_empty()
+                        || !o.reuse.is_empty()
+                    {
+                        return bad(
+                            "a copy to the device reads one host tensor and writes one new device tensor, with no updates or reuse hints",
+                        );
+                    }
+                    if !host(o.inputs[0])
+                        || host(o.outputs[0])
+                        || self.tensors[o.outputs[0].index()].view_of.is_some()
+                    {
+                        return bad(
+                            "a copy to the device reads a host tensor and writes a device tensor that is not a view",
+                        );
+                    }
+                    if size(o.inputs[0]) != size(o.outputs[0]) {
+                        return bad("its host input and its output differ in size");
+                    }
+                }
+                _ if touches => {
+                    let t = named.copied().find(|&t| host(t)).expect("touches");
+                    return bad(&format!(
+                        "it names host tensor {:?}, but only {COPY_TO_HOST:?} and {COPY_TO_DEVICE:?} ops reach host memory: copy it to the device first",
+                        self.tname(t)
+                    ));
+                }
+                _ => {}
             }
         }
         Ok(())

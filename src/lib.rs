@@ -77,6 +77,7 @@ pub mod io;
 pub mod layout;
 pub mod lower;
 pub mod models;
+pub mod offload;
 pub mod pipeline;
 pub mod plan;
 #[cfg(feature = "cli")]

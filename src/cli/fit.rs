@@ -29,9 +29,42 @@ pub struct FitArgs {
     #[arg(
         long,
         value_name = "BYTES",
-        required_unless_present_any = ["pareto", "max_added"]
+        required_unless_present_any = ["pareto", "max_added", "max_slowdown"]
     )]
     pub budget: Option<String>,
+    /// Offload to host memory instead of recomputing: which tensors leave
+    /// the device and when they come back, for the least modeled time
+    /// within --budget, or the smallest arena within --max-slowdown
+    /// (docs/offload.md).
+    #[arg(long, conflicts_with_all = ["pareto", "max_batch", "max_added"])]
+    pub offload: bool,
+    /// With --offload, instead of a budget: the smallest arena whose
+    /// modeled step time is at most this share above the step's without
+    /// offload: `5%`, or a fraction (`0.05`).
+    #[arg(
+        long,
+        value_name = "SHARE",
+        requires = "offload",
+        conflicts_with = "budget"
+    )]
+    pub max_slowdown: Option<String>,
+    /// With --offload: the device and its link to the host (h100-pcie5,
+    /// h200-pcie5, gh200-c2c, cpu-dev; default h100-pcie5).
+    #[arg(long, value_name = "PRESET", requires = "offload")]
+    pub device: Option<String>,
+    /// With --offload: the link's bandwidth each way, GB/s (replaces the
+    /// preset's).
+    #[arg(
+        long,
+        value_name = "GBPS",
+        requires = "offload",
+        allow_negative_numbers = true
+    )]
+    pub link_gbps: Option<f64>,
+    /// With --offload: the most host memory offloaded tensors may take at
+    /// once (bytes, or with a unit: `256GiB`).
+    #[arg(long, value_name = "BYTES", requires = "offload")]
+    pub host_memory: Option<String>,
     /// Instead of a budget: the smallest arena whose recomputation adds at
     /// most this share of the step's cost (estimated time, or FLOPs with
     /// --minimise flops): `0.5%`, or a fraction (`0.005`).
@@ -42,9 +75,9 @@ pub struct FitArgs {
     /// summary then goes to standard error).
     #[arg(short, long, value_name = "PLAN")]
     pub output: Option<PathBuf>,
-    /// Write the step with its recomputation here (memplan JSON); `-`: to
-    /// standard output.
-    #[arg(long, value_name = "GRAPH")]
+    /// Write the step with its recomputation (or its offload copies) here
+    /// (memplan JSON); `-`: to standard output.
+    #[arg(long, value_name = "GRAPH", alias = "graph-output")]
     pub output_graph: Option<PathBuf>,
     /// Print the result as JSON.
     #[arg(long)]
@@ -139,6 +172,9 @@ pub fn run(a: FitArgs) -> Result<()> {
     if a.max_batch {
         return max_batch(&a, limit);
     }
+    if a.offload {
+        return offload(&a, limit);
+    }
     if a.pareto {
         // The curve of one graph: `--split K` splits it first (`auto` is
         // refused: it picks a count per budget).
@@ -213,6 +249,112 @@ pub fn run(a: FitArgs) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `fit --offload`: the planner's order of the step, then the copies to
+/// and from host memory that meet the budget (or the slowdown).
+fn offload(a: &FitArgs, limit: Duration) -> Result<()> {
+    use memplan::offload::{self, Device, Target};
+    let (g, split) = load_for_planning(a.graph.as_deref(), &a.source)?;
+    if split != memplan::split::Split::Off {
+        bail!(
+            "--offload with --split: offload is not yet chosen together with splitting; write the split step first (`memplan plan --split K --graph-output split.json`), then fit that with --offload"
+        );
+    }
+    let mut device = Device::preset(a.device.as_deref().unwrap_or("h100-pcie5"))?;
+    if let Some(gbps) = a.link_gbps {
+        device = device.with_link_gbps(gbps)?;
+    }
+    let host_memory = match &a.host_memory {
+        Some(h) => {
+            Some(memplan::units::parse_bytes(h).map_err(|e| anyhow::anyhow!("--host-memory {e}"))?)
+        }
+        None => None,
+    };
+    let start = std::time::Instant::now();
+    let base = memplan::plan(
+        &g,
+        &memplan::Options {
+            time_limit: limit / 2,
+            ..Default::default()
+        },
+    )?;
+    let target = match (&a.max_slowdown, &a.budget) {
+        (Some(s), _) => Target::MaxSlowdown(parse_share(s).map_err(|e| {
+            anyhow::anyhow!("{}", e.to_string().replace("--max-added", "--max-slowdown"))
+        })?),
+        (None, b) => Target::Budget(parse_budget(b.as_deref().unwrap_or("100%"), || {
+            Ok(base.arena_bytes)
+        })?),
+    };
+    let opts = offload::Options {
+        device,
+        host_memory,
+        target,
+        deadline: Some(start + limit),
+        compute_seconds: None,
+    };
+    let r = offload::offload(&g, &base, &opts)?;
+    if let Some(p) = &a.output {
+        super::write_output(p, &r.plan.to_json(&r.graph))?;
+    }
+    match &a.output_graph {
+        Some(p) if super::is_stdout(p) => {
+            super::write_output(p, &memplan::io::json::write_graph(&r.graph))?
+        }
+        Some(p) => memplan::io::save_graph(&r.graph, p)?,
+        None => {}
+    }
+    if a.json {
+        let v = serde_json::json!({
+            "graph": g.name,
+            "arena_bytes": r.plan.arena_bytes,
+            "max_live_bytes": r.check.max_live_bytes,
+            "offload": r.summary_json(),
+        });
+        sayln!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let pct = |x: f64, of: f64| {
+        if of > 0.0 {
+            100.0 * (x / of - 1.0)
+        } else {
+            0.0
+        }
+    };
+    let goal = match target {
+        Target::Budget(b) => format!("budget {}", human_bytes(b)),
+        Target::MaxSlowdown(s) => format!("at most {:.2}% slower", 100.0 * s),
+    };
+    sayln!(
+        "{}: device arena {} ({goal}; without offload {}), host pool {}, on {}",
+        g.name,
+        human_bytes(r.plan.arena_bytes),
+        human_bytes(r.arena_without_offload),
+        human_bytes(r.host_bytes),
+        r.device
+    );
+    sayln!(
+        "offloads {} tensors with {} copies ({} to the host, {} back)",
+        r.offloaded_tensors,
+        r.copies,
+        human_bytes(r.timing.to_host_bytes),
+        human_bytes(r.timing.to_device_bytes)
+    );
+    sayln!(
+        "modeled step {:.3} ms ({:+.2}% on the step's compute of {:.3} ms; without offload {:.3} ms)",
+        r.timing.seconds * 1e3,
+        pct(r.timing.seconds, r.compute_seconds),
+        r.compute_seconds * 1e3,
+        r.seconds_without_offload * 1e3
+    );
+    sayln!(
+        "lower bound with offload {}: the arena is {:.2}% above it ({})",
+        human_bytes(r.bound.bytes),
+        100.0 * r.plan.gap(),
+        r.bound.why
+    );
     Ok(())
 }
 

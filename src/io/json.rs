@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, GraphError};
-use crate::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, TensorSpec};
+use crate::graph::{Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, Space, TensorSpec};
 
 pub const GRAPH_FORMAT: &str = "memplan-graph";
 pub const GRAPH_VERSION: u64 = 1;
@@ -59,6 +59,12 @@ pub struct TensorRecord {
     pub dtype: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shape: Option<Vec<u64>>,
+    /// `"host"` for a tensor in host memory (offloaded); absent: the device.
+    #[serde(default, skip_serializing_if = "is_device")]
+    pub space: Space,
+}
+fn is_device(s: &Space) -> bool {
+    *s == Space::Device
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -199,6 +205,7 @@ pub fn from_file(file: GraphFile) -> Result<Graph, GraphError> {
             view_of,
             dtype: t.dtype.clone(),
             shape: t.shape.clone(),
+            space: t.space,
         });
     }
     for o in &file.ops {
@@ -280,6 +287,7 @@ pub fn to_file(g: &Graph) -> GraphFile {
                 view_of: t.view_of.map(tname),
                 dtype: t.dtype.clone(),
                 shape: t.shape.clone(),
+                space: t.space,
             })
             .collect(),
         ops: g

@@ -257,6 +257,7 @@ pub fn to_graph_file(doc: &Map<String, Value>) -> Result<GraphFile, GraphError> 
                 view_of: None,
                 dtype: None,
                 shape: None,
+                space: Default::default(),
             })
             .collect(),
         ops: order

@@ -806,6 +806,7 @@ impl Sharder<'_> {
                     view_of: flat.then_some(gathered),
                     dtype: x.dtype.clone(),
                     shape: x.shape.clone(),
+                    space: x.space,
                 })
             })
             .collect();

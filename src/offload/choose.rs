@@ -1,0 +1,493 @@
+//! Which tensors leave the device, and where their copies go in a fixed
+//! order.
+//!
+//! A tensor's *uses* are the places in the order of the ops that write,
+//! read or update its bytes. Offloading it splits its uses into
+//! *residencies* at chosen gaps between consecutive uses; between two
+//! residencies its bytes are on the host only. A residency after a gap
+//! starts with a copy to the device; one ends with a copy to the host when
+//! the host has no current copy of it (a transient tensor's first
+//! residency; one that wrote it, when a later residency or the step's end
+//! needs the value), else the device copy is simply dropped after its last
+//! use. A step input (parameters, optimizer state, data: no producer) that
+//! is offloaded lives in host memory (its *home*): each of its residencies
+//! starts with a copy to the device, and the last write is copied back.
+//!
+//! Copies are placed to hide behind compute: a copy to the device as late
+//! as lets it end before its first reader starts, a copy to the host as
+//! early after its last writer as lets it end before the compute stream
+//! passes it ([`super::timing`]'s rules), each within the link time the
+//! ops in its window have left (`busy`, one ledger per direction). A
+//! window too short to hide a copy costs the difference: the *stall*.
+//!
+//! The search is greedy at the peak: while the device's live bytes exceed
+//! the target, among the tensors live at the peak place that could be
+//! away there (the peak lies inside one of their gaps, or before the first
+//! or after the last use of a step input), take the one with the most
+//! bytes per second of added stall (link time breaks ties). Every change
+//! only shortens a tensor's device life, so the profile falls where it
+//! changes and the search ends.
+
+use std::collections::BTreeSet;
+
+use crate::graph::{Graph, Lifetime, OpId, TensorId};
+
+use super::device::Device;
+
+/// A tensor the search may offload, with its uses in the order.
+#[derive(Clone, Debug)]
+pub(super) struct Candidate {
+    pub t: TensorId,
+    pub size: u64,
+    /// Places of the ops that use its bytes (sorted, distinct).
+    pub uses: Vec<usize>,
+    /// Whether the op at each use writes it (produces or updates it).
+    pub writes: Vec<bool>,
+    /// A step input (no producer): offloaded, it lives on the host.
+    pub step_input: bool,
+    pub persistent: bool,
+}
+
+/// What the search decided for one candidate.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Decision {
+    /// Lives on the host between residencies and steps (step inputs).
+    pub host_home: bool,
+    /// Gaps that split residencies: gap `i` lies between `uses[i]` and
+    /// `uses[i + 1]`.
+    pub cuts: BTreeSet<usize>,
+    /// Places it must be away from the device (the peaks it was offloaded
+    /// for): copies to the device go after them and copies to the host
+    /// before them, stalling if they must.
+    pub away: BTreeSet<usize>,
+}
+
+impl Decision {
+    pub fn offloads(&self) -> bool {
+        self.host_home || !self.cuts.is_empty()
+    }
+}
+
+/// One copy of a candidate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Copy {
+    pub to_host: bool,
+    /// Inserted just before the op at this place (`n`: after the last op).
+    pub before: usize,
+    /// The residency it starts (to the device) or ends (to the host).
+    pub residency: usize,
+    /// The ops whose time it may run under: `[from, to)`.
+    pub window: (usize, usize),
+    pub seconds: f64,
+}
+
+/// A candidate's device life and copies under one decision.
+#[derive(Clone, Debug, Default)]
+pub(super) struct TensorPlan {
+    /// Places it is on the device, closed intervals.
+    pub intervals: Vec<(usize, usize)>,
+    /// Places its host copy exists, a closed interval.
+    pub host: Option<(usize, usize)>,
+    pub copies: Vec<Copy>,
+    /// The residency of each use.
+    pub residency_of_use: Vec<usize>,
+    /// Estimated seconds its copies add (module docs).
+    pub stall: f64,
+    /// Link time each copy booked: `(direction, place, seconds)`.
+    bookings: Vec<(usize, usize, f64)>,
+}
+
+impl TensorPlan {
+    fn covers(&self, p: usize) -> bool {
+        self.intervals.iter().any(|&(a, b)| a <= p && p <= b)
+    }
+}
+
+/// The search's state over one order.
+pub(super) struct Chooser<'a> {
+    dev: &'a Device,
+    n: usize,
+    /// Each place's op's seconds.
+    dur: Vec<f64>,
+    /// Link seconds booked under each place's op, per direction (0: to the
+    /// host, 1: to the device).
+    busy: [Vec<f64>; 2],
+    pub cands: Vec<Candidate>,
+    pub decisions: Vec<Decision>,
+    pub plans: Vec<TensorPlan>,
+    /// Device live bytes at each place.
+    profile: Vec<i128>,
+    host_profile: Vec<i128>,
+    /// The sum of the plans' stalls.
+    pub stall: f64,
+}
+
+/// Where to stop, and what a change may cost.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Limits {
+    /// Device live bytes to reach.
+    pub target: u64,
+    /// Most stall seconds in all (None: any).
+    pub stall: Option<f64>,
+    /// Most host bytes live at once (None: any).
+    pub host_bytes: Option<u64>,
+}
+
+impl<'a> Chooser<'a> {
+    /// The search over `g` in `order`, nothing offloaded yet. Candidates:
+    /// roots in device memory with no views, whose bytes are read or
+    /// written by an op, persistent only when a step input.
+    pub fn new(g: &'a Graph, order: &[OpId], dev: &'a Device) -> Self {
+        let n = order.len();
+        let mut place = vec![0usize; g.num_ops()];
+        for (i, &o) in order.iter().enumerate() {
+            place[o.index()] = i;
+        }
+        let dur: Vec<f64> = order.iter().map(|&o| dev.op_seconds(g, o)).collect();
+        let mut viewed = vec![false; g.num_tensors()];
+        for t in g.tensor_ids() {
+            if g.tensor(t).view_of.is_some() {
+                viewed[g.root(t).index()] = true;
+            }
+        }
+        let mut profile = vec![0i128; n + 1];
+        let mut cands = Vec::new();
+        for t in g.tensor_ids().filter(|&t| g.occupies_memory(t)) {
+            let x = g.tensor(t);
+            let mut uses: Vec<(usize, bool)> = g
+                .users_of_root(t)
+                .iter()
+                .map(|&o| {
+                    let op = g.op(o);
+                    let w = op.outputs.contains(&t) || op.updates.contains(&t);
+                    (place[o.index()], w)
+                })
+                .collect();
+            if let Some(p) = x.producer {
+                uses.push((place[p.index()], true));
+            }
+            uses.sort();
+            uses.dedup_by(|b, a| {
+                if a.0 == b.0 {
+                    a.1 |= b.1;
+                    true
+                } else {
+                    false
+                }
+            });
+            let birth = x.producer.map_or(0, |p| place[p.index()]);
+            let persistent = x.lifetime == Lifetime::Persistent;
+            let death = if persistent {
+                n.saturating_sub(1)
+            } else {
+                uses.last().map_or(birth, |u| u.0).max(birth)
+            };
+            add(&mut profile, birth, death, x.size as i128);
+            let step_input = x.producer.is_none();
+            if viewed[t.index()] || uses.is_empty() || (persistent && !step_input) {
+                continue;
+            }
+            cands.push(Candidate {
+                t,
+                size: x.size,
+                uses: uses.iter().map(|u| u.0).collect(),
+                writes: uses.iter().map(|u| u.1).collect(),
+                step_input,
+                persistent,
+            });
+        }
+        let plans = cands
+            .iter()
+            .map(|c| {
+                let birth = if c.step_input { 0 } else { c.uses[0] };
+                let death = if c.persistent {
+                    n.saturating_sub(1)
+                } else {
+                    *c.uses.last().unwrap()
+                };
+                TensorPlan {
+                    intervals: vec![(birth, death)],
+                    residency_of_use: vec![0; c.uses.len()],
+                    ..Default::default()
+                }
+            })
+            .collect();
+        Chooser {
+            dev,
+            n,
+            dur,
+            busy: [vec![0.0; n], vec![0.0; n]],
+            decisions: vec![Decision::default(); cands.len()],
+            cands,
+            plans,
+            profile,
+            host_profile: vec![0; n + 1],
+            stall: 0.0,
+        }
+    }
+
+    /// The highest device live bytes and the first place it is reached.
+    pub fn peak(&self) -> (u64, usize) {
+        let mut cur = 0i128;
+        let mut best = (0i128, 0usize);
+        for (p, d) in self.profile[..self.n].iter().enumerate() {
+            cur += d;
+            if cur > best.0 {
+                best = (cur, p);
+            }
+        }
+        (best.0.max(0) as u64, best.1)
+    }
+
+    /// Link seconds the ops in `[from, to)` still have free one way.
+    fn free(&self, dir: usize, from: usize, to: usize) -> f64 {
+        (from..to)
+            .map(|p| (self.dur[p] - self.busy[dir][p]).max(0.0))
+            .sum()
+    }
+
+    /// Where a candidate's copies go and how long it is on the device
+    /// under `d` (module docs).
+    fn plan(&self, i: usize, d: &Decision) -> TensorPlan {
+        let c = &self.cands[i];
+        let n = self.n;
+        let mut groups: Vec<(usize, usize)> = Vec::new();
+        let mut lo = 0;
+        for i in 0..c.uses.len() {
+            if d.cuts.contains(&i) || i + 1 == c.uses.len() {
+                groups.push((lo, i));
+                lo = i + 1;
+            }
+        }
+        let k = groups.len() - 1;
+        let mut tp = TensorPlan {
+            residency_of_use: vec![0; c.uses.len()],
+            ..Default::default()
+        };
+        let mut floor = 0usize;
+        let mut host: Option<(usize, usize)> = d.host_home.then_some((0, n.saturating_sub(1)));
+        for (j, &(lo, hi)) in groups.iter().enumerate() {
+            for r in &mut tp.residency_of_use[lo..=hi] {
+                *r = j;
+            }
+            let (first, last) = (c.uses[lo], c.uses[hi]);
+            let next = groups.get(j + 1).map_or(n, |g| c.uses[g.0]);
+            let start = if d.host_home || j > 0 {
+                let secs = self.dev.copy_seconds(c.size, false);
+                // After every place it must be away at before its first
+                // use, and then as late as leaves the copy time to end.
+                let lo_q = d
+                    .away
+                    .range(floor..first)
+                    .next_back()
+                    .map_or(floor, |&a| a + 1);
+                let mut q = first;
+                let mut have = 0.0;
+                while q > lo_q && have < secs {
+                    q -= 1;
+                    have += (self.dur[q] - self.busy[1][q]).max(0.0);
+                }
+                tp.stall += (secs - have).max(0.0);
+                tp.copies.push(Copy {
+                    to_host: false,
+                    before: q,
+                    residency: j,
+                    window: (q, first),
+                    seconds: secs,
+                });
+                if let Some(h) = &mut host {
+                    h.1 = h.1.max(q);
+                }
+                q
+            } else if c.step_input {
+                0
+            } else {
+                first
+            };
+            let wrote = (lo..=hi).rev().find(|&i| c.writes[i]).map(|i| c.uses[i]);
+            let needs_out = if d.host_home {
+                wrote.is_some() && (j < k || c.persistent)
+            } else {
+                (j == 0 && k > 0) || (j > 0 && j < k && wrote.is_some())
+            };
+            let end = if needs_out {
+                let secs = self.dev.copy_seconds(c.size, true);
+                let from = wrote.unwrap_or(first) + 1;
+                let ceiling = d.away.range(last + 1..next).next().copied().unwrap_or(next);
+                let mut o = last + 1;
+                let mut have = self.free(0, from.min(o), o);
+                while o < ceiling && have < secs {
+                    have += (self.dur[o] - self.busy[0][o]).max(0.0);
+                    o += 1;
+                }
+                tp.stall += (secs - have).max(0.0);
+                tp.copies.push(Copy {
+                    to_host: true,
+                    before: o,
+                    residency: j,
+                    window: (from.min(o), o),
+                    seconds: secs,
+                });
+                if host.is_none() {
+                    host = Some((o.saturating_sub(1), o));
+                }
+                floor = o;
+                o - 1
+            } else {
+                floor = last + 1;
+                last
+            };
+            let end = if c.persistent && !d.host_home {
+                n.saturating_sub(1)
+            } else {
+                end
+            };
+            tp.intervals.push((start, end));
+        }
+        if let Some(h) = &mut host {
+            if let Some(last_in) = tp
+                .copies
+                .iter()
+                .filter(|c| !c.to_host)
+                .map(|c| c.before)
+                .max()
+            {
+                h.1 = h.1.max(last_in);
+            }
+        }
+        tp.host = host;
+        tp
+    }
+
+    /// Books (`sign` 1) or frees (-1) a plan's link time and its bytes in
+    /// the profiles.
+    fn apply(&mut self, i: usize, sign: i128) {
+        let size = self.cands[i].size as i128;
+        let tp = &mut self.plans[i];
+        for &(a, b) in &tp.intervals {
+            add(&mut self.profile, a, b, sign * size);
+        }
+        if let Some((a, b)) = tp.host {
+            add(&mut self.host_profile, a, b, sign * size);
+        }
+        if sign > 0 {
+            self.stall += tp.stall;
+            let mut bookings = Vec::new();
+            for c in &tp.copies {
+                let dir = usize::from(!c.to_host);
+                let mut left = c.seconds;
+                for p in c.window.0..c.window.1 {
+                    if left <= 0.0 {
+                        break;
+                    }
+                    let take = (self.dur[p] - self.busy[dir][p]).max(0.0).min(left);
+                    if take > 0.0 {
+                        self.busy[dir][p] += take;
+                        bookings.push((dir, p, take));
+                        left -= take;
+                    }
+                }
+            }
+            tp.bookings = bookings;
+        } else {
+            self.stall -= tp.stall;
+            for &(dir, p, s) in &tp.bookings {
+                self.busy[dir][p] -= s;
+            }
+            tp.bookings.clear();
+        }
+    }
+
+    /// The highest host live bytes over `[a, b]`.
+    fn host_peak_over(&self, a: usize, b: usize) -> u64 {
+        let mut cur = 0i128;
+        let mut best = 0i128;
+        for (p, d) in self.host_profile[..=b.min(self.n)].iter().enumerate() {
+            cur += d;
+            if p >= a {
+                best = best.max(cur);
+            }
+        }
+        best.max(0) as u64
+    }
+
+    /// One change that takes bytes off the device at the peak, within
+    /// `lim`; false when none is left (or the target is met).
+    pub fn improve(&mut self, lim: &Limits) -> bool {
+        let (peak, at) = self.peak();
+        if peak <= lim.target {
+            return false;
+        }
+        let mut best: Option<(f64, u64, usize, Decision, TensorPlan)> = None;
+        for i in 0..self.cands.len() {
+            if !self.plans[i].covers(at) {
+                continue;
+            }
+            let (uses, step_input, size) = {
+                let c = &self.cands[i];
+                (&c.uses, c.step_input, c.size)
+            };
+            if uses.binary_search(&at).is_ok() {
+                continue;
+            }
+            let mut d = self.decisions[i].clone();
+            if step_input {
+                d.host_home = true;
+            }
+            let gap = uses.partition_point(|&u| u < at);
+            if gap > 0 && gap < uses.len() {
+                d.cuts.insert(gap - 1);
+            }
+            d.away.insert(at);
+            if d == self.decisions[i] {
+                continue;
+            }
+            self.apply(i, -1);
+            let tp = self.plan(i, &d);
+            self.apply(i, 1);
+            if tp.covers(at) {
+                continue;
+            }
+            let added = (tp.stall - self.plans[i].stall).max(0.0);
+            if let Some(s) = lim.stall
+                && self.stall + added > s
+            {
+                continue;
+            }
+            if let (Some(limit), Some((a, b))) = (lim.host_bytes, tp.host)
+                && self.plans[i].host.is_none()
+                && self.host_peak_over(a, b) + size > limit
+            {
+                continue;
+            }
+            let link: f64 = tp.copies.iter().map(|c| c.seconds).sum();
+            let score = size as f64 / (added + 1e-6 * link + 1e-15);
+            let better = match &best {
+                None => true,
+                Some((s, bytes, ..)) => score > *s || (score == *s && size > *bytes),
+            };
+            if better {
+                best = Some((score, size, i, d, tp));
+            }
+        }
+        let Some((_, _, i, d, tp)) = best else {
+            return false;
+        };
+        self.apply(i, -1);
+        self.decisions[i] = d;
+        self.plans[i] = tp;
+        self.apply(i, 1);
+        true
+    }
+
+    /// How many tensors it offloads.
+    pub fn offloaded(&self) -> usize {
+        self.decisions.iter().filter(|d| d.offloads()).count()
+    }
+}
+
+/// Adds `v` to places `[a, b]` of a difference array.
+fn add(diff: &mut [i128], a: usize, b: usize, v: i128) {
+    diff[a] += v;
+    diff[b + 1] -= v;
+}
