@@ -109,9 +109,15 @@ pub(super) struct Chooser<'a> {
     n: usize,
     /// Each place's op's seconds.
     dur: Vec<f64>,
-    /// Link seconds booked under each place's op, per direction (0: to the
+    /// The roots each place's op reads (false) and writes (true).
+    touch: Vec<Vec<(u32, bool)>>,
+    /// Each root's candidate, if it is one.
+    cand_of: Vec<u32>,
+    /// Changes the simulation refused: (candidate, peak place).
+    rejected: std::collections::HashSet<(usize, usize)>,
+    /// Link time left under each place's op, per direction (0: to the
     /// host, 1: to the device).
-    busy: [Vec<f64>; 2],
+    links: [Ledger; 2],
     pub cands: Vec<Candidate>,
     pub decisions: Vec<Decision>,
     pub plans: Vec<TensorPlan>,
@@ -150,7 +156,18 @@ impl<'a> Chooser<'a> {
                 viewed[g.root(t).index()] = true;
             }
         }
-        let mut profile = vec![0i128; n + 1];
+        let mut touch: Vec<Vec<(u32, bool)>> = vec![Vec::new(); n];
+        for (p, &o) in order.iter().enumerate() {
+            let op = g.op(o);
+            for &t in op.inputs.iter().chain(&op.updates) {
+                touch[p].push((g.root(t).0, false));
+            }
+            for &t in op.outputs.iter().chain(&op.updates) {
+                touch[p].push((g.root(t).0, true));
+            }
+        }
+        let mut cand_of = vec![u32::MAX; g.num_tensors()];
+        let mut profile = vec![0i128; n + 2];
         let mut cands = Vec::new();
         for t in g.tensor_ids().filter(|&t| g.occupies_memory(t)) {
             let x = g.tensor(t);
@@ -187,6 +204,7 @@ impl<'a> Chooser<'a> {
             if viewed[t.index()] || uses.is_empty() || (persistent && !step_input) {
                 continue;
             }
+            cand_of[t.index()] = cands.len() as u32;
             cands.push(Candidate {
                 t,
                 size: x.size,
@@ -215,13 +233,16 @@ impl<'a> Chooser<'a> {
         Chooser {
             dev,
             n,
+            links: [Ledger::new(&dur), Ledger::new(&dur)],
             dur,
-            busy: [vec![0.0; n], vec![0.0; n]],
+            touch,
+            cand_of,
+            rejected: Default::default(),
             decisions: vec![Decision::default(); cands.len()],
             cands,
             plans,
             profile,
-            host_profile: vec![0; n + 1],
+            host_profile: vec![0; n + 2],
             stall: 0.0,
         }
     }
@@ -237,13 +258,6 @@ impl<'a> Chooser<'a> {
             }
         }
         (best.0.max(0) as u64, best.1)
-    }
-
-    /// Link seconds the ops in `[from, to)` still have free one way.
-    fn free(&self, dir: usize, from: usize, to: usize) -> f64 {
-        (from..to)
-            .map(|p| (self.dur[p] - self.busy[dir][p]).max(0.0))
-            .sum()
     }
 
     /// Where a candidate's copies go and how long it is on the device
@@ -281,12 +295,7 @@ impl<'a> Chooser<'a> {
                     .range(floor..first)
                     .next_back()
                     .map_or(floor, |&a| a + 1);
-                let mut q = first;
-                let mut have = 0.0;
-                while q > lo_q && have < secs {
-                    q -= 1;
-                    have += (self.dur[q] - self.busy[1][q]).max(0.0);
-                }
+                let (q, have) = self.links[1].latest_start(lo_q, first, secs);
                 tp.stall += (secs - have).max(0.0);
                 tp.copies.push(Copy {
                     to_host: false,
@@ -314,12 +323,8 @@ impl<'a> Chooser<'a> {
                 let secs = self.dev.copy_seconds(c.size, true);
                 let from = wrote.unwrap_or(first) + 1;
                 let ceiling = d.away.range(last + 1..next).next().copied().unwrap_or(next);
-                let mut o = last + 1;
-                let mut have = self.free(0, from.min(o), o);
-                while o < ceiling && have < secs {
-                    have += (self.dur[o] - self.busy[0][o]).max(0.0);
-                    o += 1;
-                }
+                let (o, have) =
+                    self.links[0].earliest_end(from.min(last + 1), last + 1, ceiling, secs);
                 tp.stall += (secs - have).max(0.0);
                 tp.copies.push(Copy {
                     to_host: true,
@@ -380,9 +385,9 @@ impl<'a> Chooser<'a> {
                     if left <= 0.0 {
                         break;
                     }
-                    let take = (self.dur[p] - self.busy[dir][p]).max(0.0).min(left);
+                    let take = self.links[dir].left(p).min(left);
                     if take > 0.0 {
-                        self.busy[dir][p] += take;
+                        self.links[dir].take(p, take);
                         bookings.push((dir, p, take));
                         left -= take;
                     }
@@ -392,7 +397,7 @@ impl<'a> Chooser<'a> {
         } else {
             self.stall -= tp.stall;
             for &(dir, p, s) in &tp.bookings {
-                self.busy[dir][p] -= s;
+                self.links[dir].take(p, -s);
             }
             tp.bookings.clear();
         }
@@ -414,13 +419,49 @@ impl<'a> Chooser<'a> {
     /// One change that takes bytes off the device at the peak, within
     /// `lim`; false when none is left (or the target is met).
     pub fn improve(&mut self, lim: &Limits) -> bool {
+        match self.best_change(lim) {
+            Some((i, d, tp)) => {
+                self.commit(i, d, tp);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`Chooser::improve`], keeping only changes after which the
+    /// simulated step ([`Chooser::simulate`]) takes at most `seconds`;
+    /// each refused change is not tried again at its peak.
+    pub fn improve_within(&mut self, lim: &Limits, seconds: f64) -> bool {
+        while let Some((i, d, tp)) = self.best_change(lim) {
+            let at = self.peak().1;
+            let old = self.commit(i, d, tp);
+            if self.simulate() <= seconds {
+                return true;
+            }
+            self.commit(i, old.0, old.1);
+            self.rejected.insert((i, at));
+        }
+        false
+    }
+
+    /// Replaces candidate `i`'s decision and plan; the old ones.
+    fn commit(&mut self, i: usize, d: Decision, tp: TensorPlan) -> (Decision, TensorPlan) {
+        self.apply(i, -1);
+        let old_d = std::mem::replace(&mut self.decisions[i], d);
+        let old_tp = std::mem::replace(&mut self.plans[i], tp);
+        self.apply(i, 1);
+        (old_d, old_tp)
+    }
+
+    /// The best change at the peak within `lim` (module docs).
+    fn best_change(&mut self, lim: &Limits) -> Option<(usize, Decision, TensorPlan)> {
         let (peak, at) = self.peak();
         if peak <= lim.target {
-            return false;
+            return None;
         }
         let mut best: Option<(f64, u64, usize, Decision, TensorPlan)> = None;
         for i in 0..self.cands.len() {
-            if !self.plans[i].covers(at) {
+            if !self.plans[i].covers(at) || self.rejected.contains(&(i, at)) {
                 continue;
             }
             let (uses, step_input, size) = {
@@ -470,19 +511,176 @@ impl<'a> Chooser<'a> {
                 best = Some((score, size, i, d, tp));
             }
         }
-        let Some((_, _, i, d, tp)) = best else {
-            return false;
-        };
-        self.apply(i, -1);
-        self.decisions[i] = d;
-        self.plans[i] = tp;
-        self.apply(i, 1);
-        true
+        best.map(|(_, _, i, d, tp)| (i, d, tp))
+    }
+
+    /// The modeled time of the step with the copies chosen so far: what
+    /// [`super::timing::simulate`] gives for the rewritten step, computed
+    /// here without building it.
+    pub fn simulate(&self) -> f64 {
+        let n = self.n;
+        let mut at: Vec<Vec<(usize, Copy)>> = vec![Vec::new(); n + 1];
+        for (i, tp) in self.plans.iter().enumerate() {
+            if !self.decisions[i].offloads() {
+                continue;
+            }
+            let mut copies = tp.copies.clone();
+            copies.sort_by_key(|c| (c.residency, !c.to_host));
+            for c in copies {
+                at[c.before].push((i, c));
+            }
+        }
+        let mut ready_root = vec![0.0f64; self.cand_of.len()];
+        let mut ready_dev: Vec<Vec<f64>> = self
+            .plans
+            .iter()
+            .map(|tp| vec![0.0; tp.residency_of_use.last().map_or(1, |r| r + 1)])
+            .collect();
+        let mut ready_host = vec![0.0f64; self.cands.len()];
+        let (mut compute, mut d2h, mut h2d) = (0.0f64, 0.0f64, 0.0f64);
+        for (p, copies) in at.iter_mut().enumerate() {
+            copies.sort_by_key(|(_, c)| !c.to_host);
+            for &(i, c) in copies.iter() {
+                if c.to_host {
+                    let f = ready_dev[i][c.residency].max(d2h) + c.seconds;
+                    d2h = f;
+                    compute = compute.max(f);
+                    ready_host[i] = f;
+                } else {
+                    let f = compute.max(h2d).max(ready_host[i]) + c.seconds;
+                    h2d = f;
+                    ready_dev[i][c.residency] = f;
+                }
+            }
+            if p == n {
+                break;
+            }
+            let residency = |i: usize| {
+                let c = &self.cands[i];
+                let u = c.uses.binary_search(&p).expect("a use at this place");
+                self.plans[i].residency_of_use[u]
+            };
+            let mut start = compute;
+            for &(t, w) in &self.touch[p] {
+                if w {
+                    continue;
+                }
+                let i = self.cand_of[t as usize];
+                let r = if i == u32::MAX {
+                    ready_root[t as usize]
+                } else {
+                    ready_dev[i as usize][residency(i as usize)]
+                };
+                start = start.max(r);
+            }
+            let f = start + self.dur[p];
+            compute = f;
+            for &(t, w) in &self.touch[p] {
+                if !w {
+                    continue;
+                }
+                let i = self.cand_of[t as usize];
+                if i == u32::MAX {
+                    ready_root[t as usize] = f;
+                } else {
+                    let r = residency(i as usize);
+                    ready_dev[i as usize][r] = f;
+                }
+            }
+        }
+        compute.max(d2h).max(h2d)
     }
 
     /// How many tensors it offloads.
     pub fn offloaded(&self) -> usize {
         self.decisions.iter().filter(|d| d.offloads()).count()
+    }
+}
+
+/// One direction's link time under each place's op: the op's seconds
+/// less what copies booked, with prefix sums (a Fenwick tree) so a copy's
+/// place is found in logarithmic time.
+struct Ledger {
+    dur: Vec<f64>,
+    busy: Vec<f64>,
+    tree: Vec<f64>,
+}
+
+impl Ledger {
+    fn new(dur: &[f64]) -> Self {
+        let mut l = Ledger {
+            dur: dur.to_vec(),
+            busy: vec![0.0; dur.len()],
+            tree: vec![0.0; dur.len() + 1],
+        };
+        for (p, &d) in dur.iter().enumerate() {
+            l.bump(p, d);
+        }
+        l
+    }
+    fn bump(&mut self, p: usize, v: f64) {
+        let mut i = p + 1;
+        while i < self.tree.len() {
+            self.tree[i] += v;
+            i += i & i.wrapping_neg();
+        }
+    }
+    /// Free seconds under places `[0, p)`.
+    fn prefix(&self, p: usize) -> f64 {
+        let (mut i, mut s) = (p, 0.0);
+        while i > 0 {
+            s += self.tree[i];
+            i &= i - 1;
+        }
+        s
+    }
+    /// Free seconds under place `p`.
+    fn left(&self, p: usize) -> f64 {
+        (self.dur[p] - self.busy[p]).max(0.0)
+    }
+    /// Books `secs` under place `p` (negative: frees them).
+    fn take(&mut self, p: usize, secs: f64) {
+        let before = self.left(p);
+        self.busy[p] += secs;
+        let after = self.left(p);
+        self.bump(p, after - before);
+    }
+    /// The latest `q` in `[lo, first]` whose places up to `first` leave
+    /// `secs` free, or `lo`; and the free seconds from it.
+    fn latest_start(&self, lo: usize, first: usize, secs: f64) -> (usize, f64) {
+        let end = self.prefix(first);
+        if end - self.prefix(lo) < secs {
+            return (lo, (end - self.prefix(lo)).max(0.0));
+        }
+        // prefix(q) <= end - secs holds at lo and fails past some q.
+        let (mut a, mut b) = (lo, first);
+        while a < b {
+            let m = (a + b).div_ceil(2);
+            if self.prefix(m) <= end - secs {
+                a = m;
+            } else {
+                b = m - 1;
+            }
+        }
+        (a, (end - self.prefix(a)).max(0.0))
+    }
+    /// The earliest `o` in `[lo, ceiling]` whose places from `from` leave
+    /// `secs` free, or `ceiling`; and the free seconds up to it.
+    fn earliest_end(&self, from: usize, lo: usize, ceiling: usize, secs: f64) -> (usize, f64) {
+        let start = self.prefix(from);
+        if self.prefix(ceiling) - start < secs {
+            return (ceiling, (self.prefix(ceiling) - start).max(0.0));
+        }
+        let (mut a, mut b) = (lo, ceiling);
+        while a < b {
+            let m = (a + b) / 2;
+            if self.prefix(m) - start >= secs {
+                b = m;
+            } else {
+                a = m + 1;
+            }
+        }
+        (a, (self.prefix(a) - start).max(0.0))
     }
 }
 

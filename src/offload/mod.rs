@@ -224,28 +224,33 @@ pub fn offload(g: &Graph, base: &Plan, opts: &Options) -> Result<Offloaded, Erro
             }
             let allowed = t0.seconds * (1.0 + share);
             let bound = bound::within(g, base.stats.lower_bound_bytes, allowed, dev);
-            let mut factor = 1.0;
-            for _ in 0..5 {
-                let mut ch = Chooser::new(g, &base.order, dev);
-                let lim = Limits {
-                    target: 0,
-                    stall: Some(share * t0.seconds * factor),
-                    host_bytes: opts.host_memory,
-                };
-                while ch.improve(&lim) {
-                    if past(opts.deadline) {
-                        break;
-                    }
+            let mut ch = Chooser::new(g, &base.order, dev);
+            // The estimate's stall may exceed the share (it does not know
+            // the copy streams' queues); the simulation decides.
+            let lim = Limits {
+                target: 0,
+                stall: Some(2.0 * share * t0.seconds),
+                host_bytes: opts.host_memory,
+            };
+            while ch.improve_within(&lim, allowed * (1.0 + 1e-9)) {
+                if past(opts.deadline) {
+                    break;
                 }
+            }
+            if ch.offloaded() > 0 {
                 let rewritten =
                     rewrite::rewrite(g, &base.order, &ch.cands, &ch.decisions, &ch.plans)?;
-                let t = simulate(&rewritten.0, &rewritten.1, dev);
-                if t.seconds <= allowed * (1.0 + 1e-9) {
-                    let plan =
-                        crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
-                    if plan.arena_bytes >= base.arena_bytes {
-                        break;
-                    }
+                let plan =
+                    crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
+                if std::env::var_os("MEMPLAN_OFFLOAD_DEBUG").is_some() {
+                    let t = simulate(&rewritten.0, &rewritten.1, dev);
+                    eprintln!(
+                        "offload: chooser's time {} s, the rewritten step's {} s",
+                        ch.simulate(),
+                        t.seconds
+                    );
+                }
+                if plan.arena_bytes < base.arena_bytes {
                     return finish_with(
                         g,
                         base,
@@ -258,7 +263,6 @@ pub fn offload(g: &Graph, base: &Plan, opts: &Options) -> Result<Offloaded, Erro
                         compute,
                     );
                 }
-                factor *= 0.6;
             }
             finish(
                 g,
@@ -345,3 +349,6 @@ fn finish_with(
         bound,
     })
 }
+
+#[cfg(test)]
+mod tests;
