@@ -106,7 +106,8 @@ pub fn baselines_json(graph_json: &str, device: &str) -> Result<String, Error> {
 
 /// Checks the plan document `plan_json` against the graph in `graph_json`
 /// with the independent checker; returns its report as JSON
-/// (`max_live_bytes`, `used_bytes`, `ops`, `tensors_placed`).
+/// (`max_live_bytes`, `used_bytes`, `host_max_live_bytes`, `ops`,
+/// `tensors_placed`).
 pub fn check_json(graph_json: &str, plan_json: &str) -> Result<String, Error> {
     let g = graph(graph_json)?;
     let plan = Plan::from_json(plan_json, &g, Path::new(PLAN_DOC))?;
@@ -114,6 +115,7 @@ pub fn check_json(graph_json: &str, plan_json: &str) -> Result<String, Error> {
     Ok(json!({
         "max_live_bytes": r.max_live_bytes,
         "used_bytes": r.used_bytes,
+        "host_max_live_bytes": r.host_max_live_bytes,
         "ops": r.ops,
         "tensors_placed": r.tensors_placed,
     })

@@ -58,7 +58,15 @@ impl fmt::Display for CheckReport {
             f,
             "plan is valid: {} ops, {} tensors placed, max live {} bytes, highest byte used {}",
             self.ops, self.tensors_placed, self.max_live_bytes, self.used_bytes
-        )
+        )?;
+        if self.host_max_live_bytes > 0 {
+            write!(
+                f,
+                ", host memory {} bytes at most",
+                self.host_max_live_bytes
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -803,3 +803,104 @@ fn a_sharded_run_has_the_losses_of_one_rank_with_the_global_batch() {
     }
     assert!((sharded[0] - one[0]).abs() > 1e-4, "{sharded:?} vs {one:?}");
 }
+
+#[test]
+fn fit_offload_meets_a_budget_with_copies_that_check_and_refuses_bad_links() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-offload");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (plan, graph) = (dir.join("plan.json"), dir.join("graph.json"));
+    let v = json(&[
+        "fit",
+        "--example",
+        "gpt2-small",
+        "--layers",
+        "4",
+        "--offload",
+        "--time-limit",
+        "10",
+        "--budget",
+        "60%",
+        "--device",
+        "h200-pcie5",
+        "--json",
+        "-o",
+        plan.to_str().unwrap(),
+        "--graph-output",
+        graph.to_str().unwrap(),
+    ]);
+    let o = &v["offload"];
+    let arena = v["arena_bytes"].as_u64().unwrap();
+    assert!(arena <= o["arena_bytes_without_offload"].as_u64().unwrap() * 6 / 10);
+    assert!(arena >= o["lower_bound_bytes"].as_u64().unwrap());
+    assert!(o["host_bytes"].as_u64().unwrap() > 0 && o["offloaded_tensors"].as_u64().unwrap() > 0);
+    let (t, c) = (
+        o["modeled_seconds"].as_f64().unwrap(),
+        o["compute_seconds"].as_f64().unwrap(),
+    );
+    assert!(t >= c && c == o["modeled_seconds_without_offload"].as_f64().unwrap());
+    assert_eq!(o["device"], "h200-pcie5");
+    // The graph with its copies and the plan check, host pool included.
+    let check = json(&[
+        "check",
+        graph.to_str().unwrap(),
+        plan.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(check["host_max_live_bytes"], o["host_bytes"]);
+    assert!(check["max_live_bytes"].as_u64().unwrap() <= arena);
+    // Within a slowdown instead of a budget.
+    let v = json(&[
+        "fit",
+        "--example",
+        "gpt2-small",
+        "--layers",
+        "4",
+        "--offload",
+        "--max-slowdown",
+        "5%",
+        "--time-limit",
+        "10",
+        "--json",
+    ]);
+    let o = &v["offload"];
+    assert!(
+        o["modeled_seconds"].as_f64().unwrap()
+            <= o["compute_seconds"].as_f64().unwrap() * 1.05 + 1e-12
+    );
+    // Bad links, presets, host memory and budgets: exit 1, named.
+    for (args, want) in [
+        (vec!["--link-gbps", "0"], "--link-gbps"),
+        (vec!["--link-gbps", "NaN"], "--link-gbps"),
+        (vec!["--device", "tpu"], "unknown device preset \"tpu\""),
+        (vec!["--host-memory", "lots"], "--host-memory"),
+        (vec!["--host-memory", "1KiB"], "host memory"),
+        (vec!["--budget", "1MiB"], "the bound at any link speed"),
+    ] {
+        let mut a = vec![
+            "fit",
+            "--example",
+            "gpt2-small",
+            "--layers",
+            "4",
+            "--offload",
+        ];
+        if !args.contains(&"--budget") {
+            a.extend(["--budget", "60%", "--time-limit", "5"]);
+        }
+        a.extend(args.iter().copied());
+        let o = memplan(&a);
+        assert_eq!(o.status.code(), Some(1), "{a:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{a:?}: {}", stderr(&o));
+    }
+    // Options of --offload without it: a usage error.
+    let o = memplan(&[
+        "fit",
+        "--example",
+        "mlp",
+        "--budget",
+        "50%",
+        "--device",
+        "h100-pcie5",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}

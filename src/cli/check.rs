@@ -28,6 +28,7 @@ pub(super) fn check(files: Vec<PathBuf>, src: &GraphArgs, as_json: bool) -> Resu
             "tensors_placed": report.tensors_placed,
             "max_live_bytes": report.max_live_bytes,
             "used_bytes": report.used_bytes,
+            "host_max_live_bytes": report.host_max_live_bytes,
             "arena_bytes": plan.arena_bytes,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);

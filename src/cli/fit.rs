@@ -272,30 +272,23 @@ fn offload(a: &FitArgs, limit: Duration) -> Result<()> {
         }
         None => None,
     };
-    let start = std::time::Instant::now();
-    let base = memplan::plan(
-        &g,
-        &memplan::Options {
-            time_limit: limit / 2,
-            ..Default::default()
-        },
-    )?;
     let target = match (&a.max_slowdown, &a.budget) {
         (Some(s), _) => Target::MaxSlowdown(parse_share(s).map_err(|e| {
             anyhow::anyhow!("{}", e.to_string().replace("--max-added", "--max-slowdown"))
         })?),
         (None, b) => Target::Budget(parse_budget(b.as_deref().unwrap_or("100%"), || {
-            Ok(base.arena_bytes)
+            base_arena(&g)
         })?),
     };
     let opts = offload::Options {
         device,
         host_memory,
         target,
-        deadline: Some(start + limit),
+        deadline: None,
         compute_seconds: None,
+        reference_seconds: None,
     };
-    let r = offload::offload(&g, &base, &opts)?;
+    let r = offload::fit_offload(&g, &opts, limit)?;
     if let Some(p) = &a.output {
         super::write_output(p, &r.plan.to_json(&r.graph))?;
     }
@@ -336,11 +329,16 @@ fn offload(a: &FitArgs, limit: Duration) -> Result<()> {
         r.device
     );
     sayln!(
-        "offloads {} tensors with {} copies ({} to the host, {} back)",
+        "offloads {} tensors with {} copies ({} to the host, {} back){}",
         r.offloaded_tensors,
         r.copies,
         human_bytes(r.timing.to_host_bytes),
-        human_bytes(r.timing.to_device_bytes)
+        human_bytes(r.timing.to_device_bytes),
+        if r.recomputed.is_empty() {
+            String::new()
+        } else {
+            format!(", after recomputing {} ops", r.recomputed.len())
+        }
     );
     sayln!(
         "modeled step {:.3} ms ({:+.2}% on the step's compute of {:.3} ms; without offload {:.3} ms)",

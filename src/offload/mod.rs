@@ -37,6 +37,7 @@
 
 pub mod bound;
 mod choose;
+mod combine;
 pub mod device;
 mod rewrite;
 pub mod timing;
@@ -46,6 +47,7 @@ use std::time::Instant;
 use serde_json::json;
 
 pub use bound::Bound;
+pub use combine::fit_offload;
 pub use device::{Device, PRESETS};
 pub use timing::{Timing, simulate};
 
@@ -80,6 +82,9 @@ pub struct Options {
     /// copies), when the graph given is already rewritten (recomputed);
     /// else the graph's own compute time.
     pub compute_seconds: Option<f64>,
+    /// The modeled time a slowdown is measured against (the step as
+    /// given, before recomputation), if not the graph's own.
+    pub reference_seconds: Option<f64>,
 }
 
 /// A plan with offload.
@@ -103,6 +108,9 @@ pub struct Offloaded {
     /// No plan with offload (within the target's time, for a share) holds
     /// fewer device bytes.
     pub bound: Bound,
+    /// The ops recomputed before offloading ([`fit_offload`]; names in
+    /// the step as given).
+    pub recomputed: Vec<String>,
 }
 
 impl Offloaded {
@@ -124,6 +132,7 @@ impl Offloaded {
             "lower_bound_bytes": self.bound.bytes,
             "lower_bound_why": self.bound.why,
             "gap": self.plan.gap(),
+            "recomputed_ops": self.recomputed.len(),
         })
     }
 }
@@ -133,8 +142,11 @@ impl Offloaded {
 /// reach, is [`Error::DoesNotFit`] with the bound.
 pub fn offload(g: &Graph, base: &Plan, opts: &Options) -> Result<Offloaded, Error> {
     let dev = &opts.device;
-    let t0 = simulate(g, &base.order, dev);
+    let mut t0 = simulate(g, &base.order, dev);
     let compute = opts.compute_seconds.unwrap_or(t0.compute_seconds);
+    if let Some(r) = opts.reference_seconds {
+        t0.seconds = r;
+    }
     match opts.target {
         Target::Budget(b) => {
             let bound = bound::at_any_time(g);
@@ -347,6 +359,7 @@ fn finish_with(
         seconds_without_offload,
         arena_without_offload: base.arena_bytes,
         bound,
+        recomputed: Vec::new(),
     })
 }
 

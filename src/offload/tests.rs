@@ -28,6 +28,7 @@ fn opts(target: Target) -> Options {
         target,
         deadline: None,
         compute_seconds: None,
+        reference_seconds: None,
     }
 }
 
