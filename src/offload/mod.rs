@@ -53,7 +53,7 @@ pub use timing::{Timing, simulate};
 
 use crate::checker::{self, CheckReport};
 use crate::error::Error;
-use crate::graph::Graph;
+use crate::graph::{COPY_TO_DEVICE, COPY_TO_HOST, Graph, OpId};
 use crate::plan::Plan;
 use crate::timeline::human;
 
@@ -141,226 +141,162 @@ impl Offloaded {
 /// (module docs). A budget below the bound, or one the search cannot
 /// reach, is [`Error::DoesNotFit`] with the bound.
 pub fn offload(g: &Graph, base: &Plan, opts: &Options) -> Result<Offloaded, Error> {
-    let dev = &opts.device;
-    let mut t0 = simulate(g, &base.order, dev);
-    let compute = opts.compute_seconds.unwrap_or(t0.compute_seconds);
-    if let Some(r) = opts.reference_seconds {
-        t0.seconds = r;
-    }
-    match opts.target {
-        Target::Budget(b) => {
-            let bound = bound::at_any_time(g);
-            if b < bound.bytes {
-                return Err(Error::DoesNotFit(format!(
-                    "nothing fits {} even with everything else on the host: {} (the bound at any link speed)",
-                    human(b),
-                    bound.why
-                )));
-            }
-            if base.arena_bytes <= b {
-                return finish(
-                    g,
-                    base,
-                    opts,
-                    (g.clone(), base.order.clone()),
-                    0,
-                    bound,
-                    t0.seconds,
-                    compute,
-                );
-            }
-            let mut ch = Chooser::new(g, &base.order, dev);
-            let mut target = b;
-            for _ in 0..8 {
-                let lim = Limits {
-                    target,
-                    stall: None,
-                    host_bytes: opts.host_memory,
-                };
-                while ch.improve(&lim) {
-                    if past(opts.deadline) {
-                        break;
-                    }
-                }
-                let (peak, _) = ch.peak();
-                if peak > target {
-                    let host = opts
-                        .host_memory
-                        .map(|h| format!(" with at most {} of host memory", human(h)))
-                        .unwrap_or_default();
-                    let cut = if past(opts.deadline) {
-                        " (the time limit cut the search short)"
-                    } else {
-                        ""
-                    };
-                    return Err(Error::DoesNotFit(format!(
-                        "no offload found{host} fits {}: the best reaches {} live on the device{cut}; the bound is {} ({})",
-                        human(b),
-                        human(peak),
-                        human(bound.bytes),
-                        bound.why
-                    )));
-                }
-                let rewritten =
-                    rewrite::rewrite(g, &base.order, &ch.cands, &ch.decisions, &ch.plans)?;
-                let plan =
-                    crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
-                if plan.arena_bytes <= b || past(opts.deadline) {
-                    return finish_with(
-                        g,
-                        base,
-                        opts,
-                        rewritten,
-                        plan,
-                        ch.offloaded(),
-                        bound,
-                        t0.seconds,
-                        compute,
-                    );
-                }
-                // The layout needs more than max live: ask for less.
-                target = target.saturating_sub(plan.arena_bytes - b);
-            }
-            Err(Error::DoesNotFit(format!(
-                "no layout of the offloaded step fits {}; the bound is {} ({})",
-                human(b),
-                human(bound.bytes),
-                bound.why
-            )))
-        }
-        Target::MaxSlowdown(share) => {
-            if !(share.is_finite() && share >= 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "the slowdown must be a share of at least 0, got {share}"
-                )));
-            }
-            let allowed = t0.seconds * (1.0 + share);
-            let bound = bound::within(g, base.stats.lower_bound_bytes, allowed, dev);
-            let mut ch = Chooser::new(g, &base.order, dev);
-            // The estimate's stall may exceed the share (it does not know
-            // the copy streams' queues); the simulation decides.
-            let lim = Limits {
-                target: 0,
-                stall: Some(2.0 * share * t0.seconds),
-                host_bytes: opts.host_memory,
-            };
-            while ch.improve_within(&lim, allowed * (1.0 + 1e-9)) {
-                if past(opts.deadline) {
-                    break;
-                }
-            }
-            if ch.offloaded() > 0 {
-                let rewritten =
-                    rewrite::rewrite(g, &base.order, &ch.cands, &ch.decisions, &ch.plans)?;
-                let plan =
-                    crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
-                if std::env::var_os("MEMPLAN_OFFLOAD_DEBUG").is_some() {
-                    let t = simulate(&rewritten.0, &rewritten.1, dev);
-                    eprintln!(
-                        "offload: chooser's time {} s, the rewritten step's {} s",
-                        ch.simulate(),
-                        t.seconds
-                    );
-                }
-                if plan.arena_bytes < base.arena_bytes {
-                    return finish_with(
-                        g,
-                        base,
-                        opts,
-                        rewritten,
-                        plan,
-                        ch.offloaded(),
-                        bound,
-                        t0.seconds,
-                        compute,
-                    );
-                }
-            }
-            finish(
-                g,
-                base,
-                opts,
-                (g.clone(), base.order.clone()),
-                0,
-                bound,
-                t0.seconds,
-                compute,
-            )
-        }
-    }
-}
-
-fn past(deadline: Option<Instant>) -> bool {
-    deadline.is_some_and(|d| Instant::now() >= d)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn finish(
-    g: &Graph,
-    base: &Plan,
-    opts: &Options,
-    rewritten: (Graph, Vec<crate::graph::OpId>),
-    offloaded: usize,
-    bound: Bound,
-    seconds_without: f64,
-    compute: f64,
-) -> Result<Offloaded, Error> {
-    let plan = base.clone();
-    finish_with(
+    let t0 = simulate(g, &base.order, &opts.device);
+    let run = Run {
         g,
         base,
         opts,
-        rewritten,
-        plan,
-        offloaded,
-        bound,
-        seconds_without,
-        compute,
-    )
+        compute: opts.compute_seconds.unwrap_or(t0.compute_seconds),
+        without: opts.reference_seconds.unwrap_or(t0.seconds),
+    };
+    match opts.target {
+        Target::Budget(b) => run.to_budget(b),
+        Target::MaxSlowdown(share) => run.within(share),
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn finish_with(
-    _g: &Graph,
-    base: &Plan,
-    opts: &Options,
-    (graph, order): (Graph, Vec<crate::graph::OpId>),
-    mut plan: Plan,
-    offloaded_tensors: usize,
-    bound: Bound,
-    seconds_without_offload: f64,
-    compute_seconds: f64,
-) -> Result<Offloaded, Error> {
-    plan.stats.lower_bound_bytes = bound.bytes;
-    plan.stats.lower_bound_kind = match opts.target {
-        Target::Budget(_) => "offload-working-set".into(),
-        Target::MaxSlowdown(_) => "offload-within-time".into(),
-    };
-    let check = checker::check(&graph, &plan)
-        .map_err(|e| Error::Internal(format!("the offloaded plan fails the checker: {e}")))?;
-    let timing = simulate(&graph, &order, &opts.device);
-    let copies = graph
-        .ops()
-        .iter()
-        .filter(|o| {
-            o.op_type == crate::graph::COPY_TO_HOST || o.op_type == crate::graph::COPY_TO_DEVICE
+/// One offload of a planned step.
+struct Run<'a> {
+    g: &'a Graph,
+    base: &'a Plan,
+    opts: &'a Options,
+    /// The step's compute as captured.
+    compute: f64,
+    /// The modeled time without offload a slowdown is measured against.
+    without: f64,
+}
+
+impl Run<'_> {
+    fn past(&self) -> bool {
+        self.opts.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The least modeled time within `b` bytes of arena.
+    fn to_budget(&self, b: u64) -> Result<Offloaded, Error> {
+        let (g, base) = (self.g, self.base);
+        let bound = bound::at_any_time(g);
+        if b < bound.bytes {
+            return Err(Error::DoesNotFit(format!(
+                "nothing fits {} even with everything else on the host: {} (the bound at any link speed)",
+                human(b),
+                bound.why
+            )));
+        }
+        if base.arena_bytes <= b {
+            return self.finish((g.clone(), base.order.clone()), base.clone(), 0, bound);
+        }
+        let mut ch = Chooser::new(g, &base.order, &self.opts.device);
+        let mut target = b;
+        for _ in 0..8 {
+            let lim = Limits {
+                target,
+                stall: None,
+                host_bytes: self.opts.host_memory,
+            };
+            while ch.improve(&lim) && !self.past() {}
+            let (peak, _) = ch.peak();
+            if peak > target {
+                let host = self
+                    .opts
+                    .host_memory
+                    .map(|h| format!(" with at most {} of host memory", human(h)))
+                    .unwrap_or_default();
+                let cut = if self.past() {
+                    " (the time limit cut the search short)"
+                } else {
+                    ""
+                };
+                return Err(Error::DoesNotFit(format!(
+                    "no offload found{host} fits {}: the best reaches {} live on the device{cut}; the bound is {} ({})",
+                    human(b),
+                    human(peak),
+                    human(bound.bytes),
+                    bound.why
+                )));
+            }
+            let rewritten = rewrite::rewrite(g, &base.order, &ch.cands, &ch.decisions, &ch.plans)?;
+            let plan = crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
+            if plan.arena_bytes <= b || self.past() {
+                return self.finish(rewritten, plan, ch.offloaded(), bound);
+            }
+            // The layout needs more than max live: ask for less.
+            target = target.saturating_sub(plan.arena_bytes - b);
+        }
+        Err(Error::DoesNotFit(format!(
+            "no layout of the offloaded step fits {}; the bound is {} ({})",
+            human(b),
+            human(bound.bytes),
+            bound.why
+        )))
+    }
+
+    /// The smallest arena within `1 + share` of the modeled time without
+    /// offload.
+    fn within(&self, share: f64) -> Result<Offloaded, Error> {
+        let (g, base) = (self.g, self.base);
+        if !(share.is_finite() && share >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "the slowdown must be a share of at least 0, got {share}"
+            )));
+        }
+        let allowed = self.without * (1.0 + share);
+        let bound = bound::within(g, base.stats.lower_bound_bytes, allowed, &self.opts.device);
+        let mut ch = Chooser::new(g, &base.order, &self.opts.device);
+        // The estimate's stall may exceed the share (it does not know the
+        // copy streams' queues); the simulation decides.
+        let lim = Limits {
+            target: 0,
+            stall: Some(2.0 * share * self.without),
+            host_bytes: self.opts.host_memory,
+        };
+        while ch.improve_within(&lim, allowed * (1.0 + 1e-9)) && !self.past() {}
+        if ch.offloaded() > 0 {
+            let rewritten = rewrite::rewrite(g, &base.order, &ch.cands, &ch.decisions, &ch.plans)?;
+            let plan = crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
+            if plan.arena_bytes < base.arena_bytes {
+                return self.finish(rewritten, plan, ch.offloaded(), bound);
+            }
+        }
+        self.finish((g.clone(), base.order.clone()), base.clone(), 0, bound)
+    }
+
+    /// The result: checked, timed, with the figures without offload.
+    fn finish(
+        &self,
+        (graph, order): (Graph, Vec<OpId>),
+        mut plan: Plan,
+        offloaded_tensors: usize,
+        bound: Bound,
+    ) -> Result<Offloaded, Error> {
+        plan.stats.lower_bound_bytes = bound.bytes;
+        plan.stats.lower_bound_kind = match self.opts.target {
+            Target::Budget(_) => "offload-working-set".into(),
+            Target::MaxSlowdown(_) => "offload-within-time".into(),
+        };
+        let check = checker::check(&graph, &plan)
+            .map_err(|e| Error::Internal(format!("the offloaded plan fails the checker: {e}")))?;
+        let timing = simulate(&graph, &order, &self.opts.device);
+        let copies = graph
+            .ops()
+            .iter()
+            .filter(|o| o.op_type == COPY_TO_HOST || o.op_type == COPY_TO_DEVICE)
+            .count();
+        Ok(Offloaded {
+            device: self.opts.device.name.clone(),
+            host_bytes: check.host_max_live_bytes,
+            check,
+            graph,
+            plan,
+            offloaded_tensors,
+            copies,
+            timing,
+            compute_seconds: self.compute,
+            seconds_without_offload: self.without,
+            arena_without_offload: self.base.arena_bytes,
+            bound,
+            recomputed: Vec::new(),
         })
-        .count();
-    Ok(Offloaded {
-        device: opts.device.name.clone(),
-        host_bytes: check.host_max_live_bytes,
-        check,
-        graph,
-        plan,
-        offloaded_tensors,
-        copies,
-        timing,
-        compute_seconds,
-        seconds_without_offload,
-        arena_without_offload: base.arena_bytes,
-        bound,
-        recomputed: Vec::new(),
-    })
+    }
 }
 
 #[cfg(test)]
