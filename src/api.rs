@@ -239,6 +239,74 @@ pub fn fit_split_json(
     Ok(report.to_string())
 }
 
+/// What [`offload_json`] takes (JSON, every field optional but one of
+/// `budget` and `max_slowdown`).
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct OffloadRequest {
+    /// The most bytes the device arena may take.
+    budget: Option<u64>,
+    /// Instead: the most added modeled time, a share (`0.05`).
+    max_slowdown: Option<f64>,
+    /// A preset of [`crate::offload::PRESETS`] (default `h100-pcie5`).
+    device: Option<String>,
+    /// The link's GB/s each way, replacing the preset's.
+    link_gbps: Option<f64>,
+    /// The most host bytes offloaded tensors may take at once.
+    host_memory: Option<u64>,
+    /// Seconds for the whole search (default 60).
+    time_limit: Option<f64>,
+}
+
+/// Offloads the graph in `graph_json` to host memory, chosen with
+/// recomputation ([`crate::offload::fit_offload`]), as `options_json`
+/// asks: `{"budget": BYTES}` (the least modeled time within it) or
+/// `{"max_slowdown": SHARE}` (the smallest arena within it), with
+/// `device`, `link_gbps`, `host_memory`, `time_limit`. Returns the step
+/// with its copies (`graph`), its checked `plan`, and the figures under
+/// `offload` (docs/offload.md).
+pub fn offload_json(graph_json: &str, options_json: &str) -> Result<String, Error> {
+    use crate::offload::{self, Device, Target};
+    let g = graph(graph_json)?;
+    let r: OffloadRequest = serde_json::from_str(options_json)
+        .map_err(|e| Error::InvalidArgument(format!("offload options: {e}")))?;
+    let target = match (r.budget, r.max_slowdown) {
+        (Some(b), None) => Target::Budget(b),
+        (None, Some(s)) => Target::MaxSlowdown(s),
+        _ => {
+            return Err(Error::InvalidArgument(
+                "offload options: give either \"budget\" (bytes) or \"max_slowdown\" (a share)"
+                    .into(),
+            ));
+        }
+    };
+    let mut device = Device::preset(r.device.as_deref().unwrap_or("h100-pcie5"))?;
+    if let Some(gbps) = r.link_gbps {
+        device = device.with_link_gbps(gbps)?;
+    }
+    let opts = offload::Options {
+        device,
+        host_memory: r.host_memory,
+        target,
+        deadline: None,
+        compute_seconds: None,
+        reference_seconds: None,
+    };
+    let limit = pipeline::time_limit(r.time_limit.unwrap_or(60.0), "time limit")?;
+    let o = offload::fit_offload(&g, &opts, limit)?;
+    let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&o.graph))
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    let plan: serde_json::Value = serde_json::from_str(&o.plan.to_json(&o.graph))
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    Ok(serde_json::json!({
+        "graph": graph,
+        "plan": plan,
+        "arena_bytes": o.plan.arena_bytes,
+        "offload": o.summary_json(),
+    })
+    .to_string())
+}
+
 fn fitted_json(f: &Fitted) -> Result<String, Error> {
     let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&f.graph))
         .map_err(|e| Error::Internal(e.to_string()))?;

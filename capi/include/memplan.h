@@ -85,6 +85,20 @@ int memplan_fit(const char *graph_json, unsigned long long budget_bytes, double 
 int memplan_fit_within(const char *graph_json, double max_added, double time_limit_seconds,
                        const char *minimise, char **out);
 
+/* Offloads `graph_json` to host memory, chosen with recomputation
+ * (docs/offload.md). `options_json` is a JSON object with either "budget"
+ * (bytes: the least modeled time within it) or "max_slowdown" (a share:
+ * the smallest arena whose modeled time is at most that much above the
+ * step's), and optionally "device" (a preset: "h100-pcie5", "h200-pcie5",
+ * "gh200-c2c", "cpu-dev"), "link_gbps", "host_memory" (bytes) and
+ * "time_limit" (seconds, default 60). On success *out holds "graph" (the
+ * step with its copy ops and host tensors), "plan" (checked) and
+ * "offload" (arena_bytes, host_bytes, modeled_seconds, compute_seconds,
+ * modeled_seconds_without_offload, lower_bound_bytes, ...).
+ * MEMPLAN_E_DOES_NOT_FIT with the bound when nothing fits; an unknown
+ * preset, a link of 0 or NaN GB/s or an unknown option is an error. */
+int memplan_fit_offload(const char *graph_json, const char *options_json, char **out);
+
 /* memplan_fit_within for a graph made from another step that it already
  * adds `already_flops` FLOPs to (a split made outside memplan): `max_added`
  * is a share of that other step's cost, and those FLOPs count against it.

@@ -241,6 +241,27 @@ pub unsafe extern "C" fn memplan_fit_within(
     }
 }
 
+/// Offloads `graph_json` to host memory as `options_json` asks; see
+/// `memplan.h`.
+///
+/// # Safety
+/// As [`memplan_plan`], for both strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memplan_fit_offload(
+    graph_json: *const c_char,
+    options_json: *const c_char,
+    out: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        answer(out, || {
+            let g = text(graph_json, "graph_json")?;
+            let o = text(options_json, "options_json")?;
+            memplan::api::offload_json(g, o).map_err(Failure::from)
+        })
+    }
+}
+
 /// `memplan_fit_within` for a graph that already adds `already_flops`
 /// FLOPs to the step it was made from; see `memplan.h`.
 ///

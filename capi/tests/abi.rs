@@ -692,3 +692,67 @@ fn a_c_program_plans_and_checks() {
     assert!(text.contains("plan ok"), "{text}");
     assert!(text.contains("at_batch ok"), "{text}");
 }
+
+/// A step whose parameters dominate, offloaded through the ABI: the step
+/// with its copies and its plan check through the ABI too; bad options
+/// are errors by name.
+#[test]
+fn offload_through_the_c_abi() {
+    use memplan_capi::memplan_fit_offload;
+    let spec = CString::new("gpt2-tiny").unwrap();
+    let mut out = ptr::null_mut();
+    let rc = unsafe { memplan_example(spec.as_ptr(), &mut out) };
+    let g = CString::new(take(out)).unwrap();
+    assert_eq!(rc, 0);
+    let rc = unsafe { memplan_plan(g.as_ptr(), 2.0, &mut out) };
+    let base: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0);
+    let budget = base["arena_bytes"].as_u64().unwrap() * 9 / 10;
+    let opts = CString::new(format!(
+        r#"{{"budget": {budget}, "device": "h200-pcie5", "time_limit": 10}}"#
+    ))
+    .unwrap();
+    let rc = unsafe { memplan_fit_offload(g.as_ptr(), opts.as_ptr(), &mut out) };
+    let text = take(out);
+    assert_eq!(rc, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(v["arena_bytes"].as_u64().unwrap() <= budget, "{v}");
+    assert!(v["offload"]["host_bytes"].as_u64().unwrap() > 0, "{v}");
+    let (og, op) = (
+        CString::new(v["graph"].to_string()).unwrap(),
+        CString::new(v["plan"].to_string()).unwrap(),
+    );
+    let rc = unsafe { memplan_check(og.as_ptr(), op.as_ptr(), &mut out) };
+    let report: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(rc, 0, "{report}");
+    assert_eq!(report["host_max_live_bytes"], v["offload"]["host_bytes"]);
+    for (opts, kind, want) in [
+        (r#"{"budget": 1}"#, "DOES_NOT_FIT", "the bound"),
+        (
+            r#"{"budget": 1000000, "link_gbps": 0}"#,
+            "INVALID_ARGUMENT",
+            "--link-gbps",
+        ),
+        (
+            r#"{"budget": 1000000, "device": "tpu"}"#,
+            "INVALID_ARGUMENT",
+            "unknown device preset",
+        ),
+        (
+            r#"{"budget": 1000000, "max_slowdown": 0.1}"#,
+            "INVALID_ARGUMENT",
+            "either",
+        ),
+        (
+            r#"{"budget": 1000000, "colour": "red"}"#,
+            "INVALID_ARGUMENT",
+            "unknown field",
+        ),
+    ] {
+        let o = CString::new(opts).unwrap();
+        let rc = unsafe { memplan_fit_offload(g.as_ptr(), o.as_ptr(), &mut out) };
+        let m = take(out);
+        assert_eq!(rc, code(kind), "{opts}: {m}");
+        assert!(m.contains(want), "{opts}: {m}");
+    }
+}

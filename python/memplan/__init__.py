@@ -272,7 +272,7 @@ def _objective(minimise):
 
 
 def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None, split="off",
-        already_added_flops=0.0):
+        already_added_flops=0.0, offload=None, max_slowdown=None):
     """The cheapest recomputation that fits `graph` into `budget` bytes.
 
     memplan chooses forward ops to run again in the backward pass, then
@@ -307,7 +307,20 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None,
     `max_added` is then a share of that other step's cost, and those
     FLOPs count against it. Raises `MemplanError` (kind ``does_not_fit``)
     when they alone exceed it.
+
+    With `offload` (``True``, or a dict of ``device``, ``link_gbps``,
+    ``host_memory``), host memory is a lever too (docs/offload.md): memplan
+    chooses which tensors leave the device and when they come back,
+    together with recomputation, for the least modeled time within
+    `budget`, or, with `max_slowdown` (``0.05``: 5%) instead of a budget,
+    the smallest arena whose modeled time is at most that share above the
+    step's. Returns `graph` (the step with its copy ops and host tensors),
+    `plan` (checked), `arena_bytes`, and the figures under ``offload``
+    (``host_bytes``, ``modeled_seconds``, ``compute_seconds``,
+    ``modeled_seconds_without_offload``, ``lower_bound_bytes``, ...).
     """
+    if offload or max_slowdown is not None:
+        return _fit_offload(graph, budget, time_limit, offload, max_slowdown, max_added, split, minimise)
     if (budget is None) == (max_added is None):
         raise TypeError("give either budget (bytes) or max_added (a share of the step's cost)")
     if _split(split) != "off":
@@ -322,6 +335,36 @@ def fit(graph, budget=None, time_limit=60.0, minimise="time", *, max_added=None,
                      _seconds(time_limit), _objective(minimise), _flops(already_added_flops))
     return _call(_memplan.fit_json, _text(graph, "graph"), _budget(budget), _seconds(time_limit),
                  _objective(minimise))
+
+
+def _fit_offload(graph, budget, time_limit, offload, max_slowdown, max_added, split, minimise):
+    """:func:`fit` with ``offload``: the options document the core reads."""
+    if not offload:
+        raise TypeError("max_slowdown goes with offload=True")
+    if max_added is not None or _split(split) != "off" or minimise != "time":
+        raise TypeError("offload chooses recomputation itself by modeled time: "
+                        "give budget or max_slowdown, not max_added, split or minimise")
+    if (budget is None) == (max_slowdown is None):
+        raise TypeError("with offload, give either budget (bytes) or max_slowdown (a share of the step's time)")
+    extra = {} if offload is True else dict(offload)
+    unknown = set(extra) - {"device", "link_gbps", "host_memory"}
+    if unknown:
+        raise TypeError(f"offload options: unknown {sorted(unknown)}; known: device, link_gbps, host_memory")
+    if "host_memory" in extra:
+        extra["host_memory"] = _budget(extra["host_memory"], "host_memory")
+    if "link_gbps" in extra:
+        gbps = _non_negative(extra["link_gbps"], "link_gbps must be a number of GB/s",
+                             "link_gbps must be a positive number of GB/s")
+        if gbps == 0:
+            raise MemplanError("link_gbps must be a positive number of GB/s, not 0", "invalid_argument")
+        extra["link_gbps"] = gbps
+    opts = {"time_limit": _seconds(time_limit), **extra}
+    if budget is not None:
+        opts["budget"] = _budget(budget)
+    else:
+        opts["max_slowdown"] = _non_negative(max_slowdown, "max_slowdown must be a number (0.05 for 5%)",
+                                             "max_slowdown must be a share, 0 or more (0.05 for 5%)")
+    return _call(_memplan.fit_offload_json, _text(graph, "graph"), json.dumps(opts))
 
 
 def example(spec):

@@ -73,6 +73,16 @@ fn fit_json(
         .map_err(err)
 }
 
+/// Offloads the graph document to host memory as the options document
+/// asks (docs/offload.md); returns the step with its copies, its plan and
+/// the figures (JSON).
+#[pyfunction]
+fn fit_offload_json(py: Python<'_>, graph_json: &str, options_json: &str) -> PyResult<String> {
+    let (g, o) = (graph_json.to_string(), options_json.to_string());
+    py.detach(move || memplan::api::offload_json(&g, &o))
+        .map_err(err)
+}
+
 /// The smallest arena within `max_added` of the step's cost (JSON report);
 /// with `already_flops`, of the cost of the step the graph was made from,
 /// which it already adds that many FLOPs to.
@@ -170,6 +180,7 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(baselines_json, m)?)?;
     m.add_function(wrap_pyfunction!(read_text, m)?)?;
     m.add_function(wrap_pyfunction!(fit_json, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_offload_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_within_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_split_json, m)?)?;
     m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;

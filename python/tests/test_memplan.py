@@ -120,6 +120,41 @@ class PlanAndCheck(unittest.TestCase):
         with self.assertRaises(TypeError):
             memplan.fit(g, budget=10 ** 9, already_added_flops=1.0)
 
+    def test_fit_may_offload_to_host_memory(self):
+        # gpt2-tiny's state is most of its peak: offload takes it below the
+        # plan; the step with its copies and its plan check, host pool
+        # included; within a slowdown the modeled time stays within it.
+        g = memplan.example("gpt2-tiny")
+        base = memplan.plan(g, time_limit=2)["arena_bytes"]
+        budget = base * 9 // 10
+        f = memplan.fit(g, budget, time_limit=10, offload={"device": "h200-pcie5"})
+        self.assertLessEqual(f["arena_bytes"], budget)
+        o = f["offload"]
+        self.assertGreater(o["host_bytes"], 0)
+        self.assertEqual(o["device"], "h200-pcie5")
+        self.assertGreaterEqual(o["modeled_seconds"], o["compute_seconds"])
+        report = memplan.check(f["graph"], f["plan"])
+        self.assertEqual(report["host_max_live_bytes"], o["host_bytes"])
+        self.assertTrue(any(t.get("space") == "host" for t in f["graph"]["tensors"]))
+        s = memplan.fit(g, offload=True, max_slowdown=0.2, time_limit=10)["offload"]
+        self.assertLessEqual(s["modeled_seconds"], s["modeled_seconds_without_offload"] * 1.2 * (1 + 1e-9))
+        with self.assertRaises(memplan.MemplanError) as e:
+            memplan.fit(g, 1, offload=True, time_limit=2)
+        self.assertEqual(e.exception.kind, "does_not_fit")
+        self.assertIn("bound", str(e.exception))
+        for opts, kind, want in (({"device": "tpu"}, "invalid_argument", "unknown device preset"),
+                                 ({"link_gbps": 0}, "invalid_argument", "link_gbps"),
+                                 ({"link_gbps": float("nan")}, "invalid_argument", "link_gbps"),
+                                 ({"host_memory": "lots"}, "invalid_argument", "host_memory")):
+            with self.subTest(opts=opts), self.assertRaises(memplan.MemplanError) as e:
+                memplan.fit(g, budget, offload=opts, time_limit=2)
+            self.assertEqual(e.exception.kind, kind)
+            self.assertIn(want, str(e.exception))
+        for kw in ({"max_added": 0.01}, {"max_slowdown": 0.1}, {"offload": {"colour": "red"}},
+                   {"offload": True, "split": "auto"}):
+            with self.subTest(kw=kw), self.assertRaises(TypeError):
+                memplan.fit(g, budget if "max_added" not in kw else None, **{"offload": True, **kw})
+
     def test_fit_may_split(self):
         # Within a share of the step's FLOPs the split's own FLOPs count; the
         # split step fitted into the split plan's arena recomputes nothing;
