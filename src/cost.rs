@@ -158,8 +158,8 @@ pub fn flops_per_element(op_type: &str) -> f64 {
         "rope" => 6.0,
         "adamw" | "adam" => 14.0,
         "sgd" => 4.0,
-        "embedding" | "copy" | "cast" | "transpose" | "reshape" | "view" | "all_gather"
-        | "concat" | "slice" | "gather" | "scatter" => 0.0,
+        "embedding" | "copy" | "copy_to_host" | "copy_to_device" | "cast" | "transpose"
+        | "reshape" | "view" | "all_gather" | "concat" | "slice" | "gather" | "scatter" => 0.0,
         _ => 1.0,
     };
     if backward { 2.0 * f } else { f }

@@ -54,11 +54,13 @@ fn fill(op: &Op, spec: &str) -> Result<Fill, Error> {
     })
 }
 
-/// The initialization an update op gives its parameter (`updates[0]`).
+/// The initialization an update op gives its parameter (`updates[0]`, or
+/// where an offload copies it in from, whose name keys the values).
 fn param_init(g: &Graph, op: &Op) -> Result<Option<Init>, Error> {
     let Some(&w) = op.updates.first() else {
         return Ok(None);
     };
+    let w = home(g, w);
     let elements = g.tensor(w).shape.as_ref().map_or(0, |s| s.iter().product());
     if let Some(segs) = op.attrs.get("init_segments") {
         let list = segs
@@ -150,8 +152,10 @@ pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
     checker::check(g, plan)?;
     let mut tensors = Vec::with_capacity(g.num_tensors());
     // Offsets of roots first, then views (bases may come after their views
-    // in the tensor list).
+    // in the tensor list). Host tensors (an offloaded step) lie in a host
+    // pool after the arena, each in bytes of its own.
     let mut offset: Vec<Option<u64>> = plan.offsets.clone();
+    let end = host_pool(g, plan.arena_bytes, &mut offset);
     for t in g.tensor_ids() {
         if g.tensor(t).view_of.is_none() && offset[t.index()].is_none() {
             offset[t.index()] = Some(0); // zero-sized
@@ -196,15 +200,18 @@ pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
         d.view_of = x.view_of.map(|b| rt::TensorIdx(b.0));
         tensors.push(d);
     }
-    // Initialization: parameters from their update op, optimizer state zero.
+    // Initialization: parameters from their update op, optimizer state zero
+    // (an offloaded one's in host memory, where its copy comes from).
     for op in g.ops() {
         if !matches!(op.op_type.as_str(), "adam" | "adamw") {
             continue;
         }
         if let Some(init) = param_init(g, op)? {
-            tensors[op.updates[0].index()].init = Some(init);
+            let w = home(g, op.updates[0]);
+            tensors[w.index()].init = Some(init);
         }
         for &s in op.updates.iter().skip(1) {
+            let s = home(g, s);
             let n = tensors[s.index()].elements();
             tensors[s.index()].init = Some(Init::whole(g.tensor(s).name.clone(), n, Fill::Zeros));
         }
@@ -245,7 +252,7 @@ pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
     }
     let p = rt::Program {
         name: g.name.clone(),
-        arena_bytes: plan.arena_bytes,
+        arena_bytes: end,
         tensors,
         instrs,
         world_size: world.unwrap_or(1),
@@ -253,6 +260,33 @@ pub fn program(g: &Graph, plan: &Plan) -> Result<rt::Program, Error> {
     p.validate()
         .map_err(|e| Error::Unsupported(format!("graph {:?} cannot run: {e}", g.name)))?;
     Ok(p)
+}
+
+/// Alignment of each host tensor in the pool after the arena.
+const HOST_ALIGN: u64 = 64;
+
+/// Places each host tensor in bytes of its own after the arena (which
+/// ends at `arena`); the end of the pool.
+fn host_pool(g: &Graph, arena: u64, offset: &mut [Option<u64>]) -> u64 {
+    let mut end = arena;
+    for t in g.tensor_ids() {
+        let x = g.tensor(t);
+        if g.on_host(t) && x.view_of.is_none() {
+            end = end.next_multiple_of(HOST_ALIGN);
+            offset[t.index()] = Some(end);
+            end += x.size;
+        }
+    }
+    end
+}
+
+/// Where a state tensor lives across steps: itself, or, when an offload
+/// copies it in from host memory, that host tensor.
+fn home(g: &Graph, t: TensorId) -> TensorId {
+    match g.tensor(t).producer.map(|p| g.op(p)) {
+        Some(op) if op.op_type == crate::graph::COPY_TO_DEVICE => op.inputs[0],
+        _ => t,
+    }
 }
 
 /// The unplanned reference: program order, every tensor that occupies

@@ -193,6 +193,12 @@ pub fn kernel(op: &Op) -> Result<Kernel, Error> {
         "cast" => Kernel::Cast {
             elements: elements()?,
         },
+        "copy_to_host" => Kernel::CopyToHost {
+            elements: elements()?,
+        },
+        "copy_to_device" => Kernel::CopyToDevice {
+            elements: elements()?,
+        },
         "swiglu" => Kernel::SwiGlu {
             rows: a.u64("rows")?,
             hidden: a.u64("hidden")?,
@@ -324,6 +330,8 @@ pub const OP_TYPES: &[&str] = &[
     "fused_attention_backward",
     "add",
     "cast",
+    "copy_to_host",
+    "copy_to_device",
     "gelu",
     "gelu_backward",
     "relu",
@@ -449,6 +457,8 @@ pub fn write(k: &Kernel, attrs: &mut Map<String, Value>) {
         | Kernel::FusedAttentionBackward(a) => attention(&mut put, a),
         Kernel::Add { elements }
         | Kernel::Cast { elements }
+        | Kernel::CopyToHost { elements }
+        | Kernel::CopyToDevice { elements }
         | Kernel::Gelu { elements }
         | Kernel::GeluBackward { elements }
         | Kernel::Relu { elements }
@@ -602,6 +612,8 @@ mod tests {
         vec![
             Kernel::Add { elements: e },
             Kernel::Cast { elements: e },
+            Kernel::CopyToHost { elements: e },
+            Kernel::CopyToDevice { elements: e },
             Kernel::Gelu { elements: e },
             Kernel::GeluBackward { elements: e },
             Kernel::Relu { elements: e },

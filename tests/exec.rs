@@ -622,3 +622,44 @@ fn a_copy_out_that_misses_elements_is_refused() {
         .to_string();
     assert!(e.contains("copy_out") && e.contains("do not cover"), "{e}");
 }
+
+/// A step offloaded to host memory runs on the CPU executor (its host pool
+/// after the arena, the copies moving bytes as they are) and equals the
+/// plan without offload bit for bit: losses, parameters and optimizer
+/// state, over steps; what moved is the state and activations the
+/// offload chose.
+#[test]
+fn offloaded_steps_equal_the_plan_bit_for_bit() {
+    use memplan::offload::{self, Device, Options as OffloadOptions, Target};
+    let llama = llama::build(&tiny_llama()).unwrap();
+    for g in [gpt2::build(&tiny()).unwrap(), llama] {
+        let base = plan(&g);
+        let bound = offload::bound::at_any_time(&g).bytes;
+        let budget = bound + (base.arena_bytes - bound) / 2;
+        let opts = OffloadOptions {
+            device: Device::preset("cpu-dev").unwrap(),
+            host_memory: None,
+            target: Target::Budget(budget),
+            deadline: None,
+            compute_seconds: None,
+            reference_seconds: None,
+        };
+        let r = offload::offload(&g, &base, &opts).unwrap();
+        assert!(
+            r.plan.arena_bytes <= budget && r.offloaded_tensors > 0,
+            "{}",
+            g.name
+        );
+        let a = run(&g, &base, 3);
+        let b = run(&r.graph, &r.plan, 3);
+        for (x, y) in a.steps.iter().zip(&b.steps) {
+            assert!(x.loss.is_finite());
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{}: loss", g.name);
+        }
+        assert_eq!(
+            a.state, b.state,
+            "{}: parameters and optimizer state",
+            g.name
+        );
+    }
+}

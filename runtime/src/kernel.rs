@@ -204,6 +204,13 @@ pub enum Kernel {
     /// in `[x E]`, out `[y E]`: the values in the output's dtype (f32 to
     /// bf16 rounds to nearest, ties to even).
     Cast { elements: u64 },
+    /// in `[x E]` in device memory, out (or update) `[x E]` in host
+    /// memory, any dtype, the bytes as they are: an offloaded tensor's copy
+    /// to the host (docs/offload.md).
+    CopyToHost { elements: u64 },
+    /// in `[x E]` in host memory, out `[x E]` in device memory, any dtype:
+    /// an offloaded tensor's copy back.
+    CopyToDevice { elements: u64 },
     /// in `[x E]`, out `[gelu(x)]` (tanh approximation).
     Gelu { elements: u64 },
     /// in `[dy E, x E]`, out `[dx E]`.
@@ -349,6 +356,8 @@ impl Kernel {
             Kernel::FusedAttentionBackward(_) => "fused_attention_backward",
             Kernel::Add { .. } => "add",
             Kernel::Cast { .. } => "cast",
+            Kernel::CopyToHost { .. } => "copy_to_host",
+            Kernel::CopyToDevice { .. } => "copy_to_device",
             Kernel::Gelu { .. } => "gelu",
             Kernel::GeluBackward { .. } => "gelu_backward",
             Kernel::Relu { .. } => "relu",

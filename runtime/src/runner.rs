@@ -45,6 +45,16 @@ fn int_ranges(p: &Program) -> Vec<Option<u64>> {
             _ => {}
         }
     }
+    // An input offloaded to host memory is read by its copies only: the
+    // copies' readers bound it.
+    for ins in &p.instrs {
+        if let Kernel::CopyToDevice { .. } = ins.kernel
+            && let Some(r) = range[ins.outputs[0].index()]
+        {
+            let e = &mut range[ins.inputs[0].index()];
+            *e = Some(e.map_or(r, |x| x.min(r)));
+        }
+    }
     range
 }
 

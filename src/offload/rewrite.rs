@@ -21,7 +21,7 @@ use std::collections::HashMap;
 
 use crate::error::Error;
 use crate::graph::{
-    COPY_TO_DEVICE, COPY_TO_HOST, Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Space,
+    COPY_TO_DEVICE, COPY_TO_HOST, Graph, GraphBuilder, Lifetime, OpId, OpKind, OpSpec, Role, Space,
     TensorId, TensorSpec,
 };
 
@@ -72,6 +72,13 @@ pub(super) fn rewrite(
                         lifetime: Lifetime::Transient,
                         view_of: None,
                         space: Space::Device,
+                        // A copy of the step's data is not an input the
+                        // caller writes.
+                        role: if x.role == Role::Input {
+                            Role::Activation
+                        } else {
+                            x.role
+                        },
                         ..TensorSpec::from(x)
                     })
                 }
@@ -80,35 +87,7 @@ pub(super) fn rewrite(
         for (i, &u) in c.uses.iter().enumerate() {
             rename.insert((u, c.t), device[tp.residency_of_use[i]]);
         }
-        let mut host_written = d.host_home;
-        let mut copies = tp.copies.clone();
-        copies.sort_by_key(|c| (c.residency, !c.to_host));
-        for cp in copies {
-            let dev = device[cp.residency];
-            let spec = if cp.to_host {
-                let s = OpSpec::new(
-                    format!("offload{}.{}", cp.residency, x.name),
-                    OpKind::Other,
-                    COPY_TO_HOST,
-                )
-                .inputs([dev]);
-                if host_written {
-                    s.updates([host])
-                } else {
-                    host_written = true;
-                    s.outputs([host])
-                }
-            } else {
-                OpSpec::new(
-                    format!("reload{}.{}", cp.residency, x.name),
-                    OpKind::Other,
-                    COPY_TO_DEVICE,
-                )
-                .inputs([host])
-                .outputs([dev])
-            };
-            at[cp.before].push((cp.to_host, spec.attr("bytes", x.size)));
-        }
+        copies(x, d.host_home, host, &device, tp, &mut at);
     }
     let mut new_id = vec![OpId(u32::MAX); g.num_ops()];
     let mut new_order = Vec::new();
@@ -145,4 +124,52 @@ pub(super) fn rewrite(
     })?;
     out.metadata = g.metadata.clone();
     Ok((out, new_order))
+}
+
+/// The copies of one offloaded tensor `x` (host tensor `host`, residency
+/// tensors `device`), each added to the place the search gave it.
+fn copies(
+    x: &crate::graph::Tensor,
+    host_home: bool,
+    host: TensorId,
+    device: &[TensorId],
+    tp: &TensorPlan,
+    at: &mut [Vec<(bool, OpSpec)>],
+) {
+    let mut host_written = host_home;
+    let mut copies = tp.copies.clone();
+    copies.sort_by_key(|c| (c.residency, !c.to_host));
+    for cp in copies {
+        let dev = device[cp.residency];
+        let spec = if cp.to_host {
+            let s = OpSpec::new(
+                format!("offload{}.{}", cp.residency, x.name),
+                OpKind::Other,
+                COPY_TO_HOST,
+            )
+            .inputs([dev]);
+            if host_written {
+                s.updates([host])
+            } else {
+                host_written = true;
+                s.outputs([host])
+            }
+        } else {
+            OpSpec::new(
+                format!("reload{}.{}", cp.residency, x.name),
+                OpKind::Other,
+                COPY_TO_DEVICE,
+            )
+            .inputs([host])
+            .outputs([dev])
+        };
+        let elements = x.shape.as_ref().map_or_else(
+            || x.size / crate::cost::dtype_bytes(x.dtype.as_deref()).max(1),
+            |s| s.iter().product(),
+        );
+        at[cp.before].push((
+            cp.to_host,
+            spec.attr("bytes", x.size).attr("elements", elements),
+        ));
+    }
 }

@@ -263,6 +263,15 @@ impl Executor for CpuExecutor {
             // inside the allocation, written operands disjoint from all
             // others except the aliased pairs the kernels read in place).
             unsafe { ops.stage() };
+            if let Kernel::CopyToHost { .. } | Kernel::CopyToDevice { .. } = ins.kernel {
+                // SAFETY: as above; a copy's two tensors are disjoint (the
+                // host pool lies after the device arena).
+                unsafe { ops.copy_bytes() };
+                if let Some(t) = began {
+                    instr_seconds.push(t.elapsed().as_secs_f64());
+                }
+                continue;
+            }
             // SAFETY: as above; bf16 operands are widened after staging.
             let wide = unsafe { ops.widen() };
             ops.wide = wide.as_ref();
@@ -338,6 +347,28 @@ impl<'a> Operands<'a> {
                     x.bytes() as usize,
                 );
             }
+        }
+    }
+
+    /// A copy kernel's bytes, as they are, from its input to its output or
+    /// update.
+    unsafe fn copy_bytes(&self) {
+        let src = self.desc(self.ins.inputs[0]);
+        let dst = self.desc(
+            *self
+                .ins
+                .outputs
+                .first()
+                .or(self.ins.updates.first())
+                .expect("checked"),
+        );
+        // SAFETY: both ranges lie inside the allocation and are disjoint.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.add(self.input_offset(0) as usize),
+                self.base.add(dst.offset as usize),
+                src.bytes() as usize,
+            );
         }
     }
 
@@ -724,6 +755,8 @@ unsafe fn run_instr(
                 )
             }
             Kernel::View => {}
+            // Copied before widening (`copy_bytes`).
+            Kernel::CopyToHost { .. } | Kernel::CopyToDevice { .. } => {}
             Kernel::Pack { offsets, .. } => k::pack(&ops.all_inputs(), offsets, ops.output(0)),
             Kernel::ChunkCat(l) => k::chunk_cat(&ops.all_inputs(), l, ops.output(0)),
             Kernel::CopyOut(l) => {

@@ -63,6 +63,12 @@ pub fn lower(
             fused_attention(&a, &mut ops)?
         }
         Kernel::Cast { .. } => cast(&a, &mut ops)?,
+        Kernel::CopyToHost { .. } | Kernel::CopyToDevice { .. } => {
+            return Err(RuntimeError::InvalidInstr {
+                instr: ins.name.clone(),
+                why: "copies between device and host memory (an offloaded step, docs/offload.md) are run by the CPU executor only, not yet on CUDA".into(),
+            });
+        }
         Kernel::Add { .. }
         | Kernel::Gelu { .. }
         | Kernel::GeluBackward { .. }

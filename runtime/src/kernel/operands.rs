@@ -42,6 +42,9 @@ impl Kernel {
         if let Kernel::View = self {
             return check_view(p, ins);
         }
+        if let Kernel::CopyToHost { elements } | Kernel::CopyToDevice { elements } = *self {
+            return check_copy(p, ins, elements);
+        }
         let want = self.operands(p, ins)?;
         check_list(p, "input", &ins.inputs, &want.inputs)?;
         check_list(p, "output", &ins.outputs, &want.outputs)?;
@@ -151,6 +154,9 @@ impl Kernel {
                 self.collective_operands(p, ins)
             }
             Kernel::View => unreachable!("views are checked by check_view"),
+            Kernel::CopyToHost { .. } | Kernel::CopyToDevice { .. } => {
+                unreachable!("copies are checked by check_copy")
+            }
         }
     }
 
@@ -571,6 +577,28 @@ fn shard_of(p: &Program, ins: &Instr, slot: Slot) -> Result<u64, String> {
     list.first()
         .map(|&t| p.tensor(t).elements())
         .ok_or_else(|| format!("{} needs a shard operand", ins.kernel.name()))
+}
+
+/// A copy between device and host memory: one input, one output or one
+/// update, of the same dtype and `elements` elements.
+fn check_copy(p: &Program, ins: &Instr, elements: u64) -> Result<(), String> {
+    let dst: Vec<TensorIdx> = ins.outputs.iter().chain(&ins.updates).copied().collect();
+    let ([src], [dst]) = (&ins.inputs[..], &dst[..]) else {
+        return Err("a copy reads one tensor and writes one (an output or an update)".into());
+    };
+    let (a, b) = (p.tensor(*src), p.tensor(*dst));
+    if a.dtype != b.dtype || a.elements() != elements || b.elements() != elements {
+        return Err(format!(
+            "a copy of {elements} elements: {:?} is {} x {}, {:?} is {} x {}",
+            a.name,
+            a.elements(),
+            a.dtype,
+            b.name,
+            b.elements(),
+            b.dtype
+        ));
+    }
+    Ok(())
 }
 
 fn check_list(p: &Program, what: &str, list: &[TensorIdx], want: &[Want]) -> Result<(), String> {
