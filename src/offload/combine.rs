@@ -42,8 +42,10 @@ pub fn fit_offload(g: &Graph, opts: &Options, time_limit: Duration) -> Result<Of
     let mut own = opts.clone();
     own.compute_seconds = Some(reference.compute_seconds);
     own.reference_seconds = Some(reference.seconds);
-    let deadline = start + time_limit;
-    own.deadline = Some(deadline);
+    // The searches stop early enough to leave the last layout and the
+    // checker their time.
+    let searches = start + time_limit.mul_f64(0.85);
+    own.deadline = Some(searches);
     let alone = offload(g, &base, &own);
     let mut best: Option<Offloaded> = None;
     let mut last_err = None;
@@ -74,8 +76,10 @@ pub fn fit_offload(g: &Graph, opts: &Options, time_limit: Duration) -> Result<Of
     };
     let n = fits.len().max(1) as u32;
     for (i, mut f) in fits.into_iter().enumerate() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left < Duration::from_millis(200) {
+        // A fit and its offload in what is left of the searches' time,
+        // if a fair share is.
+        let left = searches.saturating_duration_since(Instant::now());
+        if left < time_limit.mul_f64(0.15) {
             break;
         }
         f.time_limit = left / (n - i as u32 + 1).max(1);

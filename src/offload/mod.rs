@@ -193,19 +193,19 @@ impl Run<'_> {
                 stall: None,
                 host_bytes: self.opts.host_memory,
             };
-            while ch.improve(&lim) && !self.past() {}
+            while ch.improve_many(&lim) && !self.past() {}
             let (peak, _) = ch.peak();
-            if peak > target {
+            let cut = if self.past() {
+                " (the time limit cut the search short)"
+            } else {
+                ""
+            };
+            if peak > b {
                 let host = self
                     .opts
                     .host_memory
                     .map(|h| format!(" with at most {} of host memory", human(h)))
                     .unwrap_or_default();
-                let cut = if self.past() {
-                    " (the time limit cut the search short)"
-                } else {
-                    ""
-                };
                 return Err(Error::DoesNotFit(format!(
                     "no offload found{host} fits {}: the best reaches {} live on the device{cut}; the bound is {} ({})",
                     human(b),
@@ -216,8 +216,18 @@ impl Run<'_> {
             }
             let rewritten = rewrite::rewrite(g, &base.order, &ch.cands, &ch.decisions, &ch.plans)?;
             let plan = crate::baselines::order_with_layout(&rewritten.0, &rewritten.1, "offload");
-            if plan.arena_bytes <= b || self.past() {
+            if plan.arena_bytes <= b {
                 return self.finish(rewritten, plan, ch.offloaded(), bound);
+            }
+            if self.past() {
+                return Err(Error::DoesNotFit(format!(
+                    "no offload found fits {}: the best needs {} live on the device, but its layout takes {}{cut}; the bound is {} ({})",
+                    human(b),
+                    human(peak),
+                    human(plan.arena_bytes),
+                    human(bound.bytes),
+                    bound.why
+                )));
             }
             // The layout needs more than max live: ask for less.
             target = target.saturating_sub(plan.arena_bytes - b);
