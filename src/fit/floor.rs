@@ -83,6 +83,16 @@ pub fn fit_floor(g: &Graph) -> (u64, String) {
 /// resident, and their bytes less what reuse lets outputs share with
 /// inputs: what is live while `o` runs, beyond the resident bytes.
 fn working_set(g: &Graph, o: OpId) -> (Vec<TensorId>, u64) {
+    working_set_where(g, o, |t| !resident(g, t))
+}
+
+/// The roots in memory `o` reads, writes or updates for which `keep`
+/// holds, and their bytes less what reuse lets outputs share with inputs.
+pub(crate) fn working_set_where(
+    g: &Graph,
+    o: OpId,
+    keep: impl Fn(TensorId) -> bool,
+) -> (Vec<TensorId>, u64) {
     let op = g.op(o);
     let mut roots: Vec<TensorId> = op
         .inputs
@@ -90,7 +100,7 @@ fn working_set(g: &Graph, o: OpId) -> (Vec<TensorId>, u64) {
         .chain(&op.outputs)
         .chain(&op.updates)
         .map(|&t| g.root(t))
-        .filter(|&t| g.occupies_memory(t) && !resident(g, t))
+        .filter(|&t| g.occupies_memory(t) && keep(t))
         .collect();
     roots.sort();
     roots.dedup();

@@ -66,6 +66,7 @@ use crate::plan::Plan;
 use crate::timeline::{Timeline, human};
 
 mod floor;
+pub(crate) use floor::working_set_where;
 pub use floor::{ShareFloor, fit_floor, floor_within};
 
 /// Prefix of recomputed ops and tensors.

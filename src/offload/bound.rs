@@ -30,27 +30,7 @@ pub struct Bound {
 pub fn working_set(g: &Graph) -> (u64, Option<OpId>) {
     let mut best = (0u64, None);
     for o in g.op_ids() {
-        let op = g.op(o);
-        let mut roots: Vec<_> = op
-            .inputs
-            .iter()
-            .chain(&op.outputs)
-            .chain(&op.updates)
-            .map(|&t| g.root(t))
-            .filter(|&t| g.occupies_memory(t))
-            .collect();
-        roots.sort();
-        roots.dedup();
-        let shared: u64 = op
-            .reuse
-            .iter()
-            .map(|&(a, i)| g.tensor(a).size.min(g.tensor(g.root(i)).size))
-            .sum();
-        let bytes = roots
-            .iter()
-            .map(|&t| g.tensor(t).size)
-            .sum::<u64>()
-            .saturating_sub(shared);
+        let (_, bytes) = crate::fit::working_set_where(g, o, |_| true);
         if bytes > best.0 {
             best = (bytes, Some(o));
         }

@@ -342,11 +342,6 @@ impl<'a> Chooser<'a> {
                 floor = last + 1;
                 last
             };
-            let end = if c.persistent && !d.host_home {
-                n.saturating_sub(1)
-            } else {
-                end
-            };
             tp.intervals.push((start, end));
         }
         if let Some(h) = &mut host {
