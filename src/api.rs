@@ -307,6 +307,91 @@ pub fn offload_json(graph_json: &str, options_json: &str) -> Result<String, Erro
     .to_string())
 }
 
+/// Fusion regions of a planned order ([`crate::fuse::fuse`]), as
+/// `options_json` asks: `{"order": [op names], "limit": BYTES,
+/// "max_ops": N, "exclude": [op names]}` (only `order` is required).
+/// Returns `regions` (each `name`, `ops`, `inputs`, `outputs` by name and
+/// `workspace_bytes`), the fused step (`graph`) and its checked `plan`,
+/// `max_live_bytes` (the fused plan's), `unfused_max_live_bytes` and
+/// `fused_ops`.
+pub fn fuse_json(graph_json: &str, options_json: &str) -> Result<String, Error> {
+    let g = graph(graph_json)?;
+    let r: FuseRequest = serde_json::from_str(options_json)
+        .map_err(|e| Error::InvalidArgument(format!("fuse options: {e}")))?;
+    let order = r
+        .order
+        .iter()
+        .map(|n| {
+            g.op_by_name(n).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "fuse options: order names op {n:?}, which the graph lacks"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut seen = vec![false; g.num_ops()];
+    for (i, &o) in order.iter().enumerate() {
+        if std::mem::replace(&mut seen[o.index()], true) {
+            return Err(Error::InvalidArgument(format!(
+                "fuse options: order lists op {:?} twice (again at {i})",
+                g.op(o).name
+            )));
+        }
+        if let Some(d) = g.deps(o).iter().find(|d| !seen[d.index()]) {
+            return Err(Error::InvalidArgument(format!(
+                "fuse options: order runs op {:?} before op {:?}, which it depends on",
+                g.op(o).name,
+                g.op(*d).name
+            )));
+        }
+    }
+    let defaults = crate::fuse::Options::default();
+    let opts = crate::fuse::Options {
+        limit: r.limit,
+        max_ops: r.max_ops.unwrap_or(defaults.max_ops),
+        exclude: r.exclude.into_iter().collect(),
+    };
+    let f = crate::fuse::fuse(&g, &order, &opts)?;
+    let names = |ts: &[crate::graph::TensorId]| -> Vec<String> {
+        ts.iter().map(|&t| g.tensor(t).name.clone()).collect()
+    };
+    let regions: Vec<serde_json::Value> = f
+        .regions
+        .iter()
+        .map(|x| {
+            json!({
+                "name": x.name,
+                "ops": x.ops.iter().map(|&o| g.op(o).name.clone()).collect::<Vec<_>>(),
+                "inputs": names(&x.inputs),
+                "outputs": names(&x.outputs),
+                "workspace_bytes": x.workspace,
+            })
+        })
+        .collect();
+    let doc = |text: String| -> Result<serde_json::Value, Error> {
+        serde_json::from_str(&text).map_err(|e| Error::Internal(e.to_string()))
+    };
+    Ok(json!({
+        "regions": regions,
+        "graph": doc(io::json::write_graph(&f.graph))?,
+        "plan": doc(f.plan.to_json(&f.graph))?,
+        "max_live_bytes": f.plan.stats.max_live_bytes,
+        "unfused_max_live_bytes": f.unfused_max_live,
+        "fused_ops": f.fused_ops,
+    })
+    .to_string())
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FuseRequest {
+    order: Vec<String>,
+    limit: Option<u64>,
+    max_ops: Option<usize>,
+    #[serde(default)]
+    exclude: Vec<String>,
+}
+
 fn fitted_json(f: &Fitted) -> Result<String, Error> {
     let graph: serde_json::Value = serde_json::from_str(&io::json::write_graph(&f.graph))
         .map_err(|e| Error::Internal(e.to_string()))?;

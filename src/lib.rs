@@ -72,6 +72,7 @@ pub mod error;
 pub mod example_spec;
 pub mod exec;
 pub mod fit;
+pub mod fuse;
 pub mod graph;
 pub mod io;
 pub mod layout;

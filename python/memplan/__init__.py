@@ -37,7 +37,7 @@ import os
 from . import _memplan
 from ._renamed import Renamed
 
-__all__ = ["MemplanError", "plan", "check", "baselines", "fit", "at_batch", "max_batch", "example", "__version__"]
+__all__ = ["MemplanError", "plan", "check", "baselines", "fit", "fuse", "at_batch", "max_batch", "example", "__version__"]
 __version__ = _memplan.__version__
 
 
@@ -116,6 +116,28 @@ def plan(graph, time_limit=10.0):
     release). The plan has passed memplan's independent checker.
     """
     return _call(_memplan.plan_json, _text(graph, "graph"), _seconds(time_limit))
+
+
+def fuse(graph, order, *, limit=None, max_ops=None, exclude=()):
+    """Regions of `order` (op ids, every op of `graph` once, a valid
+    order) for a compiler to fuse, and the fused step's plan
+    (docs/compiled.md): runs of ops that write nothing in place (no
+    update, no random draw, no collective), none in `exclude` (op ids),
+    at most `max_ops` each, chosen so that the fused program's live bytes
+    stay within `limit` (by default the order's own max live).
+
+    Returns ``regions`` (each ``name``, ``ops``, ``inputs``, ``outputs``
+    by id and ``workspace_bytes``: room for the intermediates it drops),
+    ``graph`` (the fused step: one op of type ``memplan.fused`` per
+    region), its checked ``plan``, ``max_live_bytes`` (the fused plan's),
+    ``unfused_max_live_bytes`` and ``fused_ops``.
+    """
+    opts = {"order": list(order), "exclude": list(exclude)}
+    if limit is not None:
+        opts["limit"] = int(limit)
+    if max_ops is not None:
+        opts["max_ops"] = int(max_ops)
+    return _call(_memplan.fuse_json, _text(graph, "graph"), json.dumps(opts))
 
 
 def plan_split(graph, split="auto", time_limit=10.0):

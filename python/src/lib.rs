@@ -83,6 +83,15 @@ fn fit_offload_json(py: Python<'_>, graph_json: &str, options_json: &str) -> PyR
         .map_err(err)
 }
 
+/// Fusion regions of a planned order and the fused step's checked plan,
+/// as the options document asks (`memplan::api::fuse_json`; JSON).
+#[pyfunction]
+fn fuse_json(py: Python<'_>, graph_json: &str, options_json: &str) -> PyResult<String> {
+    let (g, o) = (graph_json.to_string(), options_json.to_string());
+    py.detach(move || memplan::api::fuse_json(&g, &o))
+        .map_err(err)
+}
+
 /// The smallest arena within `max_added` of the step's cost (JSON report);
 /// with `already_flops`, of the cost of the step the graph was made from,
 /// which it already adds that many FLOPs to.
@@ -181,6 +190,7 @@ fn _memplan(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_text, m)?)?;
     m.add_function(wrap_pyfunction!(fit_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_offload_json, m)?)?;
+    m.add_function(wrap_pyfunction!(fuse_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_within_json, m)?)?;
     m.add_function(wrap_pyfunction!(fit_split_json, m)?)?;
     m.add_function(wrap_pyfunction!(graph_at_batch_json, m)?)?;

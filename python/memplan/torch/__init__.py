@@ -50,7 +50,7 @@ torch = require("torch", "memplan.torch")
 
 import memplan  # noqa: E402
 
-from . import _distributed, _optim, _parallel, _scaler
+from . import _compiled, _distributed, _optim, _parallel, _scaler
 from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
 from ._clipping import Clipping
 from ._distributed import CollectiveTimeout, RankFailure
@@ -142,6 +142,22 @@ class Step:
     def program(self, order: str = "planned") -> Program:
         return self._planning.program(order)
 
+    @property
+    def kernels(self) -> str:
+        """What runs the planned step: ``"eager"`` (aten's kernels) or
+        ``"inductor"`` (regions of the planned order compiled with
+        Inductor, docs/compiled.md). Setting it makes the planned program
+        again on the next run (the recorded order always runs eagerly)."""
+        return self._planning.kernels
+
+    @kernels.setter
+    def kernels(self, value: str) -> None:
+        p = self._planning
+        p.inductor_options = _compiled.kernel_options(value, p.compiled_parts) if value != "eager" else {}
+        p.kernels = value
+        self._planning.fused = None
+        self._planning.programs.pop("planned", None)
+
     program.__doc__ = Planning.program.__doc__
 
     def _refuse_when_placed(self, why: str) -> None:
@@ -208,6 +224,8 @@ class Step:
             )
         if self.tracked_peak_bytes is not None:
             s["tracked_peak_bytes"] = self.tracked_peak_bytes
+        if self._planning.fused is not None:
+            s["inductor"] = self._planning.fused.stats()
         g = self._running.graphed
         if g is not None:
             s.update(graph_recordings=g.recordings, graph_launches=g.launches, graph_refused=g.refused)
@@ -221,7 +239,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
             norm_type: float = 2.0, accumulate: int = 1, scaler=None,
             clip_grad_value: Optional[float] = None, collective_timeout: float = 300.0,
-            split: Any = None) -> Step:
+            split: Any = None, kernels: str = "eager") -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -301,11 +319,25 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     planned on a laptop) is traced as if it were on `meta_device`, so the
     kernels that device's dispatcher picks (e.g. CPU flash attention) are
     the ones recorded; such a step can be planned but not run.
+
+    A model with ``torch.compile``d parts (the whole model, or blocks
+    compiled with ``fullgraph=True`` as torchtitan does) is recorded
+    through them: the aten ops they compute, the same math as eager
+    (:mod:`memplan.torch._compiled`). `kernels` says what runs the planned
+    step: ``"eager"`` (aten's kernels, one call per op; a model with
+    compiled parts gets a warning naming them) or ``"inductor"``
+    (regions of the planned order compiled with Inductor on the first
+    run, never above the plan's max live; :attr:`Step.kernels`,
+    docs/compiled.md). The compiled parts' Inductor options apply to
+    every region; another backend, ``dynamic=True`` and CUDA graphs are
+    refused by name.
     """
     if budget is not None and max_added is not None:
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
     clip = Clipping.of(clip_grad_norm, norm_type, clip_grad_value)
     t0 = time.perf_counter()
+    parts = _compiled.compiled_parts(model)
+    inductor_options = _compiled.kernel_options(kernels, parts)
     dist = _parallel.rank_group(model, collective_timeout)
     optimizer = _optim.Optimizers(optimizer)  # one, or several over disjoint parameters
     hyper = _optim.Hyper(optimizer)
@@ -322,7 +354,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     if _scaler.active(scaler):
         inputs.scaler(scaler, _scaler.prepare(scaler, next(iter(params.values())).device))
     try:
-        loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip, dist)
+        with _compiled.recording():
+            loss_index, updated, norm_index, gate = _trace(rec, model, optimizer, hyper, loss_fn, inputs, clip, dist)
     except UnsupportedStep as e:
         where = _callers_line(e.__traceback__)
         if where is None:
@@ -353,6 +386,8 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
                         group_slots=tuple(inputs.group_slots), seconds=time.perf_counter() - t0,
                         meta=traced is not None)
     step = Step(model, optimizer, hyper, captured, scaling=scaling, dist=dist)
+    step._planning.kernels, step._planning.inductor_options = kernels, inductor_options
+    step._planning.compiled_parts = parts
     if split not in (None, "off", 1):
         step.split_loss(split, time_limit=time_limit)
     if budget is not None:

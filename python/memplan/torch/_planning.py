@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 
 import memplan
 
-from . import _split
+from . import _fused, _split
 from . import _distributed, _scaler
 from ._capture import Captured
 from ._aten import without_writes
@@ -56,6 +56,12 @@ class Planning:
         self._keep = list(c.bound) + [c.loss] + ([c.norm] if c.norm is not None else [])
         self._scaling = scaling
         self._dist = dist
+        # Which kernels the planned program runs (docs/compiled.md), the
+        # Inductor options of its regions, and what the regions are.
+        self.kernels = "eager"
+        self.inductor_options: Dict[str, Any] = {}
+        self.compiled_parts: list = []  # the model's torch.compiled modules (_compiled.CompiledPart)
+        self.fused: Optional[_fused.Fused] = None
 
     def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
         """Plans the graph with memplan (checked by its independent checker)."""
@@ -249,7 +255,10 @@ class Planning:
             else:
                 raise ValueError(f"order must be 'planned' or 'eager', not {order!r}")
             takes = self._taken_reuses() if order == "planned" else None
-            self.programs[order] = Program(self.calls, seq, self._keep, takes, self._gate())
+            calls = self.calls
+            if order == "planned" and self.kernels == "inductor":
+                calls, seq, self.fused = _fused.planned(self, seq)
+            self.programs[order] = Program(calls, seq, self._keep, takes, self._gate())
         return self.programs[order]
 
     def _gate(self) -> Optional[Gate]:

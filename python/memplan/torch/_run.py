@@ -290,7 +290,8 @@ class Program:
             for pos, k in enumerate(self.order):
                 c = self.calls[k]
                 only = c.outputs[0][1] if len(c.outputs) == 1 and c.outputs[0][0] == 0 else None
-                bind = _binder(c.args, c.kwargs, bool(optimizer_calls[k]))
+                # Calls past the recorded ones (compiled regions) read no optimizer number.
+                bind = _binder(c.args, c.kwargs, k < len(optimizer_calls) and bool(optimizer_calls[k]))
                 plan.append((bind, k, getattr(c.func, "_op", c.func), c.outputs, only, self.dies[pos]))
             held = self._held_plan = (optimizer_calls, plan)
         return held[1]

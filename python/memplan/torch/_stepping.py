@@ -92,6 +92,10 @@ class Running:
         if graph:
             self._graph_checks(order, track)
             arena = True
+        if arena and planning.kernels == "inductor" and order == "planned":
+            raise UnsupportedStep("kernels='inductor' runs its compiled regions on the caching allocator, not in "
+                                  "the arena yet: run it with arena=False and graph=False, or set "
+                                  "step.kernels = 'eager'")
         if arena and self._dist is not None and not self._dist.supports_arena:
             raise UnsupportedStep("this sharded step runs outside the arena")
         if arena:
