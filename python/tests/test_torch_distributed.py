@@ -345,6 +345,42 @@ def assert_steps_at_plan(test, peaks, planned, side):
     test.assertGreaterEqual(min(peaks), planned - 1024, side)
 
 
+# The Hugging Face Llama benchmarks.bench_distributed builds with --layers 2
+# --hidden 64 --vocab 256 --seq 32, as a config.json for the estimator.
+BENCH_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 170,
+               "num_hidden_layers": 2, "num_attention_heads": 1, "num_key_value_heads": 1,
+               "max_position_embeddings": 32, "tie_word_embeddings": False}
+
+
+def estimated(*args, world=2):
+    """`python -m memplan.torch.estimate` of one rank at `world` (FSDP2 eager
+    simulated for the CPU, plans within 2 s as the benchmark's)."""
+    with tempfile.TemporaryDirectory() as d:
+        cfg = os.path.join(d, "config.json")
+        with open(cfg, "w") as f:
+            json.dump(BENCH_LLAMA, f)
+        args = [cfg if a == "BENCH_LLAMA" else a for a in args]
+        out = subprocess.run([sys.executable, "-m", "memplan.torch.estimate", "--world", str(world), "--device", "cpu",
+                              "--time-limit", "2", "--json", *args], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise AssertionError(out.stderr[-3000:])
+    return json.loads(out.stdout)
+
+
+def assert_estimate_is_the_run(test, est, rows):
+    """The estimate (one rank captured on the meta device under the fake
+    process group) against the real gloo run of the same configuration:
+    memplan's rows are the real rank 0's plans, which its tracked peaks
+    are; FSDP2 eager's allocated row within 3% of the real eager peak
+    (docs/estimate.md states the residual)."""
+    e = est["rows"]
+    test.assertEqual(e["memplan-plan"], rows["memplan"]["max_live_bytes"])
+    assert_steps_at_plan(test, rows["memplan"]["peak_bytes_per_step"], e["memplan-plan"], "estimate")
+    test.assertEqual(e["memplan-fit-0.1%"], rows["memplan-fit-0.1%"]["max_live_bytes"])
+    real = rows["fsdp2-eager"]["peak_bytes"]
+    test.assertLessEqual(abs(e["fsdp2-eager-allocated"] - real), 0.03 * real, (e, real))
+
+
 class TorchtitanStepsMatchTorchtitanEager(unittest.TestCase):
     """torchtitan's own Llama 3 debug model, wrapped by torchtitan's own
     apply_ac (none, selective, full) and apply_fsdp (gradients summed over
@@ -458,6 +494,19 @@ class DataParallelBench(unittest.TestCase):
         sim, real = rows["memplan"]["simulated_eager"]["program-order"], eager["peak_bytes"]
         self.assertLessEqual(sim, 1.01 * real)
         self.assertGreater(sim, 0.85 * real)
+        assert_estimate_is_the_run(self, estimated("--config", "BENCH_LLAMA", "--seq", "32", "--mixed-precision",
+                                                   "fp32"), rows)
+
+    def test_the_estimate_at_four_ranks(self):
+        # Rank 0 of four: its shards, FSDP2's all-gathers of four, the
+        # estimate of the same configuration made in one process.
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_distributed", "--fsdp", "--world", "4",
+                              "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "32", "--time-limit",
+                              "2", "--steps", "3", "--mixed-precision", "--json", "--timeout", "240"],
+                             capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        rows = json.loads(out.stdout[out.stdout.index("{"):])
+        assert_estimate_is_the_run(self, estimated("--config", "BENCH_LLAMA", "--seq", "32", world=4), rows)
 
     def test_per_rank_peaks_of_torchtitan_eager_and_memplan(self):
         # torchtitan's own model, wrapping, loss and clipping (--torchtitan):
@@ -480,6 +529,8 @@ class DataParallelBench(unittest.TestCase):
             self.assertLessEqual(max(r["peak_bytes_per_step"]), rows["fsdp2-eager"]["peak_bytes"], side)
             for a, b in zip(r["parameter_norms"], rows["fsdp2-eager"]["parameter_norms"], strict=True):
                 self.assertAlmostEqual(a, b, delta=1e-5 * abs(b), msg=side)
+        assert_estimate_is_the_run(self, estimated("--torchtitan", "debugmodel", "--layers", "2", "--seq", "512",
+                                                   "--mixed-precision", "fp32"), rows)
 
     def test_fsdp2_eager_simulated_under_mixed_precision(self):
         # MixedPrecisionPolicy(bf16, reduce float32): bf16 gathers, float32
@@ -496,3 +547,4 @@ class DataParallelBench(unittest.TestCase):
         self.assertGreater(sim, 0.85 * real)
         for side in ("memplan", "memplan-fit-0.1%"):
             self.assertLessEqual(max(rows[side]["peak_bytes_per_step"]), real, side)
+        assert_estimate_is_the_run(self, estimated("--config", "BENCH_LLAMA", "--seq", "32"), rows)

@@ -50,7 +50,7 @@ torch = require("torch", "memplan.torch")
 
 import memplan  # noqa: E402
 
-from . import _compiled, _distributed, _optim, _parallel, _scaler
+from . import _compiled, _distributed, _estimate, _optim, _parallel, _scaler
 from ._capture import Captured, _callers_line, _Inputs, _step_device, _trace
 from ._clipping import Clipping
 from ._distributed import CollectiveTimeout, RankFailure
@@ -61,7 +61,7 @@ from ._record import Recorder
 from ._run import Arena, Program
 from ._stepping import Running
 
-__all__ = ["capture", "train_step", "compile", "max_batch", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
+__all__ = ["capture", "train_step", "compile", "max_batch", "estimate", "Step", "UnsupportedStep", "RankFailure", "CollectiveTimeout"]
 
 
 class Step:
@@ -424,6 +424,48 @@ def max_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     r = memplan.max_batch(graphs[0], graphs[1], budget, batches=(b1, b2), probe_time=probe_time)
     r["graphs"] = graphs
     return r
+
+
+def estimate(config: Any = None, **options) -> Dict[str, Any]:
+    """One rank's memory for a training configuration, estimated in this
+    process without the ranks or the GPUs.
+
+    The model is one of: `config`, a Hugging Face config (a ``config.json``
+    path, its folder, a dict or a ``PretrainedConfig``: its causal LM);
+    `torchtitan`, a torchtitan Llama 3 flavor (``"debugmodel"``, ``"8B"``,
+    ``"70B"``); or `model_class` called with `model_args` (a module whose
+    ``model(input_ids=, labels=).loss`` is the loss); `layers` overrides
+    the depth of the first two (a shallower try of the same model). The mesh is
+    `dp_replicate` x `dp_shard` x `tp` ranks (`dp_shard` defaults to
+    `world` over the others; HSDP when `dp_replicate` > 1); each rank
+    trains `accumulate` micro-batches of `micro_batch` x `seq` tokens per
+    step, `mixed_precision` ``"bf16"`` (FSDP2's bf16 parameters, float32
+    reduction, as torchtitan's default) or ``"fp32"``, `ac` ``"none"``,
+    ``"full"``, ``"selective"`` (torchtitan's: every second block) or
+    ``"selective-op"``, `optimizer` ``"adamw"``, ``"adam"`` or ``"sgd"``,
+    clipping at `clip_grad_norm` (torchtitan's default: 1.0 for its
+    flavors, none otherwise). FSDP2 eager is simulated on `device`
+    (``"cuda"``, or ``"cpu"`` to compare with gloo runs on the CPU).
+
+    Returns ``{"configuration", "ops", "capture_seconds",
+    "plan_seconds", "rows": {key: bytes}, "descriptions",
+    "max_micro_batch"}`` (the last with `device_memory`: the largest
+    micro-batch each side fits in it, ``cap`` meaning at least). Tensor,
+    pipeline and expert parallelism are refused by name, and an
+    impossible mesh (heads that do not divide over tp, a mesh larger than
+    the world) before anything is made.
+
+    The keyword options, with their defaults: ``torchtitan``,
+    ``model_class``, ``model_args``, ``layers``, ``world``, ``dp_shard``,
+    ``dp_replicate=1``, ``tp=1``, ``pp=1``, ``ep=1``, ``seq=2048``,
+    ``micro_batch=1``, ``accumulate=1``, ``mixed_precision="bf16"``,
+    ``ac="none"``, ``optimizer="adamw"``, ``clip_grad_norm``,
+    ``device="cuda"``, ``device_memory`` (bytes, or ``"80GiB"``),
+    ``time_limit=30.0`` (seconds for the plan and for the fit, each) and
+    ``progress=False`` (a progress bar on stderr). The command line is
+    ``python -m memplan.torch.estimate`` (docs/estimate.md).
+    """
+    return _estimate.estimate(capture, config, **options)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
