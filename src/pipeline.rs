@@ -244,12 +244,27 @@ fn candidates(
     if oib != g.program_order() {
         orders.push(("optimizer-in-backward", Lowered::from_op_ids(&oib)));
     }
+    // A captured FSDP2 step: FSDP2 eager's own order (its gathers issued
+    // as gloo does, at most one unit ahead in the backward), so that no
+    // plan is above the order the user's eager step runs in (seen on
+    // torchtitan's 70B shape with full AC at 64 ranks, where the solver's
+    // orders held more than eager's: docs/estimate.md).
+    if let Some(eager) =
+        crate::baselines::fsdp_eager::eager_order(g, crate::baselines::fsdp_eager::Prefetch::CPU)
+    {
+        orders.push(("fsdp2-eager", Lowered::from_op_ids(&eager)));
+    }
     for (_, order) in &g.extra_orders {
         orders.push(("given-order", Lowered::from_op_ids(order)));
     }
     let given: Vec<(String, Vec<solver::OpIdx>)> = orders
         .iter()
-        .filter(|(s, _)| !matches!(*s, "list-schedule" | "optimizer-in-backward"))
+        .filter(|(s, _)| {
+            !matches!(
+                *s,
+                "list-schedule" | "optimizer-in-backward" | "fsdp2-eager"
+            )
+        })
         .map(|(s, o)| (s.to_string(), o.clone()))
         .collect();
     // The work after the ordering (evaluating the candidates, the first

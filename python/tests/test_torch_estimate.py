@@ -78,6 +78,15 @@ class EstimateOfATinyLlama(unittest.TestCase):
         self.assertLessEqual(at["rows"]["memplan-plan-arena"], m["budget_bytes"])
         self.assertIn("largest micro-batch in 8 MiB", mt._estimate.table(r))
 
+    def test_the_plan_is_never_above_fsdp2_eagers_order(self):
+        # torchtitan's 70B shape, 8 of its blocks, full AC, 64 ranks: the
+        # solver's orders held 20.1 GiB where FSDP2 eager's holds 16.9
+        # (2026-12-03); FSDP2 eager's order is now a candidate of the plan.
+        r = mt.estimate(torchtitan="70B", layers=8, world=64, seq=8192, ac="full", time_limit=10)
+        rows = r["rows"]
+        self.assertLessEqual(rows["memplan-plan"], rows["fsdp2-eager-allocated"])
+        self.assertLessEqual(rows["lower-bound"], rows["memplan-plan"])
+
     def test_the_command_line_prints_the_table_and_json(self):
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "config.json"), "w") as f:
