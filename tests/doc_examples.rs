@@ -450,10 +450,10 @@ fn every_doc_with_commands_is_tested() {
 
 const TESTED: &[&str] = &[
     "README.md",
-    "python/README.md",
     "docs/allocator.md",
     "docs/benchmarks.md",
     "docs/cli.md",
+    "docs/distributed.md",
     "docs/fit.md",
     "docs/graph-format.md",
     "docs/hlo.md",
@@ -474,10 +474,10 @@ macro_rules! doc_tests {
 
 doc_tests! {
     readme => "README.md",
-    python_readme => "python/README.md",
     allocator => "docs/allocator.md",
     benchmarks => "docs/benchmarks.md",
     cli => "docs/cli.md",
+    distributed => "docs/distributed.md",
     fit => "docs/fit.md",
     graph_format => "docs/graph-format.md",
     hlo => "docs/hlo.md",

@@ -14,7 +14,7 @@ import memplan
 import memplan.torch as mt
 from memplan.torch import _split
 
-# Documented tolerances (python/README.md, docs/splitting.md): float32 steps
+# Documented tolerances (docs/step.md, docs/splitting.md): float32 steps
 # differ from eager by summation order only.
 LOSS_RTOL_F32 = 1e-5
 PARAM_RTOL_F32 = 1e-5

@@ -723,7 +723,7 @@ def _kind(opt: torch.optim.Optimizer) -> str:
     for g, group in enumerate(opt.param_groups):
         # `fused` and `foreach` choose PyTorch's kernels, not the update:
         # the captured step runs the single-tensor arithmetic either way
-        # (equal to the fused kernels to rounding: python/README.md).
+        # (equal to the fused kernels to rounding: docs/step.md).
         for flag in ("amsgrad", "maximize", "differentiable", "capturable"):
             if group.get(flag) and flag not in KINDS[kind].flags:
                 raise UnsupportedStep(f"optimizer {name}, param group {g}: {flag}=True is not supported")
