@@ -133,9 +133,11 @@ class Step:
     split_loss.__doc__ = Planning.split_loss.__doc__
 
     def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
-            *, max_added: Optional[float] = None) -> Dict[str, Any]:
+            *, max_added: Optional[float] = None, offload: Any = None,
+            max_slowdown: Optional[float] = None) -> Dict[str, Any]:
         self._refuse_when_placed("the step already runs in its arena; fit before the first arena run")
-        return self._planning.fit(budget, time_limit, minimise, max_added=max_added)
+        return self._planning.fit(budget, time_limit, minimise, max_added=max_added, offload=offload,
+                                  max_slowdown=max_slowdown)
 
     fit.__doc__ = Planning.fit.__doc__
 
@@ -239,7 +241,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
             max_added: Optional[float] = None, clip_grad_norm: Optional[float] = None,
             norm_type: float = 2.0, accumulate: int = 1, scaler=None,
             clip_grad_value: Optional[float] = None, collective_timeout: float = 300.0,
-            split: Any = None, kernels: str = "eager") -> Step:
+            split: Any = None, kernels: str = "eager", offload: Any = None) -> Step:
     """Captures one training step of `model` and plans it.
 
     `loss_fn(model, batch)` returns the scalar loss; `example_batch` is a
@@ -254,7 +256,9 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     (:meth:`Step.fit`, within `time_limit` seconds); with `max_added` (a
     share of the step's FLOPs, e.g. 0.001), it becomes the smallest step
     memplan finds for at most that many more FLOPs
-    (``Step.fit(max_added=..., minimise="flops")``).
+    (``Step.fit(max_added=..., minimise="flops")``). With `budget` and
+    ``offload=True`` (or :func:`memplan.fit`'s offload options), host
+    memory is a lever too: ``Step.fit(budget, offload=...)``, docs/offload.md.
 
     A model wrapped with ``DistributedDataParallel`` is captured, in each
     process of its group, as the step that rank runs: its forward and
@@ -334,6 +338,9 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     """
     if budget is not None and max_added is not None:
         raise TypeError("give either budget (bytes) or max_added (a share of the step's FLOPs)")
+    if offload and budget is None:
+        raise TypeError("offload goes with budget (bytes); for the smallest step within a slowdown, "
+                        "call step.fit(offload=True, max_slowdown=0.05) on the captured step")
     clip = Clipping.of(clip_grad_norm, norm_type, clip_grad_value)
     t0 = time.perf_counter()
     parts = _compiled.compiled_parts(model)
@@ -391,7 +398,7 @@ def capture(model: torch.nn.Module, optimizer, example_batch: Any,
     if split not in (None, "off", 1):
         step.split_loss(split, time_limit=time_limit)
     if budget is not None:
-        step.fit(budget, time_limit=time_limit)
+        step.fit(budget, time_limit=time_limit, offload=offload)
     elif max_added is not None:
         step.fit(max_added=max_added, minimise="flops", time_limit=time_limit)
     elif plan and step.plan is None:

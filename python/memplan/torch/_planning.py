@@ -3,7 +3,7 @@ into a budget by recomputation, and the program of calls in the planned or
 the recorded order (:class:`Planning`).
 
 A step starts as captured; :meth:`Planning.fit` swaps in the fitted graph,
-its plan and its calls (:func:`_recomputed_program`), and fitting again
+its plan and its calls (:mod:`memplan.torch._fitting`), and fitting again
 starts from the captured step. With data parallelism every plan and fit is
 made on the group's first rank and sent to the others
 (:meth:`Planning._own_rank`), so every rank runs one order.
@@ -18,15 +18,12 @@ import dataclasses
 import time
 from typing import Any, Dict, List, Optional
 
-from torch.utils._pytree import tree_map
-
 import memplan
 
-from . import _fused, _split
+from . import _fitting, _fused, _split
 from . import _distributed, _scaler
 from ._capture import Captured
-from ._aten import without_writes
-from ._calls import Call, Ref
+from ._calls import Call
 from ._run import Gate, Program
 
 
@@ -62,6 +59,7 @@ class Planning:
         self.inductor_options: Dict[str, Any] = {}
         self.compiled_parts: list = []  # the model's torch.compiled modules (_compiled.CompiledPart)
         self.fused: Optional[_fused.Fused] = None
+        self.host: set = set()  # the graph's tensors in host memory (an offloaded step's)
 
     def make_plan(self, time_limit: float = 10.0) -> Dict[str, Any]:
         """Plans the graph with memplan (checked by its independent checker)."""
@@ -171,7 +169,8 @@ class Planning:
         return plan
 
     def fit(self, budget: Optional[int] = None, time_limit: float = 60.0, minimise: str = "time",
-            *, max_added: Optional[float] = None) -> Dict[str, Any]:
+            *, max_added: Optional[float] = None, offload: Any = None,
+            max_slowdown: Optional[float] = None) -> Dict[str, Any]:
         """Fits the step into `budget` bytes by recomputation.
 
         memplan chooses the forward ops to run again in the backward pass
@@ -196,52 +195,18 @@ class Planning:
         undone (as ``memplan fit --split --max-added`` leaves such a split
         out): the step is fitted as captured, and :attr:`split` says so
         (``chunks`` 1, ``dropped``).
+
+        With `offload` (``True``, or a dict of ``device``, ``link_gbps``,
+        ``host_memory`` as :func:`memplan.fit` takes), host memory is a
+        lever too (docs/offload.md): memplan chooses which tensors leave
+        the device and when they come back, with recomputation, for the
+        least modeled time within `budget`, or, with `max_slowdown`
+        (``0.05``: 5%) instead of a budget, the smallest device arena
+        within that modeled slowdown. The step then runs the copies
+        (:mod:`memplan.torch._offload`; on the CPU only so far, outside the
+        arena), and the report has the figures under ``offload``.
         """
-        base = self.captured
-        split_added = self.split["added_flops"] if self.split is not None else 0
-        unsplit = self._unsplit
-        t0 = time.perf_counter()
-
-        def make():
-            # Within a share, the core counts the split's FLOPs against it
-            # (memplan.fit's already_added_flops) and refuses a split that
-            # alone exceeds it: then the step as captured is fitted.
-            fit = lambda graph, **kw: memplan.fit(graph, budget, time_limit=time_limit,  # noqa: E731
-                                                  minimise=minimise, max_added=max_added, **kw)
-            if split_added <= 0 or max_added is None:
-                return fit(base.graph)
-            try:
-                return fit(base.graph, already_added_flops=split_added)
-            except memplan.MemplanError as e:
-                if e.kind != "does_not_fit":
-                    raise
-                return {**fit(unsplit.graph), "dropped": str(e)}
-
-        fitted = make() if self._dist is None else self._dist.from_first_rank(make, "fitting the step")
-        if "dropped" in fitted:
-            base = self._drop_split(fitted.pop("dropped"))
-            split_added = 0
-        self.plan_seconds = time.perf_counter() - t0
-        kept = self.captured_plan
-        if kept is not None and kept["arena_bytes"] <= fitted["plan"]["arena_bytes"] and (
-                budget is None or kept["arena_bytes"] <= budget):
-            # Never worse than the step's own plan: the fit plans each of
-            # its probes in a share of its time, and its plan without
-            # recomputation can come out larger than the one the step has.
-            fitted.update(arena_bytes=kept["arena_bytes"], max_live_bytes=kept["stats"]["max_live_bytes"],
-                          recomputed_ops=[], added_flops=0, added_seconds_estimate=0.0, kept_unfitted=True)
-            fitted["graph"], fitted["plan"] = base.graph, kept
-        self.graph = _with_sizes_of(base.graph, fitted.pop("graph"))
-        self.plan = self._own_rank(self.graph, fitted.pop("plan"))
-        fitted["max_live_bytes"] = self.plan["stats"]["max_live_bytes"]  # this rank's
-        self.calls, self.layouts = _recomputed_program(base.graph, base.calls, base.layouts, self.graph)
-        self.optimizer_calls = [op["kind"] == "optimizer" for op in self.graph["ops"]]
-        self.programs.clear()
-        if split_added > 0:
-            fitted["split_added_flops"] = split_added
-        self.fitted = fitted
-        return fitted
-
+        return _fitting.fit(self, budget, time_limit, minimise, max_added, offload, max_slowdown)
     def program(self, order: str = "planned") -> Program:
         """The program in the planned order or in the recorded (eager) one."""
         if order not in self.programs:
@@ -283,77 +248,3 @@ class Planning:
             k, o, i = hinted[r["output"]]
             takes[k] = (o, i)
         return takes
-
-
-def _copy_of(fitted: Dict[str, Any]) -> Dict[str, str]:
-    """Each op the fit added to `fitted`, by the id of the op it copies
-    (the graph's ``metadata.recompute_of``, written by the Rust core)."""
-    return fitted.get("metadata", {}).get("recompute_of", {})
-
-
-def _with_sizes_of(graph: Dict[str, Any], fitted: Dict[str, Any]) -> Dict[str, Any]:
-    """`fitted` (made from the group's first rank's graph) with this rank's
-    tensor sizes, from `graph`, this rank's captured step: FSDP2's later
-    shards may be shorter or empty. A recomputed op's outputs are copies of
-    its original's, so they take those sizes. Without data parallelism the
-    two agree and `fitted` comes back as it is."""
-    size = {t["id"]: t["size"] for t in graph["tensors"]}
-    ops = {op["id"]: op for op in graph["ops"]}
-    copy_of = _copy_of(fitted)
-    for op in fitted["ops"]:
-        was = ops.get(copy_of.get(op["id"]))
-        if was is not None:
-            for a, b in zip(was.get("outputs", []), op.get("outputs", [])):
-                size.setdefault(b, size.get(a))
-    if all(size.get(t["id"]) in (None, t["size"]) for t in fitted["tensors"]):
-        return fitted
-    tensors = [dict(t, size=size[t["id"]]) if size.get(t["id"]) is not None else t for t in fitted["tensors"]]
-    return dict(fitted, tensors=tensors)
-
-
-def _recomputed_program(graph: Dict[str, Any], calls: List, layouts: List, fitted: Dict[str, Any]):
-    """The calls and tensor layouts of `fitted`, the step `graph` with
-    recomputed ops added by memplan (docs/fit.md): one call per op of
-    `fitted`, in its order. Tensors keep their indices (memplan appends the
-    copies after the captured tensors); a recomputed op is its original's
-    call on the copies of its inputs, writing the copies of its outputs,
-    and an op that now reads a copy has its arguments redirected."""
-    index = {t["id"]: i for i, t in enumerate(fitted["tensors"])}
-    original = {op["id"]: k for k, op in enumerate(graph["ops"])}
-    new_layouts = list(layouts) + [None] * (len(fitted["tensors"]) - len(layouts))
-    copy_of = _copy_of(fitted)
-    new_calls = []
-    for op in fitted["ops"]:
-        oid = op["id"]
-        if oid in original:
-            k = original[oid]
-        else:
-            k = original.get(copy_of.get(oid))
-            if k is None:
-                raise memplan.MemplanError(f"fitted step: op {oid!r} is neither captured nor a recomputation")
-        was = graph["ops"][k]
-        # A copy of an op whose updates it may skip (batch norm's running
-        # statistics) lists none, and runs without them.
-        skip = (oid not in original and bool(was.get("updates")) and not op.get("updates")
-                and was.get("attrs", {}).get("rerun_without_updates") is True)
-        remap: Dict[int, int] = {}
-        for field in ("inputs", "outputs") + (() if skip else ("updates",)):
-            old, new = was.get(field, []), op.get(field, [])
-            if len(old) != len(new):
-                raise memplan.MemplanError(f"fitted step: op {oid!r} has other {field} than {was['id']!r}")
-            for a, b in zip(old, new):
-                remap[index[a]] = index[b]
-                if new_layouts[index[b]] is None:
-                    new_layouts[index[b]] = layouts[index[a]]
-        c = calls[k]
-
-        def ref(x):
-            return Ref(remap.get(x.index, x.index)) if isinstance(x, Ref) else x
-
-        args, kwargs, writes = c.args, c.kwargs, c.writes
-        if skip:
-            args, kwargs = without_writes(args, kwargs, writes)
-            writes = frozenset()
-        new_calls.append(Call(c.func, tree_map(ref, args), tree_map(ref, kwargs),
-                              [(p, remap.get(i, i)) for p, i in c.outputs], c.random, writes))
-    return new_calls, new_layouts

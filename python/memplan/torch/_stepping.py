@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from . import _distributed, _graph, _optim, _scaler
+from . import _distributed, _graph, _offload, _optim, _scaler
 from ._capture import Captured, _not_a_tensor
 from ._captured import AsCaptured
 from ._errors import UnsupportedStep
@@ -96,6 +96,8 @@ class Running:
             raise UnsupportedStep("kernels='inductor' runs its compiled regions on the caching allocator, not in "
                                   "the arena yet: run it with arena=False and graph=False, or set "
                                   "step.kernels = 'eager'")
+        if arena:
+            _offload.refuse_arena(planning.graph)
         if arena and self._dist is not None and not self._dist.supports_arena:
             raise UnsupportedStep("this sharded step runs outside the arena")
         if arena:
@@ -129,8 +131,9 @@ class Running:
             tracker = StorageTracker(self._device)
             if arena:
                 tracker.count_as_one(placement.arena.buffer)
-            for x in env.values():
-                tracker.track(x)
+            for i, x in env.items():
+                if i not in planning.host:  # an offloaded step's host pool is not device memory
+                    tracker.track(x)
             tracker.measure()
             with tracker:
                 env = go()
