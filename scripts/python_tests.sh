@@ -47,14 +47,7 @@ venv() {
       "mkdocstrings-python==2.0.11"
   fi
 }
-if [ -z "${MEMPLAN_VENV_DONE:-}" ]; then
-  phase "Python: the .venv's packages (torch, transformers, jax, torchtitan, mkdocs)" venv
-fi
-# `python_tests.sh --venv`: only that (scripts/test.sh installs the packages
-# while the Rust tests build, then calls this script again).
-if [ "${1:-}" = "--venv" ]; then
-  exit 0
-fi
+phase "Python: the .venv's packages (torch, transformers, jax, torchtitan, mkdocs)" venv
 export VIRTUAL_ENV="$PWD/.venv"
 phase "Python: the extension (maturin develop)" \
   bash -c 'cd python && ../.venv/bin/maturin develop --quiet --no-default-features'
