@@ -102,8 +102,9 @@ def refuse(device: str, dist: Any, split: Optional[Dict[str, Any]]) -> None:
                               "--offload too); capture without split")
 
 
-def refuse_arena(graph: Dict[str, Any]) -> None:
-    """The arena holds device tensors; an offloaded step runs outside it."""
-    if host_tensors(graph):
+def refuse_arena(host: Set[int]) -> None:
+    """The arena holds device tensors; an offloaded step (one with `host`
+    tensors) runs outside it."""
+    if host:
         raise UnsupportedStep("an offloaded step runs outside the arena so far (its host pool has no places "
                               "yet): run it with arena=False and graph=False")

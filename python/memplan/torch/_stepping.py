@@ -96,11 +96,10 @@ class Running:
             raise UnsupportedStep("kernels='inductor' runs its compiled regions on the caching allocator, not in "
                                   "the arena yet: run it with arena=False and graph=False, or set "
                                   "step.kernels = 'eager'")
-        if arena:
-            _offload.refuse_arena(planning.graph)
         if arena and self._dist is not None and not self._dist.supports_arena:
             raise UnsupportedStep("this sharded step runs outside the arena")
         if arena:
+            _offload.refuse_arena(planning.host)
             if order != "planned":
                 raise ValueError("the arena holds the planned order's layout: run it with order='planned'")
             placement.place()
