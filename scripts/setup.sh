@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what memplan's build needs on a fresh Debian/Ubuntu machine:
 # cmake and libclang-dev (HiGHS is built from source by highs-sys, through
-# cmake and bindgen), a C compiler, and python3 with venv (the Python
+# cmake and bindgen, unless pkg-config finds a prebuilt one), a C compiler, and python3 with venv (the Python
 # package's tests). Rust itself must already be installed (rustup).
 set -euo pipefail
 
@@ -11,6 +11,8 @@ if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ldconfig -p 2>/dev
   need+=(libclang-dev)
 fi
 command -v c++ >/dev/null 2>&1 || need+=(g++)
+# scripts/highs.sh's prebuilt HiGHS is found by highs-sys through pkg-config.
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 # The C ABI's test compiles a C program with `cc`.
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 # tools/limits_bench.py (and its test) measures commands with GNU time.

@@ -15,6 +15,15 @@ report() {
 }
 trap report EXIT
 phase "setup (apt packages)" bash scripts/setup.sh
+# HiGHS prebuilt (PyPI's highsbox wheel, pinned by hash) instead of
+# compiling its C++ sources in the build below; where that cannot be had
+# (another platform, no network), the build compiles them as before.
+if phase "HiGHS: the prebuilt library (scripts/highs.sh)" bash scripts/highs.sh; then
+  export PKG_CONFIG_PATH="$PWD/target/highs${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export LD_LIBRARY_PATH="$PWD/target/highs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  echo "test.sh: no prebuilt HiGHS; the build compiles its sources" >&2
+fi
 # `--features memplan/cuda` builds the CUDA executor too (CUDA is loaded at
 # run time, so no toolkit or GPU is needed), so it cannot rot unseen. The
 # Python extension is built and tested by maturin below, not by cargo test.
@@ -39,7 +48,7 @@ if [ -z "$nvrtc" ]; then
   echo "no libnvrtc.so in .venv's nvidia packages (PyPI's torch wheel brings one)" >&2
   exit 1
 fi
-phase "CUDA kernels compiled by NVRTC" env LD_LIBRARY_PATH="$(dirname "$nvrtc")" \
+phase "CUDA kernels compiled by NVRTC" env LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   cargo test --workspace --exclude memplan-python --lib --features memplan/cuda cuda::compile -- --ignored
 # The Python tools' tests, with the torch that python_tests.sh installed.
 phase "Python tools' tests" .venv/bin/python scripts/timed_unittest.py target/test-times/tools.tsv -s tools -t .

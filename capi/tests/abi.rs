@@ -678,9 +678,16 @@ fn a_c_program_plans_and_checks() {
     assert!(status.success(), "smoke.c did not compile");
     // cargo's LD_LIBRARY_PATH lists target/<profile> too, where an older
     // `cargo build -p memplan-capi` may have left a stale library that
-    // would win over the rpath: the one built for this test goes first.
+    // would win over the rpath: the one built for this test goes first,
+    // before the paths of the libraries it needs itself (a HiGHS that
+    // pkg-config found, scripts/highs.sh).
+    let mut path = std::ffi::OsString::from(&deps);
+    if let Some(rest) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(rest);
+    }
     let out = Command::new(&exe)
-        .env("LD_LIBRARY_PATH", &deps)
+        .env("LD_LIBRARY_PATH", path)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
