@@ -22,9 +22,14 @@ venv() {
   if ! .venv/bin/python -c 'import maturin' >/dev/null 2>&1; then
     .venv/bin/pip install --quiet "maturin>=1.7,<2"
   fi
-  if ! .venv/bin/python -c 'import torch, torchvision, transformers' >/dev/null 2>&1; then
+  # Pinned: a fresh clone on 2026-12-03 got transformers 5.25.0, whose
+  # Mamba2 forward writes a cache counter made outside the step (refused by
+  # name at capture) and which brings the `kernels` package; the tests'
+  # model zoo is checked against these versions.
+  if ! .venv/bin/python -c 'import torch, torchvision, transformers
+assert (torch.__version__.split("+")[0], torchvision.__version__.split("+")[0], transformers.__version__) == ("2.15.0", "0.29.2", "5.24.0")' >/dev/null 2>&1; then
     echo "installing torch, torchvision and transformers into .venv (about 3.5 GB, once)"
-    .venv/bin/pip install --quiet "torch>=2.5,<3" torchvision "transformers>=4.45"
+    .venv/bin/pip install --quiet "torch==2.15.0" "torchvision==0.29.2" "transformers==5.24.0"
   fi
   # XLA's CPU compiler through its PJRT C API plugin, for the test that XLA
   # runs memplan's order (tools/test_xla_run_scheduled.py; docs/hlo.md).
