@@ -38,11 +38,8 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.device = device
         self._live: Dict[int, Any] = {}  # storage key -> (weak ref, bytes, the op that made it)
-        # The bytes of every entry of `_live`, dead ones not yet swept
-        # included: never below the live bytes, so while it is at most the
-        # peak no op can have raised the peak and `measure` skips its sweep.
-        self._held = 0
         self._op: Any = None  # the op whose outputs are being tracked (None: held before the step)
+        self.live_bytes = 0
         self.peak_bytes = 0
         self._peak: List[Tuple[int, Any]] = []  # (bytes, the op that made it) of each storage at the peak
         self._whole: Optional[Tuple[int, int, Any]] = None  # (start, end, arena storage)
@@ -65,29 +62,18 @@ class StorageTracker(TorchDispatchMode):
         ref = StorageWeakRef(st)
         seen = self._live.get(ref.cdata)
         if seen is None or seen[0].expired():  # new, or a dead one's address reused
-            n = st.nbytes()
-            self._held += n - (0 if seen is None else seen[1])
-            self._live[ref.cdata] = (ref, n, self._op)
+            self._live[ref.cdata] = (ref, st.nbytes(), self._op)
 
     def measure(self) -> int:
-        """Raises the peak to the live bytes now, if they are above it.
-
-        The sweep of dead storages costs one check per storage held, and a
-        step holds hundreds (parameters, optimizer state) over thousands
-        of ops, so it runs only when the bytes held, dead ones included,
-        could be above the peak: otherwise the live bytes cannot be.
-        Returns the bytes held, an upper bound on the live bytes (exact
-        right after a sweep)."""
-        if self._held <= self.peak_bytes:
-            return self._held
-        live = self._live
-        for key in [k for k, (r, _, _) in live.items() if r.expired()]:
-            del live[key]
-        total = sum(n for _, n, _ in live.values())
-        self._held = total
+        total = 0
+        for key in [k for k, (r, _, _) in self._live.items() if r.expired()]:
+            del self._live[key]
+        for _, n, _ in self._live.values():
+            total += n
+        self.live_bytes = total
         if total > self.peak_bytes:
             self.peak_bytes = total
-            self._peak = [(n, op) for _, n, op in live.values()]
+            self._peak = [(n, op) for _, n, op in self._live.values()]
         return total
 
     def peak_contents(self) -> List[Tuple[int, Optional[str]]]:
