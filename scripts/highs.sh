@@ -3,8 +3,8 @@
 # headers of PyPI's `highsbox` wheel (HiGHS 1.15.1, one patch above the
 # 1.15.0 that highs-sys bundles), pinned by its hash, with a pkg-config
 # file naming them. highs-sys's `discover` feature (Cargo.toml) links it
-# instead of compiling the bundled C++ sources, 7 to 12 minutes of a 2-core
-# machine's build (docs/testing.md).
+# instead of compiling the bundled C++ sources (442 s of wall time and
+# 711 s of CPU alone on the 2-core machine: docs/testing.md).
 #
 # Prints nothing and exits 0 when target/highs is ready; prints why and
 # exits 1 when it cannot be (another platform than Linux x86_64, no
@@ -15,7 +15,24 @@ dir=target/highs
 version=1.15.1
 wheel=highsbox-$version-py3-none-manylinux2014_x86_64.whl
 sha256=17f30d23ef37488467732b45f141146f7c287826a576b4514ae39a8cc4068b28
-if [ -f "$dir/highs.pc" ] && [ -f "$dir/lib/libhighs.so" ]; then
+# The pkg-config file names absolute paths: written on every call, so a
+# moved checkout finds its own library.
+write_pc() {
+  local abs
+  abs=$(cd "$dir" && pwd)
+  cat > "$dir/highs.pc" <<EOF
+libdir=$abs/lib
+includedir=$abs/include/highs
+
+Name: HiGHS
+Description: HiGHS $version, prebuilt (PyPI's highsbox wheel)
+Version: $version
+Libs: -L\${libdir} -lhighs
+Cflags: -I\${includedir}
+EOF
+}
+if [ -f "$dir/lib/libhighs.so" ] && [ -f "$dir/include/highs/interfaces/highs_c_api.h" ]; then
+  write_pc
   exit 0
 fi
 if [ "$(uname -s)-$(uname -m)" != Linux-x86_64 ]; then
@@ -39,9 +56,9 @@ fi
 import pathlib, shutil, sys, zipfile
 
 out, wheel = pathlib.Path(sys.argv[1]), sys.argv[2]
-prefix = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/highs_dist/lib/libhighs.so"))
-root = prefix[: -len("lib/libhighs.so")]
 with zipfile.ZipFile(wheel) as z:
+    lib = next(n for n in z.namelist() if n.endswith("/highs_dist/lib/libhighs.so"))
+    root = lib[: -len("lib/libhighs.so")]
     for name in z.namelist():
         rel = name[len(root):] if name.startswith(root) else None
         if rel and (rel == "lib/libhighs.so" or (rel.startswith("include/") and not rel.startswith("include/openblas/"))):
@@ -51,14 +68,4 @@ with zipfile.ZipFile(wheel) as z:
                 shutil.copyfileobj(src, dst)
 shutil.rmtree(out / "download")
 EOF
-abs=$(cd "$dir" && pwd)
-cat > "$dir/highs.pc" <<EOF
-libdir=$abs/lib
-includedir=$abs/include/highs
-
-Name: HiGHS
-Description: HiGHS $version, prebuilt (PyPI's highsbox wheel)
-Version: $version
-Libs: -L\${libdir} -lhighs
-Cflags: -I\${includedir}
-EOF
+write_pc
