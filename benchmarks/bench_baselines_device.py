@@ -109,20 +109,37 @@ def _memplan(spec, make, device, batch):
 def _run_timed(step, batches, steps: int, device) -> Dict[str, Any]:
     from .bench import _timed
 
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:  # the first step's own peak too: memplan's makes its arena and settles each call's way then
+        torch.cuda.reset_peak_memory_stats(device)
     losses = [float(step(batches[0]))]
+    first = torch.cuda.max_memory_allocated(device) if cuda else None
     rest = itertools.cycle(batches[1:])
     out: List[float] = []
 
     def one():
         out.append(float(step(next(rest))))
     alloc, res, median = _timed(one, device, steps, lambda: [])
-    return {"allocated_bytes": alloc, "reserved_bytes": res, "step_seconds": median, "losses": losses + out}
+    return {"allocated_bytes": alloc, "reserved_bytes": res, "step_seconds": median, "losses": losses + out,
+            "first_step_allocated_bytes": first}
 
 
 def _oom(e: BaseException) -> bool:
     import torch
 
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+
+
+def _oom_note(b: int, where: str, e: BaseException) -> Dict[str, Any]:
+    """What an out-of-memory error at batch `b` said (PyTorch's message
+    names the allocation it refused and what the process held), and the
+    bytes allocated when it was caught."""
+    import torch
+
+    held = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    return {"batch": b, "where": where, "allocated_bytes": held, "message": " ".join(str(e).split())[:400]}
 
 
 def _release(model=None) -> None:
@@ -194,6 +211,7 @@ def _largest_memplan(spec, make, device, vocab) -> Dict[str, Any]:
     # at batches 1 and 2 and taken to grow linearly with the batch (cuDNN
     # attention's workspace does), never below batch 1's.
     seen: Dict[int, int] = {}
+    notes: List[Dict[str, Any]] = []  # each out-of-memory error, where it happened
     for b in (1, 2) if upto >= 2 else (1,):
         model, step, s, _ = _memplan(spec, make, device, _batch(vocab, b, seq, device, 0))
         try:
@@ -202,6 +220,7 @@ def _largest_memplan(spec, make, device, vocab) -> Dict[str, Any]:
             if b == 1 or not _oom(e):
                 raise
             r = None
+            notes.append(_oom_note(b, "measuring what the step holds outside its arena", e))
         plans[b] = s.plan["arena_bytes"]
         if r is not None:
             seen[b] = r["allocated_bytes"] - s.plan["arena_bytes"]
@@ -225,10 +244,19 @@ def _largest_memplan(spec, make, device, vocab) -> Dict[str, Any]:
             else:
                 bad = mid
     out: Dict[str, Any] = {"planned_batch": good, "outside_arena_bytes": seen[1],
-                           "outside_arena_growth_per_sample": growth, "planned_arena_bytes": plans.get(good)}
+                           "outside_arena_growth_per_sample": growth, "planned_arena_bytes": plans.get(good),
+                           "planned_arena_by_batch": dict(sorted(plans.items())), "out_of_memory": notes}
     def attempt(b: int):  # (fit figures, timing) of memplan's step at batch b; its tensors die on return
-        _, step, _, fit = _memplan(spec, make, device, _batch(vocab, b, seq, device, 0))
-        return fit, _run_timed(step, [_batch(vocab, b, seq, device, 10 + i) for i in range(2)], spec["steps"], device)
+        where = "capture and plan"
+        try:
+            _, step, _, fit = _memplan(spec, make, device, _batch(vocab, b, seq, device, 0))
+            where = "the planned step's runs"
+            return fit, _run_timed(step, [_batch(vocab, b, seq, device, 10 + i) for i in range(2)], spec["steps"],
+                                   device)
+        except Exception as e:  # noqa: BLE001 - noted, then handled by the caller
+            if _oom(e):
+                notes.append(_oom_note(b, where, e))
+            raise
 
     while good:
         ran = None
@@ -241,7 +269,8 @@ def _largest_memplan(spec, make, device, vocab) -> Dict[str, Any]:
             fit, r = ran
             out.update(fit)
             out.update(largest_batch=good, allocated_bytes=r["allocated_bytes"], reserved_bytes=r["reserved_bytes"],
-                       step_seconds=r["step_seconds"], tokens_per_second=good * seq / r["step_seconds"])
+                       step_seconds=r["step_seconds"], tokens_per_second=good * seq / r["step_seconds"],
+                       first_step_allocated_bytes=r["first_step_allocated_bytes"])
             return out
         out.setdefault("out_of_memory_at", []).append(good)
         _release()  # (after the except clause, whose traceback held the failed attempt's frames)
@@ -369,8 +398,12 @@ def _line(side: str, r: Dict[str, Any]) -> str:
     if "allocated_bytes" in r:
         parts.append(f"allocated {r['allocated_bytes'] / gib:7.3f} GiB, reserved {(r['reserved_bytes'] or 0) / gib:7.3f} "
                      f"GiB, step {1000 * r['step_seconds']:8.1f} ms")
+    if r.get("first_step_allocated_bytes"):
+        parts.append(f"first step {r['first_step_allocated_bytes'] / gib:7.3f} GiB")
     if "tokens_per_second" in r:
         parts.append(f"{r['tokens_per_second']:10.0f} tokens/s")
+    if r.get("out_of_memory"):
+        parts.append("out of memory at " + ", ".join(f"b{n['batch']} ({n['where']})" for n in r["out_of_memory"]))
     if "added_flops_share" in r:
         parts.append(f"+{100 * r['added_flops_share']:.3f}% FLOPs")
     if "max_live_bytes" in r:

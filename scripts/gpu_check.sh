@@ -340,7 +340,9 @@ baselines_cap() {
   # and its fit at 0.1%, selective checkpointing with the optimizer in the
   # backward (the strongest eager side that adds no matrix-product FLOPs),
   # then the two eager sides the 2026-11-27 run did not reach), each in its
-  # own process stopped after CAP_SIDE_S seconds.
+  # own process stopped after CAP_SIDE_S seconds (default 150; memplan's
+  # side at the 1b size took 226 s on an H200 on 2026-12-04, a capture and
+  # plan of the 1.24B-parameter step per batch tried: give it 300 there).
   # The model: CAP_MODEL (hf-llama or hf-gpt2) at CAP_SIZE (bench_baselines'
   # sizes; default medium: 8 layers, hidden 1024), seq CAP_SEQ (1024),
   # batches up to CAP_UPTO (16), bf16 autocast with CAP_BF16=1. Issue 39's

@@ -134,6 +134,19 @@ class EachSideInItsOwnProcess(unittest.TestCase):
         need = r["planned_arena_bytes"] + r["outside_arena_bytes"] + r["outside_arena_growth_per_sample"] * (b - 1)
         self.assertLessEqual(need, spec["cap_bytes"], r)
         self.assertGreater(r["tokens_per_second"], 0)
+        # Every batch the search planned, with its arena; the next batch's
+        # plan is past the cap (the search stopped there).
+        by_batch = r["planned_arena_by_batch"]
+        self.assertEqual(by_batch[b], r["planned_arena_bytes"])
+        self.assertIn(b + 1, by_batch)
+        after = by_batch[b + 1] + r["outside_arena_bytes"] + r["outside_arena_growth_per_sample"] * b
+        self.assertGreater(after, spec["cap_bytes"], r)
+        self.assertEqual(r["out_of_memory"], [])  # (the CPU has no cap)
+        # An out-of-memory error is kept with its batch, where it happened
+        # and PyTorch's message (which names the refused allocation).
+        note = dev._oom_note(3, "the planned step's runs", RuntimeError("CUDA out of memory. Tried to allocate\n2.00 GiB."))
+        self.assertEqual((note["batch"], note["where"]), (3, "the planned step's runs"))
+        self.assertEqual(note["message"], "CUDA out of memory. Tried to allocate 2.00 GiB.")
 
     def test_bf16_autocast_on_every_side(self):
         """--bf16: every side's loss under bf16 autocast (mixed precision as
