@@ -323,6 +323,30 @@ fn region(g: &Graph, order: &[OpId], places: &Places, k: usize, a: usize, b: usi
     }
 }
 
+/// Every tensor of `g` once, each base before its views. A graph's list
+/// need not be in that order: recomputation appends a recomputed base
+/// after the views that the recorded ops it feeds already made of it.
+fn bases_first(g: &Graph) -> Vec<TensorId> {
+    let mut listed = vec![false; g.num_tensors()];
+    let mut out = Vec::with_capacity(g.num_tensors());
+    for t in g.tensor_ids() {
+        let mut chain = vec![t];
+        while let Some(v) = g.tensor(*chain.last().expect("not empty")).view_of {
+            if listed[v.index()] {
+                break;
+            }
+            chain.push(v);
+        }
+        for &u in chain.iter().rev() {
+            if !listed[u.index()] {
+                listed[u.index()] = true;
+                out.push(u);
+            }
+        }
+    }
+    out
+}
+
 /// The graph with one op per region, listed in the fused order.
 fn fused_graph(
     g: &Graph,
@@ -344,12 +368,21 @@ fn fused_graph(
     }
     let mut b = GraphBuilder::new(g.name.clone());
     let mut id = vec![None; g.num_tensors()];
-    for t in g.tensor_ids() {
+    for t in bases_first(g) {
         if dropped[t.index()] {
             continue;
         }
         let mut spec = TensorSpec::from(g.tensor(t));
-        spec.view_of = spec.view_of.map(|v| id[v.index()].expect("bases are kept"));
+        spec.view_of = match spec.view_of {
+            None => None,
+            Some(v) => Some(id[v.index()].ok_or_else(|| {
+                Error::Internal(format!(
+                    "fuse: tensor {:?} is kept but its base {:?} is dropped",
+                    g.tensor(t).name,
+                    g.tensor(v).name
+                ))
+            })?),
+        };
         id[t.index()] = Some(b.add_tensor(spec));
     }
     let map = |ts: &[TensorId]| -> Vec<TensorId> {
