@@ -6,6 +6,7 @@ from the allocator's events over one more step.
 
     python -m benchmarks.bench_compiled                           # Llama 8 x 512 and GPT-2 6 x 512, seq 512, b4, f32
     python -m benchmarks.bench_compiled --bf16 --json out.json    # under bf16 autocast
+    python -m benchmarks.bench_compiled --cap 1300                # each side's largest batch in 1300 MiB, tokens/s
 
 The sides:
 
@@ -98,6 +99,15 @@ def _side(side: str, model, loss_fn, batch, time_limit: float):
 
 
 def run_side(side: str, make, loss_fn, batches, steps: int, time_limit: float) -> Dict[str, Any]:
+    if side.startswith("compile-amb-"):  # the partitioner's budget, for this side's compiles only
+        import torch._functorch.config
+
+        with torch._functorch.config.patch(activation_memory_budget=float(side.rsplit("-", 1)[1])):
+            return _run_side(side, make, loss_fn, batches, steps, time_limit)
+    return _run_side(side, make, loss_fn, batches, steps, time_limit)
+
+
+def _run_side(side: str, make, loss_fn, batches, steps: int, time_limit: float) -> Dict[str, Any]:
     model = make()
     t0 = time.perf_counter()
     step, opt, extra = _side(side, model, loss_fn, batches[0], time_limit)
@@ -126,17 +136,49 @@ def measure(model: str, make, loss_fn, batch: int, seq: int, vocab: int, steps: 
     batches = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(3)]
     rows: Dict[str, Dict[str, Any]] = {}
     for side in sides:
-        if side.startswith("compile-amb-"):
-            budget = float(side.rsplit("-", 1)[1])
-            with torch._functorch.config.patch(activation_memory_budget=budget):
-                rows[side] = run_side(side, make, loss_fn, batches, steps, time_limit)
-        else:
-            rows[side] = run_side(side, make, loss_fn, batches, steps, time_limit)
+        rows[side] = run_side(side, make, loss_fn, batches, steps, time_limit)
         torch._dynamo.reset()  # (no side reuses another's compiled graphs)
         r = rows[side]
         r["loss_difference"] = max(abs(a - b) for a, b in zip(r["losses"], rows[sides[0]]["losses"]))
         log(f"{model:9} {side:18} step {1000 * r['step_seconds']:9.1f} ms  peak {r['peak_bytes'] / 2 ** 20:8.1f} MiB"
             f"  loss diff {r['loss_difference']:.2e}  setup+2 steps {r['setup_and_first_steps_seconds']:6.1f} s")
+    return rows
+
+
+def largest(model: str, make, loss_fn, cap_bytes: int, seq: int, vocab: int, steps: int, time_limit: float,
+            sides=SIDES, upto: int = 16, log=print) -> Dict[str, Any]:
+    """Each side's largest batch (at most `upto`) whose measured peak is
+    within `cap_bytes`, and its tokens per second: batches doubled from 1
+    until one does not fit, then the gap bisected, each batch run afresh
+    (a new model, side and compile) as in :func:`measure`."""
+    rows: Dict[str, Dict[str, Any]] = {}
+    for side in sides:
+        tried: Dict[int, Dict[str, Any]] = {}
+
+        def fits(b: int) -> bool:
+            g = torch.Generator().manual_seed(1)
+            batches = [torch.randint(0, vocab, (b, seq), generator=g) for _ in range(3)]
+            tried[b] = run_side(side, make, loss_fn, batches, steps, time_limit)
+            torch._dynamo.reset()
+            return tried[b]["peak_bytes"] <= cap_bytes
+        good, b = 0, 1
+        while b <= upto and fits(b):
+            good, b = b, b * 2
+        bad = b
+        while good and bad <= upto and bad - good > 1:
+            mid = (good + bad) // 2
+            if fits(mid):
+                good = mid
+            else:
+                bad = mid
+        row: Dict[str, Any] = {"largest_batch": good, "peaks_by_batch": {k: r["peak_bytes"] for k, r in tried.items()}}
+        if good:
+            r = tried[good]
+            row.update(peak_bytes=r["peak_bytes"], step_seconds=r["step_seconds"],
+                       tokens_per_second=good * seq / r["step_seconds"])
+        rows[side] = row
+        log(f"{model:9} {side:26} within {cap_bytes / 2 ** 20:g} MiB: batch {good:3}" + (
+            f"  peak {row['peak_bytes'] / 2 ** 20:8.1f} MiB  {row['tokens_per_second']:8.1f} tokens/s" if good else ""))
     return rows
 
 
@@ -154,6 +196,8 @@ def main(argv=None) -> None:
     ap.add_argument("--bf16", action="store_true", help="the forward under bf16 autocast (f32 parameters)")
     ap.add_argument("--budget", type=float, help="also torch.compile with this activation_memory_budget")
     ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--cap", type=float, help="instead: each side's largest batch within CAP MiB, and its tokens/s")
+    ap.add_argument("--upto", type=int, default=16, help="the largest batch --cap tries")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     sides = tuple(a.sides.split(","))
@@ -163,7 +207,11 @@ def main(argv=None) -> None:
     loss_fn = lm_loss_bf16 if a.bf16 else lm_loss
     out: Dict[str, Any] = {"spec": vars(a), "torch": torch.__version__, "threads": torch.get_num_threads()}
     for name in a.models.split(","):
-        out[name] = measure(name, makers[name], loss_fn, a.batch, a.seq, a.vocab, a.steps, a.time_limit, sides)
+        if a.cap is not None:
+            out[name] = largest(name, makers[name], loss_fn, int(a.cap * 2 ** 20), a.seq, a.vocab, a.steps,
+                                a.time_limit, sides, a.upto)
+        else:
+            out[name] = measure(name, makers[name], loss_fn, a.batch, a.seq, a.vocab, a.steps, a.time_limit, sides)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

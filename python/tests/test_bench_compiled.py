@@ -39,6 +39,25 @@ class CompiledSides(unittest.TestCase):
         self.assertLessEqual(fused["fused_max_live_bytes"], fused["max_live_bytes"])
         self.assertLessEqual(r["memplan"]["lower_bound_bytes"], r["memplan"]["max_live_bytes"])
 
+    def test_the_largest_batch_within_a_cap(self):
+        """--cap: each side's largest batch whose measured peak is within
+        the cap (the next batch's is not), with its tokens per second."""
+        cap = 2.5 * 2 ** 20
+        with tempfile.TemporaryDirectory() as d:
+            out = pathlib.Path(d) / "out.json"
+            bench_compiled.main(["--models", "hf-llama", "--llama-layers", "2", "--hidden", "64", "--vocab", "256",
+                                 "--seq", "32", "--steps", "2", "--time-limit", "2", "--sides", "eager,memplan",
+                                 "--cap", "2.5", "--upto", "8", "--json", str(out)])
+            r = json.loads(out.read_text())["hf-llama"]
+        for side, row in r.items():
+            b = row["largest_batch"]
+            peaks = {int(k): v for k, v in row["peaks_by_batch"].items()}
+            self.assertTrue(0 < b < 8, (side, row))
+            self.assertLessEqual(peaks[b], cap, side)
+            self.assertGreater(peaks[b + 1], cap, side)  # (the search ends between a fit and a miss)
+            self.assertEqual(row["peak_bytes"], peaks[b])
+            self.assertAlmostEqual(row["tokens_per_second"], b * 32 / row["step_seconds"])
+
 
 if __name__ == "__main__":
     unittest.main()
