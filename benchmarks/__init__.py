@@ -23,3 +23,22 @@ def child_env(env=None):
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     return env
+
+
+def largest_batch(fits, upto: int) -> int:
+    """The largest batch ``b <= upto`` with ``fits(b)``, assuming that a
+    batch that does not fit has no larger one that does: batches doubled
+    from 1 until one does not fit (or passes `upto`), then the gap bisected.
+    0 when batch 1 does not fit."""
+    good, b = 0, 1
+    while b <= upto and fits(b):
+        good, b = b, b * 2
+    if good and b <= upto:
+        bad = b
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if fits(mid):
+                good = mid
+            else:
+                bad = mid
+    return good

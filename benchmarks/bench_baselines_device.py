@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
-from . import child_env
+from . import child_env, largest_batch
 
 EXPANDABLE = "expandable_segments:True"
 MEMPLAN_SIDES = ("memplan", "memplan-fit-0.1%", "memplan-fit@eager-selective-ac", "memplan-fit@eager-full-ac",
@@ -170,18 +170,7 @@ def _largest_eager(spec, make, device, vocab) -> Dict[str, Any]:
         _release(model)  # (after the except clause, whose traceback held the failed step's frames)
         return False
 
-    good, bad = 0, None
-    b = 1
-    while b <= upto and fits(b):
-        good, b = b, b * 2
-    if good and b <= upto:
-        bad = b
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            if fits(mid):
-                good = mid
-            else:
-                bad = mid
+    good = largest_batch(fits, upto)
     out: Dict[str, Any] = {"largest_batch": good}
     if good:
         _release(model)
@@ -231,18 +220,7 @@ def _largest_memplan(spec, make, device, vocab) -> Dict[str, Any]:
     def outside(b: int) -> int:
         return seen[1] + growth * (b - 1)
 
-    good, bad = 0, None
-    b = 1
-    while b <= upto and planned(b) + outside(b) <= cap:
-        good, b = b, b * 2
-    if good and b <= upto:
-        bad = b
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            if planned(mid) + outside(mid) <= cap:
-                good = mid
-            else:
-                bad = mid
+    good = largest_batch(lambda b: planned(b) + outside(b) <= cap, upto)
     out: Dict[str, Any] = {"planned_batch": good, "outside_arena_bytes": seen[1],
                            "outside_arena_growth_per_sample": growth, "planned_arena_bytes": plans.get(good),
                            "planned_arena_by_batch": dict(sorted(plans.items())), "out_of_memory": notes}

@@ -25,7 +25,8 @@ The sides:
   step memplan finds for at most 0.1% more FLOPs
   (``capture(..., max_added=0.001)``), with each kind of kernels.
 
-Every side's losses are compared with eager's. A peak is the bytes of the
+Every side's losses are compared with the first side's (eager's, by
+default). A peak is the bytes of the
 tensors held across steps (parameters, buffers, the optimizer's state, the
 batch) plus the highest running sum of the allocator's events during the
 step (:func:`memplan.torch._run.allocator_peak`), so compiled kernels' own
@@ -46,6 +47,8 @@ import torch
 from memplan.torch import capture
 from memplan.torch._run import allocator_peak
 from memplan.torch.export.workloads import hf_gpt2, hf_llama, lm_loss, lm_loss_bf16
+
+from . import largest_batch
 
 SIDES = ("eager", "compile", "memplan", "memplan-inductor", "memplan-fit-0.1%", "memplan-fit-0.1%-inductor")
 
@@ -70,7 +73,8 @@ def _adamw(params):
 
 
 def _side(side: str, model, loss_fn, batch, time_limit: float):
-    """(step function returning the loss, optimizer, extra figures)."""
+    """(step function returning the loss, optimizer, extra figures,
+    memplan's step object or None)."""
     opt = _adamw(model.parameters())
     extra: Dict[str, Any] = {}
     if side == "eager" or side.startswith("compile"):
@@ -86,7 +90,7 @@ def _side(side: str, model, loss_fn, batch, time_limit: float):
             update()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
-        return step, opt, extra
+        return step, opt, extra, None
     kernels = "inductor" if side.endswith("-inductor") else "eager"
     s = capture(model, opt, batch, loss_fn, time_limit=time_limit, kernels=kernels)
     if side.startswith("memplan-fit-0.1%"):
@@ -95,7 +99,7 @@ def _side(side: str, model, loss_fn, batch, time_limit: float):
     st = s.plan["stats"]
     extra.update(max_live_bytes=st["max_live_bytes"], lower_bound_bytes=st["lower_bound_bytes"],
                  capture_seconds=s.stats["capture_seconds"])
-    return (lambda b: s(b)), opt, extra | {"_step": s}
+    return (lambda b: s(b)), opt, extra, s
 
 
 def run_side(side: str, make, loss_fn, batches, steps: int, time_limit: float) -> Dict[str, Any]:
@@ -110,7 +114,7 @@ def run_side(side: str, make, loss_fn, batches, steps: int, time_limit: float) -
 def _run_side(side: str, make, loss_fn, batches, steps: int, time_limit: float) -> Dict[str, Any]:
     model = make()
     t0 = time.perf_counter()
-    step, opt, extra = _side(side, model, loss_fn, batches[0], time_limit)
+    step, opt, extra, s = _side(side, model, loss_fn, batches[0], time_limit)
     losses = [float(step(batches[0])), float(step(batches[1]))]
     first = time.perf_counter() - t0  # setup, capture and plan, compiles, two steps
     times: List[float] = []
@@ -121,7 +125,6 @@ def _run_side(side: str, make, loss_fn, batches, steps: int, time_limit: float) 
     resident = (list(model.parameters()) + list(model.buffers()) + list(batches)
                 + [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
     peak = allocator_peak(lambda: step(batches[0]), resident)
-    s = extra.pop("_step", None)
     if s is not None and "inductor" in s.stats:
         ind = s.stats["inductor"]
         extra.update(regions=ind["regions"], compiled_regions=ind["compiled_regions"],
@@ -161,16 +164,7 @@ def largest(model: str, make, loss_fn, cap_bytes: int, seq: int, vocab: int, ste
             tried[b] = run_side(side, make, loss_fn, batches, steps, time_limit)
             torch._dynamo.reset()
             return tried[b]["peak_bytes"] <= cap_bytes
-        good, b = 0, 1
-        while b <= upto and fits(b):
-            good, b = b, b * 2
-        bad = b
-        while good and bad <= upto and bad - good > 1:
-            mid = (good + bad) // 2
-            if fits(mid):
-                good = mid
-            else:
-                bad = mid
+        good = largest_batch(fits, upto)
         row: Dict[str, Any] = {"largest_batch": good, "peaks_by_batch": {k: r["peak_bytes"] for k, r in tried.items()}}
         if good:
             r = tried[good]
