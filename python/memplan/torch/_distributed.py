@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -67,9 +68,16 @@ def _dist():
 
 
 def _holders(bufs: List[torch.Tensor]) -> List[int]:
-    """How many hold each tensor, then how many hold each one's storage."""
+    """How many hold each tensor, then how many hold each one's storage,
+    then how many Python references each tensor's object has. The last
+    matter because a C++ holder (gloo's worker thread) also holds the
+    tensor's Python object: when its count falls from two to one, PyTorch
+    drops that Python reference, which needs the GIL, so the C++ counts
+    are back while the object (and its bytes) is still held until the
+    worker gets the GIL (up to Python's switch interval, 5 ms, later)."""
     return ([b._use_count() for b in bufs]
-            + [torch._C._storage_Use_Count(b.untyped_storage()._cdata) for b in bufs])
+            + [torch._C._storage_Use_Count(b.untyped_storage()._cdata) for b in bufs]
+            + [sys.getrefcount(b) for b in bufs])
 
 
 class Collective:
@@ -139,7 +147,9 @@ class Collective:
                 # outlived its place in the plan by a few hundred bytes, so
                 # the wait allows 10 s (it ends as soon as they are let go).
                 # It counts the holders of each tensor and of its storage
-                # (a holder may keep another tensor over the same bytes).
+                # (a holder may keep another tensor over the same bytes),
+                # and the Python references to each tensor (see _holders).
+                # The sleep lets go of the GIL, which the worker may need.
                 deadline = time.monotonic() + 10.0
                 while any(now > then for now, then in zip(_holders(bufs), held)) and time.monotonic() < deadline:
                     time.sleep(1e-5)
