@@ -134,6 +134,12 @@ fn draw<DB: DrawingBackend>(
         entries.push((Key::Dashed, b));
     }
     entries.push((Key::Line(OVERLAY), "program order's total".into()));
+    if memplan.host_peak > 0 || program.host_peak > 0 {
+        entries.push((
+            Key::Line(HOST),
+            "host pool (offloaded copies; not in the device curves)".into(),
+        ));
+    }
     let entries = legend_layout(entries, opts.width as i32);
     let legend_h = entries.last().map_or(0, |e| e.2.1) + 28;
     let (legend, rest) = rest.split_vertically(legend_h);
@@ -142,7 +148,17 @@ fn draw<DB: DrawingBackend>(
     let curves_h = ((h - 40 - legend_h) as f64 * 0.52) as i32;
     let (curves, layout) = rest.split_vertically(curves_h);
     let (left, right) = curves.split_horizontally(opts.width as i32 / 2);
-    let top = program.peak.max(memplan.peak).max(bound).max(1) as f64;
+    let top = program
+        .peak
+        .max(memplan.peak)
+        .max(bound)
+        .max(program.host_peak)
+        .max(memplan.host_peak)
+        .max(1) as f64;
+    let host = |tl: &Timeline| match tl.host_peak {
+        0 => String::new(),
+        b => format!(", host {}", human(b)),
+    };
     let unit = byte_unit(top);
     // Axes run in the unit (GiB, ...) so their ticks fall on round values.
     let ymax = top * 1.1 / unit.1;
@@ -155,7 +171,11 @@ fn draw<DB: DrawingBackend>(
         ymax,
         unit,
         bound,
-        &format!("program order, no reuse: peak {}", human(program.peak)),
+        &format!(
+            "program order, no reuse: peak {}{}",
+            human(program.peak),
+            host(&program)
+        ),
     )?;
     draw_curve(
         &right,
@@ -166,9 +186,10 @@ fn draw<DB: DrawingBackend>(
         unit,
         bound,
         &format!(
-            "memplan order: peak {} ({:+.1}%)",
+            "memplan order: peak {} ({:+.1}%){}",
             human(memplan.peak),
-            -100.0 * saving
+            -100.0 * saving,
+            host(&memplan)
         ),
     )?;
     draw_layout(&layout, g, plan, &memplan)?;
@@ -247,6 +268,8 @@ fn buckets(total: &[u64], max_buckets: usize) -> Vec<(usize, usize, usize)> {
 
 /// The colour of the program order's total drawn over memplan's curve.
 const OVERLAY: RGBColor = RGBColor(0x20, 0x20, 0x20);
+/// The host pool's line.
+const HOST: RGBColor = RGBColor(0x00, 0x7a, 0x87);
 
 /// One stacked live-bytes panel; `overlay`'s total is drawn as a line.
 /// The outline of a step function: `values[k]` over bucket `k`, scaled,
@@ -324,6 +347,13 @@ fn draw_curve<DB: DrawingBackend>(
         let values: Vec<u64> = ob.iter().map(|&(_, _, s)| o.total[s]).collect();
         let pts = steps(&ob, &values, scale);
         chart.draw_series(LineSeries::new(pts, OVERLAY.stroke_width(1)))?;
+    }
+    // The host pool of a step with offload, as a line over the device's areas.
+    if tl.host_peak > 0 {
+        let hb = buckets(&tl.host, px);
+        let values: Vec<u64> = hb.iter().map(|&(_, _, s)| tl.host[s]).collect();
+        let pts = steps(&hb, &values, scale);
+        chart.draw_series(LineSeries::new(pts, HOST.stroke_width(2)))?;
     }
     // The peak, marked where it happens.
     let ps = tl.peak_step() as f64 + 0.5;

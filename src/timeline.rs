@@ -47,6 +47,14 @@ pub struct Timeline {
     pub total: Vec<u64>,
     /// Maximum of `total`.
     pub peak: u64,
+    /// Live interval of every host tensor that owns bytes (offloaded
+    /// copies, [`crate::graph::Space::Host`]; `None` for the others),
+    /// indexed by [`TensorId`]. Host bytes are in none of the curves above.
+    pub host_intervals: Vec<Option<Interval>>,
+    /// Live bytes of the host pool at every step.
+    pub host: Vec<u64>,
+    /// Maximum of `host` (0 for a step without offload).
+    pub host_peak: u64,
 }
 
 impl Timeline {
@@ -60,12 +68,11 @@ impl Timeline {
         }
         let last_step = n.saturating_sub(1);
         let mut intervals = vec![None; g.num_tensors()];
+        let mut host_intervals = vec![None; g.num_tensors()];
         // Difference arrays: +size at birth, -size after death.
         let mut delta: Vec<Vec<i128>> = vec![vec![0; n + 1]; Role::ALL.len()];
-        for t in g.tensor_ids() {
-            if !g.occupies_memory(t) {
-                continue;
-            }
+        let mut host_delta: Vec<i128> = vec![0; n + 1];
+        let live = |t: TensorId| {
             let x = g.tensor(t);
             let first = x.producer.map_or(0, |p| step[p.index()]);
             let last = if x.lifetime == Lifetime::Persistent {
@@ -78,6 +85,23 @@ impl Timeline {
                     .unwrap_or(first)
                     .max(first)
             };
+            Interval { first, last }
+        };
+        for t in g.tensor_ids() {
+            let x = g.tensor(t);
+            if g.on_host(t) && x.view_of.is_none() && x.size > 0 {
+                let iv = live(t);
+                host_intervals[t.index()] = Some(iv);
+                if n > 0 {
+                    host_delta[iv.first] += x.size as i128;
+                    host_delta[iv.last + 1] -= x.size as i128;
+                }
+                continue;
+            }
+            if !g.occupies_memory(t) {
+                continue;
+            }
+            let Interval { first, last } = live(t);
             intervals[t.index()] = Some(Interval { first, last });
             if n > 0 {
                 let d = &mut delta[role_index(x.role)];
@@ -108,12 +132,24 @@ impl Timeline {
         });
         let total: Vec<u64> = (0..n).map(|i| by_role.iter().map(|c| c[i]).sum()).collect();
         let peak = total.iter().copied().max().unwrap_or(0);
+        let mut acc = 0i128;
+        let host: Vec<u64> = host_delta[..n]
+            .iter()
+            .map(|d| {
+                acc += d;
+                acc.max(0) as u64
+            })
+            .collect();
+        let host_peak = host.iter().copied().max().unwrap_or(0);
         Timeline {
             steps: n,
             intervals,
             by_role,
             total,
             peak,
+            host_intervals,
+            host,
+            host_peak,
         }
     }
 

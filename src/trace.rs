@@ -17,10 +17,16 @@
 //!    events on a row never overlap.
 //!
 //! An instant event marks the peak step.
+//!
+//! A step with offload (copies to and from host memory, docs/offload.md)
+//! puts its copies on two more rows of **ops**, one per copy stream
+//! ("copies to host", "copies to device"), adds a `host live bytes`
+//! counter, and lists its host tensors in **tensors** below the device
+//! ones, on rows named `host: <role>`.
 
 use serde_json::{Value, json};
 
-use crate::graph::{Graph, Role};
+use crate::graph::{COPY_TO_DEVICE, COPY_TO_HOST, Graph, Role};
 use crate::plan::Plan;
 use crate::timeline::{STACK_ORDER, human, role_label};
 use crate::timeline::{Timeline, role_index};
@@ -55,12 +61,24 @@ fn sort_index(pid: u64, tid: Option<u64>, index: u64) -> Value {
 /// flat counter when it is above zero.
 pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
     let tl = Timeline::of_plan(g, plan);
+    let copies = g.ops().iter().any(|o| stream(&o.op_type) > 0);
     let mut ev: Vec<Value> = vec![
         meta(PID_OPS, None, "process_name", "ops (memplan order)"),
-        meta(PID_OPS, Some(0), "thread_name", "ops"),
+        meta(
+            PID_OPS,
+            Some(0),
+            "thread_name",
+            if copies { "compute" } else { "ops" },
+        ),
         meta(PID_MEMORY, None, "process_name", "memory"),
         meta(PID_TENSORS, None, "process_name", "tensors (by role)"),
     ];
+    if copies {
+        for (tid, name) in [(1, "copies to host"), (2, "copies to device")] {
+            ev.push(meta(PID_OPS, Some(tid), "thread_name", name));
+            ev.push(sort_index(PID_OPS, Some(tid), tid));
+        }
+    }
     for (i, pid) in [PID_OPS, PID_MEMORY, PID_TENSORS].into_iter().enumerate() {
         ev.push(sort_index(pid, None, i as u64));
     }
@@ -77,6 +95,7 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
             "time_unit": "1 ms = 1 step of the plan's order",
             "arena_bytes": plan.arena_bytes,
             "max_live_bytes": tl.peak,
+            "host_max_live_bytes": tl.host_peak,
             "lower_bound_bytes": lower_bound,
             "order_source": plan.stats.order_source,
             "layout_source": plan.stats.layout_source,
@@ -84,12 +103,23 @@ pub fn trace(g: &Graph, plan: &Plan, lower_bound: u64) -> Value {
     })
 }
 
-/// Ops (process 1): one complete event per op, in the plan's order.
+/// The row (thread) of an op of this type in **ops**: 0 for compute, 1
+/// and 2 for the copy streams to and from host memory.
+fn stream(op_type: &str) -> u64 {
+    match op_type {
+        COPY_TO_HOST => 1,
+        COPY_TO_DEVICE => 2,
+        _ => 0,
+    }
+}
+
+/// Ops (process 1): one complete event per op, in the plan's order, on
+/// its stream's row.
 fn op_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     for (i, &o) in plan.order.iter().enumerate() {
         let op = g.op(o);
         ev.push(json!({
-            "ph": "X", "pid": PID_OPS, "tid": 0,
+            "ph": "X", "pid": PID_OPS, "tid": stream(&op.op_type),
             "ts": i as u64 * STEP_US, "dur": STEP_US,
             "name": op.name, "cat": op.kind.as_str(),
             "args": {
@@ -132,6 +162,16 @@ fn counter_events(ev: &mut Vec<Value>, plan: &Plan, tl: &Timeline, lower_bound: 
         ev.push(json!({"ph": "C", "pid": PID_MEMORY, "tid": 0, "ts": ts, "name": "live bytes", "args": by_role}));
         ev.push(json!({"ph": "C", "pid": PID_MEMORY, "tid": 0, "ts": ts, "name": "total live bytes", "args": {"bytes": tl.total[i]}}));
     }
+    if tl.host_peak > 0 {
+        for i in 0..tl.steps {
+            if i == 0 || tl.host[i] != tl.host[i - 1] {
+                ev.push(
+                    json!({"ph": "C", "pid": PID_MEMORY, "tid": 0, "ts": i as u64 * STEP_US,
+                               "name": "host live bytes", "args": {"bytes": tl.host[i]}}),
+                );
+            }
+        }
+    }
     let mut flat = vec![("arena bytes", plan.arena_bytes)];
     if lower_bound > 0 {
         flat.push(("lower bound bytes", lower_bound));
@@ -154,11 +194,31 @@ fn counter_events(ev: &mut Vec<Value>, plan: &Plan, tl: &Timeline, lower_bound: 
 /// death are reused first), so a row's events never overlap.
 fn tensor_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
     let mut next_tid = 0u64;
-    for (ri, &role) in STACK_ORDER.iter().enumerate() {
+    let pools = [(false, &tl.intervals), (true, &tl.host_intervals)];
+    for (pool, (host, intervals)) in pools.into_iter().enumerate() {
+        for (ri, &role) in STACK_ORDER.iter().enumerate() {
+            let sort = (pool * STACK_ORDER.len() + ri) as u64;
+            next_tid = role_rows(ev, g, plan, (host, intervals), role, sort, next_tid);
+        }
+    }
+}
+
+/// The rows of one role's tensors in one pool (device, or host with
+/// `host`), from row `next_tid` on; returns the next free row.
+fn role_rows(
+    ev: &mut Vec<Value>,
+    g: &Graph,
+    plan: &Plan,
+    (host, intervals): (bool, &[Option<crate::timeline::Interval>]),
+    role: Role,
+    sort: u64,
+    mut next_tid: u64,
+) -> u64 {
+    {
         let mut ts: Vec<_> = g
             .tensor_ids()
             .filter(|&t| g.tensor(t).role == role)
-            .filter_map(|t| tl.intervals[t.index()].map(|iv| (iv, t)))
+            .filter_map(|t| intervals[t.index()].map(|iv| (iv, t)))
             .collect();
         ts.sort_by_key(|&(iv, t)| (iv.first, iv.last, t));
         // Rows: the step after which each row is free again.
@@ -182,7 +242,9 @@ fn tensor_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
                 "args": {
                     "bytes": x.size,
                     "size": human(x.size),
-                    "offset": plan.offsets[t.index()],
+                    // Host tensors have no place in the arena.
+                    "offset": if host { Value::Null } else { json!(plan.offsets[t.index()]) },
+                    "memory": if host { "host" } else { "device" },
                     "role": role.as_str(),
                     "first_step": iv.first,
                     "last_step": iv.last,
@@ -191,20 +253,18 @@ fn tensor_events(ev: &mut Vec<Value>, g: &Graph, plan: &Plan, tl: &Timeline) {
         }
         for r in 0..rows.len() as u64 {
             let tid = first_tid + r;
+            let pool = if host { "host: " } else { "" };
             ev.push(meta(
                 PID_TENSORS,
                 Some(tid),
                 "thread_name",
-                &format!("{} {}", role_label(role), r + 1),
+                &format!("{pool}{} {}", role_label(role), r + 1),
             ));
-            ev.push(sort_index(
-                PID_TENSORS,
-                Some(tid),
-                ri as u64 * 1_000_000 + r,
-            ));
+            ev.push(sort_index(PID_TENSORS, Some(tid), sort * 1_000_000 + r));
         }
         next_tid += rows.len() as u64;
     }
+    next_tid
 }
 
 /// Checks that `v` is a well-formed Trace Event Format JSON object: a

@@ -353,3 +353,90 @@ fn updated_values_leave_after_their_last_write_and_come_back_current() {
         "{names:?}"
     );
 }
+
+/// `memplan plot` and `trace` of a step with offload: the timeline's host
+/// pool is the plan's (the checker's host max live, the offload's host
+/// bytes) and stays out of the device curves; the trace puts each copy on
+/// its stream's row and the host tensors on rows of their own; the
+/// picture draws the host pool.
+#[test]
+fn pictures_and_traces_show_both_pools_and_the_copy_streams() {
+    use crate::timeline::Timeline;
+    use serde_json::Value;
+    let g = example("gpt2-tiny");
+    let base = base_plan(&g);
+    let bound = bound::at_any_time(&g).bytes;
+    let b = bound + (base.arena_bytes - bound) / 2;
+    let r = offload(&g, &base, &opts(Target::Budget(b))).unwrap();
+    let tl = Timeline::of_plan(&r.graph, &r.plan);
+    assert!(r.host_bytes > 0);
+    assert_eq!(tl.host_peak, r.host_bytes);
+    assert_eq!(tl.host_peak, r.check.host_max_live_bytes);
+    assert_eq!(tl.peak, r.plan.stats.max_live_bytes, "host bytes stay out");
+    let host_tensors: Vec<_> = r
+        .graph
+        .tensor_ids()
+        .filter(|&t| r.graph.on_host(t))
+        .collect();
+    assert!(
+        host_tensors
+            .iter()
+            .all(|t| tl.host_intervals[t.index()].is_some() && tl.intervals[t.index()].is_none())
+    );
+
+    let v = crate::trace::trace(&r.graph, &r.plan, r.plan.stats.lower_bound_bytes);
+    crate::trace::validate(&v).unwrap();
+    let ev = v["traceEvents"].as_array().unwrap();
+    let row_of = |ty: &str| -> Vec<u64> {
+        ev.iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == 1 && e["args"]["type"] == ty)
+            .map(|e| e["tid"].as_u64().unwrap())
+            .collect()
+    };
+    let (to_host, to_device) = (row_of(COPY_TO_HOST), row_of(COPY_TO_DEVICE));
+    let count = |ty: &str| r.graph.ops().iter().filter(|o| o.op_type == ty).count();
+    assert_eq!(to_host.len(), count(COPY_TO_HOST));
+    assert_eq!(to_device.len(), count(COPY_TO_DEVICE));
+    assert_eq!(to_host.len() + to_device.len(), r.copies);
+    assert!(to_host.iter().all(|&t| t == 1) && to_device.iter().all(|&t| t == 2));
+    let names: Vec<&str> = ev
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name" && e["pid"] == 1)
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["compute", "copies to host", "copies to device"]);
+    let host_peak = ev
+        .iter()
+        .filter(|e| e["name"] == "host live bytes")
+        .map(|e| e["args"]["bytes"].as_u64().unwrap())
+        .max();
+    assert_eq!(host_peak, Some(r.host_bytes));
+    let host_rows = ev
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == 3 && e["args"]["memory"] == "host")
+        .count();
+    assert_eq!(host_rows, host_tensors.len());
+    assert!(
+        ev.iter().any(|e| e["name"] == "thread_name"
+            && e["args"]["name"].as_str().unwrap().starts_with("host: "))
+    );
+    assert_eq!(
+        v["otherData"]["host_max_live_bytes"],
+        Value::from(r.host_bytes)
+    );
+
+    let svg = crate::plot::svg(&r.graph, &r.plan, &Default::default()).unwrap();
+    assert!(svg.contains("host pool"));
+    assert!(svg.contains(&format!(", host {}", crate::timeline::human(r.host_bytes))));
+    // A step without offload draws and traces no host pool.
+    let plain = crate::plot::svg(&g, &base, &Default::default()).unwrap();
+    assert!(!plain.contains("host pool"));
+    let t = crate::trace::trace(&g, &base, 0);
+    assert!(
+        !t["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "host live bytes")
+    );
+}
