@@ -120,26 +120,10 @@ impl Timeline {
                 d[o.first + 1] += shared;
             }
         }
-        let by_role: [Vec<u64>; Role::ALL.len()] = std::array::from_fn(|r| {
-            let mut acc = 0i128;
-            delta[r][..n]
-                .iter()
-                .map(|d| {
-                    acc += d;
-                    acc.max(0) as u64
-                })
-                .collect()
-        });
+        let by_role: [Vec<u64>; Role::ALL.len()] = std::array::from_fn(|r| running(&delta[r][..n]));
         let total: Vec<u64> = (0..n).map(|i| by_role.iter().map(|c| c[i]).sum()).collect();
         let peak = total.iter().copied().max().unwrap_or(0);
-        let mut acc = 0i128;
-        let host: Vec<u64> = host_delta[..n]
-            .iter()
-            .map(|d| {
-                acc += d;
-                acc.max(0) as u64
-            })
-            .collect();
+        let host = running(&host_delta[..n]);
         let host_peak = host.iter().copied().max().unwrap_or(0);
         Timeline {
             steps: n,
@@ -182,6 +166,18 @@ impl Timeline {
             .filter(|&r| self.role(r).iter().any(|&b| b > 0))
             .collect()
     }
+}
+
+/// The running sums of a difference array: the live bytes at each step.
+fn running(delta: &[i128]) -> Vec<u64> {
+    let mut acc = 0i128;
+    delta
+        .iter()
+        .map(|d| {
+            acc += d;
+            acc.max(0) as u64
+        })
+        .collect()
 }
 
 /// The order roles are stacked in, bottom to top: what lives all step long

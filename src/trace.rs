@@ -214,56 +214,54 @@ fn role_rows(
     sort: u64,
     mut next_tid: u64,
 ) -> u64 {
-    {
-        let mut ts: Vec<_> = g
-            .tensor_ids()
-            .filter(|&t| g.tensor(t).role == role)
-            .filter_map(|t| intervals[t.index()].map(|iv| (iv, t)))
-            .collect();
-        ts.sort_by_key(|&(iv, t)| (iv.first, iv.last, t));
-        // Rows: the step after which each row is free again.
-        let mut rows: Vec<usize> = Vec::new();
-        let first_tid = next_tid;
-        for (iv, t) in ts {
-            let row = match rows.iter().position(|&free| free <= iv.first) {
-                Some(r) => r,
-                None => {
-                    rows.push(0);
-                    rows.len() - 1
-                }
-            };
-            rows[row] = iv.last + 1;
-            let x = g.tensor(t);
-            ev.push(json!({
-                "ph": "X", "pid": PID_TENSORS, "tid": first_tid + row as u64,
-                "ts": iv.first as u64 * STEP_US,
-                "dur": (iv.last - iv.first + 1) as u64 * STEP_US,
-                "name": x.name, "cat": role.as_str(),
-                "args": {
-                    "bytes": x.size,
-                    "size": human(x.size),
-                    // Host tensors have no place in the arena.
-                    "offset": if host { Value::Null } else { json!(plan.offsets[t.index()]) },
-                    "memory": if host { "host" } else { "device" },
-                    "role": role.as_str(),
-                    "first_step": iv.first,
-                    "last_step": iv.last,
-                },
-            }));
-        }
-        for r in 0..rows.len() as u64 {
-            let tid = first_tid + r;
-            let pool = if host { "host: " } else { "" };
-            ev.push(meta(
-                PID_TENSORS,
-                Some(tid),
-                "thread_name",
-                &format!("{pool}{} {}", role_label(role), r + 1),
-            ));
-            ev.push(sort_index(PID_TENSORS, Some(tid), sort * 1_000_000 + r));
-        }
-        next_tid += rows.len() as u64;
+    let mut ts: Vec<_> = g
+        .tensor_ids()
+        .filter(|&t| g.tensor(t).role == role)
+        .filter_map(|t| intervals[t.index()].map(|iv| (iv, t)))
+        .collect();
+    ts.sort_by_key(|&(iv, t)| (iv.first, iv.last, t));
+    // Rows: the step after which each row is free again.
+    let mut rows: Vec<usize> = Vec::new();
+    let first_tid = next_tid;
+    for (iv, t) in ts {
+        let row = match rows.iter().position(|&free| free <= iv.first) {
+            Some(r) => r,
+            None => {
+                rows.push(0);
+                rows.len() - 1
+            }
+        };
+        rows[row] = iv.last + 1;
+        let x = g.tensor(t);
+        ev.push(json!({
+            "ph": "X", "pid": PID_TENSORS, "tid": first_tid + row as u64,
+            "ts": iv.first as u64 * STEP_US,
+            "dur": (iv.last - iv.first + 1) as u64 * STEP_US,
+            "name": x.name, "cat": role.as_str(),
+            "args": {
+                "bytes": x.size,
+                "size": human(x.size),
+                // Host tensors have no place in the arena.
+                "offset": if host { Value::Null } else { json!(plan.offsets[t.index()]) },
+                "memory": if host { "host" } else { "device" },
+                "role": role.as_str(),
+                "first_step": iv.first,
+                "last_step": iv.last,
+            },
+        }));
     }
+    for r in 0..rows.len() as u64 {
+        let tid = first_tid + r;
+        let pool = if host { "host: " } else { "" };
+        ev.push(meta(
+            PID_TENSORS,
+            Some(tid),
+            "thread_name",
+            &format!("{pool}{} {}", role_label(role), r + 1),
+        ));
+        ev.push(sort_index(PID_TENSORS, Some(tid), sort * 1_000_000 + r));
+    }
+    next_tid += rows.len() as u64;
     next_tid
 }
 
